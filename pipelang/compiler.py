@@ -1,0 +1,118 @@
+"""The pass pipeline: source text in, a checked Program with comms and sync out.
+
+Every pass is a pure function from one `Compilation` to the next, in a module of its own
+under `pipelang/passes/`, and they run in the order of `PASSES`. The first two passes
+work on the AST (binding parameters, expanding the orders into per-rank ops); from
+`build-dag` on, every pass reads and writes the IR `Program`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipelang.diagnostics import PipelangError
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+    from pipelang import ast
+    from pipelang.ir import Program
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the command line can change about a compilation."""
+
+    params: Mapping[str, str] = field(default_factory=dict)
+    max_activations: int | None = None
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """Everything known about one schedule so far; each pass fills in one more field."""
+
+    file: ast.File
+    options: Options
+    params: Mapping[str, int | bool] | None = None
+    program: Program | None = None
+    dag: nx.DiGraph | None = None
+
+    def need_program(self) -> Program:
+        if self.program is None:
+            from pipelang.diagnostics import InternalError
+
+            raise InternalError("a pass ran before `expand-orders`")
+        return self.program
+
+
+Pass = Callable[[Compilation], Compilation]
+
+
+def _resolve_params(c: Compilation) -> Compilation:
+    from pipelang.passes.resolve_params import resolve_params
+
+    return dataclasses.replace(c, params=resolve_params(c.file, c.options.params))
+
+
+def _expand_orders(c: Compilation) -> Compilation:
+    from pipelang.passes.expand_orders import expand_orders
+
+    assert c.params is not None
+    return dataclasses.replace(c, program=expand_orders(c.file, c.params))
+
+
+def _build_dag(c: Compilation) -> Compilation:
+    from pipelang.passes.build_dag import build_dag
+
+    return dataclasses.replace(c, dag=build_dag(c.need_program()))
+
+
+def _validate(c: Compilation) -> Compilation:
+    from pipelang.passes.validate import validate
+
+    assert c.dag is not None
+    diagnostics = validate(c.need_program(), c.dag, c.options.max_activations)
+    if diagnostics:
+        raise PipelangError(diagnostics)
+    return c
+
+
+def _insert_comms(c: Compilation) -> Compilation:
+    from pipelang.passes.insert_comms import insert_comms
+
+    return dataclasses.replace(c, program=insert_comms(c.need_program()))
+
+
+def _insert_sync(c: Compilation) -> Compilation:
+    from pipelang.passes.insert_sync import insert_sync
+
+    return dataclasses.replace(c, program=insert_sync(c.need_program()))
+
+
+PASSES: tuple[tuple[str, Pass], ...] = (
+    ("resolve-params", _resolve_params),
+    ("expand-orders", _expand_orders),
+    ("build-dag", _build_dag),
+    ("validate", _validate),
+    ("insert-comms", _insert_comms),
+    ("insert-sync", _insert_sync),
+)
+PASS_NAMES = tuple(name for name, _ in PASSES)
+
+
+def run_passes(
+    file: ast.File, options: Options, stop_after: str | None = None
+) -> Compilation:
+    """Run the passes in order, up to and including `stop_after` (all by default).
+
+    Raises `PipelangError` with every diagnostic of the first pass that finds any.
+    """
+    c = Compilation(file, options)
+    for name, run in PASSES:
+        c = run(c)
+        if name == stop_after:
+            break
+    return c

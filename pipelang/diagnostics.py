@@ -1,0 +1,138 @@
+"""Diagnostics: user errors with a code, a source position, notes and help.
+
+Rendered rustc-style::
+
+    error[E0306]: the schedule deadlocks: 2 ops wait on each other
+      --> bad.pipe:9:22
+       |
+     9 |     order rank r { B(0) F(0) }
+       |                    ^^^^
+       = note: ...
+       = help: ...
+
+Compiler bugs are `InternalError`, never a `Diagnostic`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pipelang.source import Span
+
+
+@dataclass(frozen=True, slots=True)
+class Label:
+    """A secondary position in a diagnostic, with a short message."""
+
+    span: Span
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnostic:
+    """One problem found in user input."""
+
+    code: str
+    message: str
+    span: Span | None = None
+    labels: tuple[Label, ...] = ()
+    notes: tuple[str, ...] = ()
+    help: str | None = None
+    severity: str = "error"
+
+    def sort_key(self) -> tuple[str, int, str]:
+        if self.span is None:
+            return ("", -1, self.code)
+        return (*self.span.sort_key(), self.code)
+
+    def render(self) -> str:
+        """The human form: header, location, source excerpt with caret, notes, help."""
+        lines = [f"{self.severity}[{self.code}]: {self.message}"]
+        if self.span is not None:
+            lines.extend(_excerpt(self.span, "", primary=True))
+        for label in self.labels:
+            lines.extend(_excerpt(label.span, label.message, primary=False))
+        gutter = " " * (_gutter_width(self) + 1)
+        if self.notes or self.help:
+            lines.append(f"{gutter}|")
+        for note in self.notes:
+            first, *rest = note.split("\n")
+            lines.append(f"{gutter}= note: {first}")
+            lines.extend(f"{gutter}  {line}" for line in rest)
+        if self.help:
+            lines.append(f"{gutter}= help: {self.help}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, object]:
+        """The machine form: the same fields as `render`, for editors and tests."""
+
+        def where(span: Span) -> dict[str, object]:
+            line, col = span.source.line_col(span.start)
+            end_line, end_col = span.source.line_col(max(span.start, span.end))
+            return {
+                "file": span.source.path,
+                "line": line,
+                "column": col,
+                "end_line": end_line,
+                "end_column": end_col,
+            }
+
+        return {
+            "severity": self.severity,
+            "code": self.code,
+            "message": self.message,
+            "location": where(self.span) if self.span else None,
+            "labels": [{"message": lb.message, "location": where(lb.span)} for lb in self.labels],
+            "notes": list(self.notes),
+            "help": self.help,
+        }
+
+
+def _gutter_width(diag: Diagnostic) -> int:
+    spans = [diag.span] if diag.span else []
+    spans.extend(label.span for label in diag.labels)
+    return max((len(str(span.line)) for span in spans), default=1)
+
+
+def _excerpt(span: Span, message: str, primary: bool) -> list[str]:
+    line, col = span.source.line_col(span.start)
+    text = span.source.line_text(line).replace("\t", " ")
+    end_line, end_col = span.source.line_col(max(span.start, span.end))
+    width = (end_col - col) if end_line == line else len(text) - col + 1
+    marker = ("^" if primary else "-") * max(1, width)
+    pad = " " * len(str(line))
+    arrow = "-->" if primary else ":::"
+    suffix = f" {message}" if message else ""
+    return [
+        f"{pad}{arrow} {span.location()}",
+        f"{pad} |",
+        f"{line} | {text}",
+        f"{pad} | {' ' * (col - 1)}{marker}{suffix}",
+    ]
+
+
+@dataclass
+class PipelangError(Exception):
+    """Raised with every diagnostic a stage found; the CLI prints them all, sorted."""
+
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.diagnostics = sorted(self.diagnostics, key=Diagnostic.sort_key)
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        return "\n\n".join(d.render() for d in self.diagnostics)
+
+    def to_json(self) -> str:
+        return json.dumps({"diagnostics": [d.to_json() for d in self.diagnostics]}, indent=2)
+
+
+class InternalError(Exception):
+    """A bug in pipelang itself, not in the user's schedule."""
+
+
+def fail(code: str, message: str, span: Span | None = None, **kwargs: object) -> PipelangError:
+    """Build the error for one diagnostic; `raise fail(...)` reads as a guard clause."""
+    return PipelangError([Diagnostic(code, message, span, **kwargs)])  # type: ignore[arg-type]

@@ -1,0 +1,277 @@
+"""The IR: a `Program` is, for every rank, the ordered list of `Action`s it runs.
+
+One action type serves every stage of the compiler. Each action has a one-token text
+form that `Action.parse` reads back; IR dumps, golden files and error grids use it:
+
+    F3@1/down               forward of micro-batch 3 on stage 1 of pipeline `down`
+    send:F3@1/down>2        send what F3@1/down produced to rank 2
+    recv:F3@1/down<1        receive what F3@1/down produced from rank 1
+    signal:F2@1/down>0      tell rank 0 that F2@1/down finished (an `after` dependency)
+    wait:F2@1/down<1        wait until rank 1 says F2@1/down finished
+    allreduce@1/down        sum stage 1's gradients over every replica of stage 1
+    step                    run the optimizer on every stage copy this rank holds
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pipelang.diagnostics import InternalError
+from pipelang.source import Span
+
+
+class Kind(enum.Enum):
+    """What an action does."""
+
+    F = "F"
+    """Forward of one micro-batch through one stage. Roughly: `y = stage(x); save(x, y)`."""
+    B = "B"
+    """Backward: input gradient (and weight gradient too unless `W` is split off).
+    Roughly: `dx = grad(y, x, dy)`."""
+    W = "W"
+    """Weight gradient alone, split off `B` (zero-bubble). Roughly: `dw += grad(y, w, dy)`."""
+    R = "R"
+    """Recompute a forward whose activations were dropped. Roughly: `y = stage(x)` again."""
+    SEND = "send"
+    """Send the output of a compute op to the rank that consumes it (non-blocking)."""
+    RECV = "recv"
+    """Receive the output of a compute op from the rank that produced it (blocking)."""
+    SIGNAL = "signal"
+    """Tell another rank a compute op finished; carries no data (an `after` dependency)."""
+    WAIT = "wait"
+    """Block until another rank signals that a compute op finished."""
+    ALLREDUCE = "allreduce"
+    """Sum one stage's gradients over all its replicas (Chimera's two directions)."""
+    STEP = "step"
+    """Optimizer step on every stage copy the rank holds; ends the iteration."""
+
+    @property
+    def is_compute(self) -> bool:
+        return self in COMPUTE_KINDS
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.R})
+COMM_KINDS = frozenset({Kind.SEND, Kind.RECV, Kind.SIGNAL, Kind.WAIT})
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One thing a rank does.
+
+    Compute actions use `kind`, `mb`, `stage`, `pipeline`. Communication actions name the
+    compute op whose result they move (`of`) and the other rank (`peer`). `allreduce`
+    names a stage and pipeline; `step` names nothing.
+    """
+
+    kind: Kind
+    mb: int | None = None
+    stage: int | None = None
+    pipeline: str | None = None
+    peer: int | None = None
+    of: Kind | None = None
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def op(self) -> Action:
+        """The compute op this action is about (itself for compute actions)."""
+        if self.kind.is_compute:
+            return self
+        if self.of is None:
+            raise InternalError(f"{self} names no compute op")
+        return Action(self.of, self.mb, self.stage, self.pipeline, span=self.span)
+
+    def text(self) -> str:
+        """The one-token text form; `Action.parse(a.text()) == a`."""
+        kind = self.kind
+        if kind.is_compute:
+            return f"{kind.value}{self.mb}@{self.stage}/{self.pipeline}"
+        if kind is Kind.STEP:
+            return "step"
+        if kind is Kind.ALLREDUCE:
+            return f"allreduce@{self.stage}/{self.pipeline}"
+        arrow = ">" if kind in (Kind.SEND, Kind.SIGNAL) else "<"
+        assert self.of is not None
+        return f"{kind.value}:{self.of.value}{self.mb}@{self.stage}/{self.pipeline}{arrow}{self.peer}"
+
+    def __str__(self) -> str:
+        return self.text()
+
+    @staticmethod
+    def parse(token: str, span: Span | None = None) -> Action:
+        """Read the one-token text form back; raises ValueError on anything else."""
+        match = _TOKEN.fullmatch(token.strip())
+        if match is None:
+            raise ValueError(f"not an action: {token!r}")
+        g = match.groupdict()
+        if g["step"]:
+            return Action(Kind.STEP, span=span)
+        if g["ar_stage"] is not None:
+            return Action(Kind.ALLREDUCE, None, int(g["ar_stage"]), g["ar_pipe"], span=span)
+        op_kind, mb, stage, pipe = Kind(g["op"]), int(g["mb"]), int(g["stage"]), g["pipe"]
+        if g["comm"] is None:
+            return Action(op_kind, mb, stage, pipe, span=span)
+        comm = Kind(g["comm"])
+        wants = ">" if comm in (Kind.SEND, Kind.SIGNAL) else "<"
+        if g["arrow"] != wants:
+            raise ValueError(f"`{comm.value}` takes `{wants}`, not `{g['arrow']}`: {token!r}")
+        return Action(comm, mb, stage, pipe, int(g["peer"]), op_kind, span=span)
+
+
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_TOKEN = re.compile(
+    rf"(?P<step>step)"
+    rf"|allreduce@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
+    rf"|(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWR])(?P<mb>\d+)@(?P<stage>\d+)/(?P<pipe>{_NAME})"
+    rf"(?:(?P<arrow>[<>])(?P<peer>\d+))?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """A named placement of every stage on a rank; two or more pipelines are replicas."""
+
+    name: str
+    placement: tuple[int, ...]
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Dependency:
+    """An extra `after` edge: `later` may not start before `earlier` ends."""
+
+    earlier: Action
+    later: Action
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Time of each op kind (`F`, `B`, `W`, `R`) and of one transfer (`C`).
+
+    Entries are (kind, stage or None, time); a later entry overrides an earlier one, and a
+    per-stage entry overrides a per-kind one. Unit costs by default, transfers free.
+    """
+
+    entries: tuple[tuple[str, int | None, float], ...] = (
+        ("F", None, 1.0),
+        ("B", None, 1.0),
+        ("W", None, 1.0),
+        ("R", None, 1.0),
+        ("C", None, 0.0),
+    )
+
+    def of(self, kind: str, stage: int | None = None) -> float:
+        """The time of `kind` (`F`, `B`, `W`, `R` or `C`) on `stage`."""
+        found = 0.0
+        for name, s, value in self.entries:
+            if name == kind and s is None:
+                found = value
+        for name, s, value in self.entries:
+            if name == kind and s is not None and s == stage:
+                found = value
+        return found
+
+    def merged(self, other: CostModel | None) -> CostModel:
+        """This model with `other`'s entries taking precedence."""
+        return self if other is None else CostModel(self.entries + other.entries)
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A whole schedule after expansion: per-rank ordered actions plus what they mean.
+
+    `placement` of each pipeline maps stage -> rank; `assignment[mb]` names the pipeline
+    micro-batch `mb` travels through; `kinds` are the compute kinds every (micro-batch,
+    stage) must run exactly once.
+    """
+
+    name: str
+    source: str
+    params: tuple[tuple[str, int | bool], ...]
+    num_ranks: int
+    num_stages: int
+    pipelines: tuple[Pipeline, ...]
+    assignment: tuple[str, ...]
+    kinds: tuple[Kind, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+    after: tuple[Dependency, ...] = ()
+    costs: CostModel = CostModel()
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.assignment)
+
+    def pipeline(self, name: str) -> Pipeline:
+        for p in self.pipelines:
+            if p.name == name:
+                return p
+        raise InternalError(f"no pipeline named {name!r}")
+
+    def rank_of(self, stage: int, pipeline: str) -> int:
+        """The rank that runs `stage` of `pipeline`."""
+        return self.pipeline(pipeline).placement[stage]
+
+    def replicas(self, stage: int) -> tuple[int, ...]:
+        """Ranks holding a copy of `stage`, one entry per pipeline, in pipeline order."""
+        return tuple(p.placement[stage] for p in self.pipelines)
+
+    def stage_copies(self, rank: int) -> tuple[tuple[int, str], ...]:
+        """(stage, pipeline) copies of the weights that `rank` holds."""
+        return tuple(
+            (s, p.name) for p in self.pipelines for s, r in enumerate(p.placement) if r == rank
+        )
+
+    def compute_ops(self) -> Iterator[Action]:
+        """Every op the schedule must run, in (micro-batch, stage, kind) order."""
+        for mb, pipe in enumerate(self.assignment):
+            for stage in range(self.num_stages):
+                for kind in self.kinds:
+                    yield Action(kind, mb, stage, pipe)
+
+    def dump(self) -> str:
+        """The text dump: one line per rank, actions as tokens. `Program.parse_dump` inverts
+        the per-rank part."""
+        width = len(str(self.num_ranks - 1))
+        return "\n".join(
+            f"rank {r:>{width}}: " + " ".join(a.text() for a in actions)
+            for r, actions in enumerate(self.ranks)
+        )
+
+    def to_json(self) -> str:
+        """The whole Program (comms included) as JSON, for the backends."""
+        doc = {
+            "format": "pipelang-program/1",
+            "name": self.name,
+            "source": self.source,
+            "params": dict(self.params),
+            "num_ranks": self.num_ranks,
+            "num_stages": self.num_stages,
+            "pipelines": [{"name": p.name, "placement": list(p.placement)} for p in self.pipelines],
+            "assignment": list(self.assignment),
+            "kinds": [k.value for k in self.kinds],
+            "ranks": [[a.text() for a in actions] for actions in self.ranks],
+            "after": [[d.earlier.text(), d.later.text()] for d in self.after],
+        }
+        return json.dumps(doc, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> Program:
+        """Read `to_json` back (source spans are not kept)."""
+        doc = json.loads(text)
+        if doc.get("format") != "pipelang-program/1":
+            raise ValueError("not a pipelang program (missing format pipelang-program/1)")
+        return Program(
+            name=doc["name"],
+            source=doc["source"],
+            params=tuple(doc["params"].items()),
+            num_ranks=doc["num_ranks"],
+            num_stages=doc["num_stages"],
+            pipelines=tuple(Pipeline(p["name"], tuple(p["placement"])) for p in doc["pipelines"]),
+            assignment=tuple(doc["assignment"]),
+            kinds=tuple(Kind(k) for k in doc["kinds"]),
+            ranks=tuple(tuple(Action.parse(t) for t in actions) for actions in doc["ranks"]),
+            after=tuple(Dependency(Action.parse(a), Action.parse(b)) for a, b in doc["after"]),
+        )

@@ -1,0 +1,1 @@
+"""The compiler passes, one module each; `pipelang.compiler.PASSES` lists them in order."""
