@@ -68,6 +68,9 @@ CODES: dict[str, Code] = {
         Code("E0206", "bad micro-batch assignment", "Each micro-batch `0..N` must be assigned to "
              "exactly one pipeline by `microbatches`; one is unassigned, assigned twice or "
              "negative, or there are none."),
+        Code("E0207", "missing or repeated declaration", "A schedule needs at least one "
+             "`pipeline`, exactly one `microbatches` and exactly one `order` (`order rank`, "
+             "`order greedy` or `order repeat`), and at most one `ops`."),
         # 03xx: the order
         Code("E0301", "op on the wrong rank", "An op is listed in the order of a rank that does "
              "not hold its stage for the op's pipeline. The placement decides where an op runs; "

@@ -199,6 +199,8 @@ class Program:
     ranks: tuple[tuple[Action, ...], ...]
     after: tuple[Dependency, ...] = ()
     costs: CostModel = CostModel()
+    order_span: Span | None = field(default=None, compare=False, repr=False)
+    """Where the schedule's `order` is written; diagnostics about missing ops point here."""
 
     @property
     def num_microbatches(self) -> int:
@@ -230,6 +232,30 @@ class Program:
             for stage in range(self.num_stages):
                 for kind in self.kinds:
                     yield Action(kind, mb, stage, pipe)
+
+    def inputs_of(self, op: Action) -> tuple[Action, ...]:
+        """The compute ops whose results `op` consumes (its data dependencies).
+
+        F(m, s) needs F(m, s-1); B(m, s) needs B(m, s+1) (the loss on the last stage) and
+        F(m, s), and R(m, s) when recompute is on; W(m, s) needs B(m, s); R(m, s) needs
+        F(m, s).
+        """
+        mb, stage, pipe = op.mb, op.stage, op.pipeline
+        assert stage is not None
+        if op.kind is Kind.F:
+            return (Action(Kind.F, mb, stage - 1, pipe),) if stage > 0 else ()
+        if op.kind is Kind.B:
+            deps = [Action(Kind.F, mb, stage, pipe)]
+            if Kind.R in self.kinds:
+                deps.append(Action(Kind.R, mb, stage, pipe))
+            if stage + 1 < self.num_stages:
+                deps.append(Action(Kind.B, mb, stage + 1, pipe))
+            return tuple(deps)
+        if op.kind is Kind.W:
+            return (Action(Kind.B, mb, stage, pipe),)
+        if op.kind is Kind.R:
+            return (Action(Kind.F, mb, stage, pipe),)
+        raise InternalError(f"{op} is not a compute op")
 
     def dump(self) -> str:
         """The text dump: one line per rank, actions as tokens. `Program.parse_dump` inverts

@@ -1,0 +1,1 @@
+"""The grammar of `.pipe` files, installed as package data."""

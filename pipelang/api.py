@@ -1,0 +1,49 @@
+"""The Python entry points: find a schedule, compile it, get a Program."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from pipelang import ast
+from pipelang.compiler import Compilation, Options, run_passes
+from pipelang.diagnostics import fail
+from pipelang.ir import Program
+from pipelang.parser import parse_file, stdlib_dir
+
+
+def stdlib_names() -> list[str]:
+    """The standard-library schedule names, sorted."""
+    return sorted(p.stem for p in stdlib_dir().glob("*.pipe"))
+
+
+def find_schedule(sched: str) -> tuple[Path, str]:
+    """A path to a `.pipe` file, or a stdlib name; returns (path, name to display)."""
+    path = Path(sched)
+    if path.suffix == ".pipe" or path.exists():
+        return path, sched
+    candidate = stdlib_dir() / f"{sched}.pipe"
+    if candidate.exists():
+        return candidate, f"<stdlib>/{sched}.pipe"
+    raise fail("E0003", f"no schedule `{sched}`: not a file and not a stdlib name",
+               help="stdlib schedules: " + ", ".join(stdlib_names()))
+
+
+def load_file(sched: str) -> ast.File:
+    """Parse a schedule given as a path or a stdlib name."""
+    path, display = find_schedule(sched)
+    return parse_file(path, display)
+
+
+def compile_schedule(
+    sched: str, params: Mapping[str, str] | None = None, *, max_activations: int | None = None,
+    stop_after: str | None = None,
+) -> Compilation:
+    """Run the passes on a schedule (path or stdlib name) with `-p`-style string params."""
+    options = Options(dict(params or {}), max_activations)
+    return run_passes(load_file(sched), options, stop_after)
+
+
+def load_program(sched: str, params: Mapping[str, str] | None = None) -> Program:
+    """The fully compiled Program (comms and sync inserted), ready for a backend."""
+    return compile_schedule(sched, params).need_program()

@@ -1,0 +1,260 @@
+"""One function pair per subcommand: `setup_X` adds its arguments, `run_X` does it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from pipelang import api, ast
+from pipelang.cli import UsageError, parse_params, write_output
+from pipelang.codes import CODES
+from pipelang.compiler import PASS_NAMES, Compilation
+from pipelang.ir import COMPUTE_KINDS, CostModel, Program
+
+_console = Console(highlight=False, soft_wrap=True)
+
+
+def _schedule_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("sched", metavar="SCHED",
+                        help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)")
+    parser.add_argument("-p", dest="params", action="append", default=[], metavar="NAME=VALUE",
+                        help="set a schedule parameter; repeat for several (-p D=4 -p N=8)")
+
+
+def _compile(args: argparse.Namespace, stop_after: str | None = None) -> Compilation:
+    return api.compile_schedule(args.sched, parse_params(args.params),
+                                max_activations=getattr(args, "max_activations", None),
+                                stop_after=stop_after)
+
+
+def _describe(program: Program) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in program.params)
+    ops = sum(1 for actions in program.ranks for a in actions if a.kind in COMPUTE_KINDS)
+    return (f"{program.name}({params}): {program.num_ranks} ranks, {program.num_stages} stages, "
+            f"{len(program.pipelines)} pipeline(s), {program.num_microbatches} micro-batches, "
+            f"{ops} compute ops")
+
+
+# ---- list ---------------------------------------------------------------------------------
+
+
+def setup_list(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def run_list(args: argparse.Namespace) -> int:
+    rows = []
+    for name in api.stdlib_names():
+        file = api.load_file(name)
+        params = ", ".join(
+            p.name + (f"={_source(p.default)}" if p.default is not None else "")
+            for p in file.schedule.params
+        )
+        rows.append((name, params, _summary(file.source.text)))
+    if args.format == "json":
+        print(json.dumps([{"name": n, "params": p, "summary": s} for n, p, s in rows], indent=1))
+        return 0
+    table = Table(title="pipelang standard library", show_lines=False)
+    for column in ("schedule", "parameters", "what it is"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    _console.print(table)
+    return 0
+
+
+def _source(node: object) -> str:
+    span = node.span  # type: ignore[attr-defined]
+    return str(span.source.text[span.start : span.end])
+
+
+def _summary(text: str) -> str:
+    """The first comment line of a stdlib file is its one-line description."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+# ---- check --------------------------------------------------------------------------------
+
+
+def setup_check(parser: argparse.ArgumentParser) -> None:
+    _schedule_args(parser)
+    parser.add_argument("--max-activations", type=int, metavar="K",
+                        help="reject the schedule if a rank ever holds more than K activations")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json prints diagnostics (or the summary) as one JSON object")
+
+
+def run_check(args: argparse.Namespace) -> int:
+    program = _compile(args).need_program()
+    if args.format == "json":
+        print(json.dumps({"ok": True, "schedule": program.name, "params": dict(program.params),
+                          "ranks": program.num_ranks, "stages": program.num_stages,
+                          "microbatches": program.num_microbatches, "diagnostics": []}))
+    else:
+        print(f"ok: {_describe(program)}")
+    return 0
+
+
+# ---- compile ------------------------------------------------------------------------------
+
+
+def setup_compile(parser: argparse.ArgumentParser) -> None:
+    _schedule_args(parser)
+    parser.add_argument("-o", dest="out", type=Path, metavar="DIR",
+                        help="write DIR/schedule.json (the whole Program) and DIR/rank{r}.py")
+    stages = ("parse", *PASS_NAMES)
+    parser.add_argument("--dump-after", choices=stages, metavar="PASS",
+                        help="print the AST (parse) or the IR after PASS and stop; one of: "
+                        + ", ".join(stages))
+    parser.add_argument("--max-activations", type=int, metavar="K",
+                        help="reject the schedule if a rank ever holds more than K activations")
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    if args.dump_after == "parse":
+        parse_params(args.params)
+        file = api.load_file(args.sched)
+        print(ast.dump((*file.fns.values(), file.schedule)))
+        return 0
+    if args.dump_after:
+        print(dump(_compile(args, args.dump_after), args.dump_after))
+        return 0
+    if args.out is None:
+        raise UsageError("give -o DIR to write the program, or --dump-after PASS to print it")
+    program = _compile(args).need_program()
+    write_output(args.out / "schedule.json", program.to_json())
+    written = [args.out / "schedule.json"]
+    from pipelang.backends.codegen import write_rank_programs
+
+    written.extend(write_rank_programs(program, args.out))
+    print(f"wrote {len(written)} files to {args.out}: {_describe(program)}")
+    return 0
+
+
+def dump(c: Compilation, after: str) -> str:
+    """The text form of what pass `after` produced."""
+    if after == "resolve-params":
+        assert c.params is not None
+        return "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
+                         for k, v in c.params.items())
+    program = c.need_program()
+    header = f"# {_describe(program)}\n# after {after}"
+    if after == "build-dag" and c.dag is not None:
+        header += f": {c.dag.number_of_nodes()} nodes, {c.dag.number_of_edges()} edges"
+    return f"{header}\n{program.dump()}"
+
+
+# ---- simulate -----------------------------------------------------------------------------
+
+
+def setup_simulate(parser: argparse.ArgumentParser) -> None:
+    _schedule_args(parser)
+    parser.add_argument("--cost", metavar="SPEC", default="",
+                        help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2. "
+                        "Defaults come from the schedule's `cost` line, else 1 (C=0)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the metrics as one JSON object")
+    parser.add_argument("--grid", action="store_true", help="also print the rank x time grid")
+
+
+def parse_cost(spec: str) -> CostModel:
+    """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
+    entries: list[tuple[str, int | None, float]] = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        match = re.fullmatch(r"([FBWRC])(?:\[(\d+)\])?=([0-9]*\.?[0-9]+)", item)
+        if match is None:
+            raise UsageError(f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
+                             "F=1,B=2,W=1,C=0 or F[3]=2 for stage 3")
+        kind, stage, value = match.groups()
+        entries.append((kind, None if stage is None else int(stage), float(value)))
+    return CostModel(tuple(entries))
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from pipelang.simulate import simulate
+
+    costs = parse_cost(args.cost)
+    program = _compile(args).need_program()
+    timeline = simulate(program, program.costs.merged(costs))
+    metrics = timeline.metrics()
+    if args.json:
+        print(json.dumps(metrics))
+        return 0
+    _console.print(f"{_describe(program)}")
+    _console.print(f"makespan {metrics['makespan']}   bubble ratio {metrics['bubble_ratio']:.4f}")
+    table = Table()
+    for column in ("rank", "busy", "idle", "peak activations", "weight copies"):
+        table.add_column(column, justify="right")
+    for row in metrics["ranks"]:
+        table.add_row(*(str(row[k]) for k in
+                        ("rank", "busy", "idle", "peak_activations", "weight_copies")))
+    _console.print(table)
+    if args.grid:
+        print(timeline.text_grid())
+    return 0
+
+
+# ---- export -------------------------------------------------------------------------------
+
+
+def setup_export(parser: argparse.ArgumentParser) -> None:
+    _schedule_args(parser)
+    parser.add_argument("--format", choices=("json", "torch-csv"), default="json",
+                        help="json: each rank's compute ops in order; torch-csv: the CSV "
+                        "that torch.distributed.pipelining's _load_csv reads")
+    parser.add_argument("-o", dest="out", type=Path, metavar="FILE",
+                        help="write to FILE instead of standard output")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from pipelang.export import ExportError, to_json, to_torch_csv
+
+    program = _compile(args, "validate").need_program()
+    try:
+        text = to_json(program) if args.format == "json" else to_torch_csv(program)
+    except ExportError as err:
+        raise UsageError(str(err)) from None
+    if args.out:
+        write_output(args.out, text)
+    else:
+        print(text, end="" if text.endswith("\n") else "\n")
+    return 0
+
+
+# ---- explain ------------------------------------------------------------------------------
+
+
+def setup_explain(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("code", metavar="CODE", help="a diagnostic code such as E0306")
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    code = CODES.get(args.code.upper())
+    if code is None:
+        raise UsageError(f"no diagnostic code `{args.code}`; codes are "
+                         f"{min(CODES)}..{max(CODES)}")
+    print(f"{code.code}: {code.title}\n\n{code.explanation}")
+    return 0
+
+
+COMMANDS = {
+    "list": ("show the standard-library schedules and their parameters", setup_list, run_list),
+    "check": ("check a schedule: parse, bind parameters, validate the order", setup_check,
+              run_check),
+    "compile": ("compile a schedule to DIR/schedule.json and one program per rank",
+                setup_compile, run_compile),
+    "simulate": ("replay a schedule with a cost model: makespan, bubbles, memory",
+                 setup_simulate, run_simulate),
+    "export": ("print each rank's compute ops as JSON or torch's CSV schedule format",
+               setup_export, run_export),
+    "explain": ("explain a diagnostic code", setup_explain, run_explain),
+}
+

@@ -1,0 +1,199 @@
+"""Integer expressions and order statements, compiled once into Python closures.
+
+Names are resolved and types (`int` or `bool`) checked when an expression is compiled,
+so an unknown identifier is an error even on a branch that never runs. Evaluation then
+only does arithmetic; the single run-time error is division by zero. Nothing from a
+`.pipe` file is passed to `eval`: every closure below is written out by hand.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from pipelang import ast
+from pipelang.diagnostics import fail
+
+Value = int | bool
+Env = dict[str, Value]
+Evaluator = Callable[[Env], Value]
+IntEvaluator = Callable[[Env], int]
+
+INT, BOOL = "int", "bool"
+LIMIT = 4_000_000
+"""Most ops, loop iterations or range elements one expansion may produce (E0106)."""
+
+_ARITH: dict[str, Callable[[int, int], int]] = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul,
+}
+_COMPARE: dict[str, Callable[[Value, Value], bool]] = {
+    "==": operator.eq, "!=": operator.ne, "<": operator.lt,
+    "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+}
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The names visible at a point, with their types, and the `fn`s of the file."""
+
+    names: Mapping[str, str]
+    fns: Mapping[str, ast.FnDecl]
+
+    def with_name(self, name: str, type_: str = INT) -> Scope:
+        return Scope({**self.names, name: type_}, self.fns)
+
+
+def compile_expr(expr: ast.Expr, scope: Scope, want: str | None = None) -> Evaluator:
+    """Compile `expr`; if `want` is given, its type must be `want` (E0105 otherwise)."""
+    type_, fn = _compile(expr, scope, ())
+    if want is not None and type_ != want:
+        raise fail("E0105", f"expected {_article(want)}, found {_article(type_)}", expr.span)
+    return fn
+
+
+def infer(expr: ast.Expr, scope: Scope) -> tuple[str, Evaluator]:
+    """Compile `expr` whatever its type; returns the type and the evaluator."""
+    return _compile(expr, scope, ())
+
+
+def compile_int(expr: ast.Expr, scope: Scope) -> IntEvaluator:
+    """Compile an expression that must be an integer."""
+    return compile_expr(expr, scope, INT)  # type: ignore[return-value]
+
+
+def _article(type_: str) -> str:
+    return "an integer" if type_ == INT else "a boolean"
+
+
+def _compile(expr: ast.Expr, scope: Scope, calling: tuple[str, ...]) -> tuple[str, Evaluator]:
+    match expr:
+        case ast.IntLit(value=value):
+            return INT, lambda env: value
+        case ast.BoolLit(value=value):
+            return BOOL, lambda env: value
+        case ast.Name(id=name):
+            if name not in scope.names:
+                raise _unknown(expr, name, scope)
+            return scope.names[name], operator.itemgetter(name)
+        case ast.Unary(op="-", operand=operand):
+            inner = _typed(operand, scope, calling, INT)
+            return INT, lambda env: -inner(env)
+        case ast.Unary(operand=operand):
+            inner = _typed(operand, scope, calling, BOOL)
+            return BOOL, lambda env: not inner(env)
+        case ast.Binary():
+            return _binary(expr, scope, calling)
+        case ast.Call():
+            return _call(expr, scope, calling)
+        case ast.Conditional(test=test, then=then, otherwise=otherwise):
+            cond = _typed(test, scope, calling, BOOL)
+            then_type, then_fn = _compile(then, scope, calling)
+            else_fn = _typed(otherwise, scope, calling, then_type)
+            return then_type, lambda env: then_fn(env) if cond(env) else else_fn(env)
+    raise AssertionError(f"unknown expression node {expr!r}")
+
+
+def _typed(expr: ast.Expr, scope: Scope, calling: tuple[str, ...], want: str) -> Evaluator:
+    type_, fn = _compile(expr, scope, calling)
+    if type_ != want:
+        raise fail("E0105", f"expected {_article(want)}, found {_article(type_)}", expr.span)
+    return fn
+
+
+def _binary(expr: ast.Binary, scope: Scope, calling: tuple[str, ...]) -> tuple[str, Evaluator]:
+    op = expr.op
+    if op in ("and", "or"):
+        left, right = (_typed(e, scope, calling, BOOL) for e in (expr.left, expr.right))
+        if op == "and":
+            return BOOL, lambda env: left(env) and right(env)
+        return BOOL, lambda env: left(env) or right(env)
+    if op in ("==", "!="):
+        left_type, left = _compile(expr.left, scope, calling)
+        right = _typed(expr.right, scope, calling, left_type)
+        compare = _COMPARE[op]
+        return BOOL, lambda env: compare(left(env), right(env))
+    left, right = (_typed(e, scope, calling, INT) for e in (expr.left, expr.right))
+    if op in _COMPARE:
+        compare = _COMPARE[op]
+        return BOOL, lambda env: compare(left(env), right(env))
+    if op in _ARITH:
+        arith = _ARITH[op]
+        return INT, lambda env: arith(left(env), right(env))
+    if op in ("//", "%"):
+        return INT, _division(op, left, right, expr)
+    raise fail("E0001", f"`{op}` is not an operator", expr.span,
+               help="use `//` for integer division" if op == "/" else None)
+
+
+def _division(op: str, left: Evaluator, right: Evaluator, expr: ast.Binary) -> Evaluator:
+    divide = operator.floordiv if op == "//" else operator.mod
+
+    def run(env: Env) -> int:
+        divisor = right(env)
+        if divisor == 0:
+            raise fail("E0104", f"division by zero in `{_text(expr)}`", expr.span,
+                       notes=(f"`{_text(expr.right)}` is 0 here",))
+        return divide(left(env), divisor)  # type: ignore[no-any-return]
+
+    return run
+
+
+def _call(expr: ast.Call, scope: Scope, calling: tuple[str, ...]) -> tuple[str, Evaluator]:
+    name = expr.func
+    if name in ("min", "max") and name not in scope.fns:
+        if not expr.args:
+            raise fail("E0103", f"`{name}` needs at least one argument", expr.span)
+        args = [_typed(a, scope, calling, INT) for a in expr.args]
+        pick = min if name == "min" else max
+        return INT, lambda env: pick(a(env) for a in args)
+    fn = scope.fns.get(name)
+    if fn is None:
+        raise _unknown(expr, name, scope, function=True)
+    if name in calling:
+        raise fail("E0103", f"`fn {name}` calls itself", expr.span,
+                   help="fns are not recursive; write the closed form")
+    if len(expr.args) != len(fn.params):
+        raise fail("E0103", f"`{name}` takes {len(fn.params)} arguments, "
+                   f"{len(expr.args)} given", expr.span)
+    args = [_typed(a, scope, calling, INT) for a in expr.args]
+    body_scope = Scope(dict.fromkeys(fn.params, INT), scope.fns)
+    body_type, body = _compile(fn.body, body_scope, (*calling, name))
+    params = fn.params
+
+    def run(env: Env) -> Value:
+        return body(dict(zip(params, (a(env) for a in args), strict=True)))
+
+    return body_type, run
+
+
+def _unknown(node: ast.Node, name: str, scope: Scope, function: bool = False) -> Exception:
+    import difflib
+
+    known = list(scope.fns) + ["min", "max"] if function else list(scope.names)
+    close = difflib.get_close_matches(name, known, n=1)
+    kind = "function" if function else "name"
+    return fail("E0101", f"unknown {kind} `{name}`", node.span,
+                help=f"did you mean `{close[0]}`?" if close else None)
+
+
+def _text(node: ast.Node) -> str:
+    return node.span.source.text[node.span.start : node.span.end]
+
+
+def eval_range(rng: ast.Range, scope: Scope, env: Env) -> range:
+    """Evaluate `a..b` once, refusing ranges longer than `LIMIT` (E0106)."""
+    start, stop = compile_int(rng.start, scope)(env), compile_int(rng.stop, scope)(env)
+    return checked_range(start, stop, rng)
+
+
+def checked_range(start: int, stop: int, rng: ast.Range) -> range:
+    if stop - start > LIMIT:
+        raise fail("E0106", f"range `{_text(rng)}` has {stop - start} elements, more than the "
+                   f"limit of {LIMIT}", rng.span)
+    return range(start, stop)
+
+
+def bind_values(env: Mapping[str, Value]) -> Scope:
+    """A scope holding exactly the names of `env`, typed by their values."""
+    return Scope({k: BOOL if isinstance(v, bool) else INT for k, v in env.items()}, {})

@@ -1,0 +1,154 @@
+"""`order greedy { prefer ..  priority ..  cap .. }`: list scheduling by a rule.
+
+The compiler replays the schedule in time with its own cost model (the `cost` line):
+whenever a rank is idle it runs, among its ops whose inputs are ready, the one that comes
+first by `prefer` (op kinds, first wins) and then by the `priority` keys (integer
+expressions over `mb`, `stage` and `rank`, smallest first). A forward is held back while
+the rank already has `cap` activations in flight (forwards whose backward has not run).
+
+    order greedy {                  # zero-bubble flavour
+        prefer B, F, W
+        priority mb
+        cap 2 * (D - rank) - 1
+    }
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipelang import ast
+from pipelang.diagnostics import fail
+from pipelang.evaluate import Env, compile_int
+from pipelang.ir import Action, Kind, Program
+from pipelang.orders import Layout
+
+_DEFAULT_PREFER = ("R", "B", "F", "W")
+
+
+@dataclass
+class _Rank:
+    """One rank's state during the replay."""
+
+    index: int
+    cap: int
+    free_at: float = 0.0
+    in_flight: int = 0
+    waiting: list[tuple[float, int, Action]] = field(default_factory=list)
+    ready: list[tuple[tuple[int, ...], int, Action]] = field(default_factory=list)
+    held: list[tuple[tuple[int, ...], int, Action]] = field(default_factory=list)
+    order: list[Action] = field(default_factory=list)
+
+
+def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[Action, ...], ...]:
+    """Replay in time; each idle rank picks its best ready op under its cap."""
+    program = _skeleton(layout)
+    key_of = _priority(order, layout)
+    ops = list(program.compute_ops())
+    rank_of = {op: program.rank_of(op.stage, op.pipeline) for op in ops}  # type: ignore[arg-type]
+    extra: dict[Action, list[Action]] = {}
+    for dep in layout.after:
+        extra.setdefault(dep.later, []).append(dep.earlier)
+    pending = dict.fromkeys(ops, 0)
+    consumers: dict[Action, list[Action]] = {op: [] for op in ops}
+    for op in ops:
+        for dep in (*program.inputs_of(op), *extra.get(op, ())):
+            consumers[dep].append(op)
+            pending[op] += 1
+    ready_at = dict.fromkeys(ops, 0.0)
+    ranks = [_Rank(r, _cap(order, layout, r)) for r in range(layout.num_ranks)]
+    seq = 0
+    for op in ops:
+        if pending[op] == 0:
+            heapq.heappush(ranks[rank_of[op]].waiting, (0.0, seq, op))
+            seq += 1
+    events: list[tuple[float, int, int, Action | None]] = [(0.0, 1, r.index, None) for r in ranks]
+    done = 0
+    comm = layout.costs.of("C")
+    while events:
+        time, what, rank_index, finished = heapq.heappop(events)
+        if finished is not None:
+            done += 1
+            for nxt in consumers[finished]:
+                delay = comm if rank_of[nxt] != rank_of[finished] else 0.0
+                ready_at[nxt] = max(ready_at[nxt], time + delay)
+                pending[nxt] -= 1
+                if pending[nxt] == 0:
+                    target = ranks[rank_of[nxt]]
+                    heapq.heappush(target.waiting, (ready_at[nxt], seq, nxt))
+                    heapq.heappush(events, (ready_at[nxt], 1, target.index, None))
+                    seq += 1
+            continue
+        rank = ranks[rank_index]
+        if rank.free_at > time:
+            continue
+        op = _pick(rank, time, key_of)
+        if op is None:
+            continue
+        end = time + layout.costs.of(op.kind.value, op.stage)
+        rank.free_at = end
+        rank.order.append(Action(op.kind, op.mb, op.stage, op.pipeline, span=order.span))
+        heapq.heappush(events, (end, 0, rank.index, op))
+        heapq.heappush(events, (end, 1, rank.index, None))
+    if done < len(ops):
+        raise _stuck(order, ranks, len(ops) - done)
+    return tuple(tuple(r.order) for r in ranks)
+
+
+def _pick(rank: _Rank, time: float, key_of: Callable[[Action], tuple[int, ...]]) -> Action | None:
+    while rank.waiting and rank.waiting[0][0] <= time:
+        _, seq, op = heapq.heappop(rank.waiting)
+        heap = rank.held if op.kind is Kind.F else rank.ready
+        heapq.heappush(heap, (key_of(op), seq, op))
+    candidates = [h for h in (rank.ready, rank.held) if h]
+    if rank.in_flight >= rank.cap and rank.held:
+        candidates = [rank.ready] if rank.ready else []
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda h: h[0][:2])
+    op = heapq.heappop(best)[2]
+    rank.in_flight += {Kind.F: 1, Kind.B: -1}.get(op.kind, 0)
+    return op
+
+
+def _skeleton(layout: Layout) -> Program:
+    return Program("", "", (), layout.num_ranks, layout.num_stages, layout.pipelines,
+                   layout.assignment, layout.kinds, ())
+
+
+def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tuple[int, ...]]:
+    for kind in order.prefer:
+        if order.prefer.count(kind) > 1:
+            raise fail("E0102", f"`{kind}` is listed twice in `prefer`", order.span)
+    prefer = order.prefer + tuple(k for k in _DEFAULT_PREFER if k not in order.prefer)
+    scope = layout.scope.with_name("mb").with_name("stage").with_name("rank")
+    keys = [compile_int(expr, scope) for expr in order.priority]
+    rank_of = {(p.name, s): r for p in layout.pipelines for s, r in enumerate(p.placement)}
+
+    def key_of(op: Action) -> tuple[int, ...]:
+        env: Env = dict(layout.env)
+        env.update(mb=op.mb or 0, stage=op.stage or 0, rank=rank_of[(op.pipeline, op.stage)])
+        return (prefer.index(op.kind.value), *(k(env) for k in keys))
+
+    return key_of
+
+
+def _cap(order: ast.OrderGreedy, layout: Layout, rank: int) -> int:
+    if order.cap is None:
+        return len(layout.assignment) * layout.num_stages
+    env: Env = dict(layout.env)
+    env["rank"] = rank
+    cap = compile_int(order.cap, layout.scope.with_name("rank"))(env)
+    if cap < 1:
+        raise fail("E0311", f"the cap is {cap} on rank {rank}; no forward could ever run",
+                   order.cap.span, help="the cap must be at least 1 on every rank")
+    return cap
+
+
+def _stuck(order: ast.OrderGreedy, ranks: list[_Rank], left: int) -> Exception:
+    full = [f"rank {r.index} holds {r.in_flight} of {r.cap}" for r in ranks if r.held]
+    return fail("E0311", f"the greedy policy is stuck with {left} ops left", order.span,
+                notes=tuple(full[:4]) or ("no op is ready on any rank",),
+                help="raise the `cap`, or add `after` dependencies that unblock it")

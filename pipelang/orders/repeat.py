@@ -1,0 +1,58 @@
+"""`order repeat k every T { ... }`: one micro-batch's ops at slots, repeated.
+
+The body describes the k-th micro-batch of a pipeline: each op names its stage and the
+slot it runs in. Micro-batch k of every pipeline gets the same block shifted by `k * T`
+slots; each rank then runs its ops in slot order. Warm-up and cool-down fall out: the
+first blocks have nothing before them, the last nothing after.
+
+    order repeat k every 2 {                 # 1F1B, and Chimera's two directions
+        for s in 0..D { F(stage=s) @ s   B(stage=s) @ 2 * D - 1 - s }
+    }
+"""
+
+from __future__ import annotations
+
+from pipelang import ast
+from pipelang.diagnostics import Label, fail
+from pipelang.evaluate import compile_int
+from pipelang.ir import Action, Kind
+from pipelang.orders import Layout
+from pipelang.orders.statements import Budget, compile_block
+
+
+def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[Action, ...], ...]:
+    """Place every op at its slot, then sort each rank by slot (two in one slot: E0310)."""
+    scope = layout.scope.with_name(order.var)
+    body = compile_block(order.body, scope, Budget())
+    every = 0 if order.every is None else compile_int(order.every, layout.scope)(layout.env)
+    placed: list[dict[int, Action]] = [{} for _ in range(layout.num_ranks)]
+    for pipeline in layout.pipelines:
+        mbs = [mb for mb, p in enumerate(layout.assignment) if p == pipeline.name]
+        for k, mb in enumerate(mbs):
+
+            def emit(call: ast.OpCall, mb_arg: int | None, stage: int | None,
+                     slot: int | None) -> None:
+                if mb_arg is not None or stage is None or slot is None:
+                    raise fail("E0103", f"in a `repeat` block write `{call.kind}(stage=s) @ slot`",
+                               call.span, notes=("the micro-batch is the block's own",))
+                if not 0 <= stage < layout.num_stages:
+                    raise fail("E0103", f"stage {stage} does not exist", call.span,
+                               notes=(f"stages are 0..{layout.num_stages}",))
+                action = Action(Kind(call.kind), mb, stage, pipeline.name, span=call.span)  # noqa: B023
+                _place(placed[pipeline.placement[stage]], slot + k * every, action)  # noqa: B023
+
+            env = dict(layout.env)
+            env[order.var] = k
+            body(env, emit)
+    return tuple(tuple(slots[s] for s in sorted(slots)) for slots in placed)
+
+
+def _place(slots: dict[int, Action], slot: int, action: Action) -> None:
+    other = slots.get(slot)
+    if other is None:
+        slots[slot] = action
+        return
+    raise fail("E0310", f"`{action}` and `{other}` both land in slot {slot} of their rank",
+               action.span, labels=(Label(other.span, f"`{other}` is placed here"),)
+               if other.span else (),
+               help="change the offsets or the `every` interval so each slot holds one op")

@@ -1,0 +1,107 @@
+"""`let` / `for` / `if` / op statements compiled into closures that emit ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipelang import ast
+from pipelang.diagnostics import fail
+from pipelang.evaluate import BOOL, LIMIT, Env, Scope, compile_expr, compile_int, infer
+
+Emit = Callable[[ast.OpCall, int | None, int | None, int | None], None]
+"""Called once per op statement run: (statement, mb, stage, slot), unset values None."""
+Block = Callable[[Env, Emit], None]
+
+
+@dataclass
+class Budget:
+    """Loop iterations still allowed in one expansion (E0106 beyond)."""
+
+    left: int = LIMIT
+
+    def spend(self, count: int, node: ast.Node) -> None:
+        self.left -= count
+        if self.left < 0:
+            raise fail("E0106", f"the order runs more than {LIMIT} loop iterations", node.span,
+                       help="check the parameters: a huge N or D makes the schedule huge")
+
+
+def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> Block:
+    """Compile statements; names a `let` or `for` binds are visible to what follows only."""
+    steps: list[Block] = []
+    for stmt in stmts:
+        if isinstance(stmt, ast.Let):
+            _check_new(stmt.name, stmt, scope)
+            type_, value = infer(stmt.value, scope)
+            steps.append(_let(stmt.name, value))
+            scope = scope.with_name(stmt.name, type_)
+        elif isinstance(stmt, ast.For):
+            steps.append(_for(stmt, scope, budget))
+        elif isinstance(stmt, ast.If):
+            steps.append(_if(stmt, scope, budget))
+        else:
+            steps.append(_op(stmt, scope))
+
+    def run(env: Env, emit: Emit) -> None:
+        for step in steps:
+            step(env, emit)
+
+    return run
+
+
+def _check_new(name: str, node: ast.Node, scope: Scope) -> None:
+    if name in scope.names:
+        raise fail("E0102", f"`{name}` is already defined here", node.span,
+                   help="pick another name; names cannot be shadowed")
+
+
+def _let(name: str, value: Callable[[Env], object]) -> Block:
+    def run(env: Env, emit: Emit) -> None:
+        env[name] = value(env)  # type: ignore[assignment]
+
+    return run
+
+
+def _for(stmt: ast.For, scope: Scope, budget: Budget) -> Block:
+    _check_new(stmt.var, stmt, scope)
+    start = compile_int(stmt.range.start, scope)
+    stop = compile_int(stmt.range.stop, scope)
+    body = compile_block(stmt.body, scope.with_name(stmt.var), budget)
+    var = stmt.var
+
+    def run(env: Env, emit: Emit) -> None:
+        first, last = start(env), stop(env)
+        budget.spend(max(0, last - first), stmt)
+        for i in range(first, last):
+            env[var] = i
+            body(env, emit)
+
+    return run
+
+
+def _if(stmt: ast.If, scope: Scope, budget: Budget) -> Block:
+    test = compile_expr(stmt.test, scope, BOOL)
+    then = compile_block(stmt.then, scope, budget)
+    otherwise = compile_block(stmt.otherwise, scope, budget)
+
+    def run(env: Env, emit: Emit) -> None:
+        (then if test(env) else otherwise)(env, emit)
+
+    return run
+
+
+def _op(stmt: ast.OpCall, scope: Scope) -> Block:
+    mb, stage, slot = (
+        None if e is None else compile_int(e, scope) for e in (stmt.mb, stmt.stage, stmt.slot)
+    )
+
+    def run(env: Env, emit: Emit) -> None:
+        emit(
+            stmt,
+            None if mb is None else mb(env),
+            None if stage is None else stage(env),
+            None if slot is None else slot(env),
+        )
+
+    return run

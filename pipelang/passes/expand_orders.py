@@ -1,0 +1,215 @@
+"""Pass `expand-orders`: placement, micro-batches and the order become a `Program`.
+
+Needs: the AST and the environment `resolve-params` bound.
+Guarantees: a Program whose pipelines place every stage `0..S` on a rank `0..R`, every
+rank holding at least one stage; micro-batches `0..N` each assigned to one pipeline;
+per-rank compute actions in order, each with the span of the statement that made it.
+Whether every op appears once and in a valid order is `validate`'s job.
+
+    pipeline main: stage s in 0..2 -> rank s
+    microbatches 0..2 -> main
+    order rank r { F(0) F(1) B(0) B(1) }
+  =>
+    rank 0: F0@0/main F1@0/main B0@0/main B1@0/main
+    rank 1: F0@1/main F1@1/main B0@1/main B1@1/main
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pipelang import ast
+from pipelang.diagnostics import fail
+from pipelang.evaluate import LIMIT, Env, Scope, Value, bind_values, compile_int, eval_range
+from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program
+from pipelang.orders import Layout
+from pipelang.orders.greedy import expand_greedy_order
+from pipelang.orders.rank import expand_rank_order
+from pipelang.orders.repeat import expand_repeat_order
+
+
+def expand_orders(file: ast.File, bindings: Mapping[str, Value]) -> Program:
+    """Evaluate the declarations of the schedule and run its order."""
+    schedule = file.schedule
+    env: Env = dict(bindings)
+    scope = Scope(bind_values(env).names, file.fns)
+    kinds = _kinds(schedule)
+    costs = _costs(schedule, scope, env)
+    pipelines = _pipelines(_one(schedule, ast.PipelineDecl, "pipeline", many=True), scope, env)
+    num_stages = len(pipelines[0].placement)
+    num_ranks = _check_ranks(schedule, pipelines)
+    assignment = _assignment(_one(schedule, ast.Microbatches, "microbatches"), pipelines, scope,
+                             env)
+    total = len(assignment) * num_stages * len(kinds)
+    if total > LIMIT:
+        raise fail("E0106", f"the schedule has {total} ops, more than the limit of {LIMIT}",
+                   schedule.span, help="pass smaller parameters (N, D)")
+    local: dict[tuple[str, int], tuple[int, ...]] = {}
+    for p in pipelines:
+        for s, r in enumerate(p.placement):
+            local[(p.name, r)] = (*local.get((p.name, r), ()), s)
+    layout = Layout(scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs,
+                    (), local)
+    after = _after(schedule, layout)
+    layout = Layout(scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs,
+                    after, local)
+    order = _order(schedule)
+    if isinstance(order, ast.OrderRank):
+        ranks = expand_rank_order(order, layout)
+    elif isinstance(order, ast.OrderGreedy):
+        ranks = expand_greedy_order(order, layout)
+    else:
+        ranks = expand_repeat_order(order, layout)
+    params = tuple((p.name, bindings[p.name]) for p in schedule.params)
+    return Program(schedule.name, file.source.path, params, num_ranks, num_stages, pipelines,
+                   assignment, kinds, ranks, after, costs, order.span)
+
+
+def _one(schedule: ast.Schedule, kind: type, word: str, many: bool = False) -> list:  # type: ignore[type-arg]
+    found = [d for d in schedule.body if isinstance(d, kind)]
+    if not found:
+        raise fail("E0207", f"schedule `{schedule.name}` has no `{word}` declaration",
+                   schedule.span, help=f"see docs/language.md for `{word}`")
+    if len(found) > 1 and not many:
+        raise fail("E0207", f"schedule `{schedule.name}` has two `{word}` declarations",
+                   found[1].span, help="merge them into one")
+    return found if many else found[0]
+
+
+def _order(schedule: ast.Schedule) -> ast.Order:
+    orders = [d for d in schedule.body
+              if isinstance(d, ast.OrderRank | ast.OrderGreedy | ast.OrderRepeat)]
+    if len(orders) != 1:
+        where = orders[1].span if orders else schedule.span
+        count = "no" if not orders else "two"
+        raise fail("E0207", f"schedule `{schedule.name}` has {count} `order` declarations",
+                   where, help="give exactly one `order rank`, `order greedy` or `order repeat`")
+    return orders[0]
+
+
+def _kinds(schedule: ast.Schedule) -> tuple[Kind, ...]:
+    decls = [d for d in schedule.body if isinstance(d, ast.Ops)]
+    if not decls:
+        return (Kind.F, Kind.B)
+    if len(decls) > 1:
+        raise fail("E0207", "two `ops` declarations", decls[1].span)
+    kinds = decls[0].kinds
+    if "F" not in kinds or "B" not in kinds or len(set(kinds)) != len(kinds):
+        raise fail("E0309", "`ops` must list F and B once each, plus W and/or R", decls[0].span)
+    return tuple(Kind(k) for k in ("F", "B", "W", "R") if k in kinds)
+
+
+def _costs(schedule: ast.Schedule, scope: Scope, env: Env) -> CostModel:
+    entries: list[tuple[str, int | None, float]] = []
+    for decl in schedule.body:
+        if isinstance(decl, ast.Cost):
+            for item in decl.items:
+                stage = None if item.stage is None else compile_int(item.stage, scope)(env)
+                entries.append((item.kind, stage, item.value))
+    return CostModel().merged(CostModel(tuple(entries)))
+
+
+def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[Pipeline, ...]:
+    pipelines: list[Pipeline] = []
+    for decl in decls:
+        indices: list[int | None] = [None]
+        if decl.index_range is not None:
+            indices = list(eval_range(decl.index_range, scope, env))
+        for j in indices:
+            name = decl.name if j is None else f"{decl.name}{j}"
+            if any(p.name == name for p in pipelines):
+                raise fail("E0102", f"pipeline `{name}` is declared twice", decl.span)
+            local = dict(env)
+            if j is not None:
+                local[decl.index_var] = j  # type: ignore[index]
+            pipelines.append(Pipeline(name, _placement(decl, scope, local), decl.span))
+    sizes = {len(p.placement) for p in pipelines}
+    if len(sizes) > 1:
+        raise fail("E0205", "pipelines have different numbers of stages: "
+                   + ", ".join(f"`{p.name}` {len(p.placement)}" for p in pipelines),
+                   pipelines[-1].span, help="every pipeline is a replica of the same model")
+    return tuple(pipelines)
+
+
+def _placement(decl: ast.PipelineDecl, scope: Scope, env: Env) -> tuple[int, ...]:
+    stages = eval_range(decl.stages, scope, env)
+    if stages.start != 0 or len(stages) == 0:
+        raise fail("E0205", f"pipeline `{decl.name}` must place stages 0..S with S >= 1, "
+                   f"not {stages.start}..{stages.stop}", decl.stages.span)
+    inner = scope.with_name(decl.stage_var)
+    if decl.index_var is not None:
+        inner = inner.with_name(decl.index_var)
+    rank_of = compile_int(decl.rank, inner)
+    placement = []
+    for s in stages:
+        env[decl.stage_var] = s
+        rank = rank_of(env)
+        if rank < 0:
+            raise fail("E0205", f"pipeline `{decl.name}` puts stage {s} on rank {rank}",
+                       decl.rank.span, help="ranks are 0, 1, 2, ...")
+        placement.append(rank)
+    return tuple(placement)
+
+
+def _check_ranks(schedule: ast.Schedule, pipelines: tuple[Pipeline, ...]) -> int:
+    used = {r for p in pipelines for r in p.placement}
+    num_ranks = max(used) + 1
+    if num_ranks > LIMIT:
+        raise fail("E0106", f"the placement uses {num_ranks} ranks", pipelines[0].span)
+    idle = sorted(set(range(num_ranks)) - used)
+    if idle:
+        raise fail("E0205", f"rank {idle[0]} holds no stage (ranks are 0..{num_ranks})",
+                   pipelines[0].span, help="ranks must be numbered 0, 1, ... without holes")
+    return num_ranks
+
+
+def _assignment(
+    decl: ast.Microbatches, pipelines: tuple[Pipeline, ...], scope: Scope, env: Env
+) -> tuple[str, ...]:
+    names = {p.name for p in pipelines}
+    owner: dict[int, str] = {}
+    for item in decl.items:
+        rng = eval_range(item.range, scope, env)
+        inner = scope if item.var is None else scope.with_name(item.var)
+        index = None if item.pipeline.index is None else compile_int(item.pipeline.index, inner)
+        for mb in rng:
+            local = dict(env) if item.var is None else {**env, item.var: mb}
+            name = item.pipeline.name if index is None else f"{item.pipeline.name}{index(local)}"
+            if name not in names:
+                raise fail("E0107", f"no pipeline named `{name}`", item.pipeline.span,
+                           notes=("pipelines: " + ", ".join(f"`{n}`" for n in sorted(names)),))
+            if mb in owner:
+                raise fail("E0206", f"micro-batch {mb} is assigned twice "
+                           f"(to `{owner[mb]}` and `{name}`)", item.span)
+            owner[mb] = name
+    if not owner:
+        raise fail("E0206", "no micro-batches are assigned", decl.span,
+                   help="check the range: `microbatches 0..N -> main` with N >= 1")
+    missing = sorted(set(range(max(owner) + 1)) - owner.keys())
+    if missing or min(owner) < 0:
+        bad = missing[0] if missing else min(owner)
+        raise fail("E0206", f"micro-batch {bad} is not assigned to a pipeline", decl.span,
+                   help="micro-batches must be numbered 0..N without holes")
+    return tuple(owner[mb] for mb in range(len(owner)))
+
+
+def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
+    deps: list[Dependency] = []
+    for decl in schedule.body:
+        if not isinstance(decl, ast.After):
+            continue
+        scope = layout.scope if decl.var is None else layout.scope.with_name(decl.var)
+        values = [None] if decl.range is None else eval_range(decl.range, layout.scope, layout.env)
+        for value in values:
+            env = dict(layout.env) if decl.var is None else {**layout.env, decl.var: value}
+            pair = [_after_op(call, scope, env, layout) for call in (decl.earlier, decl.later)]
+            deps.append(Dependency(pair[0], pair[1], decl.span))
+    return tuple(deps)
+
+
+def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Action:
+    if call.mb is None or call.stage is None or call.slot is not None:
+        raise fail("E0103", f"an `after` names ops fully: `{call.kind}(mb, stage)`", call.span)
+    mb = compile_int(call.mb, scope)(env)
+    stage = compile_int(call.stage, scope)(env)
+    return layout.op(call, mb, stage, None)

@@ -1,0 +1,97 @@
+"""Pass `resolve-params`: bind the schedule's parameters, `let`s, and check `require`s.
+
+Needs: a parsed `ast.File` and the `-p NAME=VALUE` strings from the command line.
+Guarantees: every declared parameter has a value of its declared type, every
+schedule-level `let` is evaluated, and every `require` holds; otherwise all of the
+problems at once (E0201 missing, E0202 unknown, E0203 wrong type, E0204 failed require).
+
+    schedule s(D: int = 4, N: int = D) { let half = N // 2  require N % 2 == 0 : "..." }
+    -p N=6   =>   D = 4, N = 6, half = 3
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from pipelang import ast
+from pipelang.diagnostics import Diagnostic, PipelangError
+from pipelang.evaluate import BOOL, INT, Env, Scope, Value, compile_expr, infer
+
+_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def resolve_params(file: ast.File, given: Mapping[str, str]) -> dict[str, Value]:
+    """Parameters, then schedule-level `let`s, in declaration order, as one environment."""
+    schedule = file.schedule
+    problems = _unknown_params(schedule, given)
+    env: Env = {}
+    types: dict[str, str] = {}
+    for param in schedule.params:
+        if param.name in types:
+            problems.append(Diagnostic("E0102", f"parameter `{param.name}` is declared twice",
+                                       param.span))
+            continue
+        types[param.name] = param.type
+        value = _param_value(param, given, Scope(dict(types), file.fns), env)
+        if isinstance(value, Diagnostic):
+            problems.append(value)
+        else:
+            env[param.name] = value
+    if problems:
+        raise PipelangError(problems)
+    for decl in schedule.body:
+        scope = Scope(dict(types), file.fns)
+        if isinstance(decl, ast.Let):
+            if decl.name in types:
+                problems.append(Diagnostic("E0102", f"`{decl.name}` is already defined",
+                                           decl.span))
+                continue
+            types[decl.name], value = infer(decl.value, scope)
+            env[decl.name] = value(env)
+        elif isinstance(decl, ast.Require) and not compile_expr(decl.test, scope, BOOL)(env):
+            problems.append(_failed_require(decl, env))
+    if problems:
+        raise PipelangError(problems)
+    return env
+
+
+def _unknown_params(schedule: ast.Schedule, given: Mapping[str, str]) -> list[Diagnostic]:
+    declared = {p.name for p in schedule.params}
+    names = ", ".join(f"`{p.name}`" for p in schedule.params) or "none"
+    return [
+        Diagnostic("E0202", f"`{schedule.name}` has no parameter `{name}`", schedule.span,
+                   notes=(f"its parameters are {names}",))
+        for name in given
+        if name not in declared
+    ]
+
+
+def _param_value(
+    param: ast.Param, given: Mapping[str, str], scope: Scope, env: Env
+) -> Value | Diagnostic:
+    text = given.get(param.name)
+    if text is not None:
+        return _parse_value(param, text.strip())
+    if param.default is None:
+        return Diagnostic("E0201", f"parameter `{param.name}` needs a value", param.span,
+                          help=f"give it with `-p {param.name}=VALUE`")
+    without_self = Scope({k: v for k, v in scope.names.items() if k != param.name}, scope.fns)
+    return compile_expr(param.default, without_self, param.type)(env)
+
+
+def _parse_value(param: ast.Param, text: str) -> Value | Diagnostic:
+    if param.type == INT and _INT.fullmatch(text):
+        return int(text)
+    if param.type == BOOL and text in ("true", "false"):
+        return text == "true"
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    example = "an integer such as `8`" if param.type == INT else "`true` or `false`"
+    return Diagnostic("E0203", f"`-p {param.name}={shown}`: `{param.name}` is `{param.type}`",
+                      param.span, help=f"give {example}")
+
+
+def _failed_require(decl: ast.Require, env: Env) -> Diagnostic:
+    shown = ", ".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
+                      for k, v in env.items())
+    return Diagnostic("E0204", decl.message, decl.span, notes=(f"with {shown}",))

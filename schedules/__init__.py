@@ -1,0 +1,1 @@
+"""The standard library of schedules (`*.pipe`), installed as package data."""

@@ -1,0 +1,59 @@
+"""The golden driver: each `tests/golden/NAME.pipe` says how to run it, `NAME.expected`
+holds what that printed.
+
+A golden file starts with one or more lines `# RUN: pipelang ARGS`, where `%s` stands
+for the file itself. The driver runs each command in-process and compares the exit
+status, stdout and stderr with NAME.expected. `pytest --update-golden` rewrites them;
+review the diff before committing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pipelang.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.pipe"))
+
+
+def run_cli(args: list[str]) -> tuple[int, str, str]:
+    """Run `pipelang ARGS` in this process; returns (status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(args)
+        except SystemExit as exit_:
+            status = int(exit_.code or 0)
+    return status, out.getvalue(), err.getvalue()
+
+
+def transcript(path: Path) -> str:
+    relative = path.relative_to(ROOT).as_posix()
+    runs = [line.split("RUN:", 1)[1].strip() for line in path.read_text().splitlines()
+            if line.startswith("# RUN:")]
+    assert runs, f"{relative} has no `# RUN:` line"
+    parts = []
+    for run in runs:
+        argv = shlex.split(run.replace("%s", relative))
+        assert argv[0] == "pipelang"
+        status, out, err = run_cli(argv[1:])
+        parts.append(f"$ {run}\n[exit {status}]\n{out}{err}")
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])
+def test_golden(path: Path, update_golden: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    actual = transcript(path)
+    expected_path = path.with_suffix(".expected")
+    if update_golden or not expected_path.exists():
+        expected_path.write_text(actual)
+        if not update_golden:
+            pytest.fail(f"wrote new golden file {expected_path.name}; review and rerun")
+    assert actual == expected_path.read_text()
