@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pipelang import ast
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import PipelangError, fail
 
 Value = int | bool
 Env = dict[str, Value]
@@ -35,13 +36,35 @@ _COMPARE: dict[str, Callable[[Value, Value], bool]] = {
 
 @dataclass(frozen=True)
 class Scope:
-    """The names visible at a point, with their types, and the `fn`s of the file."""
+    """The names visible at a point, with their types, and the `fn`s of the file.
+
+    `constants` holds the names whose value is already known (parameters, schedule-level
+    `let`s, the rank in `order rank`): expressions over them are folded when compiled.
+    """
 
     names: Mapping[str, str]
     fns: Mapping[str, ast.FnDecl]
+    constants: Mapping[str, Value] = field(default_factory=dict)
 
     def with_name(self, name: str, type_: str = INT) -> Scope:
-        return Scope({**self.names, name: type_}, self.fns)
+        constants = {k: v for k, v in self.constants.items() if k != name}
+        return Scope({**self.names, name: type_}, self.fns, constants)
+
+    def with_constant(self, name: str, value: Value) -> Scope:
+        type_ = BOOL if isinstance(value, bool) else INT
+        return Scope({**self.names, name: type_}, self.fns, {**self.constants, name: value})
+
+
+class Const:
+    """An evaluator whose value is known when compiled; lets parents fold themselves."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Value) -> None:
+        self.value = value
+
+    def __call__(self, env: Env) -> Value:
+        return self.value
 
 
 def compile_expr(expr: ast.Expr, scope: Scope, want: str | None = None) -> Evaluator:
@@ -69,19 +92,21 @@ def _article(type_: str) -> str:
 def _compile(expr: ast.Expr, scope: Scope, calling: tuple[str, ...]) -> tuple[str, Evaluator]:
     match expr:
         case ast.IntLit(value=value):
-            return INT, lambda env: value
+            return INT, Const(value)
         case ast.BoolLit(value=value):
-            return BOOL, lambda env: value
+            return BOOL, Const(value)
         case ast.Name(id=name):
             if name not in scope.names:
                 raise _unknown(expr, name, scope)
+            if name in scope.constants:
+                return scope.names[name], Const(scope.constants[name])
             return scope.names[name], operator.itemgetter(name)
         case ast.Unary(op="-", operand=operand):
             inner = _typed(operand, scope, calling, INT)
-            return INT, lambda env: -inner(env)
+            return INT, _fold(lambda env: -inner(env), inner)
         case ast.Unary(operand=operand):
             inner = _typed(operand, scope, calling, BOOL)
-            return BOOL, lambda env: not inner(env)
+            return BOOL, _fold(lambda env: not inner(env), inner)
         case ast.Binary():
             return _binary(expr, scope, calling)
         case ast.Call():
@@ -90,8 +115,20 @@ def _compile(expr: ast.Expr, scope: Scope, calling: tuple[str, ...]) -> tuple[st
             cond = _typed(test, scope, calling, BOOL)
             then_type, then_fn = _compile(then, scope, calling)
             else_fn = _typed(otherwise, scope, calling, then_type)
+            if isinstance(cond, Const):
+                return then_type, then_fn if cond.value else else_fn
             return then_type, lambda env: then_fn(env) if cond(env) else else_fn(env)
     raise AssertionError(f"unknown expression node {expr!r}")
+
+
+def _fold(fn: Evaluator, *children: Evaluator) -> Evaluator:
+    """`fn` itself, or its value as a `Const` when every child is constant."""
+    if not all(isinstance(c, Const) for c in children):
+        return fn
+    try:
+        return Const(fn({}))
+    except PipelangError:
+        return fn  # e.g. a division by zero on a branch that may never run
 
 
 def _typed(expr: ast.Expr, scope: Scope, calling: tuple[str, ...], want: str) -> Evaluator:
@@ -106,35 +143,46 @@ def _binary(expr: ast.Binary, scope: Scope, calling: tuple[str, ...]) -> tuple[s
     if op in ("and", "or"):
         left, right = (_typed(e, scope, calling, BOOL) for e in (expr.left, expr.right))
         if op == "and":
-            return BOOL, lambda env: left(env) and right(env)
-        return BOOL, lambda env: left(env) or right(env)
+            return BOOL, _fold(lambda env: left(env) and right(env), left, right)
+        return BOOL, _fold(lambda env: left(env) or right(env), left, right)
     if op in ("==", "!="):
         left_type, left = _compile(expr.left, scope, calling)
         right = _typed(expr.right, scope, calling, left_type)
-        compare = _COMPARE[op]
-        return BOOL, lambda env: compare(left(env), right(env))
+        return BOOL, _apply(_COMPARE[op], left, right)
     left, right = (_typed(e, scope, calling, INT) for e in (expr.left, expr.right))
     if op in _COMPARE:
-        compare = _COMPARE[op]
-        return BOOL, lambda env: compare(left(env), right(env))
+        return BOOL, _apply(_COMPARE[op], left, right)
     if op in _ARITH:
-        arith = _ARITH[op]
-        return INT, lambda env: arith(left(env), right(env))
+        return INT, _apply(_ARITH[op], left, right)
     if op in ("//", "%"):
-        return INT, _division(op, left, right, expr)
+        divide = operator.floordiv if op == "//" else operator.mod
+        if isinstance(right, Const) and right.value != 0:
+            return INT, _apply(divide, left, right)
+        return INT, _fold(_division(divide, left, right, expr), left, right)
     raise fail("E0001", f"`{op}` is not an operator", expr.span,
                help="use `//` for integer division" if op == "/" else None)
 
 
-def _division(op: str, left: Evaluator, right: Evaluator, expr: ast.Binary) -> Evaluator:
-    divide = operator.floordiv if op == "//" else operator.mod
+def _apply(fn: Callable[[Any, Any], Value], left: Evaluator, right: Evaluator) -> Evaluator:
+    """`fn(left, right)`, specialised when one side is constant (the common case)."""
+    if isinstance(right, Const):
+        constant = right.value
+        return _fold(lambda env: fn(left(env), constant), left)
+    if isinstance(left, Const):
+        value = left.value
+        return lambda env: fn(value, right(env))
+    return lambda env: fn(left(env), right(env))
 
+
+def _division(
+    divide: Callable[[int, int], int], left: Evaluator, right: Evaluator, expr: ast.Binary
+) -> Evaluator:
     def run(env: Env) -> int:
         divisor = right(env)
         if divisor == 0:
             raise fail("E0104", f"division by zero in `{_text(expr)}`", expr.span,
                        notes=(f"`{_text(expr.right)}` is 0 here",))
-        return divide(left(env), divisor)  # type: ignore[no-any-return]
+        return divide(left(env), divisor)  # type: ignore[arg-type]
 
     return run
 
@@ -146,7 +194,7 @@ def _call(expr: ast.Call, scope: Scope, calling: tuple[str, ...]) -> tuple[str, 
             raise fail("E0103", f"`{name}` needs at least one argument", expr.span)
         args = [_typed(a, scope, calling, INT) for a in expr.args]
         pick = min if name == "min" else max
-        return INT, lambda env: pick(a(env) for a in args)
+        return INT, _fold(lambda env: pick(a(env) for a in args), *args)
     fn = scope.fns.get(name)
     if fn is None:
         raise _unknown(expr, name, scope, function=True)
@@ -164,7 +212,7 @@ def _call(expr: ast.Call, scope: Scope, calling: tuple[str, ...]) -> tuple[str, 
     def run(env: Env) -> Value:
         return body(dict(zip(params, (a(env) for a in args), strict=True)))
 
-    return body_type, run
+    return body_type, _fold(run, *args)
 
 
 def _unknown(node: ast.Node, name: str, scope: Scope, function: bool = False) -> Exception:
@@ -194,6 +242,7 @@ def checked_range(start: int, stop: int, rng: ast.Range) -> range:
     return range(start, stop)
 
 
-def bind_values(env: Mapping[str, Value]) -> Scope:
-    """A scope holding exactly the names of `env`, typed by their values."""
-    return Scope({k: BOOL if isinstance(v, bool) else INT for k, v in env.items()}, {})
+def constant_scope(env: Mapping[str, Value], fns: Mapping[str, ast.FnDecl]) -> Scope:
+    """A scope in which every name of `env` is a constant of its value's type."""
+    types = {k: BOOL if isinstance(v, bool) else INT for k, v in env.items()}
+    return Scope(types, fns, dict(env))

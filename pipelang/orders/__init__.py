@@ -30,30 +30,38 @@ class Layout:
     local_stages: dict[tuple[str, int], tuple[int, ...]]
     """(pipeline, rank) -> the stages of that pipeline the rank holds, ascending."""
 
-    def op(self, call: ast.OpCall, mb: int | None, stage: int | None, rank: int | None) -> Action:
+    def op(
+        self, call: ast.OpCall, kind: Kind, mb: int | None, stage: int | None, rank: int | None
+    ) -> Action:
         """The Action an op statement names; `rank` picks the stage when it is left out."""
-        if mb is None:
-            raise fail("E0103", f"`{call.kind}` needs a micro-batch here", call.span,
-                       help=f"write `{call.kind}(mb)` or `{call.kind}(mb, stage)`")
-        if not 0 <= mb < len(self.assignment):
-            raise fail("E0103", f"micro-batch {mb} does not exist", call.span,
-                       notes=(f"micro-batches are 0..{len(self.assignment)}",))
-        pipeline = self.assignment[mb]
-        if stage is None:
-            stage = self.only_stage(call, pipeline, rank)
-        elif not 0 <= stage < self.num_stages:
-            raise fail("E0103", f"stage {stage} does not exist", call.span,
-                       notes=(f"stages are 0..{self.num_stages}",))
-        return Action(Kind(call.kind), mb, stage, pipeline, span=call.span)
+        # The fast path first: this runs once per op of the schedule.
+        if mb is not None and 0 <= mb < len(self.assignment):
+            pipeline = self.assignment[mb]
+            if stage is None:
+                stages = self.local_stages.get((pipeline, rank), ())  # type: ignore[arg-type]
+                if len(stages) == 1:
+                    return Action(kind, mb, stages[0], pipeline, span=call.span)
+            elif 0 <= stage < self.num_stages:
+                return Action(kind, mb, stage, pipeline, span=call.span)
+        raise self._bad_op(call, mb, stage, rank)
 
-    def only_stage(self, call: ast.OpCall, pipeline: str, rank: int | None) -> int:
+    def _bad_op(
+        self, call: ast.OpCall, mb: int | None, stage: int | None, rank: int | None
+    ) -> Exception:
+        if mb is None:
+            return fail("E0103", f"`{call.kind}` needs a micro-batch here", call.span,
+                        help=f"write `{call.kind}(mb)` or `{call.kind}(mb, stage)`")
+        if not 0 <= mb < len(self.assignment):
+            return fail("E0103", f"micro-batch {mb} does not exist", call.span,
+                        notes=(f"micro-batches are 0..{len(self.assignment)}",))
+        if stage is not None:
+            return fail("E0103", f"stage {stage} does not exist", call.span,
+                        notes=(f"stages are 0..{self.num_stages}",))
+        pipeline = self.assignment[mb]
         stages = self.local_stages.get((pipeline, rank), ()) if rank is not None else ()
-        if len(stages) == 1:
-            return stages[0]
         if not stages:
-            raise fail("E0301", f"rank {rank} holds no stage of pipeline `{pipeline}`",
-                       call.span, help="name the stage, or check the placement")
+            return fail("E0301", f"rank {rank} holds no stage of pipeline `{pipeline}`",
+                        call.span, help="name the stage, or check the placement")
         listed = ", ".join(map(str, stages))
-        raise fail("E0103", f"`{call.kind}` needs a stage: rank {rank} holds stages {listed} "
-                   f"of pipeline `{pipeline}`", call.span,
-                   help=f"write `{call.kind}(mb, stage)`")
+        return fail("E0103", f"`{call.kind}` needs a stage: rank {rank} holds stages {listed} "
+                    f"of pipeline `{pipeline}`", call.span, help=f"write `{call.kind}(mb, stage)`")

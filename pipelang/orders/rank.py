@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pipelang import ast
 from pipelang.diagnostics import fail
-from pipelang.ir import Action
+from pipelang.ir import Action, Kind
 from pipelang.orders import Layout
 from pipelang.orders.statements import Budget, compile_block
 
@@ -22,16 +22,20 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
     if order.var in layout.scope.names:
         raise fail("E0102", f"`{order.var}` is already defined", order.span,
                    help="name the rank variable something else, e.g. `order rank r`")
-    body = compile_block(order.body, layout.scope.with_name(order.var), Budget())
+    budget = Budget()
     ranks = []
     for rank in range(layout.num_ranks):
+        # Compiled once per rank so that everything that depends only on the rank folds.
+        body = compile_block(order.body, layout.scope.with_constant(order.var, rank), budget)
         actions: list[Action] = []
 
-        def emit(call: ast.OpCall, mb: int | None, stage: int | None, slot: int | None) -> None:
+        def emit(
+            call: ast.OpCall, kind: Kind, mb: int | None, stage: int | None, slot: int | None
+        ) -> None:
             if slot is not None:
                 raise fail("E0103", "`@ slot` belongs in a `repeat` order", call.span,
                            help="in `order rank`, the order of the statements is the order")
-            actions.append(layout.op(call, mb, stage, rank))  # noqa: B023
+            actions.append(layout.op(call, kind, mb, stage, rank))  # noqa: B023
 
         env = dict(layout.env)
         env[order.var] = rank

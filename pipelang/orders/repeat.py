@@ -30,7 +30,7 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
         mbs = [mb for mb, p in enumerate(layout.assignment) if p == pipeline.name]
         for k, mb in enumerate(mbs):
 
-            def emit(call: ast.OpCall, mb_arg: int | None, stage: int | None,
+            def emit(call: ast.OpCall, kind: Kind, mb_arg: int | None, stage: int | None,
                      slot: int | None) -> None:
                 if mb_arg is not None or stage is None or slot is None:
                     raise fail("E0103", f"in a `repeat` block write `{call.kind}(stage=s) @ slot`",
@@ -38,7 +38,7 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
                 if not 0 <= stage < layout.num_stages:
                     raise fail("E0103", f"stage {stage} does not exist", call.span,
                                notes=(f"stages are 0..{layout.num_stages}",))
-                action = Action(Kind(call.kind), mb, stage, pipeline.name, span=call.span)  # noqa: B023
+                action = Action(kind, mb, stage, pipeline.name, span=call.span)  # noqa: B023
                 _place(placed[pipeline.placement[stage]], slot + k * every, action)  # noqa: B023
 
             env = dict(layout.env)

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from pipelang import ast
 from pipelang.diagnostics import fail
-from pipelang.evaluate import BOOL, LIMIT, Env, Scope, compile_expr, compile_int, infer
+from pipelang.ir import Kind
+from pipelang.evaluate import BOOL, LIMIT, Const, Env, Scope, compile_expr, compile_int, infer
 
-Emit = Callable[[ast.OpCall, int | None, int | None, int | None], None]
-"""Called once per op statement run: (statement, mb, stage, slot), unset values None."""
+Emit = Callable[[ast.OpCall, Kind, int | None, int | None, int | None], None]
+"""Called once per op statement run: (statement, kind, mb, stage, slot), unset ones None."""
 Block = Callable[[Env, Emit], None]
 
 
@@ -34,6 +35,9 @@ def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> 
         if isinstance(stmt, ast.Let):
             _check_new(stmt.name, stmt, scope)
             type_, value = infer(stmt.value, scope)
+            if isinstance(value, Const):
+                scope = scope.with_constant(stmt.name, value.value)
+                continue
             steps.append(_let(stmt.name, value))
             scope = scope.with_name(stmt.name, type_)
         elif isinstance(stmt, ast.For):
@@ -42,6 +46,9 @@ def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> 
             steps.append(_if(stmt, scope, budget))
         else:
             steps.append(_op(stmt, scope))
+
+    if len(steps) == 1:
+        return steps[0]
 
     def run(env: Env, emit: Emit) -> None:
         for step in steps:
@@ -84,6 +91,8 @@ def _if(stmt: ast.If, scope: Scope, budget: Budget) -> Block:
     test = compile_expr(stmt.test, scope, BOOL)
     then = compile_block(stmt.then, scope, budget)
     otherwise = compile_block(stmt.otherwise, scope, budget)
+    if isinstance(test, Const):
+        return then if test.value else otherwise
 
     def run(env: Env, emit: Emit) -> None:
         (then if test(env) else otherwise)(env, emit)
@@ -95,10 +104,12 @@ def _op(stmt: ast.OpCall, scope: Scope) -> Block:
     mb, stage, slot = (
         None if e is None else compile_int(e, scope) for e in (stmt.mb, stmt.stage, stmt.slot)
     )
+    kind = Kind(stmt.kind)
 
     def run(env: Env, emit: Emit) -> None:
         emit(
             stmt,
+            kind,
             None if mb is None else mb(env),
             None if stage is None else stage(env),
             None if slot is None else slot(env),

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 from pipelang import ast
 from pipelang.diagnostics import fail
-from pipelang.evaluate import LIMIT, Env, Scope, Value, bind_values, compile_int, eval_range
+from pipelang.evaluate import LIMIT, Env, Scope, Value, constant_scope, compile_int, eval_range
 from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program
 from pipelang.orders import Layout
 from pipelang.orders.greedy import expand_greedy_order
@@ -32,7 +32,7 @@ def expand_orders(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     """Evaluate the declarations of the schedule and run its order."""
     schedule = file.schedule
     env: Env = dict(bindings)
-    scope = Scope(bind_values(env).names, file.fns)
+    scope = constant_scope(env, file.fns)
     kinds = _kinds(schedule)
     costs = _costs(schedule, scope, env)
     pipelines = _pipelines(_one(schedule, ast.PipelineDecl, "pipeline", many=True), scope, env)
@@ -212,4 +212,4 @@ def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Actio
         raise fail("E0103", f"an `after` names ops fully: `{call.kind}(mb, stage)`", call.span)
     mb = compile_int(call.mb, scope)(env)
     stage = compile_int(call.stage, scope)(env)
-    return layout.op(call, mb, stage, None)
+    return layout.op(call, Kind(call.kind), mb, stage, None)

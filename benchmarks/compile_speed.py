@@ -1,0 +1,64 @@
+"""Compile speed: pipelang's passes against torch's own lowering of the same schedule.
+
+Times `resolve-params` through `insert-sync` (parse excluded: it is per file, not per
+size) for interleaved 1F1B with 2 stages per rank over a sweep of D x N, and, side by
+side in the same run, torch.distributed.pipelining's `get_schedule_ops(
+"Interleaved1F1B", D, N, num_stages_per_rank=2, with_comms=True)`, which builds the
+same per-rank order and lowers it with send/recv.
+
+    python benchmarks/compile_speed.py            # the full sweep (torch at 64x512 ~ 20 s)
+    python benchmarks/compile_speed.py --quick    # small sizes only
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+from pipelang.api import load_file
+from pipelang.compiler import Options, run_passes
+
+SIZES = [(4, 8), (8, 16), (16, 64), (32, 128), (32, 256), (64, 256), (64, 512)]
+
+
+def best_of(fn: object, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="sizes up to 16 x 64 only")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's lowering")
+    args = parser.parse_args()
+    from torch.distributed.pipelining import _schedule_visualizer
+
+    file = load_file("interleaved-1f1b")
+    sizes = SIZES[:3] if args.quick else SIZES
+    print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}")
+    print("| D | N | ops | pipelang s | us/op | torch s | torch / pipelang |")
+    print("|---|---|---|---|---|---|---|")
+    per_op = []
+    for d, n in sizes:
+        options = Options({"D": str(d), "N": str(n), "v": "2"})
+        ops = d * 2 * n * 2
+        ours = best_of(lambda o=options: run_passes(file, o), 3 if ops < 50_000 else 2)
+        per_op.append(ours / ops * 1e6)
+        theirs = float("nan")
+        if not args.no_torch:
+            theirs = best_of(lambda d=d, n=n: _schedule_visualizer.get_schedule_ops(
+                "Interleaved1F1B", d, n, num_stages_per_rank=2, with_comms=True), 1)
+        print(f"| {d} | {n} | {ops} | {ours:.3f} | {ours / ops * 1e6:.2f} | {theirs:.2f} | "
+              f"{theirs / ours:.1f}x |")
+    print(f"\nus/op spread over sizes: min {min(per_op):.2f}, median "
+          f"{statistics.median(per_op):.2f}, max {max(per_op):.2f} (flat = linear time)")
+
+
+if __name__ == "__main__":
+    main()
