@@ -7,7 +7,7 @@ status 2; a Python traceback is shown only under `--debug`.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `pipelang export ... | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (InternalError, Exception) as err:  # noqa: BLE001 - the last line of defence
         if args.debug:
             raise

@@ -49,6 +49,10 @@ class Kind(enum.Enum):
     STEP = "step"
     """Optimizer step on every stage copy the rank holds; ends the iteration."""
 
+    # Members are singletons compared by identity, so hash them by identity too, in C:
+    # Enum's own __hash__ is a Python call, and every Action hash goes through it.
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
         return self in COMPUTE_KINDS

@@ -321,9 +321,9 @@ class _Build(Transformer[Token, Any]):
         values: dict[str, ast.Expr] = {}
         named = False
         for index, (key, value) in enumerate(a for a in args if a is not None):
+            named = named or key is not None
             if key is None and index < 2 and not named:
                 key = ("mb", "stage")[index]
-            named = named or key is not None
             if key not in ("mb", "stage") or key in values:
                 raise fail("E0103", f"bad argument to `{kind}`", value.span,
                            help="ops take `(mb)`, `(mb, stage)`, or named `mb=` and `stage=`")

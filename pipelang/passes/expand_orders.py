@@ -116,7 +116,8 @@ def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[P
         if decl.index_range is not None:
             indices = list(eval_range(decl.index_range, scope, env))
         for j in indices:
-            name = decl.name if j is None else f"{decl.name}{j}"
+            # Family members are `down0`, `down1`, ...; a family of one keeps the plain name.
+            name = decl.name if j is None or len(indices) == 1 else f"{decl.name}{j}"
             if any(p.name == name for p in pipelines):
                 raise fail("E0102", f"pipeline `{name}` is declared twice", decl.span)
             local = dict(env)
@@ -174,7 +175,7 @@ def _assignment(
         index = None if item.pipeline.index is None else compile_int(item.pipeline.index, inner)
         for mb in rng:
             local = dict(env) if item.var is None else {**env, item.var: mb}
-            name = item.pipeline.name if index is None else f"{item.pipeline.name}{index(local)}"
+            name = _member(item.pipeline.name, None if index is None else index(local), names)
             if name not in names:
                 raise fail("E0107", f"no pipeline named `{name}`", item.pipeline.span,
                            notes=("pipelines: " + ", ".join(f"`{n}`" for n in sorted(names)),))
@@ -191,6 +192,15 @@ def _assignment(
         raise fail("E0206", f"micro-batch {bad} is not assigned to a pipeline", decl.span,
                    help="micro-batches must be numbered 0..N without holes")
     return tuple(owner[mb] for mb in range(len(owner)))
+
+
+def _member(family: str, index: int | None, names: set[str]) -> str:
+    """The pipeline `family[index]` names: `family{index}`, or `family` for a family of one."""
+    if index is None:
+        return family
+    if index == 0 and family in names and f"{family}1" not in names:
+        return family
+    return f"{family}{index}"
 
 
 def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:

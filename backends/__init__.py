@@ -1,0 +1,11 @@
+"""The runtime: run a compiled Program for real on torch.
+
+- `models`: the models a run trains (`gpt:tiny|small|medium`, or `module:callable`), each an
+  ordered list of layers cut into contiguous stages, and the synthetic dataset.
+- `codegen`: one plain Python program per rank from a Program (jinja2 templates).
+- `runtime`: `RankRuntime`, the `rt` those programs call (F, B, W, R, send, recv,
+  allreduce, step).
+- `transport`: how ranks move tensors: torch.distributed (gloo, nccl) or in one process.
+- `launch`: `pipelang run`: checks, launches the ranks, watches them, reports.
+- `reference`: the single-process training `--check` compares with.
+"""

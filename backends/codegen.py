@@ -1,0 +1,111 @@
+"""Codegen: one plain, straight-line Python program per rank, from a compiled Program.
+
+Each action becomes one call on the runtime `rt`, with the action's token as a comment:
+
+    F3@1/down               rt.forward(mb=3, stage=1, pipeline="down")
+    send:F3@1/down>2        rt.send_activation(mb=3, stage=1, pipeline="down", to=2)
+    recv:B3@2/down<2        rt.recv_grad(mb=3, stage=2, pipeline="down", src=2)
+    wait:F2@1/down<1        rt.wait("F", mb=2, stage=1, pipeline="down", src=1)
+    allreduce@1/down        rt.allreduce(stage=1, pipeline="down")
+    step                    rt.step()
+
+This module decides every line; the template (`templates/rank.py.j2`, StrictUndefined)
+only loops and substitutes.
+"""
+
+from __future__ import annotations
+
+import linecache
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from pipelang import __version__
+from pipelang.diagnostics import InternalError
+from pipelang.ir import Action, Kind, Program
+
+_METHODS = {Kind.F: "forward", Kind.B: "backward", Kind.W: "weight_grad", Kind.R: "recompute"}
+"""The runtime method of each compute kind."""
+
+_TRANSFERS = {
+    (Kind.SEND, Kind.F): "send_activation",
+    (Kind.RECV, Kind.F): "recv_activation",
+    (Kind.SEND, Kind.B): "send_grad",
+    (Kind.RECV, Kind.B): "recv_grad",
+}
+"""The runtime method of each data transfer: (comm kind, kind of the op that made it)."""
+
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("pipelang.backends", "templates"),
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    autoescape=False,
+)
+
+
+def action_call(action: Action) -> str:
+    """The one runtime call that performs `action` (see the module docstring)."""
+    kind = action.kind
+    if kind is Kind.STEP:
+        return "rt.step()"
+    where = f'stage={action.stage}, pipeline="{action.pipeline}"'
+    if kind is Kind.ALLREDUCE:
+        return f"rt.allreduce({where})"
+    if kind.is_compute:
+        return f"rt.{_METHODS[kind]}(mb={action.mb}, {where})"
+    peer = f"to={action.peer}" if kind in (Kind.SEND, Kind.SIGNAL) else f"src={action.peer}"
+    if kind in (Kind.SIGNAL, Kind.WAIT):
+        assert action.of is not None
+        return f'rt.{kind.value}("{action.of.value}", mb={action.mb}, {where}, {peer})'
+    method = _TRANSFERS.get((kind, action.of))  # type: ignore[arg-type]
+    if method is None:
+        raise InternalError(f"the runtime cannot move the result of {action}")
+    return f"rt.{method}(mb={action.mb}, {where}, {peer})"
+
+
+def render_rank_program(program: Program, rank: int) -> str:
+    """The source text of rank `rank`'s program."""
+    actions = program.ranks[rank]
+    calls = [action_call(a) for a in actions]
+    width = max((len(c) for c in calls), default=0)
+    lines = [f"{c:<{width}}  # {i:>3}  {a.text()}" for i, (c, a) in enumerate(zip(calls, actions))]
+    params = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in program.params)
+    copies = ", ".join(f"stage {s} of `{p}`" for s, p in program.stage_copies(rank)) or "none"
+    return _ENV.get_template("rank.py.j2").render(
+        version=__version__,
+        source=program.source,
+        name=program.name,
+        params=f" ({params})" if params else "",
+        rank=rank,
+        num_ranks=program.num_ranks,
+        copies=copies,
+        lines=lines or ["pass  # this rank runs no action"],
+    )
+
+
+def write_rank_programs(program: Program, out_dir: Path) -> list[Path]:
+    """Write `out_dir/rank{r}.py` for every rank; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rank in range(program.num_ranks):
+        path = out_dir / f"rank{rank}.py"
+        path.write_text(render_rank_program(program, rank))
+        written.append(path)
+    return written
+
+
+def load_iteration(source: str, filename: str) -> Callable[[Any], None]:
+    """The `iteration(rt)` function of a generated program's source text.
+
+    The text is our own generated code (never user input). It is registered with
+    linecache so that tracebacks and debuggers show its lines.
+    """
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    namespace: dict[str, Any] = {"__name__": f"pipelang_rank_{Path(filename).stem}"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["iteration"]  # type: ignore[no-any-return]

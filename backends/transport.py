@@ -1,0 +1,281 @@
+"""How ranks move tensors: point-to-point channels and replica allreduce.
+
+`DistTransport` runs over torch.distributed (gloo on CPU, nccl on GPUs): one process group
+per directed rank pair that talks, so a receive can never queue behind unrelated traffic,
+and one group per stage whose replicas live on several ranks. Sends are non-blocking and
+waited at the end of the step; receives block; allreduces start at `allreduce` and are
+waited at `step`.
+
+`LocalHub` runs every rank of a program in one process, each rank a thread; only one
+thread runs at a time and the baton passes, in rank order, when a rank must wait for a
+message. On CUDA each rank computes on a stream of its own and a message is a device copy
+ordered by events.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from pipelang.ir import COMM_KINDS, Program
+
+
+class PeerFailure(Exception):
+    """Communication failed because another rank stopped (a consequence, not the cause)."""
+
+
+class Handle(Protocol):
+    """Something started that must finish before its result is used."""
+
+    def wait(self) -> object: ...
+
+
+class Transport(Protocol):
+    """What a rank's runtime needs from the communication layer."""
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None: ...
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor: ...
+
+    def allreduce(self, stage: int, flat: torch.Tensor) -> Handle: ...
+
+    def end_step(self) -> None: ...
+
+
+def channels(program: Program) -> list[tuple[int, int]]:
+    """Every directed (sender, receiver) pair the program moves data or signals over."""
+    pairs = set()
+    for rank, actions in enumerate(program.ranks):
+        for a in actions:
+            if a.kind in COMM_KINDS and a.peer is not None:
+                sending = a.kind.value in ("send", "signal")
+                pairs.add((rank, a.peer) if sending else (a.peer, rank))
+    return sorted(pairs)
+
+
+def replica_ranks(program: Program, stage: int) -> list[int]:
+    """The ranks holding a copy of `stage`, sorted, each once."""
+    return sorted(set(program.replicas(stage)))
+
+
+class DistTransport:
+    """torch.distributed channels; every rank must construct it (groups are collective)."""
+
+    def __init__(self, program: Program, rank: int, device: torch.device, timeout: float) -> None:
+        self.rank = rank
+        self.device = device
+        self.cuda = device.type == "cuda"
+        wait = timedelta(seconds=timeout)
+        self.groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        self.streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+        for pair in channels(program):
+            group = dist.new_group(list(pair), timeout=wait)
+            if rank in pair:
+                self.groups[pair] = group
+                if self.cuda:
+                    self.streams[pair] = torch.cuda.Stream(device)
+        self.reduce_groups: dict[int, dist.ProcessGroup] = {}
+        for stage in range(program.num_stages):
+            ranks = replica_ranks(program, stage)
+            if len(ranks) > 1:
+                group = dist.new_group(ranks, timeout=wait)
+                if rank in ranks:
+                    self.reduce_groups[stage] = group
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        pair = (self.rank, peer)
+        tensor = tensor.contiguous()
+        if self.cuda:
+            stream = self.streams[pair]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            tensor.record_stream(stream)
+            with torch.cuda.stream(stream):
+                work = dist.isend(tensor, peer, group=self.groups[pair])
+        else:
+            work = dist.isend(tensor, peer, group=self.groups[pair])
+        assert work is not None
+        self.sends.append((work, tensor))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
+        pair = (peer, self.rank)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        if not self.cuda:
+            dist.recv(buf, peer, group=self.groups[pair])
+            return buf
+        stream = self.streams[pair]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            work = dist.irecv(buf, peer, group=self.groups[pair])
+            assert work is not None
+            work.wait()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        buf.record_stream(torch.cuda.current_stream(self.device))
+        return buf
+
+    def allreduce(self, stage: int, flat: torch.Tensor) -> Handle:
+        work = dist.all_reduce(flat, group=self.reduce_groups[stage], async_op=True)
+        assert work is not None
+        return work
+
+    def end_step(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
+class Aborted(Exception):
+    """Another rank of a local run failed; this one stops."""
+
+
+class LocalHub:
+    """All ranks of a program in one process; see the module docstring."""
+
+    def __init__(self, program: Program, device: torch.device) -> None:
+        self.program = program
+        self.device = device
+        self.world = program.num_ranks
+        self._cond = threading.Condition()
+        self._running = 0
+        self._waiting: dict[int, Callable[[], bool]] = {}
+        self._finished: set[int] = set()
+        self.failure: BaseException | None = None
+        self.mailbox: dict[tuple[int, int], deque[tuple[torch.Tensor, object]]] = {
+            pair: deque() for pair in channels(program)
+        }
+        self._reductions: dict[tuple[int, int], _Reduction] = {}
+
+    def start(self, rank: int) -> None:
+        """Block until `rank` holds the baton for the first time."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.failure is not None or self._running == rank)
+            self._check()
+
+    def block_until(self, rank: int, ready: Callable[[], bool]) -> None:
+        """Pass the baton on until `ready()` holds, then take it back."""
+        with self._cond:
+            while not ready():
+                self._waiting[rank] = ready
+                self._pass_baton(rank)
+                self._cond.wait_for(lambda: self.failure is not None or self._running == rank)
+                self._check()
+            self._waiting.pop(rank, None)
+
+    def finish(self, rank: int, error: BaseException | None = None) -> None:
+        """`rank` is done (or failed with `error`): hand the baton on for good."""
+        with self._cond:
+            self._finished.add(rank)
+            if error is not None and self.failure is None:
+                self.failure = error
+            if self.failure is None:
+                self._pass_baton(rank)
+            self._cond.notify_all()
+
+    def abort(self, error: BaseException) -> None:
+        """Stop every rank (a timeout seen by the caller, say)."""
+        with self._cond:
+            self.failure = self.failure or error
+            self._cond.notify_all()
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise Aborted from None
+
+    def _pass_baton(self, rank: int) -> None:
+        for k in range(1, self.world + 1):
+            other = (rank + k) % self.world
+            ready = self._waiting.get(other)
+            if other not in self._finished and (ready is None or ready()):
+                self._running = other
+                self._cond.notify_all()
+                return
+        if len(self._finished) < self.world:
+            waiting = sorted(self._waiting)
+            self.failure = RuntimeError(f"local run deadlocked: ranks {waiting} all wait")
+        self._cond.notify_all()
+
+    def reduction(self, step: int, stage: int) -> _Reduction:
+        key = (step, stage)
+        if key not in self._reductions:
+            self._reductions[key] = _Reduction(len(replica_ranks(self.program, stage)))
+        return self._reductions[key]
+
+
+class _Reduction:
+    """One stage's allreduce in a local run: the last contributor sums, in rank order."""
+
+    def __init__(self, members: int) -> None:
+        self.members = members
+        self.parts: dict[int, tuple[torch.Tensor, object]] = {}
+        self.done = False
+        self.event: object = None
+
+
+class LocalTransport:
+    """One rank's view of a `LocalHub`."""
+
+    def __init__(self, hub: LocalHub, rank: int) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.cuda = hub.device.type == "cuda"
+        self.stream = torch.cuda.Stream(hub.device) if self.cuda else None
+        self.step_index = 0
+
+    def _event(self) -> object:
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def _wait_event(self, event: object) -> None:
+        if self.cuda and self.stream is not None:
+            self.stream.wait_event(event)  # type: ignore[arg-type]
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        self.hub.mailbox[(self.rank, peer)].append((tensor, self._event()))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
+        box = self.hub.mailbox[(peer, self.rank)]
+        self.hub.block_until(self.rank, lambda: bool(box))
+        tensor, event = box.popleft()
+        self._wait_event(event)
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise RuntimeError(f"rank {peer} sent {tuple(tensor.shape)} {tensor.dtype}, "
+                               f"rank {self.rank} expected {shape} {dtype}")
+        return tensor.clone()  # the device copy: the sender keeps its own tensor
+
+    def allreduce(self, stage: int, flat: torch.Tensor) -> Handle:
+        reduction = self.hub.reduction(self.step_index, stage)
+        reduction.parts[self.rank] = (flat, self._event())
+        if len(reduction.parts) == reduction.members:
+            parts = [reduction.parts[r] for r in sorted(reduction.parts)]
+            for _, event in parts:
+                self._wait_event(event)
+            total = parts[0][0].clone()
+            for part, _ in parts[1:]:
+                total += part
+            for part, _ in parts:
+                part.copy_(total)
+            reduction.event = self._event()
+            reduction.done = True
+        return _LocalWork(self, reduction)
+
+    def end_step(self) -> None:
+        self.step_index += 1
+
+
+class _LocalWork:
+    def __init__(self, transport: LocalTransport, reduction: _Reduction) -> None:
+        self.transport = transport
+        self.reduction = reduction
+
+    def wait(self) -> None:
+        self.transport.hub.block_until(self.transport.rank, lambda: self.reduction.done)
+        self.transport._wait_event(self.reduction.event)

@@ -1,0 +1,125 @@
+"""Finding and explaining a deadlock: a cycle in the dependency graph of the ops.
+
+`find_cycle` returns a shortest cycle through the first stuck op (linear time);
+`describe_cycle` turns it into the E0306 diagnostic: each op with its source line, the
+cycle step by step, and a rank x step grid with the cycle's ops in [brackets].
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+
+from pipelang.diagnostics import Diagnostic, InternalError, Label
+from pipelang.grid import step_grid
+from pipelang.ir import Program
+from pipelang.passes.build_dag import Edge, OpGraph
+
+MAX_LABELS = 8
+"""Source lines shown for a long cycle; the note lists every op anyway."""
+
+WINDOW = 2
+"""Steps shown in the grid on either side of each op of the cycle."""
+
+
+def find_cycle(graph: OpGraph, skip: frozenset[Edge] = frozenset()) -> list[int]:
+    """A shortest cycle through some stuck op, as op numbers where each waits for the one
+    before it, starting at its op that comes first by (rank, step); empty when the graph
+    (without the edges in `skip`) has no cycle."""
+    done = graph.topological_order(skip)
+    if len(done) == len(graph.ops):
+        return []
+    stuck = set(range(len(graph.ops))).difference(done)
+    succ: dict[int, list[int]] = {u: [] for u in stuck}
+    pred: dict[int, list[int]] = {u: [] for u in stuck}
+    for u, v in graph.edges(skip):
+        if u in stuck and v in stuck:
+            succ[u].append(v)
+            pred[v].append(u)
+    # A stuck op waits for at least one stuck op, so walking back from any of them must
+    # come round to an op it has seen: that op lies on a cycle.
+    seen: set[int] = set()
+    at = min(stuck, key=lambda u: (graph.ranks[u], graph.steps[u]))
+    while at not in seen:
+        seen.add(at)
+        at = pred[at][0]
+    cycle = _shortest_cycle_through(at, succ)
+    first = min(range(len(cycle)), key=lambda i: (graph.ranks[cycle[i]], graph.steps[cycle[i]]))
+    return cycle[first:] + cycle[:first]
+
+
+def _shortest_cycle_through(start: int, succ: dict[int, list[int]]) -> list[int]:
+    """Breadth-first from `start` back to itself."""
+    parent: dict[int, int] = {}
+    queue = deque([start])
+    while queue:
+        u = queue.popleft()
+        for v in succ[u]:
+            if v == start:
+                path = [u]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return path[::-1]
+            if v not in parent:
+                parent[v] = u
+                queue.append(v)
+    raise InternalError(f"op {start} lies on no cycle")
+
+
+def edge_reasons(graph: OpGraph, edges: Collection[Edge]) -> dict[Edge, str]:
+    """Why each of `edges` exists: `data` over `after` over `order` (one scan of the graph)."""
+    reasons: dict[Edge, str] = {}
+    for why, listed in (("order", graph.order), ("after", graph.after), ("data", graph.data)):
+        reasons.update((e, why) for e in listed if e in edges)
+    return reasons
+
+
+def describe_cycle(program: Program, graph: OpGraph, cycle: list[int]) -> Diagnostic:
+    """The E0306 diagnostic for `cycle` (each op waits for the one before it)."""
+    ops, ranks, steps = graph.ops, graph.ranks, graph.steps
+    first = ops[cycle[0]]
+    waits = [(cycle[i - 1], v) for i, v in enumerate(cycle)]
+    labels = tuple(
+        Label(ops[v].span, f"`{ops[v]}` on rank {ranks[v]} waits for `{ops[u]}`")
+        for u, v in waits[1 : MAX_LABELS + 1]
+        if ops[v].span is not None
+    )
+    reasons = edge_reasons(graph, frozenset(waits))
+    lines = [f"  {ops[cycle[0]]}  (rank {ranks[cycle[0]]}, step {steps[cycle[0]]})"]
+    for u, v in [*waits[1:], waits[0]]:
+        reason = reasons[(u, v)]
+        lines.append(f"  -> {ops[v]}  (rank {ranks[v]}, step {steps[v]}; {_WHY[reason]})")
+    return Diagnostic(
+        "E0306",
+        f"the schedule deadlocks: {len(cycle)} ops wait on each other in a cycle",
+        first.span,
+        labels,
+        notes=(
+            "each op waits for the one before it:\n" + "\n".join(lines),
+            "rank x step grid, the cycle in [brackets]:\n" + _grid(program, graph, cycle),
+        ),
+        help="reorder one of the ranks so that every op comes after the ops it waits for; "
+        "only the waits marked `listed after` depend on the order",
+    )
+
+
+_WHY = {
+    "order": "listed after",
+    "data": "needs its result",
+    "after": "an `after` dependency",
+}
+
+
+def _grid(program: Program, graph: OpGraph, cycle: list[int]) -> str:
+    marked = {(graph.ranks[u], graph.steps[u]) for u in cycle}
+    ranks = sorted({r for r, _ in marked})
+    longest = max(len(program.ranks[r]) for r in ranks)
+    shown = sorted(
+        {
+            s
+            for _, step in marked
+            for s in range(step - WINDOW, step + WINDOW + 1)
+            if 0 <= s < longest
+        }
+    )
+    return step_grid(program, ranks, shown, marked)

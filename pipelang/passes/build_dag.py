@@ -1,0 +1,249 @@
+"""Pass `build-dag`: every compute op of a Program and the ops it must wait for.
+
+Needs: a Program from `expand-orders` (comm, allreduce and step actions, if any, are
+skipped). Ops may be missing, duplicated or misplaced; that is `validate`'s business.
+Guarantees: a `networkx.DiGraph` with one node per distinct compute op in `program.ranks`
+(attributes `rank` and `step`: where its first occurrence stands) and an edge `u -> v`
+for every "u must end before v starts", with attribute `why`:
+
+- `order`: u comes right before v in one rank's list;
+- `data`: v consumes u's result (`Program.inputs_of`): F(m,s) -> F(m,s+1),
+  F(m,s) -> B(m,s), B(m,s+1) -> B(m,s), B(m,s) -> W(m,s), F(m,s) -> R(m,s) -> B(m,s);
+- `after`: an explicit `after` dependency.
+
+An edge whose endpoint is absent is left out. When two reasons join the same pair, the
+edge says `data` over `after` over `order`. The same facts, with ops numbered, are kept
+as an `OpGraph` in `dag.graph["ops"]` for the passes that walk the whole graph.
+
+    rank 0: F0@0/main B0@0/main
+    rank 1: F0@1/main B0@1/main
+  =>
+    F0@0/main -> B0@0/main  data        F0@1/main -> B0@1/main  data
+    F0@0/main -> F0@1/main  data        B0@1/main -> B0@0/main  data
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import networkx as nx
+
+from pipelang.diagnostics import InternalError
+from pipelang.ir import Action, Kind, Program
+
+Key = tuple[Kind, int | None, int | None, str | None]
+"""An op's identity without its span: (kind, micro-batch, stage, pipeline)."""
+
+Edge = tuple[int, int]
+"""(u, v) by op number: u must end before v starts."""
+
+
+def op_key(action: Action) -> Key:
+    """The identity of a compute op, cheap to hash."""
+    return (action.kind, action.mb, action.stage, action.pipeline)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One transfer between ranks: `producer`'s result (or, if not `data`, only the news
+    that it ended) goes from rank `src` to rank `dst`, where `consumer` needs it first."""
+
+    producer: int
+    consumer: int
+    src: int
+    dst: int
+    data: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpGraph:
+    """The DAG with ops numbered `0..n-1`, for linear-time walks over large schedules.
+
+    `ops[i]` is the first occurrence of op `i`, at `steps[i]` in `program.ranks[ranks[i]]`;
+    `index` finds an op's number by `op_key`. Edge lists hold (u, v) pairs by reason, each
+    in rank order of `v` (`order`, `data`) or in the order of `program.after`.
+    """
+
+    ops: tuple[Action, ...]
+    ranks: tuple[int, ...]
+    steps: tuple[int, ...]
+    index: Mapping[Key, int]
+    order: tuple[Edge, ...]
+    data: tuple[Edge, ...]
+    after: tuple[Edge, ...]
+
+    def find(self, action: Action) -> int | None:
+        """The number of `action`'s op, or None when no rank runs it."""
+        return self.index.get(op_key(action))
+
+    def edges(self, skip: frozenset[Edge] = frozenset()) -> Iterable[Edge]:
+        """Every edge, of every reason, except those in `skip`."""
+        for edges in (self.order, self.data, self.after):
+            yield from (e for e in edges if e not in skip) if skip else edges
+
+    def topological_order(self, skip: frozenset[Edge] = frozenset()) -> list[int]:
+        """Ops in an order that respects every edge but those in `skip` (Kahn's algorithm).
+
+        Ops on a cycle, and those after one, are left out: the list is shorter than `ops`
+        exactly when the graph has a cycle.
+        """
+        succ: list[list[int]] = [[] for _ in self.ops]
+        indegree = [0] * len(self.ops)
+        for u, v in self.edges(skip):
+            succ[u].append(v)
+            indegree[v] += 1
+        ready = [v for v, d in enumerate(indegree) if d == 0]
+        done: list[int] = []
+        while ready:
+            u = ready.pop()
+            done.append(u)
+            for v in succ[u]:
+                indegree[v] -= 1
+                if indegree[v] == 0:
+                    ready.append(v)
+        return done
+
+    def messages(self) -> dict[tuple[int, int], list[Message]]:
+        """What crosses between ranks, per channel (src, dst), in the sender's order.
+
+        One message per producer and receiving rank: data when any op there consumes the
+        producer's result, else just a signal for `after` dependencies. It is received
+        before its first consumer; receiving order is (consumer step, producer step).
+        """
+        first: dict[tuple[int, int], tuple[int, bool]] = {}
+        for data, edges in ((True, self.data), (False, self.after)):
+            for u, v in edges:
+                dst = self.ranks[v]
+                if self.ranks[u] == dst:
+                    continue
+                consumer, was_data = first.get((u, dst), (v, data))
+                if self.steps[v] < self.steps[consumer]:
+                    consumer = v
+                first[(u, dst)] = (consumer, data or was_data)
+        channels: dict[tuple[int, int], list[Message]] = {}
+        for (u, dst), (consumer, data) in first.items():
+            channel = (self.ranks[u], dst)
+            channels.setdefault(channel, []).append(Message(u, consumer, *channel, data))
+        for sent in channels.values():
+            sent.sort(key=lambda m: self.steps[m.producer])
+        return dict(sorted(channels.items()))
+
+    def to_networkx(self) -> nx.DiGraph:
+        """The `build-dag` DiGraph: Action nodes with `rank`/`step`, edges with `why`.
+
+        Edges with one reason share one attribute dict: treat them as read-only.
+        """
+        # Filling networkx's adjacency dicts directly costs two dict stores per edge;
+        # add_edges_from costs about four times as much, which matters at 10^5 ops.
+        succ: list[dict[Action, dict[str, str]]] = [{} for _ in self.ops]
+        pred: list[dict[Action, dict[str, str]]] = [{} for _ in self.ops]
+        ops = self.ops
+        for why, edges in (("order", self.order), ("after", self.after), ("data", self.data)):
+            attrs = {"why": why}
+            for u, v in edges:
+                succ[u][ops[v]] = attrs
+                pred[v][ops[u]] = attrs
+        dag = nx.DiGraph()
+        dag._node.update(
+            (op, {"rank": r, "step": s})
+            for op, r, s in zip(ops, self.ranks, self.steps, strict=True)
+        )
+        dag._succ.update(zip(ops, succ, strict=True))
+        dag._pred.update(zip(ops, pred, strict=True))
+        dag.graph["ops"] = self
+        return dag
+
+
+def build_dag(program: Program) -> nx.DiGraph:
+    """The dependency DAG of `program`'s compute ops (see the module docstring)."""
+    return op_graph(program).to_networkx()
+
+
+def graph_of(dag: nx.DiGraph, program: Program) -> OpGraph:
+    """The numbered graph `build_dag` stored in `dag`, or a fresh one for `program`."""
+    stored = dag.graph.get("ops")
+    return stored if isinstance(stored, OpGraph) else op_graph(program)
+
+
+_RECENT: list[tuple[Program, OpGraph]] = []
+"""The last graphs made, by program identity: passes in a row that each need the graph
+of one (immutable) Program build it once."""
+
+
+def op_graph(program: Program) -> OpGraph:
+    """Number the compute ops of `program` and collect the edges between them."""
+    for seen, graph in _RECENT:
+        if seen is program:
+            return graph
+    graph = _number(program)
+    _RECENT[:] = [(program, graph), *_RECENT[:1]]
+    return graph
+
+
+def _number(program: Program) -> OpGraph:
+    ops: list[Action] = []
+    ranks: list[int] = []
+    steps: list[int] = []
+    index: dict[Key, int] = {}
+    order: list[Edge] = []
+    compute = _COMPUTE
+    for rank, actions in enumerate(program.ranks):
+        previous = -1
+        for step, action in enumerate(actions):
+            kind = action.kind
+            if kind not in compute:
+                continue
+            key = (kind, action.mb, action.stage, action.pipeline)
+            node = index.get(key)
+            if node is None:
+                node = index[key] = len(ops)
+                ops.append(action)
+                ranks.append(rank)
+                steps.append(step)
+            if previous >= 0:
+                order.append((previous, node))
+            previous = node
+    data = _data_edges(index, program.num_stages)
+    after = _after_edges(program, index)
+    return OpGraph(
+        tuple(ops), tuple(ranks), tuple(steps), index, tuple(order), tuple(data), tuple(after)
+    )
+
+
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.W, Kind.R})
+
+
+def _data_edges(index: Mapping[Key, int], num_stages: int) -> list[Edge]:
+    """`Program.inputs_of` by key, with R counted wherever it is listed (an absent op has
+    no edges anyway); inlined, since it runs once per op of large schedules."""
+    edges: list[Edge] = []
+    get, add = index.get, edges.append
+    f, b, w = Kind.F, Kind.B, Kind.W
+    for (kind, mb, stage, pipe), v in index.items():
+        if stage is None:
+            raise InternalError(f"compute op without a stage: {kind.value}{mb}")
+        if kind is f:
+            inputs: tuple[Key, ...] = ((f, mb, stage - 1, pipe),) if stage > 0 else ()
+        elif kind is b:
+            inputs = ((f, mb, stage, pipe), (Kind.R, mb, stage, pipe))
+            if stage + 1 < num_stages:
+                inputs += ((b, mb, stage + 1, pipe),)
+        elif kind is w:
+            inputs = ((b, mb, stage, pipe),)
+        else:
+            inputs = ((f, mb, stage, pipe),)
+        for key in inputs:
+            u = get(key)
+            if u is not None:
+                add((u, v))
+    return edges
+
+
+def _after_edges(program: Program, index: Mapping[Key, int]) -> list[Edge]:
+    edges: list[Edge] = []
+    for dep in program.after:
+        u, v = index.get(op_key(dep.earlier)), index.get(op_key(dep.later))
+        if u is not None and v is not None:
+            edges.append((u, v))
+    return edges

@@ -1,0 +1,372 @@
+"""Pass `validate`: every problem with the order, collected and reported at once.
+
+Needs: the Program from `expand-orders` and its DAG from `build-dag`.
+Guarantees: an empty list exactly when every required op runs once, on the rank its
+placement names, after the ops it needs on its own rank, with no deadlock, no crossing
+transfers on a channel, and (when a cap is given) no rank over the activation cap. Each
+diagnostic points at the action that caused it; they come sorted by position.
+
+Checks, by code: E0301 wrong rank (or an op the schedule does not have), E0302
+duplicate, E0303 missing, E0309 undeclared op kind, E0304 B before its F, E0305 W
+before its B or R outside F..B, E0306 deadlock, E0307 crossing transfers, E0308 too
+many activations. Deadlock and crossing checks need a sound graph, so they run only
+when no op is missing, duplicated or misplaced; a same-rank order mistake is reported
+as E0304/E0305 and not again as a deadlock.
+
+    rank 0: F0@0/main B0@0/main F1@0/main B1@0/main
+    rank 1: F1@1/main F0@1/main B0@1/main B1@1/main
+  =>
+    error[E0306]: the schedule deadlocks: 5 ops wait on each other in a cycle
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from pipelang.diagnostics import Diagnostic, Label
+from pipelang.ir import Action, Kind, Program
+from pipelang.deadlock import describe_cycle, find_cycle
+from pipelang.passes.build_dag import Key, Message, OpGraph, graph_of, op_key
+from pipelang.source import Span
+
+SHOWN = 3
+"""How many ops a collapsed diagnostic names before `and N more`."""
+
+
+def validate(program: Program, dag: nx.DiGraph, max_activations: int | None) -> list[Diagnostic]:
+    """Every problem in `program`'s order, sorted by position (see the module docstring)."""
+    graph = graph_of(dag, program)
+    found = _collapse([*_placement_problems(program), *_order_problems(program)])
+    found += _missing(program, graph)
+    if not any(d.code in ("E0301", "E0302", "E0303") for d in found):
+        cycle = find_cycle(graph, skip=_backward_edges(graph))
+        if cycle:
+            found.append(describe_cycle(program, graph, cycle))
+        found += _crossings(graph, exclude=frozenset(cycle))
+    if max_activations is not None:
+        found += _memory(program, max_activations)
+    return sorted(found, key=Diagnostic.sort_key)
+
+
+@dataclass(frozen=True, slots=True)
+class _Problem:
+    """One op's problem; problems with one code and one span merge into one diagnostic."""
+
+    code: str
+    op: Action
+    rank: int
+    detail: str
+    help: str
+    labels: tuple[Label, ...] = ()
+
+
+_MANY = {
+    "E0301": "ops are listed on the wrong rank",
+    "E0302": "ops are listed twice",
+    "E0304": "backwards run before their forward",
+    "E0305": "ops run outside their forward..backward order",
+    "E0309": "ops use an op kind the schedule does not declare",
+}
+
+
+def _collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
+    """One diagnostic per (code, span): a loop that makes many bad ops is one mistake."""
+    groups: dict[tuple[str, Span | None, int], list[_Problem]] = defaultdict(list)
+    for p in problems:
+        groups[(p.code, p.op.span, -1 if p.op.span else p.rank)].append(p)
+    diagnostics = []
+    for (code, span, _), group in groups.items():
+        first = group[0]
+        if len(group) == 1:
+            diagnostics.append(Diagnostic(code, first.detail, span, first.labels, help=first.help))
+            continue
+        ops = _listing([p.op for p in group])
+        diagnostics.append(
+            Diagnostic(
+                code,
+                f"{len(group)} {_MANY[code]}: {ops}",
+                span,
+                first.labels,
+                notes=tuple(p.detail for p in group[:SHOWN]),
+                help=first.help,
+            )
+        )
+    return diagnostics
+
+
+def _listing(ops: Sequence[Action]) -> str:
+    """`A`, `B`, `C` and 4 more."""
+    names = ", ".join(f"`{op}`" for op in ops[:SHOWN])
+    return names if len(ops) <= SHOWN else f"{names} and {len(ops) - SHOWN} more"
+
+
+def _placement_problems(program: Program) -> list[_Problem]:
+    """E0301, E0302, E0309, for each compute action where it stands.
+
+    An op listed on the wrong rank is reported as that alone, not also as a duplicate of
+    its copy on the right rank.
+    """
+    placements = {p.name: p.placement for p in program.pipelines}
+    declared = frozenset(program.kinds)
+    placed: dict[Key, tuple[int, int, Action]] = {}
+    problems = []
+    for rank, actions in enumerate(program.ranks):
+        for step, action in enumerate(actions):
+            if not action.kind.is_compute:
+                continue
+            if action.kind not in declared:
+                problems.append(_undeclared(action, rank))
+            wrong = _wrong_place(program, placements, action, rank)
+            if wrong is not None:
+                problems.append(wrong)
+                continue
+            first = placed.setdefault(op_key(action), (rank, step, action))
+            if first[:2] != (rank, step):
+                problems.append(_duplicate(first, action, rank, step))
+    return problems
+
+
+def _undeclared(action: Action, rank: int) -> _Problem:
+    kind = action.kind.value
+    return _Problem(
+        "E0309",
+        action,
+        rank,
+        f"`{action}` uses op kind `{kind}`, which the schedule does not declare",
+        f"declare it: `ops F, B, {kind}`",
+    )
+
+
+def _wrong_place(
+    program: Program, placements: dict[str, tuple[int, ...]], action: Action, rank: int
+) -> _Problem | None:
+    stage, pipe = action.stage, action.pipeline
+    reason = _not_an_op(program, placements, action)
+    if reason is not None or stage is None or pipe is None:
+        return _Problem(
+            "E0301", action, rank, f"`{action}` is not an op of this schedule: {reason}",
+            "remove it, or fix its micro-batch or stage",
+        )
+    owner = placements[pipe][stage]
+    if owner == rank:
+        return None
+    return _Problem(
+        "E0301",
+        action,
+        rank,
+        f"`{action}` is listed on rank {rank}, but pipeline `{pipe}` places stage {stage} "
+        f"on rank {owner}",
+        f"move it to rank {owner}'s order: the placement decides where an op runs, "
+        "the order only when",
+    )
+
+
+def _not_an_op(
+    program: Program, placements: dict[str, tuple[int, ...]], action: Action
+) -> str | None:
+    """Why `action` names no op of the schedule, or None when it does."""
+    mb, stage, pipe = action.mb, action.stage, action.pipeline
+    placement = placements.get(pipe or "")
+    if placement is None:
+        return f"there is no pipeline `{pipe}`"
+    if stage is None or not 0 <= stage < len(placement):
+        return f"there is no stage {stage} (stages are 0..{len(placement)})"
+    if mb is None or not 0 <= mb < program.num_microbatches:
+        return f"there is no micro-batch {mb} (micro-batches are 0..{program.num_microbatches})"
+    if program.assignment[mb] != pipe:
+        return f"micro-batch {mb} travels through pipeline `{program.assignment[mb]}`"
+    return None
+
+
+def _duplicate(first: tuple[int, int, Action], action: Action, rank: int, step: int) -> _Problem:
+    first_rank, first_step, original = first
+    labels = (Label(original.span, "first listed here"),) if original.span else ()
+    return _Problem(
+        "E0302",
+        action,
+        rank,
+        f"`{action}` is listed twice: rank {first_rank} step {first_step} "
+        f"and rank {rank} step {step}",
+        "each op runs exactly once; remove one of them",
+        labels,
+    )
+
+
+def _missing(program: Program, graph: OpGraph) -> list[Diagnostic]:
+    """E0303, one diagnostic per rank that should run ops nobody lists."""
+    absent: dict[int, list[Action]] = defaultdict(list)
+    for mb, pipe in enumerate(program.assignment):
+        placement = program.pipeline(pipe).placement
+        for stage, rank in enumerate(placement):
+            for kind in program.kinds:
+                if (kind, mb, stage, pipe) not in graph.index:
+                    absent[rank].append(Action(kind, mb, stage, pipe))
+    diagnostics = []
+    for rank, ops in sorted(absent.items()):
+        what = f"`{ops[0]}`" if len(ops) == 1 else f"{len(ops)} required ops: {_listing(ops)}"
+        diagnostics.append(
+            Diagnostic(
+                "E0303",
+                f"rank {rank} never runs {what}",
+                program.order_span,
+                help=f"add them to rank {rank}'s order: every micro-batch needs "
+                + ", ".join(k.value for k in program.kinds)
+                + " on every stage of its pipeline",
+            )
+        )
+    return diagnostics
+
+
+@dataclass(frozen=True, slots=True)
+class _OrderRule:
+    """How to report `needer` listed before `needed`, both of one (micro-batch, stage)."""
+
+    code: str
+    message: str
+    label: str
+    at_needed: bool = False
+    """Report at `needed` (an R listed after its B is the R's mistake)."""
+
+
+_ORDER_RULES = {
+    (Kind.F, Kind.B): _OrderRule(
+        "E0304", "`{needer}` runs before its forward `{needed}` on rank {rank}",
+        "the forward is listed here",
+    ),
+    (Kind.B, Kind.W): _OrderRule(
+        "E0305", "`{needer}` runs before its backward `{needed}` on rank {rank}",
+        "the backward is listed here",
+    ),
+    (Kind.F, Kind.R): _OrderRule(
+        "E0305", "`{needer}` runs before the forward `{needed}` it recomputes, on rank {rank}",
+        "the forward is listed here",
+    ),
+    (Kind.R, Kind.B): _OrderRule(
+        "E0305", "`{needed}` runs after the backward `{needer}` that needs it, on rank {rank}",
+        "the backward is listed here", at_needed=True,
+    ),
+}
+"""Keyed by (kind of the needed op, kind of the op that needs it)."""
+
+
+def _backward_edges(graph: OpGraph) -> frozenset[tuple[int, int]]:
+    """Same-rank data edges within one (micro-batch, stage) that point back in the order:
+    the E0304/E0305 mistakes, left out of the deadlock search."""
+    ops, ranks, steps = graph.ops, graph.ranks, graph.steps
+    return frozenset(
+        (u, v)
+        for u, v in graph.data
+        if ranks[u] == ranks[v]
+        and steps[u] > steps[v]
+        and ops[u].stage == ops[v].stage
+        and (ops[u].kind, ops[v].kind) in _ORDER_RULES
+    )
+
+
+def _order_problems(program: Program) -> list[_Problem]:
+    """E0304, E0305: an op listed before an op of its own (micro-batch, stage) it needs,
+    both on the same rank."""
+    problems = []
+    for rank, actions in enumerate(program.ranks):
+        where: dict[Key, tuple[int, Action]] = {}
+        for step, action in enumerate(actions):
+            if action.kind.is_compute:
+                where.setdefault(op_key(action), (step, action))
+        for step, needer in enumerate(actions):
+            for kind in _NEEDS.get(needer.kind, ()):
+                found = where.get((kind, needer.mb, needer.stage, needer.pipeline))
+                if found is not None and found[0] > step:
+                    problems.append(_order_problem(found[1], needer, rank))
+    return problems
+
+
+_NEEDS = {Kind.B: (Kind.F, Kind.R), Kind.W: (Kind.B,), Kind.R: (Kind.F,)}
+"""The kinds of the ops of its own (micro-batch, stage) that an op needs before it."""
+
+
+def _order_problem(needed: Action, needer: Action, rank: int) -> _Problem:
+    rule = _ORDER_RULES[(needed.kind, needer.kind)]
+    at, other = (needed, needer) if rule.at_needed else (needer, needed)
+    return _Problem(
+        rule.code,
+        at,
+        rank,
+        rule.message.format(needed=needed, needer=needer, rank=rank),
+        f"on rank {rank}, list `{needed}` before `{needer}`",
+        (Label(other.span, rule.label),) if other.span else (),
+    )
+
+
+def _crossings(graph: OpGraph, exclude: frozenset[int]) -> list[Diagnostic]:
+    """E0307: per channel, the first message received before one sent earlier."""
+    diagnostics = []
+    steps = graph.steps
+    for (src, dst), sent in graph.messages().items():
+        latest = sent[0]
+        for message in sent[1:]:
+            if steps[message.consumer] >= steps[latest.consumer]:
+                latest = message
+                continue
+            involved = {message.producer, message.consumer, latest.producer, latest.consumer}
+            if not involved & exclude:
+                diagnostics.append(_crossing(graph, latest, message))
+            break
+    return diagnostics
+
+
+def _crossing(graph: OpGraph, early: Message, late: Message) -> Diagnostic:
+    """`late` is sent after `early` but its consumer comes first on the receiving rank."""
+    ops, steps = graph.ops, graph.steps
+    src, dst = late.src, late.dst
+    sent_first, sent_then = ops[early.producer], ops[late.producer]
+    needs_first, needs_then = ops[late.consumer], ops[early.consumer]
+    labels = (Label(needs_then.span, f"needs `{sent_first}`, which is sent first"),)
+    return Diagnostic(
+        "E0307",
+        f"transfers from rank {src} to rank {dst} cross: `{sent_then}` is sent after "
+        f"`{sent_first}` but needed before it",
+        needs_first.span,
+        labels if needs_then.span else (),
+        notes=(
+            f"rank {src} sends `{sent_first}` (step {steps[early.producer]}) and then "
+            f"`{sent_then}` (step {steps[late.producer]})",
+            f"rank {dst} needs `{sent_then}` for `{needs_first}` (step {steps[late.consumer]}) "
+            f"and then `{sent_first}` for `{needs_then}` (step {steps[early.consumer]})",
+            "a channel delivers in the order it is sent, so the receiver would get the wrong "
+            "message",
+        ),
+        help=f"on rank {dst}, list `{needs_then}` before `{needs_first}`, or on rank {src} "
+        f"produce `{sent_then}` before `{sent_first}`",
+    )
+
+
+def _memory(program: Program, cap: int) -> list[Diagnostic]:
+    """E0308: per rank, the first op after which more than `cap` forwards await their B."""
+    diagnostics = []
+    for rank, actions in enumerate(program.ranks):
+        in_flight: dict[tuple[int | None, int | None, str | None], Action] = {}
+        for action in actions:
+            if action.kind is Kind.F:
+                in_flight[(action.mb, action.stage, action.pipeline)] = action
+            elif action.kind is Kind.B:
+                in_flight.pop((action.mb, action.stage, action.pipeline), None)
+            if len(in_flight) > cap:
+                diagnostics.append(_too_many(rank, action, list(in_flight.values()), cap))
+                break
+    return diagnostics
+
+
+def _too_many(rank: int, action: Action, in_flight: list[Action], cap: int) -> Diagnostic:
+    return Diagnostic(
+        "E0308",
+        f"rank {rank} holds {len(in_flight)} activations after `{action}`, more than the "
+        f"cap of {cap}",
+        action.span,
+        notes=(f"forwards whose backward has not run yet: {_listing(in_flight)}",),
+        help=f"start fewer forwards before the first backward on rank {rank}, "
+        "or raise --max-activations",
+    )

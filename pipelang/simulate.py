@@ -1,0 +1,217 @@
+"""The simulator: replay a Program under a cost model and measure its timeline.
+
+Every compute op starts as soon as the op before it on its rank has ended and every op
+it depends on has ended, plus one transfer time `C` for each result that comes from
+another rank (`after` dependencies cost nothing). Comm, allreduce and step actions in
+the program are not replayed: transfers are charged on the edges instead. One pass in
+topological order, linear in the number of ops and dependencies.
+
+    rank 0: F0@0/main B0@0/main          costs F=1, B=2, C=0
+    rank 1: F0@1/main B0@1/main
+  =>
+    rank 0 | F0 .  .  .  B0 -
+    rank 1 | .  F0 B0 -
+    makespan 6, bubble_ratio 0.5 (6 busy units of 2 x 6)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+
+from pipelang.diagnostics import InternalError, PipelangError
+from pipelang.grid import op_labeler, render_rows
+from pipelang.ir import Action, CostModel, Kind, Program
+from pipelang.passes.build_dag import OpGraph, build_dag, op_graph
+from pipelang.passes.validate import validate
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One op run: on `rank`, from `start` to `end`."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """When every compute op of `program` runs under `costs`, and what that adds up to.
+
+    `events` are ordered by rank, then in each rank's order. The bubble ratio is ours:
+    the idle share of all ranks over the iteration, `1 - sum(busy) / (R * makespan)`.
+    """
+
+    program: Program
+    costs: CostModel
+    events: tuple[Event, ...]
+
+    @cached_property
+    def _by_rank(self) -> tuple[tuple[Event, ...], ...]:
+        rows: list[list[Event]] = [[] for _ in range(self.program.num_ranks)]
+        for event in self.events:
+            rows[event.rank].append(event)
+        return tuple(map(tuple, rows))
+
+    @property
+    def makespan(self) -> float:
+        """When the last op ends (the iteration starts at 0)."""
+        return max((e.end for e in self.events), default=0.0)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """The idle share of the iteration over all ranks: 1 - busy / (R * makespan)."""
+        total = self.program.num_ranks * self.makespan
+        if total <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(r) for r in range(self.program.num_ranks)) / total
+
+    def busy(self, rank: int) -> float:
+        """Time `rank` spends running ops."""
+        return sum(e.end - e.start for e in self._by_rank[rank])
+
+    def idle(self, rank: int) -> float:
+        """Time `rank` waits within the iteration: makespan - busy."""
+        return self.makespan - self.busy(rank)
+
+    def peak_activations(self, rank: int) -> int:
+        """The most forwards whose backward has not run yet, along `rank`'s order."""
+        return max(in_flight(self.program.ranks[rank]), default=0)
+
+    def weight_copies(self, rank: int) -> int:
+        """How many stage copies (weights) `rank` holds."""
+        return len(self.program.stage_copies(rank))
+
+    def metrics(self) -> dict[str, object]:
+        """The numbers `pipelang simulate --json` prints, in that shape."""
+        return {
+            "schedule": self.program.name,
+            "params": dict(self.program.params),
+            "makespan": _number(self.makespan),
+            "bubble_ratio": _number(self.bubble_ratio),
+            "ranks": [
+                {
+                    "rank": r,
+                    "busy": _number(self.busy(r)),
+                    "idle": _number(self.idle(r)),
+                    "peak_activations": self.peak_activations(r),
+                    "weight_copies": self.weight_copies(r),
+                }
+                for r in range(self.program.num_ranks)
+            ],
+        }
+
+    def text_grid(self, width_limit: int | None = None) -> str:
+        """One row per rank; one cell per unit of time (the smallest op time, else 1).
+
+        An op of time c fills c cells: its short label (`F3`, see `grid.op_labeler`),
+        then `-`; idle cells are `.`. Ops of time 0 do not show. Rows are cut at
+        `width_limit` characters.
+        """
+        unit = min((e.end - e.start for e in self.events if e.end > e.start), default=1.0)
+        width = round(self.makespan / unit)
+        label = op_labeler(self.program)
+        rows = []
+        for rank, events in enumerate(self._by_rank):
+            cells = ["."] * width
+            for event in events:
+                first, last = round(event.start / unit), round(event.end / unit)
+                for cell in range(first, last):
+                    cells[cell] = label(rank, event.action) if cell == first else "-"
+            rows.append((f"rank {rank}", cells))
+        return render_rows(rows, width_limit)
+
+
+def in_flight(actions: Iterable[Action]) -> Iterable[int]:
+    """After each action, how many forwards are waiting for their backward (+1 at F,
+    -1 at B; other actions change nothing)."""
+    count = 0
+    for action in actions:
+        if action.kind is Kind.F:
+            count += 1
+        elif action.kind is Kind.B:
+            count -= 1
+        yield count
+
+
+def _number(value: float) -> int | float:
+    """JSON-friendly: 33 rather than 33.0, and no float noise past 6 decimals."""
+    rounded = round(value, 6)
+    return int(rounded) if float(rounded).is_integer() else rounded
+
+
+def simulate(program: Program, costs: CostModel) -> Timeline:
+    """Replay `program`'s compute ops under `costs` (see the module docstring).
+
+    Raises PipelangError with `validate`'s diagnostics when the order cannot run
+    (a deadlock, a duplicated op).
+    """
+    graph = op_graph(program)
+    start = _start_times(graph, program, costs)
+    times = _durations(graph, costs)
+    events = [
+        Event(r, graph.ops[v], start[v], start[v] + times[v])
+        for r, actions in enumerate(program.ranks)
+        for v in _compute_nodes(graph, actions)
+    ]
+    return Timeline(program, costs, tuple(events))
+
+
+def _compute_nodes(graph: OpGraph, actions: Iterable[Action]) -> list[int]:
+    return [
+        graph.index[(a.kind, a.mb, a.stage, a.pipeline)] for a in actions if a.kind.is_compute
+    ]
+
+
+def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
+    cache: dict[tuple[str, int | None], float] = {}
+    times = []
+    for op in graph.ops:
+        key = (op.kind.value, op.stage)
+        if key not in cache:
+            cache[key] = costs.of(*key)
+        times.append(cache[key])
+    return times
+
+
+def _start_times(graph: OpGraph, program: Program, costs: CostModel) -> list[float]:
+    """Earliest start of every op, in one topological pass (Kahn's algorithm)."""
+    transfer = costs.of("C")
+    times = _durations(graph, costs)
+    succ: list[list[tuple[int, float]]] = [[] for _ in graph.ops]
+    indegree = [0] * len(graph.ops)
+    ranks = graph.ranks
+    for delayed, edges in ((False, graph.order), (False, graph.after), (True, graph.data)):
+        for u, v in edges:
+            succ[u].append((v, transfer if delayed and ranks[u] != ranks[v] else 0.0))
+            indegree[v] += 1
+    start = [0.0] * len(graph.ops)
+    ready = [v for v, d in enumerate(indegree) if d == 0]
+    done = 0
+    while ready:
+        u = ready.pop()
+        done += 1
+        end = start[u] + times[u]
+        for v, delay in succ[u]:
+            start[v] = max(start[v], end + delay)
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    if done < len(graph.ops) or _has_duplicates(graph, program):
+        _cannot_run(program)
+    return start
+
+
+def _has_duplicates(graph: OpGraph, program: Program) -> bool:
+    listed = sum(1 for actions in program.ranks for a in actions if a.kind.is_compute)
+    return listed != len(graph.ops)
+
+
+def _cannot_run(program: Program) -> None:
+    diagnostics = validate(program, build_dag(program), None)
+    if diagnostics:
+        raise PipelangError(diagnostics)
+    raise InternalError("the simulator found a cycle that validate did not")
