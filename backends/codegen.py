@@ -72,8 +72,13 @@ def render_rank_program(program: Program, rank: int) -> str:
     actions = program.ranks[rank]
     calls = [action_call(a) for a in actions]
     width = max((len(c) for c in calls), default=0)
-    lines = [f"{c:<{width}}  # {i:>3}  {a.text()}" for i, (c, a) in enumerate(zip(calls, actions))]
-    params = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in program.params)
+    lines = [
+        f"{c:<{width}}  # {i:>3}  {a.text()}"
+        for i, (c, a) in enumerate(zip(calls, actions, strict=True))
+    ]
+    params = ", ".join(
+        f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in program.params
+    )
     copies = ", ".join(f"stage {s} of `{p}`" for s, p in program.stage_copies(rank)) or "none"
     return _ENV.get_template("rank.py.j2").render(
         version=__version__,

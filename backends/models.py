@@ -118,7 +118,9 @@ def gpt_layers(cfg: GPTConfig, seq_len: int) -> list[nn.Module]:
                 nn.init.zeros_(param)
             elif param.dim() >= 2:
                 # GPT-2 scales the residual projections by 1/sqrt(2 * blocks).
-                scale = 1 / math.sqrt(2 * cfg.blocks) if name in ("proj.weight", "out.weight") else 1
+                scale = (
+                    1 / math.sqrt(2 * cfg.blocks) if name in ("proj.weight", "out.weight") else 1
+                )
                 nn.init.normal_(param, 0.0, 0.02 * scale)
     return layers
 
@@ -245,7 +247,9 @@ def _user_model(spec: ModelSpec, name: str) -> LayeredModel:
     try:
         factory: Callable[..., object] = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
-        raise ModelError(f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}")
+        raise ModelError(
+            f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}"
+        ) from None
     kwargs = {}
     if spec.seq_len and "seq_len" in inspect.signature(factory).parameters:
         kwargs["seq_len"] = spec.seq_len
@@ -267,25 +271,50 @@ def _user_model(spec: ModelSpec, name: str) -> LayeredModel:
     return LayeredModel(spec, layers, int(vocab), seq_len)
 
 
-def boundary_shapes(
-    model: LayeredModel, bounds: Sequence[range]
-) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every stage's output, found by running the model on `meta`.
+Shapes = list[tuple[tuple[int, ...], torch.dtype]]
+"""Shape and dtype of the output of every stage, in stage order."""
 
-    The model given must be built on the meta device (`build_meta`); nothing is computed.
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """How a model splits into stages: each stage's layers and output shape."""
+
+    bounds: list[range]
+    shapes: Shapes
+    seq_len: int
+
+
+def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | None) -> StagePlan:
+    """Split `spec`'s model into `num_stages` stages, without building its weights.
+
+    A GPT's layers and shapes follow from its size. Any other model is built on the meta
+    device and run there, which allocates and computes nothing. Raises ModelError when
+    the model cannot be split that way.
     """
+    spec.torch_dtype  # noqa: B018 - validates --dtype
+    kind, _, size = spec.name.partition(":")
+    if kind == "gpt" and size in GPT_SIZES:
+        cfg = GPT_SIZES[size]
+        seq_len = spec.seq_len or cfg.seq_len
+        bounds = partition_layers(cfg.blocks + 2, num_stages, partition, spec.name)
+        hidden: tuple[int, ...] = (spec.micro_batch_size, seq_len, cfg.width)
+        logits: tuple[int, ...] = (spec.micro_batch_size, seq_len, cfg.vocab)
+        shapes: Shapes = [(hidden, spec.torch_dtype)] * (num_stages - 1) + [
+            (logits, spec.torch_dtype)
+        ]
+        return StagePlan(bounds, shapes, seq_len)
+    with torch.device("meta"):
+        model = spec.build()
+    bounds = model.stage_bounds(num_stages, partition)
     ids, _ = model.batch(0, 0, torch.device("cpu"))
     x = ids.to("meta")
     shapes = []
-    with torch.no_grad():
-        for stage in bounds:
-            for i in stage:
-                x = model.layers[i](x)
-            shapes.append((tuple(x.shape), x.dtype))
-    return shapes
-
-
-def build_meta(spec: ModelSpec) -> LayeredModel:
-    """The model's structure on the meta device: no memory, no compute; for checks."""
-    with torch.device("meta"):
-        return spec.build()
+    try:
+        with torch.no_grad():
+            for stage in bounds:
+                for i in stage:
+                    x = model.layers[i](x)
+                shapes.append((tuple(x.shape), x.dtype))
+    except Exception as err:
+        raise ModelError(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
+    return StagePlan(bounds, shapes, model.seq_len)

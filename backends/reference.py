@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from pipelang.backends.runtime import RankResult, RunConfig, full_model_names, make_optimizer
+from torch import nn
 
 TOLERANCE = {
     torch.float32: (1e-5, 1e-4),
@@ -51,9 +50,9 @@ def train_reference(config: RunConfig, num_microbatches: int, device: torch.devi
             ids, targets = model.batch(step, mb, device)
             loss = model.loss(full(ids), targets)
             (loss * scale).backward()
-            total += float(loss)
+            total += loss.item()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         losses.append(total / num_microbatches)
     return Reference(losses, full_model_names(model))
 

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
+from pipelang.backends.optim import SGD, Adam, Optimizer
+from pipelang.backends.transport import Handle, PeerFailure, Transport
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipelang.backends.models import LayeredModel, ModelSpec, boundary_shapes, build_meta
-from pipelang.backends.transport import Handle, PeerFailure, Transport
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Kind, Program
 
@@ -70,18 +71,12 @@ class RunConfig:
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
 
-def make_optimizer(params: Sequence[nn.Parameter], config: RunConfig) -> torch.optim.Optimizer:
-    """The optimizer of one stage copy, and of the `--check` reference: same settings.
-
-    The single-tensor (`foreach=False`) code path, so that an update depends only on its
-    own parameter, never on how parameters are grouped.
-    """
+def make_optimizer(params: Sequence[nn.Parameter], config: RunConfig) -> Optimizer:
+    """The optimizer of one stage copy, and of the `--check` reference: same settings."""
     if config.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=config.learning_rate, momentum=SGD_MOMENTUM, foreach=False
-        )
+        return SGD(params, config.learning_rate, SGD_MOMENTUM)
     if config.optimizer == "adam":
-        return torch.optim.Adam(params, lr=config.learning_rate, foreach=False)
+        return Adam(params, config.learning_rate)
     raise InternalError(f"unknown optimizer {config.optimizer!r}")
 
 
@@ -96,7 +91,7 @@ class StageCopy:
     first: bool
     last: bool
     params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer
+    optimizer: Optimizer
 
 
 @dataclass(slots=True)
@@ -165,9 +160,18 @@ def _action(method: T) -> T:
         fault = self.fault
         if fault is not None and fault.step == self.step_index and fault.action == index:
             fault.trigger()
+        if self.gpu_events is not None:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            method(self, *args, **kwargs)
+            end.record()
+            self.gpu_events.append((self.step_index, index, begin, end))
+            return
         start = time.perf_counter_ns()
         method(self, *args, **kwargs)
-        self.events.append((self.step_index, index, start - self.t0, time.perf_counter_ns() - self.t0))
+        self.events.append(
+            (self.step_index, index, start - self.t0, time.perf_counter_ns() - self.t0)
+        )
 
     return run  # type: ignore[return-value]
 
@@ -183,6 +187,7 @@ class RankRuntime:
         transport: Transport,
         device: torch.device,
         status: MutableSequence[int] | None = None,
+        shapes: Shapes | None = None,
     ) -> None:
         self.program = program
         self.rank = rank
@@ -197,7 +202,9 @@ class RankRuntime:
         self.scale = 1.0 / program.num_microbatches
         self.model = config.spec.build()
         bounds = self.model.stage_bounds(program.num_stages, config.partition)
-        self.shapes = boundary_shapes(build_meta(config.spec), bounds)
+        if shapes is None:
+            shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
+        self.shapes = shapes
         self.copies = {
             (s, p): self._stage_copy(s, p, bounds[s]) for s, p in program.stage_copies(rank)
         }
@@ -211,13 +218,35 @@ class RankRuntime:
         self.action_index = 0
         self.stepped = False
         self.t0 = time.perf_counter_ns()
+        self.t0_event: torch.cuda.Event | None = None
+        self.gpu_events: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def start_clock(self, t0: int | None = None, t0_event: torch.cuda.Event | None = None) -> None:
+        """Action times count from now (or from `t0`, a perf_counter_ns shared by ranks).
+
+        On CUDA an action's time is its GPU time, measured with events from `t0_event`
+        (recorded now on this rank's stream unless given).
+        """
+        self.t0 = time.perf_counter_ns() if t0 is None else t0
+        if self.device.type == "cuda":
+            if t0_event is None:
+                t0_event = torch.cuda.Event(enable_timing=True)
+                t0_event.record()
+            self.t0_event = t0_event
+            self.gpu_events = []
 
     def _stage_copy(self, stage: int, pipeline: str, layers: range) -> StageCopy:
         module = self.model.stage_module(layers).to(self.device)
         params = [p for p in module.parameters() if p.requires_grad]
         return StageCopy(
-            stage, pipeline, layers, module, stage == 0, stage == self.program.num_stages - 1,
-            params, make_optimizer(params, self.config),
+            stage,
+            pipeline,
+            layers,
+            module,
+            stage == 0,
+            stage == self.program.num_stages - 1,
+            params,
+            make_optimizer(params, self.config),
         )
 
     # ---- bookkeeping ----------------------------------------------------------------------
@@ -247,6 +276,13 @@ class RankRuntime:
 
     def result(self, with_weights: bool) -> RankResult:
         """The report of this rank after the last step."""
+        if self.gpu_events is not None and self.t0_event is not None:
+            torch.cuda.synchronize(self.device)
+            zero = self.t0_event
+            self.events = [
+                (step, index, int(zero.elapsed_time(b) * 1e6), int(zero.elapsed_time(e) * 1e6))
+                for step, index, b, e in self.gpu_events
+            ]
         result = RankResult(
             self.rank,
             [(c.stage, c.pipeline, c.layers.start) for c in self.copies.values()],
@@ -418,7 +454,7 @@ class RankRuntime:
         self.reducing.clear()
         for copy in self.copies.values():
             copy.optimizer.step()
-            copy.optimizer.zero_grad(set_to_none=True)
+            copy.optimizer.zero_grad()
         self.stepped = True
 
 
@@ -440,4 +476,6 @@ def peak_memory(device: torch.device) -> int:
 
 def full_model_names(model: LayeredModel) -> dict[str, torch.Tensor]:
     """The whole model's parameters named like `_full_names`."""
-    return {k: v.detach().cpu().clone() for k, v in nn.Sequential(*model.layers).state_dict().items()}
+    return {
+        k: v.detach().cpu().clone() for k, v in nn.Sequential(*model.layers).state_dict().items()
+    }

@@ -246,9 +246,14 @@ class LocalTransport:
         self.hub.block_until(self.rank, lambda: bool(box))
         tensor, event = box.popleft()
         self._wait_event(event)
+        if self.stream is not None:
+            # The sender may free its tensor now; keep the memory until our copy has run.
+            tensor.record_stream(self.stream)
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise RuntimeError(f"rank {peer} sent {tuple(tensor.shape)} {tensor.dtype}, "
-                               f"rank {self.rank} expected {shape} {dtype}")
+            raise RuntimeError(
+                f"rank {peer} sent {tuple(tensor.shape)} {tensor.dtype}, "
+                f"rank {self.rank} expected {shape} {dtype}"
+            )
         return tensor.clone()  # the device copy: the sender keeps its own tensor
 
     def allreduce(self, stage: int, flat: torch.Tensor) -> Handle:

@@ -35,6 +35,12 @@ CODES: dict[str, Code] = {
         Code("E0006", "no schedule in file", "The file has no `schedule` block, or has more than "
              "one. A `.pipe` file that is run or checked holds exactly one schedule; files "
              "meant only for `import` hold `fn` definitions."),
+        Code("E0007", "malformed torch CSV", "`pipelang import-torch` reads torch's compute-only "
+             "CSV schedule: one row per rank, cells like `2F0` (stage 2, forward, micro-batch 0) "
+             "with kinds F, I (input gradient), W (weight gradient) and B (full backward); empty "
+             "cells are idle steps and communication cells are dropped. A cell that is none of "
+             "these, an overlapped `OVERLAP_F_B` pair, or a mix of full and split backwards "
+             "cannot be imported."),
         # 01xx: names, types, evaluation
         Code("E0101", "unknown name", "An identifier is used that is neither a parameter, a "
              "`let`, a loop variable, a `fn`, nor a builtin (`min`, `max`). Check the spelling; "

@@ -14,6 +14,7 @@ from pipelang import api, ast
 from pipelang.cli import UsageError, parse_params, write_output
 from pipelang.codes import CODES
 from pipelang.compiler import PASS_NAMES, Compilation
+from pipelang.import_torch import run_import_torch, setup_import_torch
 from pipelang.ir import COMPUTE_KINDS, CostModel, Program
 
 _console = Console(highlight=False, soft_wrap=True)
@@ -169,7 +170,7 @@ def parse_cost(spec: str) -> CostModel:
     """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
     entries: list[tuple[str, int | None, float]] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        match = re.fullmatch(r"([FBWRC])(?:\[(\d+)\])?=([0-9]*\.?[0-9]+)", item)
+        match = re.fullmatch(r"([FBWRC])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
         if match is None:
             raise UsageError(f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
                              "F=1,B=2,W=1,C=0 or F[3]=2 for stage 3")
@@ -256,5 +257,7 @@ COMMANDS = {
     "export": ("print each rank's compute ops as JSON or torch's CSV schedule format",
                setup_export, run_export),
     "explain": ("explain a diagnostic code", setup_explain, run_explain),
+    "import-torch": ("read torch's CSV schedule into a checked .pipe program",
+                     setup_import_torch, run_import_torch),
 }
 

@@ -16,10 +16,16 @@ from pipelang.ir import Program
 from pipelang.passes.build_dag import Edge, OpGraph
 
 MAX_LABELS = 8
-"""Source lines shown for a long cycle; the note lists every op anyway."""
+"""Source lines shown for a long cycle."""
+
+MAX_LINES = 24
+"""Lines of the note that walks through the cycle, the closing op included."""
 
 WINDOW = 2
 """Steps shown in the grid on either side of each op of the cycle."""
+
+GRID_WIDTH = 100
+"""Grid lines are cut at this many characters."""
 
 
 def find_cycle(graph: OpGraph, skip: frozenset[Edge] = frozenset()) -> list[int]:
@@ -79,27 +85,30 @@ def describe_cycle(program: Program, graph: OpGraph, cycle: list[int]) -> Diagno
     ops, ranks, steps = graph.ops, graph.ranks, graph.steps
     first = ops[cycle[0]]
     waits = [(cycle[i - 1], v) for i, v in enumerate(cycle)]
-    labels = tuple(
-        Label(ops[v].span, f"`{ops[v]}` on rank {ranks[v]} waits for `{ops[u]}`")
-        for u, v in waits[1 : MAX_LABELS + 1]
-        if ops[v].span is not None
-    )
+    labels = []
+    for u, v in waits[1 : MAX_LABELS + 1]:
+        span = ops[v].span
+        if span is not None:
+            labels.append(Label(span, f"`{ops[v]}` on rank {ranks[v]} waits for `{ops[u]}`"))
     reasons = edge_reasons(graph, frozenset(waits))
     lines = [f"  {ops[cycle[0]]}  (rank {ranks[cycle[0]]}, step {steps[cycle[0]]})"]
     for u, v in [*waits[1:], waits[0]]:
         reason = reasons[(u, v)]
         lines.append(f"  -> {ops[v]}  (rank {ranks[v]}, step {steps[v]}; {_WHY[reason]})")
+    if len(lines) > MAX_LINES:
+        skipped = len(lines) - MAX_LINES
+        lines[MAX_LINES - 1 : -1] = [f"  -> ... {skipped} more ops"]
     return Diagnostic(
         "E0306",
         f"the schedule deadlocks: {len(cycle)} ops wait on each other in a cycle",
         first.span,
-        labels,
+        tuple(labels),
         notes=(
             "each op waits for the one before it:\n" + "\n".join(lines),
             "rank x step grid, the cycle in [brackets]:\n" + _grid(program, graph, cycle),
         ),
-        help="reorder one of the ranks so that every op comes after the ops it waits for; "
-        "only the waits marked `listed after` depend on the order",
+        help="reorder a rank so that each op comes after what it waits for; only the "
+        "waits marked `listed after` come from the order",
     )
 
 
@@ -122,4 +131,4 @@ def _grid(program: Program, graph: OpGraph, cycle: list[int]) -> str:
             if 0 <= s < longest
         }
     )
-    return step_grid(program, ranks, shown, marked)
+    return step_grid(program, ranks, shown, marked, GRID_WIDTH)

@@ -9,12 +9,14 @@ only does arithmetic; the single run-time error is division by zero. Nothing fro
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipelang import ast
 from pipelang.diagnostics import PipelangError, fail
+from pipelang.source import Span
 
 Value = int | bool
 Env = dict[str, Value]
@@ -24,6 +26,10 @@ IntEvaluator = Callable[[Env], int]
 INT, BOOL = "int", "bool"
 LIMIT = 4_000_000
 """Most ops, loop iterations or range elements one expansion may produce (E0106)."""
+MAX_DIGITS = 18
+"""Most digits of an integer literal or `-p` value (E0106); 18 digits fit in 64 bits."""
+MAX_INLINED = 1000
+"""Most `fn` bodies one expression may expand to, counting calls inside calls (E0106)."""
 
 _ARITH: dict[str, Callable[[int, int], int]] = {
     "+": operator.add, "-": operator.sub, "*": operator.mul,
@@ -67,9 +73,28 @@ class Const:
         return self.value
 
 
+@dataclass(frozen=True)
+class _Calls:
+    """The `fn`s being inlined around a point, and how many bodies one expression inlined.
+
+    Each call compiles its fn's body anew, so without a bound `fn f1(x) = f0(x) + f0(x)`,
+    `fn f2(x) = f1(x) + f1(x)`, ... would take time exponential in the file's length.
+    """
+
+    chain: tuple[str, ...] = ()
+    inlined: list[int] = field(default_factory=lambda: [0])
+
+    def enter(self, name: str, call: ast.Call) -> _Calls:
+        self.inlined[0] += 1
+        if self.inlined[0] > MAX_INLINED:
+            raise fail("E0106", f"this expression expands to more than {MAX_INLINED} `fn` "
+                       "bodies", call.span, help="call fewer `fn`s inside `fn`s")
+        return _Calls((*self.chain, name), self.inlined)
+
+
 def compile_expr(expr: ast.Expr, scope: Scope, want: str | None = None) -> Evaluator:
     """Compile `expr`; if `want` is given, its type must be `want` (E0105 otherwise)."""
-    type_, fn = _compile(expr, scope, ())
+    type_, fn = _compile(expr, scope, _Calls())
     if want is not None and type_ != want:
         raise fail("E0105", f"expected {_article(want)}, found {_article(type_)}", expr.span)
     return fn
@@ -77,7 +102,7 @@ def compile_expr(expr: ast.Expr, scope: Scope, want: str | None = None) -> Evalu
 
 def infer(expr: ast.Expr, scope: Scope) -> tuple[str, Evaluator]:
     """Compile `expr` whatever its type; returns the type and the evaluator."""
-    return _compile(expr, scope, ())
+    return _compile(expr, scope, _Calls())
 
 
 def compile_int(expr: ast.Expr, scope: Scope) -> IntEvaluator:
@@ -89,7 +114,7 @@ def _article(type_: str) -> str:
     return "an integer" if type_ == INT else "a boolean"
 
 
-def _compile(expr: ast.Expr, scope: Scope, calling: tuple[str, ...]) -> tuple[str, Evaluator]:
+def _compile(expr: ast.Expr, scope: Scope, calling: _Calls) -> tuple[str, Evaluator]:
     match expr:
         case ast.IntLit(value=value):
             return INT, Const(value)
@@ -131,14 +156,14 @@ def _fold(fn: Evaluator, *children: Evaluator) -> Evaluator:
         return fn  # e.g. a division by zero on a branch that may never run
 
 
-def _typed(expr: ast.Expr, scope: Scope, calling: tuple[str, ...], want: str) -> Evaluator:
+def _typed(expr: ast.Expr, scope: Scope, calling: _Calls, want: str) -> Evaluator:
     type_, fn = _compile(expr, scope, calling)
     if type_ != want:
         raise fail("E0105", f"expected {_article(want)}, found {_article(type_)}", expr.span)
     return fn
 
 
-def _binary(expr: ast.Binary, scope: Scope, calling: tuple[str, ...]) -> tuple[str, Evaluator]:
+def _binary(expr: ast.Binary, scope: Scope, calling: _Calls) -> tuple[str, Evaluator]:
     op = expr.op
     if op in ("and", "or"):
         left, right = (_typed(e, scope, calling, BOOL) for e in (expr.left, expr.right))
@@ -187,7 +212,7 @@ def _division(
     return run
 
 
-def _call(expr: ast.Call, scope: Scope, calling: tuple[str, ...]) -> tuple[str, Evaluator]:
+def _call(expr: ast.Call, scope: Scope, calling: _Calls) -> tuple[str, Evaluator]:
     name = expr.func
     if name in ("min", "max") and name not in scope.fns:
         if not expr.args:
@@ -198,7 +223,7 @@ def _call(expr: ast.Call, scope: Scope, calling: tuple[str, ...]) -> tuple[str, 
     fn = scope.fns.get(name)
     if fn is None:
         raise _unknown(expr, name, scope, function=True)
-    if name in calling:
+    if name in calling.chain:
         raise fail("E0103", f"`fn {name}` calls itself", expr.span,
                    help="fns are not recursive; write the closed form")
     if len(expr.args) != len(fn.params):
@@ -206,7 +231,7 @@ def _call(expr: ast.Call, scope: Scope, calling: tuple[str, ...]) -> tuple[str, 
                    f"{len(expr.args)} given", expr.span)
     args = [_typed(a, scope, calling, INT) for a in expr.args]
     body_scope = Scope(dict.fromkeys(fn.params, INT), scope.fns)
-    body_type, body = _compile(fn.body, body_scope, (*calling, name))
+    body_type, body = _compile(fn.body, body_scope, calling.enter(name, expr))
     params = fn.params
 
     def run(env: Env) -> Value:
@@ -240,6 +265,17 @@ def checked_range(start: int, stop: int, rng: ast.Range) -> range:
         raise fail("E0106", f"range `{_text(rng)}` has {stop - start} elements, more than the "
                    f"limit of {LIMIT}", rng.span)
     return range(start, stop)
+
+
+@contextmanager
+def nesting_limit(span: Span) -> Iterator[None]:
+    """Turn Python's recursion limit, hit by `fn`s that call `fn`s many levels deep, into
+    E0106 at `span` (the parser already bounds how deep one expression nests)."""
+    try:
+        yield
+    except RecursionError:
+        raise fail("E0106", "`fn` calls nest too deeply to evaluate", span,
+                   help="call fewer `fn`s inside `fn`s") from None
 
 
 def constant_scope(env: Mapping[str, Value], fns: Mapping[str, ast.FnDecl]) -> Scope:

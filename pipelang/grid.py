@@ -5,8 +5,9 @@ Both grids label ops the same short way (`op_labeler`) and lay cells out the sam
 up. The deadlock diagnostic draws a rank x step grid (`step_grid`); the simulator's
 `Timeline.text_grid` draws a rank x time grid.
 
-    rank 0 | F0 F1 [B0] B1
-    rank 1 | F0 [F1] B0 B1
+    step   |  0    1    2    3         rank 0 | F0 .  .  .  B0 -
+    rank 0 |  F0  [B0] [F1]  B1         rank 1 | .  F0 B0 -  .  .
+    rank 1 | [F1] [F0] [B0]  B1
 """
 
 from __future__ import annotations
@@ -20,24 +21,35 @@ from pipelang.ir import Action, Program
 def op_labeler(program: Program) -> Callable[[int, Action], str]:
     """A function giving the short form of an action on a rank, for grids: `F3`.
 
-    The pipeline's first letter is appended when the program has more than one pipeline
-    (`F3d`), and `.s<stage>` when the rank holds more than one stage of that pipeline
-    (`F3d.s1`). Actions other than compute ops keep their full token.
+    When the program has more than one pipeline, the pipeline's first letter is appended
+    (`F3d`; first letter and index for families such as `down0`, `down1`: `F3d1`), and
+    `.s<stage>` when the rank holds more than one stage of that pipeline (`F3d.s1`).
+    Actions other than compute ops keep their full token.
     """
-    several = len(program.pipelines) > 1
+    short = _short_names([p.name for p in program.pipelines])
     held = Counter((rank, p.name) for p in program.pipelines for rank in p.placement)
 
     def label(rank: int, action: Action) -> str:
         if not action.kind.is_compute:
             return action.text()
-        text = f"{action.kind.value}{action.mb}"
-        if several and action.pipeline:
-            text += action.pipeline[0]
-        if held[(rank, action.pipeline)] > 1:
+        text = f"{action.kind.value}{action.mb}{short.get(action.pipeline or '', '')}"
+        if held[(rank, action.pipeline or "")] > 1:
             text += f".s{action.stage}"
         return text
 
     return label
+
+
+def _short_names(names: list[str]) -> dict[str, str]:
+    """Pipeline name -> its mark in a grid: none for one pipeline, else the shortest of
+    first letter, first letter and trailing digits, or whole name that tells them apart."""
+    if len(names) < 2:
+        return {}
+    for shorten in (lambda n: n[:1], lambda n: n[:1] + n[len(n.rstrip("0123456789")) :]):
+        marks = {name: shorten(name) for name in names}
+        if len(set(marks.values())) == len(names):
+            return marks
+    return {name: name for name in names}
 
 
 def render_rows(rows: Sequence[tuple[str, Sequence[str]]], width_limit: int | None = None) -> str:
@@ -62,12 +74,14 @@ def step_grid(
     ranks: Collection[int],
     steps: Sequence[int],
     marked: Collection[tuple[int, int]] = (),
+    width_limit: int | None = None,
 ) -> str:
     """The actions of `ranks` at `steps` (ascending indices into each rank's list), one row
     per rank under a header row that numbers the steps.
 
     Actions at the (rank, step) positions in `marked` are drawn in [brackets]; a column of
     `...` stands for skipped steps; a rank whose list is shorter shows nothing there.
+    Lines are cut at `width_limit` characters.
 
         step   |  0    1    2
         rank 0 |  F0  [B0] [F1]
@@ -84,7 +98,7 @@ def step_grid(
     ]
     for rank in sorted(ranks):
         rows.append((f"rank {rank}", _step_cells(program, label, rank, columns, marked)))
-    return render_rows(rows)
+    return render_rows(rows, width_limit)
 
 
 def _step_cells(

@@ -7,6 +7,7 @@ token. Imports are resolved here, so the rest of the compiler sees one `ast.File
 from __future__ import annotations
 
 import functools
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,11 @@ from lark.tree import Meta
 
 from pipelang import ast
 from pipelang.diagnostics import Diagnostic, Label, PipelangError, fail
+from pipelang.evaluate import MAX_DIGITS
 from pipelang.source import SourceFile, Span
+
+MAX_DEPTH = 100
+"""Deepest nesting of AST nodes (E0106): the passes walk the tree by recursion."""
 
 # Token names as lark reports them, spelled as a user would type them.
 _TOKEN_TEXT = {
@@ -47,9 +52,13 @@ def read_source(path: Path, display: str | None = None, span: Span | None = None
     """Read a file as UTF-8 text, or fail with E0003 (E0004 when it does not exist)."""
     name = display or str(path)
     if not path.is_file():
-        raise fail("E0004" if span else "E0003", f"cannot read `{name}`: no such file", span)
+        why = "it is a directory" if path.is_dir() else "no such file"
+        raise fail("E0004" if span else "E0003", f"cannot read `{name}`: {why}", span)
     try:
         text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise fail("E0004" if span else "E0003", f"cannot read `{name}`: {err.strerror}",
+                   span) from None
     except UnicodeDecodeError as err:
         raise fail("E0003", f"`{name}` is not UTF-8 text (byte {err.start} is invalid)", span) from None
     if "\x00" in text:
@@ -64,11 +73,38 @@ def parse_text(source: SourceFile) -> list[ast.Schedule | ast.FnDecl | ast.Impor
     except UnexpectedInput as err:
         raise PipelangError([_syntax_error(source, err)]) from None
     try:
-        return _Build(source).transform(tree)  # type: ignore[no-any-return]
+        items: list[Any] = _Build(source).transform(tree)
     except VisitError as err:
         if isinstance(err.orig_exc, PipelangError):
             raise err.orig_exc from None
-        raise
+        if not isinstance(err.orig_exc, RecursionError):
+            raise
+        raise _too_deep(Span(source, 0, 0)) from None
+    except RecursionError:
+        raise _too_deep(Span(source, 0, 0)) from None
+    _check_depth(items)
+    return items
+
+
+def _check_depth(items: list[Any]) -> None:
+    """E0106 at the first node nested deeper than `MAX_DEPTH` (found without recursion)."""
+    stack: list[tuple[object, int]] = [(item, 1) for item in items]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, tuple):
+            stack.extend((child, depth) for child in node)
+            continue
+        if not isinstance(node, ast.Node):
+            continue
+        if depth > MAX_DEPTH:
+            raise _too_deep(node.span)
+        fields = (getattr(node, f) for f in node.__dataclass_fields__ if f != "span")
+        stack.extend((child, depth + 1) for child in fields)
+
+
+def _too_deep(span: Span) -> PipelangError:
+    return fail("E0106", f"the file nests expressions or blocks more than {MAX_DEPTH} deep",
+                span, help="name parts of a long expression with `let`")
 
 
 def parse_file(path: Path, display: str | None = None) -> ast.File:
@@ -82,13 +118,16 @@ def parse_file(path: Path, display: str | None = None) -> ast.File:
         raise fail("E0006", f"`{source.path}` holds {count} schedules; it must hold exactly one",
                    where, help="put each schedule in a file of its own")
     fns: dict[str, ast.FnDecl] = {}
-    _collect_fns(path.resolve(), items, fns, (path.resolve(),))
+    _collect_fns(path.resolve(), items, fns, (path.resolve(),), set())
     return ast.File(source, schedules[0], fns)
 
 
 def _collect_fns(
-    path: Path, items: list[Any], fns: dict[str, ast.FnDecl], chain: tuple[Path, ...]
+    path: Path, items: list[Any], fns: dict[str, ast.FnDecl], chain: tuple[Path, ...],
+    done: set[Path],
 ) -> None:
+    """Add the `fn`s of `items` and of the files they import; `done` files are skipped, so
+    a file imported twice (directly, or by two files one imports) counts once."""
     for item in items:
         if isinstance(item, ast.FnDecl):
             if item.name in fns and fns[item.name] is not item:
@@ -101,8 +140,11 @@ def _collect_fns(
                 cycle = " -> ".join(p.name for p in (*chain, target))
                 raise fail("E0005", f"import cycle: {cycle}", item.span,
                            help="imports carry `fn`s only; move shared ones to a separate file")
+            if target in done:
+                continue
+            done.add(target)
             imported = read_source(target, item.path, item.span)
-            _collect_fns(target, parse_text(imported), fns, (*chain, target))
+            _collect_fns(target, parse_text(imported), fns, (*chain, target), done)
 
 
 def _import_target(importer: Path, item: ast.Import) -> Path:
@@ -219,7 +261,10 @@ class _Build(Transformer[Token, Any]):
 
     def _fn_decl(self, span: Span, name: Token, *rest: Any) -> ast.FnDecl:
         *params, body = rest
-        return ast.FnDecl(span, str(name), tuple(str(p) for p in params if p is not None), body)
+        names = tuple(str(p) for p in params if p is not None)
+        if len(set(names)) != len(names):
+            raise fail("E0102", f"`fn {name}` names a parameter twice", span)
+        return ast.FnDecl(span, str(name), names, body)
 
     def _schedule(self, span: Span, name: Token, *rest: Any) -> ast.Schedule:
         params = tuple(r for r in rest if isinstance(r, ast.Param))
@@ -243,6 +288,8 @@ class _Build(Transformer[Token, Any]):
         return ast.Cost(span, items)
 
     def _cost_item(self, span: Span, kind: Token, stage: Any, value: Token) -> ast.CostItem:
+        if not math.isfinite(float(value)):
+            raise fail("E0106", f"the cost of `{kind}` is too large", self._tok(value))
         return ast.CostItem(span, str(kind), stage, float(value))
 
     def _pipeline_decl(
@@ -275,7 +322,12 @@ class _Build(Transformer[Token, Any]):
         prefer: tuple[str, ...] = ()
         priority: tuple[ast.Expr, ...] = ()
         cap = None
+        seen: set[str] = set()
         for kind, value in items:
+            if kind in seen:
+                raise fail("E0207", f"`{kind}` is given twice in `order greedy`", span,
+                           help=f"merge them into one `{kind}` line")
+            seen.add(kind)
             if kind == "prefer":
                 prefer = value
             elif kind == "priority":
@@ -370,6 +422,9 @@ class _Build(Transformer[Token, Any]):
         return result
 
     def _int_lit(self, span: Span, token: Token) -> ast.IntLit:
+        if len(token) > MAX_DIGITS:
+            raise fail("E0106", f"an integer of {len(token)} digits; at most {MAX_DIGITS} are "
+                       "allowed", span)
         return ast.IntLit(span, int(token))
 
     def _true_lit(self, span: Span) -> ast.BoolLit:

@@ -10,8 +10,8 @@ topological order, linear in the number of ops and dependencies.
     rank 1: F0@1/main B0@1/main
   =>
     rank 0 | F0 .  .  .  B0 -
-    rank 1 | .  F0 B0 -
-    makespan 6, bubble_ratio 0.5 (6 busy units of 2 x 6)
+    rank 1 | .  F0 B0 -  .  .
+    makespan 6, bubble_ratio 0.5 (6 busy time units out of 2 ranks x 6)
 """
 
 from __future__ import annotations
@@ -19,17 +19,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
-from pipelang.diagnostics import InternalError, PipelangError
+from pipelang.bulk import bulk
+from pipelang.diagnostics import PipelangError
 from pipelang.grid import op_labeler, render_rows
 from pipelang.ir import Action, CostModel, Kind, Program
 from pipelang.passes.build_dag import OpGraph, build_dag, op_graph
 from pipelang.passes.validate import validate
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One op run: on `rank`, from `start` to `end`."""
+class Event(NamedTuple):
+    """One op run: on `rank`, from `start` to `end`. (A NamedTuple: there is one per op
+    of the schedule, and they are cheap to make.)"""
 
     rank: int
     action: Action
@@ -108,8 +110,8 @@ class Timeline:
         """One row per rank; one cell per unit of time (the smallest op time, else 1).
 
         An op of time c fills c cells: its short label (`F3`, see `grid.op_labeler`),
-        then `-`; idle cells are `.`. Ops of time 0 do not show. Rows are cut at
-        `width_limit` characters.
+        then `-`; idle cells are `.`. Start and end times round to the nearest cell, so
+        ops of time 0 do not show. Rows are cut at `width_limit` characters.
         """
         unit = min((e.end - e.start for e in self.events if e.end > e.start), default=1.0)
         width = round(self.makespan / unit)
@@ -143,27 +145,22 @@ def _number(value: float) -> int | float:
     return int(rounded) if float(rounded).is_integer() else rounded
 
 
+@bulk
 def simulate(program: Program, costs: CostModel) -> Timeline:
     """Replay `program`'s compute ops under `costs` (see the module docstring).
 
-    Raises PipelangError with `validate`'s diagnostics when the order cannot run
-    (a deadlock, a duplicated op).
+    Raises PipelangError with `validate`'s diagnostics when the order cannot run (a
+    deadlock, a duplicated op).
     """
     graph = op_graph(program)
-    start = _start_times(graph, program, costs)
     times = _durations(graph, costs)
-    events = [
-        Event(r, graph.ops[v], start[v], start[v] + times[v])
-        for r, actions in enumerate(program.ranks)
-        for v in _compute_nodes(graph, actions)
-    ]
+    start = _start_times(graph, times, costs.of("C"))
+    if len(start) < graph.listed:
+        raise PipelangError(validate(program, build_dag(program), None))
+    # Ops are numbered in rank order, then in each rank's order; none is listed twice.
+    ends = [s + t for s, t in zip(start, times, strict=True)]
+    events = map(Event, graph.ranks, graph.ops, start, ends)
     return Timeline(program, costs, tuple(events))
-
-
-def _compute_nodes(graph: OpGraph, actions: Iterable[Action]) -> list[int]:
-    return [
-        graph.index[(a.kind, a.mb, a.stage, a.pipeline)] for a in actions if a.kind.is_compute
-    ]
 
 
 def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
@@ -177,10 +174,9 @@ def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
     return times
 
 
-def _start_times(graph: OpGraph, program: Program, costs: CostModel) -> list[float]:
-    """Earliest start of every op, in one topological pass (Kahn's algorithm)."""
-    transfer = costs.of("C")
-    times = _durations(graph, costs)
+def _start_times(graph: OpGraph, times: list[float], transfer: float) -> list[float]:
+    """Earliest start of every op, in one topological pass (Kahn's algorithm); a shorter
+    list when ops wait on each other in a cycle."""
     succ: list[list[tuple[int, float]]] = [[] for _ in graph.ops]
     indegree = [0] * len(graph.ops)
     ranks = graph.ranks
@@ -200,18 +196,4 @@ def _start_times(graph: OpGraph, program: Program, costs: CostModel) -> list[flo
             indegree[v] -= 1
             if indegree[v] == 0:
                 ready.append(v)
-    if done < len(graph.ops) or _has_duplicates(graph, program):
-        _cannot_run(program)
-    return start
-
-
-def _has_duplicates(graph: OpGraph, program: Program) -> bool:
-    listed = sum(1 for actions in program.ranks for a in actions if a.kind.is_compute)
-    return listed != len(graph.ops)
-
-
-def _cannot_run(program: Program) -> None:
-    diagnostics = validate(program, build_dag(program), None)
-    if diagnostics:
-        raise PipelangError(diagnostics)
-    raise InternalError("the simulator found a cycle that validate did not")
+    return start if done == len(graph.ops) else start[:done]

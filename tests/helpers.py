@@ -78,7 +78,9 @@ def one_f_one_b(num_ranks: int, num_mbs: int) -> list[str]:
 def gpipe(num_ranks: int, num_mbs: int) -> list[str]:
     """GPipe: every forward, then every backward."""
     return [
-        " ".join([f"F{i}@{r}/main" for i in range(num_mbs)] + [f"B{i}@{r}/main" for i in range(num_mbs)])
+        " ".join(
+            [f"F{i}@{r}/main" for i in range(num_mbs)] + [f"B{i}@{r}/main" for i in range(num_mbs)]
+        )
         for r in range(num_ranks)
     ]
 
@@ -91,10 +93,12 @@ def interleaved(num_ranks: int, num_mbs: int, chunks: int) -> list[str]:
         warm = min((d - r - 1) * 2 + (chunks - 1) * d, total)
 
         def fwd(k: int, r: int = r) -> str:
-            return f"F{(k // (d * chunks)) * d + k % d}@{((k // d) % chunks) * d + r}/main"
+            mb, stage = (k // (d * chunks)) * d + k % d, ((k // d) % chunks) * d + r
+            return f"F{mb}@{stage}/main"
 
         def bwd(i: int, r: int = r) -> str:
-            return f"B{(i // (d * chunks)) * d + i % d}@{(chunks - 1 - (i // d) % chunks) * d + r}/main"
+            mb, stage = (i // (d * chunks)) * d + i % d, (chunks - 1 - (i // d) % chunks) * d + r
+            return f"B{mb}@{stage}/main"
 
         ops = [fwd(k) for k in range(warm)]
         for i in range(total - warm):

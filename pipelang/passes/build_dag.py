@@ -12,8 +12,10 @@ for every "u must end before v starts", with attribute `why`:
 - `after`: an explicit `after` dependency.
 
 An edge whose endpoint is absent is left out. When two reasons join the same pair, the
-edge says `data` over `after` over `order`. The same facts, with ops numbered, are kept
-as an `OpGraph` in `dag.graph["ops"]` for the passes that walk the whole graph.
+edge says `data` over `after` over `order`; edges with one reason share one attribute
+dict, so treat the graph as read-only. The same facts, with ops numbered, are kept as
+an `OpGraph` in `dag.graph["ops"]` for the passes that walk the whole graph in linear
+time (networkx's own algorithms cost several times more per edge at 10^5 ops).
 
     rank 0: F0@0/main B0@0/main
     rank 1: F0@1/main B0@1/main
@@ -24,13 +26,17 @@ as an `OpGraph` in `dag.graph["ops"]` for the passes that walk the whole graph.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 import networkx as nx
 
+from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
 
 Key = tuple[Kind, int | None, int | None, str | None]
 """An op's identity without its span: (kind, micro-batch, stage, pipeline)."""
@@ -44,10 +50,12 @@ def op_key(action: Action) -> Key:
     return (action.kind, action.mb, action.stage, action.pipeline)
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
     """One transfer between ranks: `producer`'s result (or, if not `data`, only the news
-    that it ended) goes from rank `src` to rank `dst`, where `consumer` needs it first."""
+    that it ended) goes from rank `src` to rank `dst`, where `consumer` needs it first.
+
+    A NamedTuple rather than a dataclass: a large schedule makes 10^5 of them per pass.
+    """
 
     producer: int
     consumer: int
@@ -56,15 +64,18 @@ class Message:
     data: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class OpGraph:
     """The DAG with ops numbered `0..n-1`, for linear-time walks over large schedules.
 
-    `ops[i]` is the first occurrence of op `i`, at `steps[i]` in `program.ranks[ranks[i]]`;
-    `index` finds an op's number by `op_key`. Edge lists hold (u, v) pairs by reason, each
-    in rank order of `v` (`order`, `data`) or in the order of `program.after`.
+    `ops[i]` is the first occurrence of op `i`, at `steps[i]` in `program.ranks[ranks[i]]`,
+    so ops are numbered by (rank, step); `listed` counts every occurrence (more than
+    `len(ops)` when an op is listed twice). `index` finds an op's number by `op_key`.
+    Edge lists hold (u, v) pairs by reason, each in rank order of `v` (`order`, `data`)
+    or in the order of `program.after`.
     """
 
+    listed: int
     ops: tuple[Action, ...]
     ranks: tuple[int, ...]
     steps: tuple[int, ...]
@@ -104,29 +115,35 @@ class OpGraph:
                     ready.append(v)
         return done
 
-    def messages(self) -> dict[tuple[int, int], list[Message]]:
+    @cached_property
+    def channels(self) -> dict[tuple[int, int], list[Message]]:
         """What crosses between ranks, per channel (src, dst), in the sender's order.
 
         One message per producer and receiving rank: data when any op there consumes the
         producer's result, else just a signal for `after` dependencies. It is received
         before its first consumer; receiving order is (consumer step, producer step).
         """
-        first: dict[tuple[int, int], tuple[int, bool]] = {}
-        for data, edges in ((True, self.data), (False, self.after)):
+        ranks, steps = self.ranks, self.steps
+        first: dict[Edge, Edge] = {}  # (producer, dst) -> (consumer, is data)
+        for data, edges in ((1, self.data), (0, self.after)):
             for u, v in edges:
-                dst = self.ranks[v]
-                if self.ranks[u] == dst:
+                dst = ranks[v]
+                if ranks[u] == dst:
                     continue
-                consumer, was_data = first.get((u, dst), (v, data))
-                if self.steps[v] < self.steps[consumer]:
-                    consumer = v
-                first[(u, dst)] = (consumer, data or was_data)
-        channels: dict[tuple[int, int], list[Message]] = {}
-        for (u, dst), (consumer, data) in first.items():
-            channel = (self.ranks[u], dst)
-            channels.setdefault(channel, []).append(Message(u, consumer, *channel, data))
-        for sent in channels.values():
-            sent.sort(key=lambda m: self.steps[m.producer])
+                seen = first.get((u, dst))
+                if seen is None:
+                    first[(u, dst)] = (v, data)
+                elif steps[v] < steps[seen[0]]:
+                    first[(u, dst)] = (v, max(data, seen[1]))
+                elif data > seen[1]:
+                    first[(u, dst)] = (seen[0], data)
+        channels: dict[tuple[int, int], list[Message]] = defaultdict(list)
+        make = tuple.__new__  # Message(...) through its Python __new__ costs 5x more
+        # Ops are numbered in (rank, step) order, so sorting by producer number sorts
+        # each channel in its sender's order.
+        for (u, dst), (consumer, data) in sorted(first.items()):
+            src = ranks[u]
+            channels[(src, dst)].append(make(Message, (u, consumer, src, dst, data == 1)))
         return dict(sorted(channels.items()))
 
     def to_networkx(self) -> nx.DiGraph:
@@ -155,6 +172,7 @@ class OpGraph:
         return dag
 
 
+@bulk
 def build_dag(program: Program) -> nx.DiGraph:
     """The dependency DAG of `program`'s compute ops (see the module docstring)."""
     return op_graph(program).to_networkx()
@@ -167,7 +185,7 @@ def graph_of(dag: nx.DiGraph, program: Program) -> OpGraph:
 
 
 _RECENT: list[tuple[Program, OpGraph]] = []
-"""The last graphs made, by program identity: passes in a row that each need the graph
+"""The last two graphs made, by program identity: passes in a row that need the graph
 of one (immutable) Program build it once."""
 
 
@@ -187,7 +205,7 @@ def _number(program: Program) -> OpGraph:
     steps: list[int] = []
     index: dict[Key, int] = {}
     order: list[Edge] = []
-    compute = _COMPUTE
+    compute = COMPUTE_KINDS
     for rank, actions in enumerate(program.ranks):
         previous = -1
         for step, action in enumerate(actions):
@@ -206,12 +224,17 @@ def _number(program: Program) -> OpGraph:
             previous = node
     data = _data_edges(index, program.num_stages)
     after = _after_edges(program, index)
+    listed = len(order) + sum(1 for rank in set(ranks))  # one edge fewer than ops per rank
     return OpGraph(
-        tuple(ops), tuple(ranks), tuple(steps), index, tuple(order), tuple(data), tuple(after)
+        listed,
+        tuple(ops),
+        tuple(ranks),
+        tuple(steps),
+        index,
+        tuple(order),
+        tuple(data),
+        tuple(after),
     )
-
-
-_COMPUTE = frozenset({Kind.F, Kind.B, Kind.W, Kind.R})
 
 
 def _data_edges(index: Mapping[Key, int], num_stages: int) -> list[Edge]:

@@ -20,7 +20,9 @@ from collections.abc import Mapping
 
 from pipelang import ast
 from pipelang.diagnostics import fail
-from pipelang.evaluate import LIMIT, Env, Scope, Value, constant_scope, compile_int, eval_range
+from pipelang.evaluate import (
+    LIMIT, Env, Scope, Value, compile_int, constant_scope, eval_range, nesting_limit,
+)
 from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program
 from pipelang.orders import Layout
 from pipelang.orders.greedy import expand_greedy_order
@@ -30,6 +32,11 @@ from pipelang.orders.repeat import expand_repeat_order
 
 def expand_orders(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     """Evaluate the declarations of the schedule and run its order."""
+    with nesting_limit(file.schedule.span):
+        return _expand(file, bindings)
+
+
+def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     schedule = file.schedule
     env: Env = dict(bindings)
     scope = constant_scope(env, file.fns)
@@ -111,6 +118,8 @@ def _costs(schedule: ast.Schedule, scope: Scope, env: Env) -> CostModel:
 
 def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[Pipeline, ...]:
     pipelines: list[Pipeline] = []
+    names: set[str] = set()
+    placed = 0
     for decl in decls:
         indices: list[int | None] = [None]
         if decl.index_range is not None:
@@ -118,12 +127,20 @@ def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[P
         for j in indices:
             # Family members are `down0`, `down1`, ...; a family of one keeps the plain name.
             name = decl.name if j is None or len(indices) == 1 else f"{decl.name}{j}"
-            if any(p.name == name for p in pipelines):
+            if name in names:
                 raise fail("E0102", f"pipeline `{name}` is declared twice", decl.span)
+            names.add(name)
             local = dict(env)
             if j is not None:
                 local[decl.index_var] = j  # type: ignore[index]
             pipelines.append(Pipeline(name, _placement(decl, scope, local), decl.span))
+            placed += len(pipelines[-1].placement)
+            if placed > LIMIT:
+                raise fail("E0106", f"the pipelines place more than {LIMIT} stages", decl.span,
+                           help="pass smaller parameters")
+    if not pipelines:
+        raise fail("E0207", "every `pipeline` family is empty; there is no pipeline",
+                   decls[0].span, help="check the family's range: `p[j in 0..f]` needs f >= 1")
     sizes = {len(p.placement) for p in pipelines}
     if len(sizes) > 1:
         raise fail("E0205", "pipelines have different numbers of stages: "
@@ -186,10 +203,11 @@ def _assignment(
     if not owner:
         raise fail("E0206", "no micro-batches are assigned", decl.span,
                    help="check the range: `microbatches 0..N -> main` with N >= 1")
-    missing = sorted(set(range(max(owner) + 1)) - owner.keys())
-    if missing or min(owner) < 0:
-        bad = missing[0] if missing else min(owner)
-        raise fail("E0206", f"micro-batch {bad} is not assigned to a pipeline", decl.span,
+    if min(owner) < 0 or max(owner) >= len(owner):
+        # Distinct numbers >= 0 with one >= their count leave a hole below their count.
+        holes = (mb for mb in range(len(owner)) if mb not in owner)
+        what = f"{min(owner)} is negative" if min(owner) < 0 else f"{next(holes)} is not assigned"
+        raise fail("E0206", f"micro-batch {what}", decl.span,
                    help="micro-batches must be numbered 0..N without holes")
     return tuple(owner[mb] for mb in range(len(owner)))
 

@@ -21,37 +21,46 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from itertools import pairwise
 
+from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
 from pipelang.passes.build_dag import Message, OpGraph, op_graph
 
 
+@bulk
 def insert_comms(program: Program) -> Program:
     """`program` with its transfers made explicit (see the module docstring)."""
-    if any(not a.kind.is_compute for actions in program.ranks for a in actions):
+    if not {a.kind for actions in program.ranks for a in actions} <= COMPUTE_KINDS:
         raise InternalError("insert-comms runs once, on a program of compute ops")
     graph = op_graph(program)
-    channels = graph.messages()
-    _check_fifo(graph, channels)
-    before: dict[int, list[Message]] = defaultdict(list)
-    after: dict[int, list[Message]] = defaultdict(list)
-    for sent in channels.values():
-        for message in sent:
-            after[message.producer].append(message)
-            before[message.consumer].append(message)
-    ranks = []
-    for actions in program.ranks:
-        out: list[Action] = []
-        for action in actions:
-            node = graph.index[(action.kind, action.mb, action.stage, action.pipeline)]
-            incoming = sorted(before.get(node, ()), key=lambda m: (m.src, graph.steps[m.producer]))
-            out.extend(_receive(graph, m) for m in incoming)
-            out.append(action)
-            outgoing = sorted(after.get(node, ()), key=lambda m: m.dst)
-            out.extend(_send(graph, m) for m in outgoing)
-        ranks.append(tuple(out))
-    return dataclasses.replace(program, ranks=tuple(ranks))
+    _check_fifo(graph)
+    # Per rank, step -> the comms to put right before / right after the action there.
+    before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in program.ranks]
+    after: list[dict[int, list[Action]]] = [defaultdict(list) for _ in program.ranks]
+    ranks, steps = graph.ranks, graph.steps
+    # Channels come sorted by (src, dst), each in send order: sends after one producer
+    # land in dst order, recvs before one consumer by src, then in channel order.
+    for sent in graph.channels.values():
+        for m in sent:
+            after[ranks[m.producer]][steps[m.producer]].append(_send(graph, m))
+            before[ranks[m.consumer]][steps[m.consumer]].append(_receive(graph, m))
+    spliced = map(_splice, program.ranks, before, after)
+    return dataclasses.replace(program, ranks=tuple(spliced))
+
+
+def _splice(
+    actions: tuple[Action, ...], before: dict[int, list[Action]], after: dict[int, list[Action]]
+) -> tuple[Action, ...]:
+    out: list[Action] = []
+    for step, action in enumerate(actions):
+        if step in before:
+            out.extend(before[step])
+        out.append(action)
+        if step in after:
+            out.extend(after[step])
+    return tuple(out)
 
 
 def _send(graph: OpGraph, message: Message) -> Action:
@@ -67,10 +76,10 @@ def _receive(graph: OpGraph, message: Message) -> Action:
     return Action(kind, op.mb, op.stage, op.pipeline, message.src, op.kind, span)
 
 
-def _check_fifo(graph: OpGraph, channels: dict[tuple[int, int], list[Message]]) -> None:
+def _check_fifo(graph: OpGraph) -> None:
     """Each channel must be received in the order it is sent; `validate` made sure."""
     steps = graph.steps
-    for (src, dst), sent in channels.items():
-        received = sorted(sent, key=lambda m: (steps[m.consumer], steps[m.producer]))
-        if received != sent:
+    for (src, dst), sent in graph.channels.items():
+        needed = [steps[m.consumer] for m in sent]
+        if any(a > b for a, b in pairwise(needed)):
             raise InternalError(f"channel {src}->{dst} crosses; was the program validated?")

@@ -1,31 +1,35 @@
 """Pass `insert-sync`: gradient allreduce for replicated stages, then the optimizer step.
 
 Needs: a Program after `insert-comms` that cannot deadlock.
-Guarantees: every rank holding a copy of a stage that has more than one replica runs
-`allreduce@s/pipe` for that copy once, after the copy's last compute op and the sends
-that follow it (eager sync, Chimera Fig. 4b), so the allreduce overlaps the rest of the
-rank's work; every rank ends with one `step`. All ranks run their allreduces in one
-global order of stages, so two ranks that share two groups never wait on each other in
-opposite orders (E0312 cannot arise): the order is the one the eager positions already
-agree on when they do; otherwise (or if eager positions would deadlock with the
-transfers) each allreduce is delayed just enough to keep the global order, and as a
-last resort all allreduces move to the end of their rank. Nothing is ever moved earlier
-than its copy's last compute op.
+Guarantees: each rank runs `allreduce@s/pipe` once for every stage copy it holds whose
+stage has more than one replica, never before the copy's last compute op (and the sends
+right after it), and ends with one `step`. Allreduces are eager (Chimera Fig. 4b): each
+goes right after its copy's last compute op, so it overlaps the rest of the rank's work.
 
-    rank 0: F0@0/down ... B0@0/down send:B0@... F2@3/up ... B3@3/up   (Chimera D=4)
+Collectives must meet in one order: two ranks that share two allreduce groups (stages)
+and run them in opposite orders would wait for each other forever. This pass fixes that
+rather than reporting E0312: every rank runs its allreduces in one global order of the
+stages (the order the eager positions agree on; higher stage first if they conflict),
+delaying an allreduce past its eager position where that order needs it. If the result
+could still deadlock against the transfers, all allreduces move to the end of each rank,
+still in that order (Fig. 4a), which cannot deadlock.
+
+    rank 0: ... B3@3/up send:B3@3/up>1 recv:B0@1/down<1 B0@0/down recv:B1@1/down<1 B1@0/down
   =>
-    rank 0: ... B3@3/up allreduce@3/up recv:B0@1/down<1 B0@0/down recv:B1@1/down<1 B1@0/down
-            allreduce@0/down step
+    rank 0: ... B3@3/up send:B3@3/up>1 allreduce@3/up recv:B0@1/down<1 B0@0/down
+            recv:B1@1/down<1 B1@0/down allreduce@0/down step        (Chimera, D=4)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 
 import networkx as nx
 
+from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError
 from pipelang.ir import COMM_KINDS, Action, Kind, Program
 
@@ -33,11 +37,14 @@ Copy = tuple[int, str]
 """A stage copy: (stage, pipeline)."""
 
 
+@bulk
 def insert_sync(program: Program) -> Program:
     """`program` with allreduces and a final step on every rank (module docstring)."""
     eager = [_eager_positions(program, r) for r in range(program.num_ranks)]
     if not any(eager):
-        return dataclasses.replace(program, ranks=tuple((*a, Action(Kind.STEP)) for a in program.ranks))
+        return dataclasses.replace(
+            program, ranks=tuple((*a, Action(Kind.STEP)) for a in program.ranks)
+        )
     order = _global_order(eager)
     ranks = _place(program, eager, order, at_end=False)
     if _deadlocks(ranks):
@@ -50,9 +57,7 @@ def insert_sync(program: Program) -> Program:
 def _eager_positions(program: Program, rank: int) -> dict[Copy, int]:
     """For each replicated copy `rank` holds, the index to insert its allreduce at."""
     actions = program.ranks[rank]
-    replicated = {
-        copy for copy in program.stage_copies(rank) if len(program.replicas(copy[0])) > 1
-    }
+    replicated = {copy for copy in program.stage_copies(rank) if len(program.replicas(copy[0])) > 1}
     last: dict[tuple[int | None, str | None], int] = {}
     for step, action in enumerate(actions):
         if action.kind.is_compute:
@@ -67,38 +72,34 @@ def _eager_positions(program: Program, rank: int) -> dict[Copy, int]:
     return positions
 
 
-def _global_order(eager: Sequence[dict[Copy, int]]) -> list[Copy]:
-    """One order of all replicated copies that every rank follows.
+def _global_order(eager: Sequence[dict[Copy, int]]) -> list[int]:
+    """One order of the allreduce groups (stages) that every rank follows.
 
-    The ranks' eager orders, when they agree, give it (ties: higher stage first, as
+    The ranks' eager orders give it when they agree (ties: higher stage first, as
     backwards finish from the last stage); when they conflict, higher stage first.
     """
-    copies = sorted({c for positions in eager for c in positions}, key=_later_stage_first)
+    stages = sorted({stage for positions in eager for stage, _ in positions}, reverse=True)
     agree = nx.DiGraph()
-    agree.add_nodes_from(copies)
+    agree.add_nodes_from(stages)
     for positions in eager:
-        ranked = sorted(positions, key=lambda c: (positions[c], _later_stage_first(c)))
-        agree.add_edges_from(zip(ranked, ranked[1:], strict=False))
+        ranked = sorted(positions, key=lambda c: (positions[c], -c[0]))
+        agree.add_edges_from((a[0], b[0]) for a, b in itertools.pairwise(ranked) if a[0] != b[0])
     if not nx.is_directed_acyclic_graph(agree):
-        return copies
-    return list(nx.lexicographical_topological_sort(agree, key=_later_stage_first))
-
-
-def _later_stage_first(copy: Copy) -> tuple[int, str]:
-    return (-copy[0], copy[1])
+        return stages
+    return list(nx.lexicographical_topological_sort(agree, key=lambda stage: -stage))
 
 
 def _place(
-    program: Program, eager: Sequence[dict[Copy, int]], order: list[Copy], at_end: bool
+    program: Program, eager: Sequence[dict[Copy, int]], order: list[int], at_end: bool
 ) -> list[tuple[Action, ...]]:
-    """Insert the allreduces in `order` on every rank, each at its eager position or
-    later; or all at the end. Then the step."""
-    rank_of = {c: i for i, c in enumerate(order)}
+    """Insert the allreduces in the `order` of their stages on every rank, each at its
+    eager position or later; or all at the end. Then the step."""
+    turn = {stage: i for i, stage in enumerate(order)}
     ranks = []
     for actions, positions in zip(program.ranks, eager, strict=True):
         inserts: dict[int, list[Action]] = defaultdict(list)
         at = 0
-        for copy in sorted(positions, key=rank_of.__getitem__):
+        for copy in sorted(positions, key=lambda c: (turn[c[0]], c[1])):
             at = len(actions) if at_end else max(at, positions[copy])
             inserts[at].append(Action(Kind.ALLREDUCE, None, copy[0], copy[1]))
         out: list[Action] = []
@@ -115,25 +116,46 @@ def _deadlocks(ranks: Sequence[Sequence[Action]]) -> bool:
     """Whether the ranks wait on each other in a cycle: each rank runs its list in
     order, the k-th send on a channel feeds the k-th recv, and the k-th allreduce of a
     stage on every rank is one meeting that all of them wait for."""
-    waits = nx.DiGraph()
-    sent: dict[tuple[int, int], list[tuple[object, ...]]] = defaultdict(list)
-    received: dict[tuple[int, int], list[tuple[object, ...]]] = defaultdict(list)
+    ids = itertools.count()
+    meetings: dict[tuple[int | None, int], int] = {}
+    edges: list[tuple[int, int]] = []
+    sent: dict[tuple[int, int], list[int]] = defaultdict(list)
+    received: dict[tuple[int, int], list[int]] = defaultdict(list)
     for rank, actions in enumerate(ranks):
-        meetings: dict[int | None, int] = defaultdict(int)
-        previous = None
-        for step, action in enumerate(actions):
-            here: tuple[object, ...] = ("at", rank, step)
+        seen: dict[int | None, int] = defaultdict(int)
+        previous = -1
+        for action in actions:
             if action.kind is Kind.ALLREDUCE:
-                here = ("allreduce", action.stage, meetings[action.stage])
-                meetings[action.stage] += 1
-            waits.add_node(here)
-            if previous is not None:
-                waits.add_edge(previous, here)
+                key = (action.stage, seen[action.stage])
+                seen[action.stage] += 1
+                here = meetings.setdefault(key, next(ids))
+            else:
+                here = next(ids)
+            if previous >= 0:
+                edges.append((previous, here))
             previous = here
             if action.kind in COMM_KINDS and action.peer is not None:
                 outgoing = action.kind in (Kind.SEND, Kind.SIGNAL)
                 channel = (rank, action.peer) if outgoing else (action.peer, rank)
                 (sent if outgoing else received)[channel].append(here)
     for channel, sends in sent.items():
-        waits.add_edges_from(zip(sends, received.get(channel, ()), strict=False))
-    return not nx.is_directed_acyclic_graph(waits)
+        edges.extend(zip(sends, received.get(channel, ()), strict=False))
+    return not _acyclic(next(ids), edges)
+
+
+def _acyclic(count: int, edges: list[tuple[int, int]]) -> bool:
+    """Kahn's algorithm over nodes `0..count-1`."""
+    succ: list[list[int]] = [[] for _ in range(count)]
+    indegree = [0] * count
+    for u, v in edges:
+        succ[u].append(v)
+        indegree[v] += 1
+    ready = [v for v in range(count) if indegree[v] == 0]
+    done = 0
+    while ready:
+        done += 1
+        for v in succ[ready.pop()]:
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    return done == count

@@ -16,13 +16,20 @@ from collections.abc import Mapping
 
 from pipelang import ast
 from pipelang.diagnostics import Diagnostic, PipelangError
-from pipelang.evaluate import BOOL, INT, Env, Scope, Value, compile_expr, infer
+from pipelang.evaluate import (
+    BOOL, INT, MAX_DIGITS, Env, Scope, Value, compile_expr, infer, nesting_limit,
+)
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
 
 def resolve_params(file: ast.File, given: Mapping[str, str]) -> dict[str, Value]:
     """Parameters, then schedule-level `let`s, in declaration order, as one environment."""
+    with nesting_limit(file.schedule.span):
+        return _resolve(file, given)
+
+
+def _resolve(file: ast.File, given: Mapping[str, str]) -> dict[str, Value]:
     schedule = file.schedule
     problems = _unknown_params(schedule, given)
     env: Env = {}
@@ -36,7 +43,7 @@ def resolve_params(file: ast.File, given: Mapping[str, str]) -> dict[str, Value]
         value = _param_value(param, given, Scope(dict(types), file.fns), env)
         if isinstance(value, Diagnostic):
             problems.append(value)
-        else:
+        elif value is not None:
             env[param.name] = value
     if problems:
         raise PipelangError(problems)
@@ -69,7 +76,8 @@ def _unknown_params(schedule: ast.Schedule, given: Mapping[str, str]) -> list[Di
 
 def _param_value(
     param: ast.Param, given: Mapping[str, str], scope: Scope, env: Env
-) -> Value | Diagnostic:
+) -> Value | Diagnostic | None:
+    """The parameter's value; None when its default uses a parameter already reported."""
     text = given.get(param.name)
     if text is not None:
         return _parse_value(param, text.strip())
@@ -77,11 +85,19 @@ def _param_value(
         return Diagnostic("E0201", f"parameter `{param.name}` needs a value", param.span,
                           help=f"give it with `-p {param.name}=VALUE`")
     without_self = Scope({k: v for k, v in scope.names.items() if k != param.name}, scope.fns)
-    return compile_expr(param.default, without_self, param.type)(env)
+    default = compile_expr(param.default, without_self, param.type)
+    try:
+        return default(env)
+    except KeyError:  # an earlier parameter it uses is missing or ill-typed: said already
+        return None
 
 
 def _parse_value(param: ast.Param, text: str) -> Value | Diagnostic:
     if param.type == INT and _INT.fullmatch(text):
+        if len(text.lstrip("+-")) > MAX_DIGITS:
+            return Diagnostic("E0106", f"`-p {param.name}=...`: an integer of "
+                              f"{len(text.lstrip('+-'))} digits; at most {MAX_DIGITS} are "
+                              "allowed", param.span)
         return int(text)
     if param.type == BOOL and text in ("true", "false"):
         return text == "true"

@@ -27,23 +27,27 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from pipelang.diagnostics import Diagnostic, Label
-from pipelang.ir import Action, Kind, Program
+from pipelang.bulk import bulk
 from pipelang.deadlock import describe_cycle, find_cycle
-from pipelang.passes.build_dag import Key, Message, OpGraph, graph_of, op_key
+from pipelang.diagnostics import Diagnostic, Label
+from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
+from pipelang.passes.build_dag import Edge, Key, Message, OpGraph, graph_of
 from pipelang.source import Span
 
 SHOWN = 3
 """How many ops a collapsed diagnostic names before `and N more`."""
 
 
+@bulk
 def validate(program: Program, dag: nx.DiGraph, max_activations: int | None) -> list[Diagnostic]:
     """Every problem in `program`'s order, sorted by position (see the module docstring)."""
     graph = graph_of(dag, program)
-    found = _collapse([*_placement_problems(program), *_order_problems(program)])
-    found += _missing(program, graph)
+    census = _take_census(program)
+    order_problems = _order_problems(census)
+    found = _collapse([*census.problems, *order_problems])
+    found += _missing(program, census)
     if not any(d.code in ("E0301", "E0302", "E0303") for d in found):
-        cycle = find_cycle(graph, skip=_backward_edges(graph))
+        cycle = find_cycle(graph, skip=_edges_of(graph, order_problems))
         if cycle:
             found.append(describe_cycle(program, graph, cycle))
         found += _crossings(graph, exclude=frozenset(cycle))
@@ -54,7 +58,8 @@ def validate(program: Program, dag: nx.DiGraph, max_activations: int | None) -> 
 
 @dataclass(frozen=True, slots=True)
 class _Problem:
-    """One op's problem; problems with one code and one span merge into one diagnostic."""
+    """One op's problem; problems with one code and one span merge into one diagnostic.
+    An order problem also keeps its (needed, needer) pair of ops as `edge`."""
 
     code: str
     op: Action
@@ -62,6 +67,18 @@ class _Problem:
     detail: str
     help: str
     labels: tuple[Label, ...] = ()
+    edge: tuple[Action, Action] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Census:
+    """Where each op is listed: `placed` holds the first occurrence (rank, step, action)
+    of every op listed on its right rank, `misplaced` the ops listed elsewhere (reported
+    there, so not also as missing); `problems` what the listing got wrong."""
+
+    placed: dict[Key, tuple[int, int, Action]]
+    misplaced: set[Key]
+    problems: list[_Problem]
 
 
 _MANY = {
@@ -98,36 +115,46 @@ def _collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
     return diagnostics
 
 
+def _label(span: Span | None, message: str) -> tuple[Label, ...]:
+    """A label at `span`, or none for an action without a source position."""
+    return () if span is None else (Label(span, message),)
+
+
 def _listing(ops: Sequence[Action]) -> str:
     """`A`, `B`, `C` and 4 more."""
     names = ", ".join(f"`{op}`" for op in ops[:SHOWN])
     return names if len(ops) <= SHOWN else f"{names} and {len(ops) - SHOWN} more"
 
 
-def _placement_problems(program: Program) -> list[_Problem]:
+def _take_census(program: Program) -> _Census:
     """E0301, E0302, E0309, for each compute action where it stands.
 
     An op listed on the wrong rank is reported as that alone, not also as a duplicate of
     its copy on the right rank.
     """
-    placements = {p.name: p.placement for p in program.pipelines}
-    declared = frozenset(program.kinds)
+    owner: dict[tuple[int | None, str | None], int] = {
+        (s, p.name): r for p in program.pipelines for s, r in enumerate(p.placement)
+    }
+    travels: dict[int | None, str] = dict(enumerate(program.assignment))
+    declared, compute = frozenset(program.kinds), COMPUTE_KINDS
     placed: dict[Key, tuple[int, int, Action]] = {}
+    misplaced: set[Key] = set()
     problems = []
     for rank, actions in enumerate(program.ranks):
         for step, action in enumerate(actions):
-            if not action.kind.is_compute:
+            kind, mb, stage, pipe = action.kind, action.mb, action.stage, action.pipeline
+            if kind not in compute:
                 continue
-            if action.kind not in declared:
+            if kind not in declared:
                 problems.append(_undeclared(action, rank))
-            wrong = _wrong_place(program, placements, action, rank)
-            if wrong is not None:
-                problems.append(wrong)
+            if owner.get((stage, pipe)) != rank or travels.get(mb) != pipe:
+                problems.append(_misplaced(program, owner, action, rank))
+                misplaced.add((kind, mb, stage, pipe))
                 continue
-            first = placed.setdefault(op_key(action), (rank, step, action))
-            if first[:2] != (rank, step):
+            first = placed.setdefault((kind, mb, stage, pipe), (rank, step, action))
+            if first[1] != step or first[0] != rank:
                 problems.append(_duplicate(first, action, rank, step))
-    return problems
+    return _Census(placed, misplaced, problems)
 
 
 def _undeclared(action: Action, rank: int) -> _Problem:
@@ -141,36 +168,34 @@ def _undeclared(action: Action, rank: int) -> _Problem:
     )
 
 
-def _wrong_place(
-    program: Program, placements: dict[str, tuple[int, ...]], action: Action, rank: int
-) -> _Problem | None:
-    stage, pipe = action.stage, action.pipeline
-    reason = _not_an_op(program, placements, action)
-    if reason is not None or stage is None or pipe is None:
+def _misplaced(
+    program: Program, owner: dict[tuple[int | None, str | None], int], action: Action, rank: int
+) -> _Problem:
+    reason = _not_an_op(program, action)
+    if reason is not None or action.stage is None or action.pipeline is None:
         return _Problem(
-            "E0301", action, rank, f"`{action}` is not an op of this schedule: {reason}",
+            "E0301",
+            action,
+            rank,
+            f"`{action}` is not an op of this schedule: {reason}",
             "remove it, or fix its micro-batch or stage",
         )
-    owner = placements[pipe][stage]
-    if owner == rank:
-        return None
+    right = owner[(action.stage, action.pipeline)]
     return _Problem(
         "E0301",
         action,
         rank,
-        f"`{action}` is listed on rank {rank}, but pipeline `{pipe}` places stage {stage} "
-        f"on rank {owner}",
-        f"move it to rank {owner}'s order: the placement decides where an op runs, "
+        f"`{action}` is listed on rank {rank}, but pipeline `{action.pipeline}` places "
+        f"stage {action.stage} on rank {right}",
+        f"move it to rank {right}'s order: the placement decides where an op runs, "
         "the order only when",
     )
 
 
-def _not_an_op(
-    program: Program, placements: dict[str, tuple[int, ...]], action: Action
-) -> str | None:
+def _not_an_op(program: Program, action: Action) -> str | None:
     """Why `action` names no op of the schedule, or None when it does."""
     mb, stage, pipe = action.mb, action.stage, action.pipeline
-    placement = placements.get(pipe or "")
+    placement = next((p.placement for p in program.pipelines if p.name == pipe), None)
     if placement is None:
         return f"there is no pipeline `{pipe}`"
     if stage is None or not 0 <= stage < len(placement):
@@ -184,7 +209,7 @@ def _not_an_op(
 
 def _duplicate(first: tuple[int, int, Action], action: Action, rank: int, step: int) -> _Problem:
     first_rank, first_step, original = first
-    labels = (Label(original.span, "first listed here"),) if original.span else ()
+    labels = _label(original.span, "first listed here")
     return _Problem(
         "E0302",
         action,
@@ -196,29 +221,33 @@ def _duplicate(first: tuple[int, int, Action], action: Action, rank: int, step: 
     )
 
 
-def _missing(program: Program, graph: OpGraph) -> list[Diagnostic]:
-    """E0303, one diagnostic per rank that should run ops nobody lists."""
+def _missing(program: Program, census: _Census) -> list[Diagnostic]:
+    """E0303, one diagnostic per rank that should run ops nobody lists (or lists only on
+    the wrong rank)."""
+    declared = frozenset(program.kinds)
+    listed = sum(1 for kind, *_ in census.placed if kind in declared)
+    if listed == program.num_microbatches * program.num_stages * len(program.kinds):
+        return []
     absent: dict[int, list[Action]] = defaultdict(list)
     for mb, pipe in enumerate(program.assignment):
-        placement = program.pipeline(pipe).placement
-        for stage, rank in enumerate(placement):
+        for stage, rank in enumerate(program.pipeline(pipe).placement):
             for kind in program.kinds:
-                if (kind, mb, stage, pipe) not in graph.index:
+                key = (kind, mb, stage, pipe)
+                if key not in census.placed and key not in census.misplaced:
                     absent[rank].append(Action(kind, mb, stage, pipe))
-    diagnostics = []
-    for rank, ops in sorted(absent.items()):
-        what = f"`{ops[0]}`" if len(ops) == 1 else f"{len(ops)} required ops: {_listing(ops)}"
-        diagnostics.append(
-            Diagnostic(
-                "E0303",
-                f"rank {rank} never runs {what}",
-                program.order_span,
-                help=f"add them to rank {rank}'s order: every micro-batch needs "
-                + ", ".join(k.value for k in program.kinds)
-                + " on every stage of its pipeline",
-            )
+    names = [k.value for k in program.kinds]
+    kinds = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    return [
+        Diagnostic(
+            "E0303",
+            f"rank {rank} never runs "
+            + (f"`{ops[0]}`" if len(ops) == 1 else f"{len(ops)} required ops: {_listing(ops)}"),
+            program.order_span,
+            help=f"add them to rank {rank}'s order: every micro-batch needs {kinds} on every "
+            "stage of its pipeline",
         )
-    return diagnostics
+        for rank, ops in sorted(absent.items())
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,53 +263,42 @@ class _OrderRule:
 
 _ORDER_RULES = {
     (Kind.F, Kind.B): _OrderRule(
-        "E0304", "`{needer}` runs before its forward `{needed}` on rank {rank}",
+        "E0304",
+        "`{needer}` runs before its forward `{needed}` on rank {rank}",
         "the forward is listed here",
     ),
     (Kind.B, Kind.W): _OrderRule(
-        "E0305", "`{needer}` runs before its backward `{needed}` on rank {rank}",
+        "E0305",
+        "`{needer}` runs before its backward `{needed}` on rank {rank}",
         "the backward is listed here",
     ),
     (Kind.F, Kind.R): _OrderRule(
-        "E0305", "`{needer}` runs before the forward `{needed}` it recomputes, on rank {rank}",
+        "E0305",
+        "`{needer}` runs before the forward `{needed}` it recomputes, on rank {rank}",
         "the forward is listed here",
     ),
     (Kind.R, Kind.B): _OrderRule(
-        "E0305", "`{needed}` runs after the backward `{needer}` that needs it, on rank {rank}",
-        "the backward is listed here", at_needed=True,
+        "E0305",
+        "`{needed}` runs after the backward `{needer}` that needs it, on rank {rank}",
+        "the backward is listed here",
+        at_needed=True,
     ),
 }
 """Keyed by (kind of the needed op, kind of the op that needs it)."""
 
 
-def _backward_edges(graph: OpGraph) -> frozenset[tuple[int, int]]:
-    """Same-rank data edges within one (micro-batch, stage) that point back in the order:
-    the E0304/E0305 mistakes, left out of the deadlock search."""
-    ops, ranks, steps = graph.ops, graph.ranks, graph.steps
-    return frozenset(
-        (u, v)
-        for u, v in graph.data
-        if ranks[u] == ranks[v]
-        and steps[u] > steps[v]
-        and ops[u].stage == ops[v].stage
-        and (ops[u].kind, ops[v].kind) in _ORDER_RULES
-    )
+def _order_problems(census: _Census) -> list[_Problem]:
+    """E0304, E0305: an op listed before an op of its own (micro-batch, stage) it needs.
 
-
-def _order_problems(program: Program) -> list[_Problem]:
-    """E0304, E0305: an op listed before an op of its own (micro-batch, stage) it needs,
-    both on the same rank."""
+    Both are placed right, so both are on one rank.
+    """
     problems = []
-    for rank, actions in enumerate(program.ranks):
-        where: dict[Key, tuple[int, Action]] = {}
-        for step, action in enumerate(actions):
-            if action.kind.is_compute:
-                where.setdefault(op_key(action), (step, action))
-        for step, needer in enumerate(actions):
-            for kind in _NEEDS.get(needer.kind, ()):
-                found = where.get((kind, needer.mb, needer.stage, needer.pipeline))
-                if found is not None and found[0] > step:
-                    problems.append(_order_problem(found[1], needer, rank))
+    placed = census.placed
+    for (kind, mb, stage, pipe), (rank, step, needer) in placed.items():
+        for needed_kind in _NEEDS.get(kind, ()):
+            found = placed.get((needed_kind, mb, stage, pipe))
+            if found is not None and found[1] > step:
+                problems.append(_order_problem(found[2], needer, rank))
     return problems
 
 
@@ -297,15 +315,27 @@ def _order_problem(needed: Action, needer: Action, rank: int) -> _Problem:
         rank,
         rule.message.format(needed=needed, needer=needer, rank=rank),
         f"on rank {rank}, list `{needed}` before `{needer}`",
-        (Label(other.span, rule.label),) if other.span else (),
+        _label(other.span, rule.label),
+        (needed, needer),
     )
+
+
+def _edges_of(graph: OpGraph, problems: list[_Problem]) -> frozenset[Edge]:
+    """The graph edges of order problems: already reported, so not a deadlock too."""
+    edges = set()
+    for problem in problems:
+        if problem.edge is not None:
+            u, v = (graph.find(op) for op in problem.edge)
+            if u is not None and v is not None:
+                edges.add((u, v))
+    return frozenset(edges)
 
 
 def _crossings(graph: OpGraph, exclude: frozenset[int]) -> list[Diagnostic]:
     """E0307: per channel, the first message received before one sent earlier."""
     diagnostics = []
     steps = graph.steps
-    for (src, dst), sent in graph.messages().items():
+    for sent in graph.channels.values():
         latest = sent[0]
         for message in sent[1:]:
             if steps[message.consumer] >= steps[latest.consumer]:
@@ -324,13 +354,13 @@ def _crossing(graph: OpGraph, early: Message, late: Message) -> Diagnostic:
     src, dst = late.src, late.dst
     sent_first, sent_then = ops[early.producer], ops[late.producer]
     needs_first, needs_then = ops[late.consumer], ops[early.consumer]
-    labels = (Label(needs_then.span, f"needs `{sent_first}`, which is sent first"),)
+    labels = _label(needs_then.span, f"needs `{sent_first}`, which is sent first")
     return Diagnostic(
         "E0307",
         f"transfers from rank {src} to rank {dst} cross: `{sent_then}` is sent after "
         f"`{sent_first}` but needed before it",
         needs_first.span,
-        labels if needs_then.span else (),
+        labels,
         notes=(
             f"rank {src} sends `{sent_first}` (step {steps[early.producer]}) and then "
             f"`{sent_then}` (step {steps[late.producer]})",

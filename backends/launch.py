@@ -1,0 +1,302 @@
+"""`pipelang run`: check that a Program fits the model, run it, report, compare.
+
+    add_run_arguments(parser)     the run options, for the CLI's `run` subcommand
+    run_program(program, args)    run a compiled Program; returns the exit status
+    run_generated(rank, file)     the `__main__` of a generated rank{r}.py
+
+Backends: `gloo` (one CPU process per rank, started here), `nccl` (one GPU per rank),
+`local` (every rank in this process). Started by torchrun (RANK and WORLD_SIZE in the
+environment), this process is one rank and rank 0 reports.
+
+Exit status: 0 when the run (and `--check`) passed; 1 when the program does not fit the
+model, a rank failed, or the check found a difference over the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from pipelang.backends.models import DTYPES, ModelError, Shapes, plan_stages
+from pipelang.backends.processes import RunFailure
+from pipelang.backends.report import Outcome, StepProgress, summary, write_trace
+from pipelang.backends.runtime import OPTIMIZERS, RunConfig
+from rich.console import Console
+
+from pipelang.ir import Kind, Program
+
+BACKENDS = ("gloo", "nccl", "local")
+
+
+class RunError(Exception):
+    """A run that cannot start: the program does not fit the model or the machine."""
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of `pipelang run` (the global --debug is the CLI's)."""
+    parser.add_argument(
+        "--model",
+        default="gpt:tiny",
+        metavar="MODEL",
+        help="gpt:tiny, gpt:small, gpt:medium, or package.module:callable "
+        "returning an nn.Sequential (default gpt:tiny)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="gloo",
+        help="gloo: a CPU process per rank; nccl: a GPU per rank; local: every "
+        "rank in this process (default gloo)",
+    )
+    parser.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare weights and losses with single-process training",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="sgd (momentum 0.9) or adam (default sgd)",
+    )
+    parser.add_argument("--lr", type=float, help="learning rate (default 0.05 sgd, 3e-3 adam)")
+    parser.add_argument(
+        "--micro-batch-size",
+        type=_positive,
+        default=4,
+        metavar="B",
+        help="sequences per micro-batch (default 4)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=_positive,
+        metavar="T",
+        help="tokens per sequence (default: the model's, 32 for gpt:tiny)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(set(DTYPES)),
+        default="float32",
+        help="parameter and activation dtype (default float32)",
+    )
+    parser.add_argument(
+        "--partition",
+        type=_partition,
+        metavar="L0,L1,...",
+        help="layers per stage (default: as even as possible)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="stop every rank if one fails or none moves for this long (default 60)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="OUT.json",
+        help="write every action's real start and end as a Chrome trace",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig that the parsed options describe."""
+    return RunConfig(
+        model=args.model,
+        backend=args.backend,
+        steps=args.steps,
+        check=args.check,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        timeout=args.timeout,
+        trace=str(args.trace) if args.trace else None,
+        seed=args.seed,
+        debug=bool(getattr(args, "debug", False)),
+        partition=args.partition,
+    )
+
+
+def run_program(program: Program, args: argparse.Namespace) -> int:
+    """Run a compiled Program as `args` say; returns the exit status."""
+    config = config_from_args(args)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        if config.backend != "local" and not under_torchrun():
+            from pipelang.backends.processes import forkserver
+
+            forkserver()  # its imports overlap the checks below
+        shapes = preflight(program, config)
+        if under_torchrun():
+            return _run_as_torchrun_rank(program, config)
+        outcome = _run_here(program, config, shapes, err)
+    except (RunError, ModelError) as error:
+        err.print(f"error: {error}", markup=False)
+        return 1
+    except RunFailure as failure:
+        err.print(f"error: {failure}", markup=False)
+        if config.debug and failure.details:
+            err.print(failure.details, markup=False)
+        return 1
+    return report(program, config, outcome)
+
+
+def preflight(program: Program, config: RunConfig) -> Shapes:
+    """Everything that can be known wrong before a rank starts; raises RunError.
+
+    Returns the shape of every stage's output (the receive buffers' shapes).
+    """
+    if config.backend == "nccl" and not under_torchrun():
+        have = torch.cuda.device_count()
+        if have < program.num_ranks:
+            raise RunError(
+                f"the nccl backend needs one GPU per rank: {program.num_ranks} ranks, "
+                f"{have} GPUs here (use --backend gloo or local)"
+            )
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != program.num_ranks:
+        raise RunError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes but the program "
+            f"has {program.num_ranks} ranks"
+        )
+    shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
+    for rank in range(program.num_ranks):
+        copies = program.stage_copies(rank)
+        twice = [s for s, n in Counter(s for s, _ in copies).items() if n > 1]
+        if twice:
+            raise RunError(
+                f"rank {rank} holds two copies of stage {twice[0]}; the runtime needs "
+                "the replicas of a stage on different ranks"
+            )
+        kinds = {a.kind for a in program.ranks[rank]}
+        if copies and Kind.STEP not in kinds:
+            raise RunError(
+                f"rank {rank}'s program has no `step`; run a fully compiled program "
+                "(the insert-sync pass adds the optimizer step)"
+            )
+        reduced = {(a.stage, a.pipeline) for a in program.ranks[rank] if a.kind is Kind.ALLREDUCE}
+        for stage, pipe in copies:
+            if len(set(program.replicas(stage))) > 1 and (stage, pipe) not in reduced:
+                raise RunError(
+                    f"stage {stage} has replicas on ranks {program.replicas(stage)} but "
+                    f"rank {rank} never runs `allreduce@{stage}/{pipe}`; the replicas "
+                    "would drift apart"
+                )
+    return shapes
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or by hand as one rank)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _run_here(program: Program, config: RunConfig, shapes: Shapes, err: Console) -> Outcome:
+    title = f"{program.name} on {config.model} ({config.backend}, {program.num_ranks} ranks)"
+    with StepProgress(config.steps, title, err) as progress:
+        if config.backend == "local":
+            from pipelang.backends.local import run_local
+
+            return run_local(program, config, shapes, progress.step)
+        from pipelang.backends.processes import launch
+
+        return launch(program, config, shapes, progress.step)
+
+
+def _run_as_torchrun_rank(
+    program: Program, config: RunConfig, source: str | None = None, filename: str | None = None
+) -> int:
+    from pipelang.backends.worker import run_torchrun_rank
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    losses: list[float] = []
+
+    def on_step(step: int, loss: float, seconds: float) -> None:
+        losses.append(loss)
+        err.print(f"step {step + 1}/{config.steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms")
+
+    results = run_torchrun_rank(program, config, on_step, source, filename)
+    if results is None:
+        return 0
+    return report(program, config, Outcome(results, losses))
+
+
+def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
+    """Print the summary, write the trace, run the check; the exit status."""
+    out = Console(highlight=False, soft_wrap=True)
+    spec = config.spec
+    seq_len = plan_stages(spec, program.num_stages, config.partition).seq_len
+    tokens = program.num_microbatches * spec.micro_batch_size * seq_len
+    out.print(
+        summary(program, outcome.results, outcome.losses, config.model, config.backend, tokens)
+    )
+    if config.trace:
+        write_trace(Path(config.trace), program, outcome.results)
+        out.print(f"wrote the trace of every action to {config.trace}", markup=False)
+    if not config.check:
+        return 0
+    from pipelang.backends.reference import compare, train_reference
+
+    device = outcome_device(config)
+    reference = train_reference(config, program.num_microbatches, device)
+    comparison = compare(reference, outcome.results, outcome.losses, spec.torch_dtype)
+    out.print(comparison.render(), markup=False)
+    return 0 if comparison.ok else 1
+
+
+def outcome_device(config: RunConfig) -> torch.device:
+    """Where the `--check` reference trains: the device the run used."""
+    if config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_generated(rank: int, file: str) -> int:
+    """Run a generated `rank{r}.py` by hand: its folder holds schedule.json; the
+    environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
+    parser = argparse.ArgumentParser(
+        prog=Path(file).name,
+        description=f"Rank {rank} of a compiled pipelang schedule. Start every rank's file at "
+        "once with WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.",
+    )
+    add_run_arguments(parser)
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    args = parser.parse_args()
+    os.environ.setdefault("RANK", str(rank))
+    missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing or os.environ["RANK"] != str(rank):
+        print(
+            f"error: set {', '.join(missing) or 'RANK'} (this file is rank {rank})", file=sys.stderr
+        )
+        return 2
+    program = Program.from_json((Path(file).parent / "schedule.json").read_text())
+    config = config_from_args(args)
+    try:
+        preflight(program, config)
+    except (RunError, ModelError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return _run_as_torchrun_rank(program, config, Path(file).read_text(), file)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _partition(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected layer counts like 3,3,2, not {text!r}"
+        ) from None

@@ -1,0 +1,168 @@
+"""The `local` backend: every rank of a program in this one process.
+
+Each rank runs its generated program in a thread of its own, and a `LocalHub` lets one
+thread run at a time, handing the baton on in rank order whenever a rank must wait for a
+message, so a run is deterministic. On the CPU that runs the ranks one after another. On
+CUDA every rank computes on its own stream and messages are device copies ordered by
+events, so the ranks' kernels overlap on one GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+from pipelang.backends.models import Shapes
+from pipelang.backends.processes import RunFailure, where
+from pipelang.backends.report import Outcome
+from pipelang.backends.runtime import RankResult, RunConfig
+from pipelang.backends.transport import Aborted, LocalHub, LocalTransport, PeerFailure
+from pipelang.backends.worker import (
+    PHASE_DONE,
+    PHASE_FAILED,
+    PHASE_RUNNING,
+    PHASE_SETUP,
+    build_rank,
+    describe,
+    run_step,
+)
+
+from pipelang.ir import Program
+
+OnStep = Callable[[int, float, float], None]
+
+
+def local_device() -> torch.device:
+    """The GPU when there is one, else the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
+    )
+
+
+class LocalRun:
+    """The threads of one local run and what they report."""
+
+    def __init__(
+        self, program: Program, config: RunConfig, shapes: Shapes, on_step: OnStep
+    ) -> None:
+        self.program = program
+        self.shapes = shapes
+        self.config = config
+        self.on_step = on_step
+        self.device = local_device()
+        self.hub = LocalHub(program, self.device)
+        self.status = [0] * (3 * program.num_ranks)
+        self.lock = threading.Lock()
+        self.results: dict[int, RankResult] = {}
+        self.pending: dict[int, dict[int, float]] = {}
+        self.seconds: dict[int, float] = {}
+        self.reported: dict[int, int] = {}
+        self.losses: list[float] = []
+        self.failure: tuple[int, str, str] | None = None
+        self.t0 = time.perf_counter_ns()
+        self.t0_event: torch.cuda.Event | None = None
+        if self.device.type == "cuda":
+            self.t0_event = torch.cuda.Event(enable_timing=True)
+            self.t0_event.record()
+
+    def run(self) -> Outcome:
+        threads = [
+            threading.Thread(
+                target=self._rank_main, args=(r,), name=f"pipelang-rank{r}", daemon=True
+            )
+            for r in range(self.program.num_ranks)
+        ]
+        for thread in threads:
+            thread.start()
+        self._watch(threads)
+        if self.failure is None and self.hub.failure is not None:
+            waiting = [
+                f"rank {r} {where(self.program, r, *self.status[3 * r : 3 * r + 3])}"
+                for r in range(self.program.num_ranks)
+                if self.status[3 * r] == PHASE_FAILED
+            ]
+            raise RunFailure(f"{self.hub.failure}:\n  " + "\n  ".join(waiting))
+        if self.failure is not None:
+            rank, what, trace = self.failure
+            phase, step, action = self.status[3 * rank : 3 * rank + 3]
+            raise RunFailure(
+                f"rank {rank} failed {where(self.program, rank, phase, step, action)}: {what}",
+                trace,
+            )
+        return Outcome([self.results[r] for r in range(self.program.num_ranks)], self.losses)
+
+    def _watch(self, threads: list[threading.Thread]) -> None:
+        last, changed = list(self.status), time.monotonic()
+        while any(t.is_alive() for t in threads):
+            for thread in threads:
+                thread.join(0.05)
+            if self.status != last:
+                last, changed = list(self.status), time.monotonic()
+            elif time.monotonic() - changed > self.config.timeout and self.failure is None:
+                busy = next(
+                    r for r in range(self.program.num_ranks) if self.status[3 * r] == PHASE_RUNNING
+                )
+                self.failure = (busy, f"no progress for {self.config.timeout:g} s (--timeout)", "")
+                self.hub.abort(RuntimeError("timeout"))
+                return
+
+    def _rank_main(self, rank: int) -> None:
+        slot = 3 * rank
+        self.status[slot] = PHASE_SETUP
+        self.status[slot + 1] = -1
+        try:
+            self.hub.start(rank)
+            transport = LocalTransport(self.hub, rank)
+            if transport.stream is not None:
+                torch.cuda.set_stream(transport.stream)
+            runtime, iteration = build_rank(
+                self.program,
+                rank,
+                self.config,
+                transport,
+                self.device,
+                self.status,
+                shapes=self.shapes,
+            )
+            runtime.start_clock(self.t0, self.t0_event)
+            self.status[slot] = PHASE_RUNNING
+            for step in range(self.config.steps):
+                losses, seconds = run_step(runtime, iteration, step)
+                self._step_done(rank, step, losses, seconds)
+            if transport.stream is not None:
+                transport.stream.synchronize()
+            self.results[rank] = runtime.result(self.config.check)
+            self.status[slot] = PHASE_DONE
+            self.hub.finish(rank)
+        except Aborted:
+            self.status[slot] = PHASE_FAILED
+        except BaseException as err:
+            self.status[slot] = PHASE_FAILED
+            secondary = isinstance(err, PeerFailure)
+            with self.lock:
+                if self.failure is None or not secondary:
+                    self.failure = self.failure or (rank, describe(err), traceback.format_exc())
+            self.hub.finish(rank, err)
+
+    def _step_done(self, rank: int, step: int, losses: dict[int, float], seconds: float) -> None:
+        with self.lock:
+            self.pending.setdefault(step, {}).update(losses)
+            self.seconds[step] = max(self.seconds.get(step, 0.0), seconds)
+            self.reported[step] = self.reported.get(step, 0) + 1
+            while self.reported.get(len(self.losses)) == self.program.num_ranks:
+                done = len(self.losses)
+                n = self.program.num_microbatches
+                merged = self.pending.pop(done)
+                loss = sum(merged.get(mb, float("nan")) for mb in range(n)) / n
+                self.losses.append(loss)
+                self.on_step(done, loss, self.seconds[done])
+
+
+def run_local(program: Program, config: RunConfig, shapes: Shapes, on_step: OnStep) -> Outcome:
+    """Run every rank of `program` in this process."""
+    return LocalRun(program, config, shapes, on_step).run()

@@ -1,0 +1,86 @@
+"""SGD with momentum and Adam, per parameter, as torch.optim's single-tensor code computes them.
+
+Our own because constructing a torch.optim optimizer imports torch._dynamo, seconds of
+start-up in every rank process; the update formulas are torch's (`foreach=False`,
+no weight decay), and tests/test_runtime.py checks them against torch.optim. An update
+depends only on its own parameter, so a stage copy's optimizer and the `--check`
+reference's whole-model optimizer give the same result for the same gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class SGD:
+    """`torch.optim.SGD(params, lr, momentum)`: buf = momentum * buf + g; p -= lr * buf."""
+
+    def __init__(self, params: Sequence[nn.Parameter], lr: float, momentum: float) -> None:
+        self.params = list(params)
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, param in enumerate(self.params):
+            grad = param.grad
+            if grad is None:
+                continue
+            if self.momentum:
+                buffer = self.buffers[i]
+                if buffer is None:
+                    buffer = self.buffers[i] = grad.detach().clone()
+                else:
+                    buffer.mul_(self.momentum).add_(grad)
+                grad = buffer
+            param.add_(grad, alpha=-self.lr)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+
+class Adam:
+    """`torch.optim.Adam(params, lr, betas, eps)`, bias-corrected, no weight decay."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        self.params = list(params)
+        self.lr = lr
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.steps = 0
+        self.exp_avg = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        correction1 = 1 - self.beta1**self.steps
+        correction2_sqrt = math.sqrt(1 - self.beta2**self.steps)
+        step_size = self.lr / correction1
+        for param, avg, avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
+            grad = param.grad
+            if grad is None:
+                continue
+            avg.lerp_(grad, 1 - self.beta1)
+            avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+            denom = (avg_sq.sqrt() / correction2_sqrt).add_(self.eps)
+            param.addcdiv_(avg, denom, value=-step_size)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+
+Optimizer = SGD | Adam

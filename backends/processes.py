@@ -1,0 +1,356 @@
+"""Start one process per rank on this machine, watch them, stop them all on a fault.
+
+The launcher hosts the rendezvous store (no port race), writes each rank's generated
+program into a run folder, and starts the ranks from a forkserver that has torch already
+imported. Each rank publishes (phase, step, action) in a shared array and sends its steps,
+result or error through a queue. The launcher stops every rank as soon as one fails or
+dies, or when no rank has moved for `--timeout` seconds, and names the rank and the
+action it was on. Ranks also die with the launcher (PR_SET_PDEATHSIG), so none is left
+behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue as queue_module
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from pipelang.backends.codegen import write_rank_programs
+from pipelang.backends.models import Shapes
+from pipelang.backends.report import Outcome
+from pipelang.backends.runtime import RankResult, RunConfig
+from pipelang.backends.worker import (
+    PHASE_DONE,
+    PHASE_FAILED,
+    PHASE_SETUP,
+    PHASE_STARTING,
+    Job,
+    from_bytes,
+    worker_main,
+)
+
+from pipelang.ir import Program
+
+OnStep = Callable[[int, float, float], None]
+GRACE_SECONDS = 0.5
+HANG_MARGIN = 2.0
+"""The launcher calls a run hung this long after the ranks' own communication timeout,
+so that a rank blocked on a silent peer reports first and the silent one gets the blame."""
+"""After a first failure, how long to keep listening for the one that caused it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a rank stopped; `secondary` when it only saw another rank go away."""
+
+    rank: int
+    step: int
+    action: int
+    phase: int
+    what: str
+    traceback: str = ""
+    secondary: bool = False
+
+
+class RunFailure(Exception):
+    """A run that stopped because a rank failed, died or hung; the message says which."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+def where(program: Program, rank: int, phase: int, step: int, action: int) -> str:
+    """`at step 1, action 7 (recv:B0@2/main<3)`, or `during setup`."""
+    if phase in (PHASE_STARTING, PHASE_SETUP) or step < 0:
+        return "during setup"
+    actions = program.ranks[rank]
+    if phase == PHASE_DONE or action >= len(actions):
+        return f"after step {step}"
+    return f"at step {step}, action {action} `{actions[action].text()}`"
+
+
+class Launcher:
+    """Runs the ranks of one Program as processes; `run()` returns or raises RunFailure."""
+
+    def __init__(
+        self, program: Program, config: RunConfig, shapes: Shapes, on_step: OnStep
+    ) -> None:
+        self.program = program
+        self.config = config
+        self.shapes = shapes
+        self.on_step = on_step
+        self.world = program.num_ranks
+        self.ctx = forkserver()
+        self.status: Any = self.ctx.Array("q", 3 * self.world, lock=False)
+        self.queue: Any = self.ctx.Queue()
+        self.procs: list[Any] = []
+        self.results: dict[int, RankResult] = {}
+        self.step_losses: dict[int, dict[int, dict[int, float]]] = {}
+        self.step_seconds: dict[int, float] = {}
+        self.losses: list[float] = []
+        self.failures: list[Failure] = []
+
+    def run(self) -> Outcome:
+        with tempfile.TemporaryDirectory(prefix="pipelang-run-") as run_dir:
+            self.run_dir = Path(run_dir)
+            write_rank_programs(self.program, self.run_dir)
+            store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                None,
+                True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.config.timeout),
+            )
+            threads = max(1, (os.cpu_count() or 1) // self.world)
+            for rank in range(self.world):
+                job = Job(
+                    self.program.to_json(),
+                    self.config,
+                    rank,
+                    "127.0.0.1",
+                    store.port,
+                    run_dir,
+                    threads,
+                    self.shapes,
+                    dict(os.environ),
+                )
+                proc = self.ctx.Process(
+                    target=worker_main,
+                    args=(job, self.status, self.queue),
+                    name=f"pipelang-rank{rank}",
+                    daemon=True,
+                )
+                self.procs.append(proc)
+            try:
+                with _main_module_hidden():
+                    for proc in self.procs:
+                        proc.start()
+                self._watch()
+            finally:
+                self._stop_all()
+            if self.failures:
+                raise self._failure_report()
+        return Outcome([self.results[r] for r in range(self.world)], self.losses)
+
+    def _watch(self) -> None:
+        last_seen: tuple[int, ...] = tuple(self.status)
+        last_change = time.monotonic()
+        first_failure: float | None = None
+        while len(self.results) < self.world:
+            self._drain(timeout=0.05)
+            self._check_exits()
+            now = time.monotonic()
+            if self.failures:
+                first_failure = first_failure or now
+                if now - first_failure >= GRACE_SECONDS or self._primary() is not None:
+                    return
+                continue
+            seen = tuple(self.status)
+            if seen != last_seen:
+                last_seen, last_change = seen, now
+            elif now - last_change > self.config.timeout + HANG_MARGIN:
+                self._hung()
+                return
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            message = self.queue.get(timeout=timeout)
+        except queue_module.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self.queue.get_nowait()
+            except queue_module.Empty:
+                return
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind, rank = message[0], message[1]
+        if kind == "step":
+            _, _, step, losses, seconds = message
+            self._step_done(rank, step, losses, seconds)
+        elif kind == "done":
+            self.results[rank] = from_bytes(message[2])
+        elif kind == "error":
+            _, _, what, trace, secondary = message
+            phase, step, action = self._status(rank)
+            self.failures.append(Failure(rank, step, action, phase, what, trace, secondary))
+
+    def _status(self, rank: int) -> tuple[int, int, int]:
+        slot = 3 * rank
+        return self.status[slot], self.status[slot + 1], self.status[slot + 2]
+
+    def _step_done(self, rank: int, step: int, losses: dict[int, float], seconds: float) -> None:
+        per_rank = self.step_losses.setdefault(step, {})
+        per_rank[rank] = losses
+        self.step_seconds[step] = max(self.step_seconds.get(step, 0.0), seconds)
+        while len(self.step_losses.get(len(self.losses), {})) == self.world:
+            done = len(self.losses)
+            merged = {
+                mb: v for part in self.step_losses.pop(done).values() for mb, v in part.items()
+            }
+            n = self.program.num_microbatches
+            loss = sum(merged.get(mb, float("nan")) for mb in range(n)) / n
+            self.losses.append(loss)
+            self.on_step(done, loss, self.step_seconds[done])
+
+    def _check_exits(self) -> None:
+        reported = {f.rank for f in self.failures}
+        for rank, proc in enumerate(self.procs):
+            code = proc.exitcode
+            if code is None or code == 0 or rank in reported:
+                continue
+            self._drain(timeout=0.2)  # its own error message may still be in the pipe
+            if rank in {f.rank for f in self.failures}:
+                continue
+            phase, step, action = self._status(rank)
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            self.failures.append(Failure(rank, step, action, phase, f"the process died ({how})"))
+
+    def _hung(self) -> None:
+        for rank in range(self.world):
+            phase, step, action = self._status(rank)
+            if phase not in (PHASE_DONE, PHASE_FAILED):
+                what = f"no progress for {self.config.timeout:g} s (--timeout)"
+                self.failures.append(Failure(rank, step, action, phase, what))
+
+    def _primary(self) -> Failure | None:
+        for failure in self.failures:
+            if not failure.secondary:
+                return failure
+        return None
+
+    def _failure_report(self) -> RunFailure:
+        primary = self._primary()
+        if primary is None:
+            return self._silent_rank_report()
+        if all(f.what.startswith("no progress") for f in self.failures):
+            lines = [
+                f"rank {f.rank} {where(self.program, f.rank, f.phase, f.step, f.action)}"
+                for f in self.failures
+            ]
+            return RunFailure(
+                "the run hung: no rank made progress for "
+                f"{self.config.timeout:g} s (--timeout); waiting:\n  " + "\n  ".join(lines)
+            )
+        place = where(self.program, primary.rank, primary.phase, primary.step, primary.action)
+        others = [r for r in range(self.world) if r != primary.rank]
+        message = f"rank {primary.rank} failed {place}: {primary.what}"
+        if others:
+            message += f"\nstopped the other ranks ({', '.join(map(str, others))})"
+        details = primary.traceback + self._logs()
+        return RunFailure(message, details)
+
+    def _silent_rank_report(self) -> RunFailure:
+        """Every failure seen is a rank giving up on a peer: blame the ranks that went
+        quiet (hung) rather than those that timed out waiting for them."""
+        failed = {f.rank for f in self.failures}
+        quiet = []
+        for rank in range(self.world):
+            phase, step, action = self._status(rank)
+            if rank not in failed and phase not in (PHASE_DONE, PHASE_FAILED):
+                quiet.append(
+                    f"rank {rank} stopped responding "
+                    f"{where(self.program, rank, phase, step, action)}"
+                )
+        first = self.failures[0]
+        if not quiet:
+            lines = [
+                f"rank {f.rank} {where(self.program, f.rank, f.phase, f.step, f.action)}: {f.what}"
+                for f in sorted(self.failures, key=lambda f: f.rank)
+            ]
+            return RunFailure(
+                "every rank gave up waiting for another (--timeout "
+                f"{self.config.timeout:g} s):\n  " + "\n  ".join(lines),
+                first.traceback + self._logs(),
+            )
+        waited = ", ".join(str(r) for r in sorted(failed))
+        return RunFailure(
+            "\n".join(quiet) + f"\nranks {waited} timed out waiting for it "
+            f"(--timeout {self.config.timeout:g} s); stopped every rank",
+            first.traceback + self._logs(),
+        )
+
+    def _logs(self) -> str:
+        parts = []
+        for rank in range(self.world):
+            path = self.run_dir / f"rank{rank}.log"
+            text = path.read_text(errors="replace").strip() if path.exists() else ""
+            if text:
+                parts.append(f"--- rank {rank} log ---\n{text[-4000:]}")
+        return "\n" + "\n".join(parts) if parts else ""
+
+    def _stop_all(self) -> None:
+        """Let finished ranks exit; terminate, then kill, whatever is left."""
+        if not self.failures:
+            deadline = time.monotonic() + 5.0
+            for proc in self.procs:
+                if proc.pid is not None:
+                    proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 2.0
+        for proc in self.procs:
+            if proc.pid is None:
+                continue
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start ranks without re-running the caller's `__main__` in them.
+
+    multiprocessing re-imports the parent's main script in every child (as `__mp_main__`);
+    a rank needs nothing from it, and a script without an `if __name__ == "__main__"`
+    guard would launch again from each rank (stdin and notebooks cannot be re-imported
+    at all). So the main module's file and spec are hidden while the ranks start.
+    """
+    main = sys.modules["__main__"]
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
+    }
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+
+
+def forkserver() -> Any:
+    """The multiprocessing context ranks start from: a forkserver that imports torch once.
+
+    Call it early: it starts the server, whose imports then overlap the launcher's checks.
+    """
+    ctx = mp.get_context("forkserver")
+    # symbolic_shapes: autograd imports it (and sympy) on the first backward with a
+    # gradient tensor; loading it once here saves every rank most of a second.
+    ctx.set_forkserver_preload(
+        ["pipelang.backends.worker", "torch.fx.experimental.symbolic_shapes"]
+    )
+    from multiprocessing import forkserver as server
+
+    server.ensure_running()
+    return ctx
+
+
+def launch(program: Program, config: RunConfig, shapes: Shapes, on_step: OnStep) -> Outcome:
+    """Run `program` with one process per rank on this machine."""
+    return Launcher(program, config, shapes, on_step).run()

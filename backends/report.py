@@ -1,0 +1,143 @@
+"""What a run shows and writes: the progress bar, the summary, the Chrome trace."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from pipelang.backends.runtime import RankResult
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from pipelang.ir import Program
+
+
+class StepProgress:
+    """A rich progress bar over steps; every finished step also prints a line."""
+
+    def __init__(self, steps: int, title: str, console: Console) -> None:
+        self.steps = steps
+        self.console = console
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.task = self.progress.add_task(title, total=steps, loss="-")
+
+    def __enter__(self) -> StepProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.progress.stop()
+
+    def step(self, step: int, loss: float, seconds: float) -> None:
+        self.progress.console.print(
+            f"step {step + 1}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms"
+        )
+        self.progress.update(self.task, advance=1, loss=f"{loss:.4f}")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A finished run: every rank's result and the mean loss of every step."""
+
+    results: list[RankResult]
+    losses: list[float]
+
+
+def training_seconds(results: list[RankResult]) -> float:
+    """From the first action of the first step to the last action of the last step."""
+    starts = [e[2] for r in results for e in r.events]
+    ends = [e[3] for r in results for e in r.events]
+    return (max(ends) - min(starts)) / 1e9 if starts else 0.0
+
+
+def summary(
+    program: Program,
+    results: list[RankResult],
+    losses: list[float],
+    model: str,
+    backend: str,
+    tokens_per_step: int,
+) -> Table:
+    """The table printed after a run: throughput, then busy share and memory per rank."""
+    seconds = training_seconds(results)
+    steps = len(losses)
+    rate = steps / seconds if seconds else 0.0
+    params = ", ".join(f"{k}={v}" for k, v in program.params)
+    table = Table(
+        title=f"{program.name}({params}) on {model}, {backend}, {program.num_ranks} ranks: "
+        f"{steps} steps in {seconds:.3f} s, {rate:.2f} steps/s, "
+        f"{rate * tokens_per_step:,.0f} tokens/s, final loss {losses[-1]:.4f}"
+        if losses
+        else f"{program.name}: no step finished",
+        title_justify="left",
+    )
+    for column in ("rank", "stage copies", "actions/step", "busy", "peak memory"):
+        table.add_column(column, justify="left" if column == "stage copies" else "right")
+    for result in sorted(results, key=lambda r: r.rank):
+        actions = program.ranks[result.rank]
+        busy = sum(
+            end - start for _, index, start, end in result.events if actions[index].kind.is_compute
+        )
+        table.add_row(
+            str(result.rank),
+            ", ".join(f"{s}/{p}" for s, p, _ in result.copies),
+            str(len(actions)),
+            f"{100 * busy / 1e9 / seconds:.0f}%" if seconds else "-",
+            f"{result.peak_memory / 2**20:,.1f} MiB",
+        )
+    return table
+
+
+def chrome_trace(program: Program, results: list[RankResult]) -> dict[str, object]:
+    """Every action of every rank as a Chrome trace complete event (pid = tid = rank)."""
+    events: list[dict[str, object]] = []
+    for result in results:
+        rank = result.rank
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": rank,
+                "tid": rank,
+                "args": {"name": f"rank {rank}"},
+            }
+        )
+        for step, index, start, end in result.events:
+            action = program.ranks[rank][index]
+            events.append(
+                {
+                    "name": action.text(),
+                    "cat": action.kind.value,
+                    "ph": "X",
+                    "ts": start / 1e3,
+                    "dur": (end - start) / 1e3,
+                    "pid": rank,
+                    "tid": rank,
+                    "args": {"step": step, "action": index},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: Path, program: Program, results: list[RankResult]) -> None:
+    """Write the Chrome trace JSON (open it in Perfetto or chrome://tracing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(program, results)))

@@ -1,0 +1,227 @@
+"""One rank of a run: set up, train, report. Shared by every backend.
+
+`worker_main` is the entry of a rank process that `pipelang run` started itself (gloo,
+nccl): it reports to the launcher through a queue (steps, the final result, or the error)
+and publishes where it is, (phase, step, action), in a shared array the launcher watches.
+`run_torchrun_rank` is the same rank started by torchrun, with no launcher around it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, MutableSequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pipelang.backends.codegen import load_iteration, render_rank_program
+from pipelang.backends.models import Shapes
+from pipelang.backends.runtime import RankResult, RankRuntime, RunConfig
+from pipelang.backends.transport import DistTransport, PeerFailure, Transport
+
+from pipelang.ir import Program
+
+PHASE_STARTING, PHASE_SETUP, PHASE_RUNNING, PHASE_DONE, PHASE_FAILED = range(5)
+"""The first entry of a rank's (phase, step, action) status."""
+
+Iteration = Callable[[RankRuntime], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What the launcher hands a rank process (picklable)."""
+
+    program_json: str
+    config: RunConfig
+    rank: int
+    store_host: str
+    store_port: int
+    run_dir: str
+    threads: int
+    shapes: Shapes
+    env: dict[str, str]
+    """The launcher's environment now (the forkserver's may be older)."""
+
+
+def device_for(config: RunConfig, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK for nccl, the CPU for gloo."""
+    if config.backend == "nccl":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build_rank(
+    program: Program,
+    rank: int,
+    config: RunConfig,
+    transport: Transport,
+    device: torch.device,
+    status: MutableSequence[int] | None,
+    source: str | None = None,
+    filename: str | None = None,
+    shapes: Shapes | None = None,
+) -> tuple[RankRuntime, Iteration]:
+    """The runtime of `rank` and its generated `iteration` (rendered unless `source` given)."""
+    runtime = RankRuntime(program, rank, config, transport, device, status, shapes)
+    text = source if source is not None else render_rank_program(program, rank)
+    iteration = load_iteration(text, filename or f"<pipelang rank{rank}.py>")
+    return runtime, iteration
+
+
+def run_step(
+    runtime: RankRuntime, iteration: Iteration, step: int
+) -> tuple[dict[int, float], float]:
+    """One training iteration; returns the losses this rank computed and its duration."""
+    start = time.perf_counter()
+    runtime.begin_step(step)
+    iteration(runtime)
+    losses = runtime.end_step()
+    return losses, time.perf_counter() - start
+
+
+def describe(err: BaseException) -> str:
+    """One line for an exception: `Type: message`."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
+    """Entry of a rank process started by the launcher; never returns normally on error."""
+    _die_with_parent()
+    _redirect_output(Path(job.run_dir) / f"rank{job.rank}.log")
+    os.environ.clear()
+    os.environ.update(job.env)
+    slot = 3 * job.rank
+    status[slot] = PHASE_SETUP
+    status[slot + 1] = -1
+    config = job.config
+    try:
+        torch.set_num_threads(job.threads)
+        program = Program.from_json(job.program_json)
+        wait = timedelta(seconds=config.timeout)
+        store = dist.TCPStore(job.store_host, job.store_port, None, False, timeout=wait)
+        dist.init_process_group(
+            "nccl" if config.backend == "nccl" else "gloo",
+            store=store,
+            rank=job.rank,
+            world_size=program.num_ranks,
+            timeout=wait,
+        )
+        device = device_for(config, job.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        transport = DistTransport(program, job.rank, device, config.timeout)
+        path = Path(job.run_dir) / f"rank{job.rank}.py"
+        runtime, iteration = build_rank(
+            program,
+            job.rank,
+            config,
+            transport,
+            device,
+            status,
+            path.read_text(),
+            str(path),
+            job.shapes,
+        )
+        dist.barrier()
+        runtime.start_clock()
+        status[slot] = PHASE_RUNNING
+        for step in range(config.steps):
+            losses, seconds = run_step(runtime, iteration, step)
+            queue.put(("step", job.rank, step, losses, seconds))
+        result = runtime.result(config.check)
+        status[slot] = PHASE_DONE
+        queue.put(("done", job.rank, _to_bytes(result)))
+        dist.destroy_process_group()
+    except BaseException as err:
+        status[slot] = PHASE_FAILED
+        traceback.print_exc()
+        queue.put(
+            ("error", job.rank, describe(err), traceback.format_exc(), isinstance(err, PeerFailure))
+        )
+        queue.close()
+        queue.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def run_torchrun_rank(
+    program: Program,
+    config: RunConfig,
+    on_step: Callable[[int, float, float], None],
+    source: str | None = None,
+    filename: str | None = None,
+) -> list[RankResult] | None:
+    """This process is one rank under torchrun; rank 0 gets every rank's result.
+
+    `source` is the rank's generated program (a hand-started rank{r}.py); by default it
+    is rendered from `program`.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; a hand-started rank may not
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    wait = timedelta(seconds=config.timeout)
+    backend = "nccl" if config.backend == "nccl" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=wait)
+    try:
+        device = device_for(config, local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        transport = DistTransport(program, rank, device, config.timeout)
+        runtime, iteration = build_rank(
+            program, rank, config, transport, device, None, source, filename
+        )
+        dist.barrier()
+        runtime.start_clock()
+        for step in range(config.steps):
+            losses, seconds = run_step(runtime, iteration, step)
+            total = torch.tensor([sum(losses.values())], dtype=torch.float64, device=device)
+            dist.all_reduce(total)
+            if rank == 0:
+                on_step(step, float(total[0]) / program.num_microbatches, seconds)
+        result = runtime.result(config.check)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        return gathered if rank == 0 else None  # type: ignore[return-value]
+    finally:
+        dist.destroy_process_group()
+
+
+def _to_bytes(result: RankResult) -> bytes:
+    # Plain bytes: torch's shared-memory tensor passing would need this process alive.
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> RankResult:
+    """Read back what a rank sent with `_to_bytes`."""
+    result: RankResult = torch.load(io.BytesIO(data), weights_only=False)
+    return result
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies: no orphan ranks."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _redirect_output(path: Path) -> None:
+    """Send this rank's stdout and stderr (gloo's warnings too) to its log file."""
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)

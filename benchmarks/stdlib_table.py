@@ -1,0 +1,87 @@
+"""The standard-library table: every stdlib schedule simulated at one size and cost model.
+
+For each schedule: the number of ranks and stages, the simulated makespan, the bubble
+ratio (ours: 1 - busy / (R * makespan), DESIGN.md section 4), the largest per-rank peak of
+activations in flight (forwards whose backward has not run, counted per stage copy), the
+weight copies a rank holds, and whether `pipelang check` accepts it. Defaults: D = 8,
+N = 16, costs F = 1, B = 2, W = 1 (W only where the schedule splits it), C = 0; other
+parameters (v, f, w) keep their defaults.
+
+    python benchmarks/stdlib_table.py            # print the markdown table
+    python benchmarks/stdlib_table.py --write    # also replace it in docs/schedules/README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipelang.api import load_file, stdlib_names
+from pipelang.compiler import Options, run_passes
+from pipelang.diagnostics import PipelangError
+from pipelang.ir import CostModel
+from pipelang.simulate import simulate
+
+README = Path(__file__).resolve().parent.parent / "docs" / "schedules" / "README.md"
+BEGIN, END = "<!-- stdlib-table:begin -->", "<!-- stdlib-table:end -->"
+
+
+def row(name: str, params: dict[str, str], costs: CostModel) -> list[str]:
+    """One table row: simulate the schedule, and say whether it passes `check`."""
+    file = load_file(name)
+    given = {k: v for k, v in params.items() if any(p.name == k for p in file.schedule.params)}
+    program = run_passes(file, Options(given), "expand-orders").need_program()
+    try:
+        run_passes(file, Options(given))
+        status = "ok"
+    except PipelangError as err:
+        status = ", ".join(sorted({d.code for d in err.diagnostics}))
+    timeline = simulate(program, program.costs.merged(costs))
+    ranks = range(program.num_ranks)
+    shown = ", ".join(f"{k}={v}" for k, v in program.params)
+    return [
+        f"[`{name}`]({name}.md)",
+        shown,
+        str(program.num_stages),
+        f"{timeline.makespan:g}",
+        f"{timeline.bubble_ratio:.3f}",
+        str(max(timeline.peak_activations(r) for r in ranks)),
+        str(max(timeline.weight_copies(r) for r in ranks)),
+        status,
+    ]
+
+
+def table(D: int, N: int, costs: CostModel) -> str:
+    head = [
+        "schedule",
+        "parameters",
+        "stages",
+        "makespan",
+        "bubble ratio",
+        "peak activations",
+        "weight copies",
+        "check",
+    ]
+    rows = [row(name, {"D": str(D), "N": str(N)}, costs) for name in stdlib_names()]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-D", type=int, default=8)
+    parser.add_argument("-N", type=int, default=16)
+    parser.add_argument("--write", action="store_true", help=f"update {README}")
+    args = parser.parse_args()
+    costs = CostModel((("F", None, 1.0), ("B", None, 2.0), ("W", None, 1.0), ("C", None, 0.0)))
+    text = table(args.D, args.N, costs)
+    print(text)
+    if args.write:
+        readme = README.read_text()
+        start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+        README.write_text(f"{readme[:start]}\n{text}\n{readme[end:]}")
+
+
+if __name__ == "__main__":
+    main()

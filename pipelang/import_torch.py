@@ -1,0 +1,312 @@
+"""`pipelang import-torch`: torch's compute-only CSV schedule into a checked `.pipe` file.
+
+torch.distributed.pipelining writes a schedule as CSV, one row per rank, one action per
+cell: `<stage><kind><micro-batch>` with kind F (forward), I (input-gradient backward),
+W (weight gradient) or B (full backward); stage ids are global and a stage lives on one
+rank. Empty cells are idle steps. This module reads such a file, infers the stages, the
+stage -> rank placement, the micro-batches and whether W is split, and writes a `.pipe`
+program whose `order rank` lists every rank's ops as torch gives them. The program is
+then compiled and validated like any other, so a schedule a user has in torch can be
+checked, simulated and drawn.
+
+    0F0,0F1,0B0,0B1           schedule imported() {
+    ,1F0,1B0,1F1,1B1     =>       pipeline main: stage s in 0..2 -> rank s
+                                  ...
+                                  order rank r { if r == 0 { F(mb=0, stage=0) ... } ... }
+
+Communication and bookkeeping cells (SEND_F, RECV_B, UNSHARD, RESHARD, REDUCE_GRAD) are
+dropped: pipelang inserts its own transfers and gradient sync. Overlapped pairs
+(`(0F1;1B0)OVERLAP_F_B`) and a mix of full and split backwards cannot be written in the
+language yet and are reported as errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelang import ast
+from pipelang.cli import UsageError, write_output
+from pipelang.compiler import Compilation, Options, run_passes
+from pipelang.diagnostics import fail
+from pipelang.parser import parse_text, read_source
+from pipelang.source import SourceFile, Span
+
+_COMPUTE = re.compile(r"(\d+)([FIBW])(\d+)")
+_DROPPED = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)")
+_OPS_PER_LINE = 5
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One compute action of the CSV: torch's letter, stage, micro-batch, where it is."""
+
+    kind: str
+    stage: int
+    mb: int
+    span: Span
+
+
+@dataclass(frozen=True)
+class TorchSchedule:
+    """What the CSV says: each rank's compute cells in order, and how many were dropped."""
+
+    source: SourceFile
+    ranks: tuple[tuple[Cell, ...], ...]
+    lines: tuple[Span, ...]
+    """Where each rank's row is, for diagnostics about a whole row."""
+    dropped: int
+
+
+def read_torch_csv(source: SourceFile) -> TorchSchedule:
+    """Parse the cells of a torch CSV; a cell that is not an action is E0007."""
+    ranks: list[tuple[Cell, ...]] = []
+    lines: list[Span] = []
+    dropped = 0
+    offset = 0
+    for line in source.text.splitlines(keepends=True):
+        row: list[Cell] = []
+        for start, text in _cells(line.rstrip("\r\n")):
+            span = Span(source, offset + start, offset + start + len(text))
+            cell = text.strip()
+            if not cell:
+                continue
+            match = _COMPUTE.fullmatch(cell)
+            if match:
+                row.append(Cell(match[2], int(match[1]), int(match[3]), span))
+            elif _DROPPED.fullmatch(cell):
+                dropped += 1
+            else:
+                raise _bad_cell(cell, span)
+        lines.append(Span(source, offset, offset + len(line.rstrip("\r\n"))))
+        offset += len(line)
+        ranks.append(tuple(row))
+    while ranks and not ranks[-1]:
+        ranks.pop()
+    if not ranks:
+        raise fail(
+            "E0007",
+            f"`{source.path}` holds no actions",
+            help="export one with torch's `schedule._dump_csv(FILE, 'compute_only')`",
+        )
+    return TorchSchedule(source, tuple(ranks), tuple(lines[: len(ranks)]), dropped)
+
+
+def _cells(line: str) -> list[tuple[int, str]]:
+    """(column offset, text) of each comma-separated cell; torch never quotes its cells."""
+    cells, start = [], 0
+    for text in line.split(","):
+        cells.append((start, text))
+        start += len(text) + 1
+    return cells
+
+
+def _bad_cell(cell: str, span: Span) -> Exception:
+    if "OVERLAP_F_B" in cell:
+        return fail(
+            "E0007",
+            "an overlapped forward-backward pair cannot be imported yet",
+            span,
+            notes=("pipelang has no atomic overlapped F&B op (DualPipeV uses one)",),
+        )
+    return fail(
+        "E0007",
+        f"`{cell}` is not a torch action",
+        span,
+        help="cells look like `2F0` (stage 2, forward, micro-batch 0); kinds are "
+        "F, I (input grad), W (weight grad), B (full backward)",
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the CSV implies: stage -> rank, micro-batch count, whether W is split."""
+
+    placement: tuple[int, ...]
+    num_microbatches: int
+    split_w: bool
+
+
+def infer_layout(schedule: TorchSchedule) -> Layout:
+    """Stages and micro-batches numbered without holes, each stage on one rank."""
+    cells = [c for row in schedule.ranks for c in row]
+    home: dict[int, tuple[int, Cell]] = {}
+    for rank, row in enumerate(schedule.ranks):
+        for cell in row:
+            first = home.setdefault(cell.stage, (rank, cell))
+            if first[0] != rank:
+                raise fail(
+                    "E0205",
+                    f"stage {cell.stage} runs on ranks {first[0]} and {rank}",
+                    cell.span,
+                    notes=(f"first seen on rank {first[0]} at {first[1].span.location()}",),
+                    help="torch's stage ids are global: each stage lives on one rank",
+                )
+    _no_holes("stage", "E0205", {c.stage: c for c in cells})
+    _no_holes("micro-batch", "E0206", {c.mb: c for c in cells})
+    idle = [r for r, row in enumerate(schedule.ranks) if not row]
+    if idle:
+        raise fail(
+            "E0205",
+            f"rank {idle[0]} runs no compute action",
+            schedule.lines[idle[0]],
+            help="every rank must hold a stage; rows are ranks 0, 1, ...",
+        )
+    split = [c for c in cells if c.kind in "IW"]
+    full = [c for c in cells if c.kind == "B"]
+    if split and full:
+        raise fail(
+            "E0007",
+            "the CSV mixes full backwards (B) and split ones (I, W)",
+            full[0].span,
+            notes=(
+                f"`I`/`W` at {split[0].span.location()}",
+                "pipelang cannot mix them in one schedule yet (DualPipeV does)",
+            ),
+        )
+    placement = tuple(home[s][0] for s in range(len(home)))
+    return Layout(placement, 1 + max(c.mb for c in cells), bool(split))
+
+
+def _no_holes(what: str, code: str, seen: dict[int, Cell]) -> None:
+    """`seen` maps each id to a cell using it; ids must be 0..max without holes."""
+    top = max(seen)
+    missing = sorted(set(range(top)) - seen.keys())
+    if missing:
+        raise fail(
+            code,
+            f"{what} {missing[0]} never appears, but {what} {top} does",
+            seen[top].span,
+            help=f"{what}s must be numbered 0, 1, ... without holes",
+        )
+
+
+def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> str:
+    """The `.pipe` text for a torch schedule (see the module docstring)."""
+    layout = infer_layout(schedule)
+    ranks, stages = len(schedule.ranks), len(layout.placement)
+    rank_expr, style = placement_expr(layout.placement, ranks)
+    letters = {"F": "F", "I": "B", "B": "B", "W": "W"}
+    lines = [
+        f"# Imported from torch's CSV schedule `{origin}`: {_count(ranks, 'rank')}, "
+        f"{_count(stages, 'stage')}, {_count(layout.num_microbatches, 'micro-batch')}.",
+        "#",
+        "# Written by `pipelang import-torch`; each rank's order is its row of the CSV.",
+        f"# Placement: {style}.",
+    ]
+    if layout.split_w:
+        lines.append("# The backward is split: torch's I (input gradient) is B here.")
+    if schedule.dropped:
+        lines.append(
+            f"# {schedule.dropped} communication / bookkeeping cells were dropped; "
+            "pipelang inserts its own."
+        )
+    lines += [
+        f"schedule {name}() {{",
+        *(["    ops F, B, W"] if layout.split_w else []),
+        f"    pipeline main: stage s in 0..{stages} -> rank {rank_expr}",
+        f"    microbatches 0..{layout.num_microbatches} -> main",
+        "    order rank r {",
+    ]
+    for rank, row in enumerate(schedule.ranks):
+        head = "if" if rank == 0 else "} else if"
+        lines.append(f"        {head} r == {rank} {{")
+        ops = [f"{letters[c.kind]}(mb={c.mb}, stage={c.stage})" for c in row]
+        for i in range(0, len(ops), _OPS_PER_LINE):
+            lines.append("            " + " ".join(ops[i : i + _OPS_PER_LINE]))
+    lines += ["        }", "    }", "}", ""]
+    return "\n".join(lines)
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("h") else "s")
+
+
+def placement_expr(placement: tuple[int, ...], ranks: int) -> tuple[str, str]:
+    """A readable `rank` expression over `s` for the placement, and its style's name."""
+    stages = len(placement)
+    if placement == tuple(range(stages)):
+        return "s", "stage s on rank s"
+    if placement == tuple(s % ranks for s in range(stages)):
+        return f"s % {ranks}", f"loop, stage s on rank s % {ranks}"
+    if stages == 2 * ranks and placement == tuple(min(s, 2 * ranks - 1 - s) for s in range(stages)):
+        return (
+            f"if s < {ranks} then s else {2 * ranks - 1} - s",
+            "V, rank r holds stages r and 2D-1-r",
+        )
+    expr = str(placement[-1])
+    for s in range(stages - 2, -1, -1):
+        expr = f"if s == {s} then {placement[s]} else {expr}"
+    return expr, "as listed"
+
+
+# Words the grammar reserves; a schedule cannot be named after one of them.
+_KEYWORDS = frozenset(
+    re.findall(
+        r"\w+",
+        """import fn schedule int bool require let ops cost pipeline stage in rank microbatches
+        after for order greedy repeat every prefer priority cap if then else and or not true
+        false F B W R C""",
+    )
+)
+
+
+def schedule_name(path: Path) -> str:
+    """An identifier made from the file's name: `zbv-4x8.csv` -> `zbv_4x8`."""
+    name = re.sub(r"\W", "_", path.stem)
+    if name in _KEYWORDS or not re.match(r"[A-Za-z_]", name):
+        return f"imported_{name}"
+    return name
+
+
+def import_torch(path: Path, name: str | None = None) -> str:
+    """The `.pipe` text for the torch CSV at `path` (not yet checked: see `check_pipe`)."""
+    schedule = read_torch_csv(read_source(path))
+    return to_pipe(schedule, name or schedule_name(path), path.name)
+
+
+def check_pipe(text: str, display: str) -> Compilation:
+    """Parse and validate generated `.pipe` text (raises PipelangError with diagnostics)."""
+    source = SourceFile.of(display, text)
+    schedule = next(i for i in parse_text(source) if isinstance(i, ast.Schedule))
+    return run_passes(ast.File(source, schedule, {}), Options(), "validate")
+
+
+# ---- the subcommand ---------------------------------------------------------------------
+
+
+def setup_import_torch(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "csv",
+        metavar="FILE.csv",
+        type=Path,
+        help="torch's compute-only CSV (schedule._dump_csv(FILE, 'compute_only'))",
+    )
+    parser.add_argument(
+        "-o",
+        dest="out",
+        type=Path,
+        metavar="OUT.pipe",
+        help="write the .pipe file here instead of standard output",
+    )
+    parser.add_argument("--name", help="the schedule's name (default: from the file name)")
+
+
+def run_import_torch(args: argparse.Namespace) -> int:
+    if args.name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.name):
+        raise UsageError(f"`--name {args.name}` is not an identifier")
+    text = import_torch(args.csv, args.name)
+    if args.out is None:
+        check_pipe(text, f"<import-torch {args.csv.name}>")
+        print(text, end="")
+        return 0
+    # Written before the check, so that a schedule that fails it can be read and fixed.
+    write_output(args.out, text)
+    program = check_pipe(text, str(args.out)).need_program()
+    print(
+        f"wrote {args.out}: {program.num_ranks} ranks, {program.num_stages} stages, "
+        f"{program.num_microbatches} micro-batches; check ok"
+    )
+    return 0

@@ -1,0 +1,119 @@
+"""Hand-built runnable Programs for the runtime tests, independent of the compiler.
+
+`with_comms` does, for a compute-only Program, what the compiler's insert-comms and
+insert-sync passes do: a send right after the op that produces a value another rank
+needs, the matching receive just before the first op that needs it (earlier messages on
+the same channel are received first, so every channel stays FIFO), then each stage
+copy's allreduce after its last backward and the optimizer `step` at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from pipelang.ir import Action, Kind, Program
+
+
+def _consumer(program: Program, op: Action) -> Action | None:
+    """The compute op on another stage that reads what `op` produces, if any."""
+    assert op.stage is not None
+    if op.kind is Kind.F and op.stage + 1 < program.num_stages:
+        return Action(Kind.F, op.mb, op.stage + 1, op.pipeline)
+    if op.kind is Kind.B and op.stage > 0:
+        return Action(Kind.B, op.mb, op.stage - 1, op.pipeline)
+    return None
+
+
+def _rank(program: Program, op: Action) -> int:
+    assert op.stage is not None and op.pipeline is not None
+    return program.rank_of(op.stage, op.pipeline)
+
+
+def with_comms(program: Program) -> Program:
+    """`program` with sends, receives, allreduces and steps inserted (see module doc)."""
+    world = program.num_ranks
+    position = [0] * world
+    out: list[list[Action]] = [[] for _ in range(world)]
+    channel: dict[tuple[int, int], deque[Action]] = {}
+    received: list[set[Action]] = [set() for _ in range(world)]
+    while any(position[r] < len(program.ranks[r]) for r in range(world)):
+        progressed = False
+        for rank in range(world):
+            while position[rank] < len(program.ranks[rank]):
+                op = program.ranks[rank][position[rank]]
+                if not _receive_inputs(program, op, rank, channel, received, out):
+                    break
+                out[rank].append(op)
+                position[rank] += 1
+                progressed = True
+                consumer = _consumer(program, op)
+                if consumer is not None and (peer := _rank(program, consumer)) != rank:
+                    out[rank].append(dataclasses.replace(op, kind=Kind.SEND, peer=peer, of=op.kind))
+                    channel.setdefault((rank, peer), deque()).append(op)
+        if not progressed:
+            raise ValueError("the test program deadlocks")
+    _add_sync(program, out)
+    return dataclasses.replace(program, ranks=tuple(tuple(r) for r in out))
+
+
+def _receive_inputs(
+    program: Program,
+    op: Action,
+    rank: int,
+    channel: dict[tuple[int, int], deque[Action]],
+    received: list[set[Action]],
+    out: list[list[Action]],
+) -> bool:
+    for dep in program.inputs_of(op):
+        src = _rank(program, dep)
+        if src == rank or dep in received[rank]:
+            continue
+        queue = channel.get((src, rank), deque())
+        if dep not in queue:
+            return False
+        while True:
+            got = queue.popleft()
+            received[rank].add(got)
+            out[rank].append(dataclasses.replace(got, kind=Kind.RECV, peer=src, of=got.kind))
+            if got == dep:
+                break
+    return True
+
+
+def _add_sync(program: Program, out: list[list[Action]]) -> None:
+    last_grad = Kind.W if Kind.W in program.kinds else Kind.B
+    for rank, actions in enumerate(out):
+        for stage, pipe in program.stage_copies(rank):
+            if len(set(program.replicas(stage))) < 2:
+                continue
+            last = max(
+                i
+                for i, a in enumerate(actions)
+                if a.kind is last_grad and a.stage == stage and a.pipeline == pipe
+            )
+            # after the op and any send that follows it
+            while last + 1 < len(actions) and actions[last + 1].kind is Kind.SEND:
+                last += 1
+            actions.insert(last + 1, Action(Kind.ALLREDUCE, None, stage, pipe))
+        actions.append(Action(Kind.STEP))
+
+
+def zero_bubble_lines(num_ranks: int, num_mbs: int) -> list[str]:
+    """1F1B with the backward split: B then its W right away in the steady state, and the
+    warm-up ranks' Ws deferred to the end (a simple ZB-H1-like order)."""
+    lines = []
+    for r in range(num_ranks):
+        warm = min(num_ranks - r - 1, num_mbs)
+        ops = [f"F{i}@{r}/main" for i in range(warm)]
+        deferred = []
+        for i in range(num_mbs - warm):
+            ops += [f"F{warm + i}@{r}/main", f"B{i}@{r}/main"]
+            if i < num_mbs - warm - r:
+                ops.append(f"W{i}@{r}/main")
+            else:
+                deferred.append(f"W{i}@{r}/main")
+        ops += [f"B{i}@{r}/main" for i in range(num_mbs - warm, num_mbs)]
+        ops += deferred + [f"W{i}@{r}/main" for i in range(num_mbs - warm, num_mbs)]
+        lines.append(" ".join(ops))
+    return lines

@@ -1,0 +1,329 @@
+"""The runtime trains for real: pipelined runs match single-process training (`--check`),
+faults stop every rank with one clear message, and codegen output is stable.
+
+Runs on the CPU with gloo (one process per rank) unless a test says otherwise. Programs
+are compiled stdlib schedules (`pipelang.api.load_program`); the few shapes the stdlib
+lacks (recompute, a backward split without reordering) are built by hand with
+tests/runtime_helpers.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import one_f_one_b, program_from_dump
+from pipelang.backends import codegen
+from pipelang.backends.launch import add_run_arguments, run_program
+from pipelang.backends.local import run_local
+from pipelang.backends.models import ModelSpec, plan_stages
+from pipelang.backends.optim import SGD, Adam
+from pipelang.backends.runtime import RunConfig
+from runtime_helpers import with_comms
+
+from pipelang.api import load_program
+from pipelang.ir import Kind, Program
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden" / "codegen_1f1b_D2_N2_rank0.expected"
+
+
+def run(program: Program, *options: str) -> int:
+    """`pipelang run` on a Program, in this process; returns the exit status."""
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    parser.add_argument("--debug", action="store_true")
+    return run_program(program, parser.parse_args(list(options)))
+
+
+def stdlib(name: str, **params: int) -> Program:
+    """A compiled stdlib schedule."""
+    return load_program(name, {k: str(v) for k, v in params.items()})
+
+
+SCHEDULES = {
+    "gpipe-D2-N4": ("gpipe", {"D": 2, "N": 4}),
+    "gpipe-D4-N4": ("gpipe", {"D": 4, "N": 4}),
+    "1f1b-D2-N4": ("1f1b", {"D": 2, "N": 4}),
+    "1f1b-D4-N8": ("1f1b", {"D": 4, "N": 8}),
+    "chimera-D4-N4": ("chimera", {"D": 4, "N": 4}),
+    "chimera-D4-N8": ("chimera", {"D": 4, "N": 8}),
+    "interleaved-1f1b-D2-N4": ("interleaved-1f1b", {"D": 2, "N": 4, "v": 2}),
+    "zb-h1-D4-N8": ("zb-h1", {"D": 4, "N": 8}),
+}
+
+
+# ---- exactness -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("case", list(SCHEDULES))
+def test_check_passes_on_gloo(
+    case: str, optimizer: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name, params = SCHEDULES[case]
+    status = run(stdlib(name, **params), "--check", "--steps", "3", "--optimizer", optimizer)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "check OK" in out
+    assert "steps/s" in out
+
+
+def test_v_placement_passes_check_on_local(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two stages of one pipeline on one rank hand over without communication."""
+    assert run(stdlib("v-half", D=2, N=4), "--check", "--backend", "local") == 0
+    assert "check OK" in capsys.readouterr().out
+
+
+def test_recompute_passes_check(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [
+        " ".join(f"F{i}@{r}/main" for i in range(2))
+        + " "
+        + " ".join(f"R{i}@{r}/main B{i}@{r}/main" for i in range(2))
+        for r in range(2)
+    ]
+    recompute = with_comms(program_from_dump(lines, kinds="FBR"))
+    assert run(recompute, "--check", "--backend", "local") == 0
+    assert "check OK" in capsys.readouterr().out
+
+
+def test_split_backward_equals_full_backward_bitwise() -> None:
+    """B (input grad) then W (weight grad) gives exactly the full backward's weights."""
+    config = RunConfig(steps=2, check=True)
+    lines = one_f_one_b(2, 4)
+    full = with_comms(program_from_dump(lines))
+    split = with_comms(
+        program_from_dump(
+            [
+                " ".join(
+                    t + (" " + t.replace("B", "W") if t.startswith("B") else "")
+                    for t in line.split()
+                )
+                for line in lines
+            ],
+            kinds="FBW",
+        )
+    )
+    shapes = plan_stages(config.spec, 2, None).shapes
+    a = run_local(full, config, shapes, lambda *_: None)
+    b = run_local(split, config, shapes, lambda *_: None)
+    assert a.losses == b.losses
+    for ra, rb in zip(a.results, b.results, strict=True):
+        for wa, wb in zip(ra.copy_weights, rb.copy_weights, strict=True):
+            assert wa.keys() == wb.keys()
+            assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_local_backend_runs_chimera(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(stdlib("chimera", D=4, N=4), "--backend", "local", "--check") == 0
+    assert "check OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_optimizers_match_torch(name: str) -> None:
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    if name == "sgd":
+        mine: SGD | Adam = SGD(ours, lr=0.1, momentum=0.9)
+        ref = torch.optim.SGD(theirs, lr=0.1, momentum=0.9, foreach=False)
+    else:
+        mine = Adam(ours, lr=0.01)
+        ref = torch.optim.Adam(theirs, lr=0.01, foreach=False)
+    for step in range(4):
+        grads = [torch.randn(5, 3, generator=torch.Generator().manual_seed(step)) for _ in ours]
+        for p, q, g in zip(ours, theirs, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        mine.step()
+        ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True))
+
+
+# ---- faults ------------------------------------------------------------------------------
+
+
+def test_raising_rank_stops_every_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chimera = stdlib("chimera", D=4, N=4)
+    monkeypatch.setenv("PIPELANG_FAULT", "1:1:3:raise")
+    start = time.monotonic()
+    assert run(chimera, "--timeout", "20") == 1
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err
+    action = chimera.ranks[1][3].text()
+    assert f"error: rank 1 failed at step 1, action 3 `{action}`: RuntimeError: injected" in err
+    assert "stopped the other ranks (0, 2, 3)" in err
+    assert "Traceback" not in err
+
+
+def _session_processes(sid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        (
+            "2:1:4:exit",
+            "error: rank 2 failed at step 1, action 4 `{action}`: the process died (exit status 3)",
+        ),
+        ("0:0:2:hang", "error: rank 0 stopped responding at step 0, action 2 `{action}`"),
+    ],
+)
+def test_dead_or_hung_rank_stops_every_rank_and_leaves_no_process(
+    fault: str, expected: str, tmp_path: Path
+) -> None:
+    """The real command in a subprocess of its own session: after it exits, nothing of
+    it (ranks, forkserver) is left."""
+    one_f_one_b4 = stdlib("1f1b", D=4, N=8)
+    (tmp_path / "schedule.json").write_text(one_f_one_b4.to_json())
+    env = {**os.environ, "PIPELANG_FAULT": fault}
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipelang.backends",
+            str(tmp_path / "schedule.json"),
+            "--steps",
+            "3",
+            "--timeout",
+            "3",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=tmp_path,
+    )
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - start
+    rank, _, index, _ = fault.split(":")
+    action = one_f_one_b4.ranks[int(rank)][int(index)].text()
+    assert proc.returncode == 1, err
+    assert expected.format(action=action) in err
+    assert "Traceback" not in err
+    assert took < 60
+    # start_new_session made the command a session leader: its session id is its pid.
+    deadline = time.monotonic() + 5
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session_processes(proc.pid) == []
+
+
+def test_program_that_does_not_fit_the_model_fails_before_any_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ten = stdlib("gpipe", D=10, N=1)
+    assert run(ten) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "error: the schedule has 10 stages but gpt:tiny has only 8 layers; every stage needs "
+        "at least one"
+    )
+    assert run(stdlib("gpipe", D=2, N=2), "--partition", "3,3") == 1
+    assert "--partition 3,3 must give every stage at least one layer" in capsys.readouterr().err
+
+
+def test_missing_allreduce_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    chimera = stdlib("chimera", D=4, N=4)
+    stripped = [
+        tuple(a for a in actions if a.kind is not Kind.ALLREDUCE) for actions in chimera.ranks
+    ]
+    assert run(dataclasses.replace(chimera, ranks=tuple(stripped))) == 1
+    assert "never runs `allreduce@" in capsys.readouterr().err
+
+
+# ---- output ------------------------------------------------------------------------------
+
+
+def test_trace_has_every_action_of_every_rank(tmp_path: Path) -> None:
+    chimera = stdlib("chimera", D=4, N=4)
+    trace = tmp_path / "trace.json"
+    assert run(chimera, "--steps", "2", "--trace", str(trace)) == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank, actions in enumerate(chimera.ranks):
+        mine = [e for e in events if e["pid"] == rank]
+        assert [e["name"] for e in mine] == [a.text() for a in actions] * 2
+        starts = [e["ts"] for e in mine]
+        assert starts == sorted(starts)
+        assert all(e["dur"] >= 0 for e in mine)
+
+
+def test_user_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "toy_model.py").write_text(
+        "from torch import nn\n"
+        "def make():\n"
+        "    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Tanh(),\n"
+        "                         nn.Linear(16, 50))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert (
+        run(stdlib("1f1b", D=2, N=4), "--model", "toy_model:make", "--backend", "local", "--check")
+        == 0
+    )
+    assert "check OK" in capsys.readouterr().out
+
+
+# ---- codegen -----------------------------------------------------------------------------
+
+
+def test_codegen_golden(update_golden: bool) -> None:
+    one_f_one_b2 = stdlib("1f1b", D=2, N=2)
+    text = codegen.render_rank_program(one_f_one_b2, 0)
+    ast.parse(text)
+    if update_golden or not GOLDEN.exists():
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+def test_generated_programs_run_standalone(tmp_path: Path) -> None:
+    """DIR/rank{r}.py started by hand (as torchrun would) train and pass the check."""
+    one_f_one_b2 = stdlib("1f1b", D=2, N=4)
+    (tmp_path / "schedule.json").write_text(one_f_one_b2.to_json())
+    paths = codegen.write_rank_programs(one_f_one_b2, tmp_path)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
+    env.pop("RANK", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(p), "--check", "--steps", "2"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in paths
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "check OK" in outs[0][0]
+    assert outs[1][0] == ""
+
+
+def test_model_sizes() -> None:
+    tiny = ModelSpec("gpt:tiny").build()
+    assert len(tiny.layers) == 8
+    assert [len(b) for b in plan_stages(ModelSpec("gpt:medium"), 4, None).bounds] == [7, 7, 6, 6]
