@@ -19,17 +19,20 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
-
-import torch
-from pipelang.backends.models import DTYPES, ModelError, Shapes, plan_stages
-from pipelang.backends.processes import RunFailure
-from pipelang.backends.report import Outcome, StepProgress, summary, write_trace
-from pipelang.backends.runtime import OPTIMIZERS, RunConfig
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from pipelang.ir import Kind, Program
 
+if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--help`
+    import torch
+    from pipelang.backends.models import Shapes
+    from pipelang.backends.report import Outcome
+    from pipelang.backends.runtime import RunConfig
+    from rich.console import Console
+
 BACKENDS = ("gloo", "nccl", "local")
+OPTIMIZERS = ("sgd", "adam")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class RunError(Exception):
@@ -80,7 +83,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=sorted(set(DTYPES)),
+        choices=DTYPE_NAMES,
         default="float32",
         help="parameter and activation dtype (default float32)",
     )
@@ -108,6 +111,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The RunConfig that the parsed options describe."""
+    from pipelang.backends.runtime import RunConfig
+
     return RunConfig(
         model=args.model,
         backend=args.backend,
@@ -128,6 +133,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def run_program(program: Program, args: argparse.Namespace) -> int:
     """Run a compiled Program as `args` say; returns the exit status."""
+    from pipelang.backends.models import ModelError
+    from pipelang.backends.processes import RunFailure
+    from rich.console import Console
+
     config = config_from_args(args)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
@@ -155,6 +164,9 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
 
     Returns the shape of every stage's output (the receive buffers' shapes).
     """
+    import torch
+    from pipelang.backends.models import plan_stages
+
     if config.backend == "nccl" and not under_torchrun():
         have = torch.cuda.device_count()
         if have < program.num_ranks:
@@ -199,6 +211,8 @@ def under_torchrun() -> bool:
 
 
 def _run_here(program: Program, config: RunConfig, shapes: Shapes, err: Console) -> Outcome:
+    from pipelang.backends.report import StepProgress
+
     title = f"{program.name} on {config.model} ({config.backend}, {program.num_ranks} ranks)"
     with StepProgress(config.steps, title, err) as progress:
         if config.backend == "local":
@@ -213,7 +227,9 @@ def _run_here(program: Program, config: RunConfig, shapes: Shapes, err: Console)
 def _run_as_torchrun_rank(
     program: Program, config: RunConfig, source: str | None = None, filename: str | None = None
 ) -> int:
+    from pipelang.backends.report import Outcome
     from pipelang.backends.worker import run_torchrun_rank
+    from rich.console import Console
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     losses: list[float] = []
@@ -230,6 +246,10 @@ def _run_as_torchrun_rank(
 
 def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     """Print the summary, write the trace, run the check; the exit status."""
+    from pipelang.backends.models import plan_stages
+    from pipelang.backends.report import summary, write_trace
+    from rich.console import Console
+
     out = Console(highlight=False, soft_wrap=True)
     spec = config.spec
     seq_len = plan_stages(spec, program.num_stages, config.partition).seq_len
@@ -253,6 +273,8 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
 
 def outcome_device(config: RunConfig) -> torch.device:
     """Where the `--check` reference trains: the device the run used."""
+    import torch
+
     if config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -276,6 +298,8 @@ def run_generated(rank: int, file: str) -> int:
             f"error: set {', '.join(missing) or 'RANK'} (this file is rank {rank})", file=sys.stderr
         )
         return 2
+    from pipelang.backends.models import ModelError
+
     program = Program.from_json((Path(file).parent / "schedule.json").read_text())
     config = config_from_args(args)
     try:

@@ -24,6 +24,7 @@ from pipelang.simulate import simulate
 
 README = Path(__file__).resolve().parent.parent / "docs" / "schedules" / "README.md"
 BEGIN, END = "<!-- stdlib-table:begin -->", "<!-- stdlib-table:end -->"
+COSTS = CostModel((("F", None, 1.0), ("B", None, 2.0), ("W", None, 1.0), ("C", None, 0.0)))
 
 
 def row(name: str, params: dict[str, str], costs: CostModel) -> list[str]:
@@ -74,8 +75,7 @@ def main() -> None:
     parser.add_argument("-N", type=int, default=16)
     parser.add_argument("--write", action="store_true", help=f"update {README}")
     args = parser.parse_args()
-    costs = CostModel((("F", None, 1.0), ("B", None, 2.0), ("W", None, 1.0), ("C", None, 0.0)))
-    text = table(args.D, args.N, costs)
+    text = table(args.D, args.N, COSTS)
     print(text)
     if args.write:
         readme = README.read_text()

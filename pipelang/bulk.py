@@ -1,10 +1,11 @@
-"""`@bulk`: pause the cycle collector while a pass builds its 10^5-object result.
+"""`@bulk`: pause the cycle collector while the passes build their 10^5-object results.
 
 A pass over a large schedule allocates hundreds of thousands of tuples, lists and
 actions that all survive. Each time the youngest generation fills, CPython's collector
 runs, and every so often it rescans the whole heap, finding nothing: these structures
-hold no reference cycles. That costs about a third of the time of `build-dag`,
-`validate` and `insert-comms` at 10^5 ops. The previous state is restored on exit.
+hold no reference cycles. That cost about a third of the time of `build-dag`,
+`validate` and `insert-comms` at 10^5 ops, so `run_passes` runs under `@bulk`. The
+previous state is restored on exit.
 """
 
 from __future__ import annotations

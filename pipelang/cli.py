@@ -107,4 +107,8 @@ def write_output(path: Path, text: str) -> None:
 Handler = Callable[[argparse.Namespace], int]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m pipelang.cli` runs this file as `__main__`, a second copy of the module;
+    # use the real `pipelang.cli`, whose `UsageError` is the one `commands` raises.
+    from pipelang.cli import main as _main
+
+    sys.exit(_main())

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pipelang.bulk import bulk
 from pipelang.diagnostics import PipelangError
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ PASSES: tuple[tuple[str, Pass], ...] = (
 PASS_NAMES = tuple(name for name, _ in PASSES)
 
 
+@bulk
 def run_passes(
     file: ast.File, options: Options, stop_after: str | None = None
 ) -> Compilation:

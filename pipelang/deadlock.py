@@ -1,6 +1,6 @@
 """Finding and explaining a deadlock: a cycle in the dependency graph of the ops.
 
-`find_cycle` returns a shortest cycle through the first stuck op (linear time);
+`find_cycle` finds a cycle with networkx and returns a shortest one through its first op;
 `describe_cycle` turns it into the E0306 diagnostic: each op with its source line, the
 cycle step by step, and a rank x step grid with the cycle's ops in [brackets].
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection
+
+import networkx as nx
 
 from pipelang.diagnostics import Diagnostic, InternalError, Label
 from pipelang.grid import step_grid
@@ -28,33 +30,23 @@ GRID_WIDTH = 100
 """Grid lines are cut at this many characters."""
 
 
-def find_cycle(graph: OpGraph, skip: frozenset[Edge] = frozenset()) -> list[int]:
-    """A shortest cycle through some stuck op, as op numbers where each waits for the one
-    before it, starting at its op that comes first by (rank, step); empty when the graph
-    (without the edges in `skip`) has no cycle."""
-    done = graph.topological_order(skip)
-    if len(done) == len(graph.ops):
+def find_cycle(dag: nx.DiGraph, graph: OpGraph, skip: frozenset[Edge] = frozenset()) -> list[int]:
+    """A shortest cycle of `dag` (without the edges in `skip`), as op numbers where each
+    waits for the one before it, starting at its op that comes first by (rank, step);
+    empty when there is none."""
+    view = nx.restricted_view(dag, (), skip) if skip else dag
+    try:
+        found = nx.find_cycle(view)
+    except nx.NetworkXNoCycle:
         return []
-    stuck = set(range(len(graph.ops))).difference(done)
-    succ: dict[int, list[int]] = {u: [] for u in stuck}
-    pred: dict[int, list[int]] = {u: [] for u in stuck}
-    for u, v in graph.edges(skip):
-        if u in stuck and v in stuck:
-            succ[u].append(v)
-            pred[v].append(u)
-    # A stuck op waits for at least one stuck op, so walking back from any of them must
-    # come round to an op it has seen: that op lies on a cycle.
-    seen: set[int] = set()
-    at = min(stuck, key=lambda u: (graph.ranks[u], graph.steps[u]))
-    while at not in seen:
-        seen.add(at)
-        at = pred[at][0]
-    cycle = _shortest_cycle_through(at, succ)
+    # networkx gives some cycle; the shortest one through its first op reads better.
+    start = min((u for u, _ in found), key=lambda u: (graph.ranks[u], graph.steps[u]))
+    cycle = _shortest_cycle_through(start, view)
     first = min(range(len(cycle)), key=lambda i: (graph.ranks[cycle[i]], graph.steps[cycle[i]]))
     return cycle[first:] + cycle[:first]
 
 
-def _shortest_cycle_through(start: int, succ: dict[int, list[int]]) -> list[int]:
+def _shortest_cycle_through(start: int, succ: nx.DiGraph) -> list[int]:
     """Breadth-first from `start` back to itself."""
     parent: dict[int, int] = {}
     queue = deque([start])

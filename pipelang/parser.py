@@ -323,9 +323,9 @@ class _Build(Transformer[Token, Any]):
         priority: tuple[ast.Expr, ...] = ()
         cap = None
         seen: set[str] = set()
-        for kind, value in items:
+        for kind, value, where in items:
             if kind in seen:
-                raise fail("E0207", f"`{kind}` is given twice in `order greedy`", span,
+                raise fail("E0207", f"`{kind}` is given twice in `order greedy`", where,
                            help=f"merge them into one `{kind}` line")
             seen.add(kind)
             if kind == "prefer":
@@ -336,14 +336,14 @@ class _Build(Transformer[Token, Any]):
                 cap = value
         return ast.OrderGreedy(span, prefer, priority, cap)
 
-    def _prefer(self, span: Span, *kinds: Token) -> tuple[str, tuple[str, ...]]:
-        return "prefer", tuple(str(k) for k in kinds)
+    def _prefer(self, span: Span, *kinds: Token) -> tuple[str, tuple[str, ...], Span]:
+        return "prefer", tuple(str(k) for k in kinds), span
 
-    def _priority(self, span: Span, *keys: ast.Expr) -> tuple[str, tuple[ast.Expr, ...]]:
-        return "priority", keys
+    def _priority(self, span: Span, *keys: ast.Expr) -> tuple[str, tuple[ast.Expr, ...], Span]:
+        return "priority", keys, span
 
-    def _cap(self, span: Span, value: ast.Expr) -> tuple[str, ast.Expr]:
-        return "cap", value
+    def _cap(self, span: Span, value: ast.Expr) -> tuple[str, ast.Expr, Span]:
+        return "cap", value, span
 
     def _order_repeat(
         self, span: Span, var: Token, every: Any, body: tuple[ast.Stmt, ...]

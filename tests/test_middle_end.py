@@ -18,7 +18,8 @@ from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_fr
 
 def edges(program: Program) -> set[tuple[str, str, str]]:
     dag = build_dag(program)
-    return {(u.text(), v.text(), why) for u, v, why in dag.edges(data="why")}
+    action = dag.nodes.data("action")
+    return {(action[u].text(), action[v].text(), why) for u, v, why in dag.edges(data="why")}
 
 
 def test_dag_of_1f1b_d2_n1_has_order_and_data_edges() -> None:
@@ -33,8 +34,9 @@ def test_dag_of_1f1b_d2_n1_has_order_and_data_edges() -> None:
 
 def test_dag_nodes_carry_rank_and_step() -> None:
     dag = build_dag(program_from_dump(one_f_one_b(2, 2)))
-    assert dag.nodes[Action.parse("B0@0/main")] == {"rank": 0, "step": 2}
-    assert dag.nodes[Action.parse("F1@1/main")] == {"rank": 1, "step": 2}
+    nodes = {data["action"].text(): (data["rank"], data["step"]) for _, data in dag.nodes(data=True)}
+    assert nodes["B0@0/main"] == (0, 2)
+    assert nodes["F1@1/main"] == (1, 2)
     assert dag.number_of_nodes() == 8
 
 
@@ -66,9 +68,10 @@ def test_dag_data_edges_match_inputs_of() -> None:
     ]
     program = program_from_dump(lines, kinds="FBWR")
     dag = build_dag(program)
-    for op in dag.nodes:
-        data_inputs = {u for u, _, why in dag.in_edges(op, data="why") if why == "data"}
-        assert data_inputs == set(program.inputs_of(op)), op
+    action = dag.nodes.data("action")
+    for node in dag.nodes:
+        data_inputs = {action[u] for u, _, why in dag.in_edges(node, data="why") if why == "data"}
+        assert data_inputs == set(program.inputs_of(action[node])), action[node]
 
 
 def test_dag_after_edges_and_absent_endpoints() -> None:

@@ -297,6 +297,8 @@ def test_codegen_golden(update_golden: bool) -> None:
     ast.parse(text)
     if update_golden or not GOLDEN.exists():
         GOLDEN.write_text(text)
+        if not update_golden:
+            pytest.fail(f"wrote new golden file {GOLDEN.name}; review and rerun")
     assert text == GOLDEN.read_text()
 
 

@@ -15,6 +15,7 @@ Evidence tags follow reference/papers.md: [P] primary text, [S] our own slot sim
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import re
@@ -395,6 +396,8 @@ INVALID = [
     ("chimera", dict(D=5, N=5), "Chimera needs an even number of stages"),
     ("chimera", dict(D=6, N=6, f=2), "Chimera needs f (pipelines per direction) to divide D/2"),
     ("chimera", dict(D=4, N=6), "Chimera needs N to be a positive multiple of D"),
+    ("chimera", dict(D=0), "Chimera needs an even number of stages"),
+    ("chimera", dict(f=0), "Chimera needs f (pipelines per direction) to divide D/2"),
     ("zb-h1", dict(N=0), "ZB-H1 needs at least one micro-batch"),
     ("zb-h2", dict(D=0), "ZB-H2 needs at least one rank"),
     ("zbv", dict(N=0), "ZB-V needs at least one micro-batch"),
@@ -521,3 +524,18 @@ def test_import_torch_cli(tmp_path: Path) -> None:
     assert done.stdout == ""
     assert done.stderr.startswith(f"error[E0007]: `1X1` is not a torch action\n --> {bad}:2:5\n")
     assert "Traceback" not in done.stderr
+
+
+def test_schedules_readme_table_is_generated() -> None:
+    """docs/schedules/README.md holds exactly what benchmarks/stdlib_table.py prints."""
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location(
+        "stdlib_table", root / "benchmarks" / "stdlib_table.py"
+    )
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = (root / "docs" / "schedules" / "README.md").read_text()
+    assert f"{script.BEGIN}\n{script.table(8, 16, script.COSTS)}\n{script.END}" in readme, (
+        "run `python benchmarks/stdlib_table.py --write`"
+    )

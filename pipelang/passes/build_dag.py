@@ -3,8 +3,9 @@
 Needs: a Program from `expand-orders` (comm, allreduce and step actions, if any, are
 skipped). Ops may be missing, duplicated or misplaced; that is `validate`'s business.
 Guarantees: a `networkx.DiGraph` with one node per distinct compute op in `program.ranks`
-(attributes `rank` and `step`: where its first occurrence stands) and an edge `u -> v`
-for every "u must end before v starts", with attribute `why`:
+(numbered in (rank, step) order; attributes `action`, and `rank` and `step`: where its
+first occurrence stands) and an edge `u -> v` for every "u must end before v starts",
+with attribute `why`:
 
 - `order`: u comes right before v in one rank's list;
 - `data`: v consumes u's result (`Program.inputs_of`): F(m,s) -> F(m,s+1),
@@ -14,27 +15,25 @@ for every "u must end before v starts", with attribute `why`:
 An edge whose endpoint is absent is left out. When two reasons join the same pair, the
 edge says `data` over `after` over `order`; edges with one reason share one attribute
 dict, so treat the graph as read-only. The same facts, with ops numbered, are kept as
-an `OpGraph` in `dag.graph["ops"]` for the passes that walk the whole graph in linear
-time (networkx's own algorithms cost several times more per edge at 10^5 ops).
+an `OpGraph` in `dag.graph["ops"]` for the passes that walk every edge in a tight loop.
 
     rank 0: F0@0/main B0@0/main
     rank 1: F0@1/main B0@1/main
   =>
-    F0@0/main -> B0@0/main  data        F0@1/main -> B0@1/main  data
-    F0@0/main -> F0@1/main  data        B0@1/main -> B0@0/main  data
+    0 F0@0/main -> 1 B0@0/main  data        2 F0@1/main -> 3 B0@1/main  data
+    0 F0@0/main -> 2 F0@1/main  data        3 B0@1/main -> 1 B0@0/main  data
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
 import networkx as nx
 
-from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
 
@@ -88,33 +87,6 @@ class OpGraph:
         """The number of `action`'s op, or None when no rank runs it."""
         return self.index.get(op_key(action))
 
-    def edges(self, skip: frozenset[Edge] = frozenset()) -> Iterable[Edge]:
-        """Every edge, of every reason, except those in `skip`."""
-        for edges in (self.order, self.data, self.after):
-            yield from (e for e in edges if e not in skip) if skip else edges
-
-    def topological_order(self, skip: frozenset[Edge] = frozenset()) -> list[int]:
-        """Ops in an order that respects every edge but those in `skip` (Kahn's algorithm).
-
-        Ops on a cycle, and those after one, are left out: the list is shorter than `ops`
-        exactly when the graph has a cycle.
-        """
-        succ: list[list[int]] = [[] for _ in self.ops]
-        indegree = [0] * len(self.ops)
-        for u, v in self.edges(skip):
-            succ[u].append(v)
-            indegree[v] += 1
-        ready = [v for v, d in enumerate(indegree) if d == 0]
-        done: list[int] = []
-        while ready:
-            u = ready.pop()
-            done.append(u)
-            for v in succ[u]:
-                indegree[v] -= 1
-                if indegree[v] == 0:
-                    ready.append(v)
-        return done
-
     @cached_property
     def channels(self) -> dict[tuple[int, int], list[Message]]:
         """What crosses between ranks, per channel (src, dst), in the sender's order.
@@ -147,32 +119,32 @@ class OpGraph:
         return dict(sorted(channels.items()))
 
     def to_networkx(self) -> nx.DiGraph:
-        """The `build-dag` DiGraph: Action nodes with `rank`/`step`, edges with `why`.
+        """The `build-dag` DiGraph: nodes are op numbers with attributes `action`, `rank`
+        and `step`; edges carry `why`.
 
-        Edges with one reason share one attribute dict: treat them as read-only.
+        Integer nodes keep networkx fast at 10^5 ops (an Action hashes in Python, an int
+        in C). Edges with one reason share one attribute dict: treat them as read-only.
         """
         # Filling networkx's adjacency dicts directly costs two dict stores per edge;
         # add_edges_from costs about four times as much, which matters at 10^5 ops.
-        succ: list[dict[Action, dict[str, str]]] = [{} for _ in self.ops]
-        pred: list[dict[Action, dict[str, str]]] = [{} for _ in self.ops]
-        ops = self.ops
+        succ: list[dict[int, dict[str, str]]] = [{} for _ in self.ops]
+        pred: list[dict[int, dict[str, str]]] = [{} for _ in self.ops]
         for why, edges in (("order", self.order), ("after", self.after), ("data", self.data)):
             attrs = {"why": why}
             for u, v in edges:
-                succ[u][ops[v]] = attrs
-                pred[v][ops[u]] = attrs
+                succ[u][v] = attrs
+                pred[v][u] = attrs
         dag = nx.DiGraph()
         dag._node.update(
-            (op, {"rank": r, "step": s})
-            for op, r, s in zip(ops, self.ranks, self.steps, strict=True)
+            (i, {"action": op, "rank": r, "step": s})
+            for i, (op, r, s) in enumerate(zip(self.ops, self.ranks, self.steps, strict=True))
         )
-        dag._succ.update(zip(ops, succ, strict=True))
-        dag._pred.update(zip(ops, pred, strict=True))
+        dag._succ.update(enumerate(succ))
+        dag._pred.update(enumerate(pred))
         dag.graph["ops"] = self
         return dag
 
 
-@bulk
 def build_dag(program: Program) -> nx.DiGraph:
     """The dependency DAG of `program`'s compute ops (see the module docstring)."""
     return op_graph(program).to_networkx()

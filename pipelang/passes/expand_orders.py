@@ -124,6 +124,11 @@ def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[P
         indices: list[int | None] = [None]
         if decl.index_range is not None:
             indices = list(eval_range(decl.index_range, scope, env))
+        # The stage range cannot use the family's index: every member has as many stages.
+        placed += len(indices) * len(eval_range(decl.stages, scope, env))
+        if placed > LIMIT:
+            raise fail("E0106", f"the pipelines place more than {LIMIT} stages", decl.span,
+                       help="pass smaller parameters")
         for j in indices:
             # Family members are `down0`, `down1`, ...; a family of one keeps the plain name.
             name = decl.name if j is None or len(indices) == 1 else f"{decl.name}{j}"
@@ -134,10 +139,6 @@ def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[P
             if j is not None:
                 local[decl.index_var] = j  # type: ignore[index]
             pipelines.append(Pipeline(name, _placement(decl, scope, local), decl.span))
-            placed += len(pipelines[-1].placement)
-            if placed > LIMIT:
-                raise fail("E0106", f"the pipelines place more than {LIMIT} stages", decl.span,
-                           help="pass smaller parameters")
     if not pipelines:
         raise fail("E0207", "every `pipeline` family is empty; there is no pipeline",
                    decls[0].span, help="check the family's range: `p[j in 0..f]` needs f >= 1")

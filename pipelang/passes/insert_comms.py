@@ -23,13 +23,11 @@ import dataclasses
 from collections import defaultdict
 from itertools import pairwise
 
-from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
 from pipelang.passes.build_dag import Message, OpGraph, op_graph
 
 
-@bulk
 def insert_comms(program: Program) -> Program:
     """`program` with its transfers made explicit (see the module docstring)."""
     if not {a.kind for actions in program.ranks for a in actions} <= COMPUTE_KINDS:

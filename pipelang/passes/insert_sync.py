@@ -29,7 +29,6 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError
 from pipelang.ir import COMM_KINDS, Action, Kind, Program
 
@@ -37,7 +36,6 @@ Copy = tuple[int, str]
 """A stage copy: (stage, pipeline)."""
 
 
-@bulk
 def insert_sync(program: Program) -> Program:
     """`program` with allreduces and a final step on every rank (module docstring)."""
     eager = [_eager_positions(program, r) for r in range(program.num_ranks)]

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from pipelang.bulk import bulk
 from pipelang.deadlock import describe_cycle, find_cycle
 from pipelang.diagnostics import Diagnostic, Label
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
@@ -38,7 +37,6 @@ SHOWN = 3
 """How many ops a collapsed diagnostic names before `and N more`."""
 
 
-@bulk
 def validate(program: Program, dag: nx.DiGraph, max_activations: int | None) -> list[Diagnostic]:
     """Every problem in `program`'s order, sorted by position (see the module docstring)."""
     graph = graph_of(dag, program)
@@ -47,7 +45,7 @@ def validate(program: Program, dag: nx.DiGraph, max_activations: int | None) -> 
     found = _collapse([*census.problems, *order_problems])
     found += _missing(program, census)
     if not any(d.code in ("E0301", "E0302", "E0303") for d in found):
-        cycle = find_cycle(graph, skip=_edges_of(graph, order_problems))
+        cycle = find_cycle(dag, graph, skip=_edges_of(graph, order_problems))
         if cycle:
             found.append(describe_cycle(program, graph, cycle))
         found += _crossings(graph, exclude=frozenset(cycle))

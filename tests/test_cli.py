@@ -1,0 +1,278 @@
+"""The `pipelang` command as users see it: exit status, messages, and no tracebacks.
+
+Most cases run the real command in a subprocess (`python -m pipelang.cli`); the ones that
+only need many cheap calls (`explain` of every code, `--help` of every subcommand, the
+stdlib schedules with bad parameters) call `pipelang.cli.main` in-process.
+
+Exit status: 0 success, 1 diagnostics, 2 usage errors. Whatever the input, neither stream
+may hold a Python traceback, an `internal error`, or a path inside the installed package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import pipelang
+from pipelang import api
+from pipelang.cli import main
+from pipelang.codes import CODES
+from pipelang.commands import COMMANDS
+from pipelang.parser import stdlib_dir
+
+PACKAGE = str(Path(pipelang.__file__).resolve().parent)
+STDLIB = str(stdlib_dir().resolve())
+
+GOOD = """\
+schedule good(D: int = 2, N: int = 2) {
+    pipeline main: stage s in 0..D -> rank s
+    microbatches 0..N -> main
+    order rank r { for i in 0..N { F(i) B(i) } }
+}
+"""
+
+
+def assert_clean(out: str, err: str) -> None:
+    for stream in (out, err):
+        assert "Traceback" not in stream
+        assert "internal error" not in stream
+    assert PACKAGE not in err
+    assert STDLIB not in err
+
+
+def pipelang_cmd(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run `pipelang ARGS` as a user would, in `cwd`; check that the output is clean."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelang.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        encoding="utf-8",
+        errors="replace",
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "100"},
+        check=False,
+    )
+    assert_clean(proc.stdout, proc.stderr)
+    return proc
+
+
+def run_in_process(args: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(args)
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
+    assert_clean(out.getvalue(), err.getvalue())
+    return status, out.getvalue(), err.getvalue()
+
+
+# ---- exit status ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "expect"),
+    [
+        (["check", "good.pipe"], 0, "ok: good(D=2, N=2): 2 ranks"),
+        (["check", "1f1b", "-p", "D=2", "-p", "N=+3"], 0, "ok: one_f_one_b(D=2, N=3)"),
+        (["compile", "good.pipe", "--dump-after", "expand-orders"], 0,
+         "rank 0: F0@0/main B0@0/main F1@0/main B1@0/main"),
+        (["--version"], 0, "pipelang "),
+        (["explain", "e0306"], 0, "E0306: deadlock"),
+        (["frob"], 2, "invalid choice: 'frob'"),
+        ([], 2, "usage: pipelang"),
+        (["check"], 2, "the following arguments are required: SCHED"),
+        (["compile", "good.pipe"], 2, "pipelang compile: error: give -o DIR"),
+        (["check", "good.pipe", "-p", "D"], 2, "`-p D`: expected NAME=VALUE"),
+        (["check", "good.pipe", "-p", "=3"], 2, "expected NAME=VALUE"),
+        (["simulate", "good.pipe", "--cost", "F=fast"], 2, "cannot read `F=fast`"),
+        (["simulate", "good.pipe", "--cost", "X=1"], 2, "cannot read `X=1`"),
+        (["check", "good.pipe", "--format", "xml"], 2, "invalid choice: 'xml'"),
+        (["compile", "good.pipe", "--dump-after", "nope"], 2, "invalid choice: 'nope'"),
+        (["explain", "E9999"], 2, "no diagnostic code `E9999`"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_exit_status(tmp_path: Path, args: list[str], status: int, expect: str) -> None:
+    (tmp_path / "good.pipe").write_text(GOOD)
+    proc = pipelang_cmd(*args, cwd=tmp_path)
+    assert proc.returncode == status, proc.stderr
+    assert expect in proc.stdout + proc.stderr
+
+
+# ---- bad input: exit 1 and one clean diagnostic --------------------------------------------
+
+
+def _garbage() -> bytes:
+    rng = random.Random(1234)
+    return bytes(rng.randrange(256) for _ in range(300)) + b"\x00\xff\xfe"
+
+
+BAD_FILES: dict[str, tuple[bytes | str, str]] = {
+    # name: (contents, expected code)
+    "empty": ("", "E0006"),
+    "garbage": (_garbage(), "E0003"),
+    "nul": ("schedule t() {\x00}\n", "E0003"),
+    "latin1": ("schedule caf\xe9() {}\n".encode("latin-1"), "E0003"),
+    "truncated": (GOOD[: GOOD.index("order rank r {") + len("order rank r {")], "E0002"),
+    "missing-brace": (GOOD.rstrip().rstrip("}"), "E0002"),
+    "extra-brace": (GOOD + "}\n", "E0001"),
+    "unknown-name": (GOOD.replace("0..N {", "0..M {"), "E0101"),
+    "div-zero": (GOOD.replace("for i in 0..N", "for i in 0..N // (D - 2)"), "E0104"),
+    "slash": (GOOD.replace("0..D ->", "0..D / 1 ->"), "E0001"),
+    "not-an-op": (GOOD.replace("B(i)", "Q(i)"), "E0103"),
+    "self-import": ('import "self.pipe"\n' + GOOD, "E0005"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_bad_files(tmp_path: Path, name: str) -> None:
+    contents, code = BAD_FILES[name]
+    path = tmp_path / ("self.pipe" if name == "self-import" else "bad.pipe")
+    if isinstance(contents, bytes):
+        path.write_bytes(contents)
+    else:
+        path.write_text(contents)
+    proc = pipelang_cmd("check", path.name, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"error[{code}]"), proc.stderr
+    assert proc.stdout == ""
+
+
+def test_import_cycle_of_two_files(tmp_path: Path) -> None:
+    (tmp_path / "a.pipe").write_text('import "b.pipe"\nfn a() = 1\n')
+    (tmp_path / "b.pipe").write_text('import "a.pipe"\nfn b() = 2\n')
+    (tmp_path / "main.pipe").write_text('import "a.pipe"\n' + GOOD)
+    proc = pipelang_cmd("check", "main.pipe", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error[E0005]: import cycle: main.pipe -> a.pipe -> b.pipe -> a.pipe")
+    assert "--> b.pipe:1:1" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("sched", "message"),
+    [
+        (".", "error[E0003]: cannot read `.`: it is a directory"),
+        ("missing.pipe", "error[E0003]: cannot read `missing.pipe`: no such file"),
+        ("no-such-schedule", "error[E0003]: no schedule `no-such-schedule`"),
+    ],
+)
+def test_missing_inputs(tmp_path: Path, sched: str, message: str) -> None:
+    proc = pipelang_cmd("check", sched, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["check", "1f1b", "-p", "D=abc"], "E0203"),
+        (["check", "1f1b", "-p", "D=0"], "E0204"),
+        (["check", "chimera", "-p", "N=-4"], "E0204"),
+        (["check", "1f1b", "-p", "X=1"], "E0202"),
+        (["check", "1f1b", "-p", "N=" + "9" * 40], "E0106"),
+    ],
+)
+def test_bad_parameters(tmp_path: Path, args: list[str], code: str) -> None:
+    proc = pipelang_cmd(*args, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"error[{code}]"), proc.stderr
+    assert "<stdlib>/" in proc.stderr
+
+
+@pytest.mark.parametrize("param", ["N=100000000000", "D=100000000000", "N=999999999999999999"])
+def test_huge_parameters_end_quickly(tmp_path: Path, param: str) -> None:
+    start = time.monotonic()
+    proc = pipelang_cmd("check", "1f1b", "-p", param, cwd=tmp_path, timeout=20)
+    assert time.monotonic() - start < 10
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error[E0106]")
+
+
+@pytest.mark.parametrize("name", api.stdlib_names())
+def test_stdlib_schedules_refuse_zero_and_negative_sizes(name: str) -> None:
+    params = [p.name for p in api.load_file(name).schedule.params]
+    for param in ("D", "N"):
+        if param not in params:
+            continue
+        for value in ("0", "-1", "-8"):
+            status, _, err = run_in_process(["check", name, "-p", f"{param}={value}"])
+            assert status == 1, err
+            assert err.startswith("error[E0"), err
+
+
+# ---- output formats ---------------------------------------------------------------------
+
+
+def test_json_diagnostics(tmp_path: Path) -> None:
+    (tmp_path / "bad.pipe").write_text(GOOD.replace("0..N {", "0..M {"))
+    proc = pipelang_cmd("check", "bad.pipe", "--format", "json", cwd=tmp_path)
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    (diag,) = doc["diagnostics"]
+    assert diag["code"] == "E0101"
+    assert diag["message"] == "unknown name `M`"
+    assert diag["location"] == {"file": "bad.pipe", "line": 4, "column": 29, "end_line": 4,
+                                "end_column": 30}
+
+
+def test_json_success_and_several_diagnostics(tmp_path: Path) -> None:
+    status, out, _ = run_in_process(["check", "1f1b", "--format", "json"])
+    assert status == 0 and json.loads(out)["ok"] is True
+    status, out, _ = run_in_process(["check", "1f1b", "--format", "json", "-p", "D=x", "-p", "Q=1"])
+    assert status == 1
+    codes = [d["code"] for d in json.loads(out)["diagnostics"]]
+    assert sorted(codes) == ["E0202", "E0203"]
+    assert all(d["location"]["line"] == 5 for d in json.loads(out)["diagnostics"])
+
+
+def test_text_diagnostic_shape(tmp_path: Path) -> None:
+    (tmp_path / "bad.pipe").write_text(GOOD.replace("0..N {", "0..M {"))
+    status, _, err = run_in_process(["check", str(tmp_path / "bad.pipe")])
+    assert status == 1
+    lines = err.splitlines()
+    assert lines[0] == "error[E0101]: unknown name `M`"
+    assert lines[1].endswith("bad.pipe:4:29")
+    assert lines[3] == "4 |     order rank r { for i in 0..M { F(i) B(i) } }"
+    assert lines[4] == "  |                             ^"
+
+
+# ---- explain and help -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", sorted(CODES))
+def test_explain_every_code(code: str) -> None:
+    status, out, err = run_in_process(["explain", code])
+    assert status == 0, err
+    assert out.startswith(f"{code}: {CODES[code].title}\n\n")
+    assert CODES[code].explanation in out
+
+
+@pytest.mark.parametrize("code", ["E9999", "X", "", "e00001"])
+def test_explain_unknown_code(code: str) -> None:
+    status, _, err = run_in_process(["explain", code])
+    assert status == 2
+    assert err.startswith("pipelang explain: error: no diagnostic code")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_of_every_subcommand(command: str) -> None:
+    status, out, _ = run_in_process([command, "--help"])
+    assert status == 0
+    assert out.startswith(f"usage: pipelang {command}")
+
+
+def test_help_in_a_subprocess(tmp_path: Path) -> None:
+    proc = pipelang_cmd("--help", cwd=tmp_path)
+    assert proc.returncode == 0
+    for command in COMMANDS:
+        assert command in proc.stdout
