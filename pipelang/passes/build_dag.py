@@ -27,7 +27,7 @@ an `OpGraph` in `dag.graph["ops"]` for the passes that walk every edge in a tigh
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -86,6 +86,33 @@ class OpGraph:
     def find(self, action: Action) -> int | None:
         """The number of `action`'s op, or None when no rank runs it."""
         return self.index.get(op_key(action))
+
+    def edges(self, skip: frozenset[Edge] = frozenset()) -> Iterable[Edge]:
+        """Every edge, of every reason, except those in `skip`."""
+        for edges in (self.order, self.data, self.after):
+            yield from (e for e in edges if e not in skip) if skip else edges
+
+    def topological_order(self, skip: frozenset[Edge] = frozenset()) -> list[int]:
+        """Ops in an order that respects every edge but those in `skip` (Kahn's algorithm).
+
+        Ops on a cycle, and those after one, are left out: the list is shorter than `ops`
+        exactly when the graph has a cycle.
+        """
+        succ: list[list[int]] = [[] for _ in self.ops]
+        indegree = [0] * len(self.ops)
+        for u, v in self.edges(skip):
+            succ[u].append(v)
+            indegree[v] += 1
+        ready = [v for v, d in enumerate(indegree) if d == 0]
+        done: list[int] = []
+        while ready:
+            u = ready.pop()
+            done.append(u)
+            for v in succ[u]:
+                indegree[v] -= 1
+                if indegree[v] == 0:
+                    ready.append(v)
+        return done
 
     @cached_property
     def channels(self) -> dict[tuple[int, int], list[Message]]:

@@ -45,7 +45,7 @@ def validate(program: Program, dag: nx.DiGraph, max_activations: int | None) -> 
     found = _collapse([*census.problems, *order_problems])
     found += _missing(program, census)
     if not any(d.code in ("E0301", "E0302", "E0303") for d in found):
-        cycle = find_cycle(dag, graph, skip=_edges_of(graph, order_problems))
+        cycle = find_cycle(graph, skip=_edges_of(graph, order_problems))
         if cycle:
             found.append(describe_cycle(program, graph, cycle))
         found += _crossings(graph, exclude=frozenset(cycle))
