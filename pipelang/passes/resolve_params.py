@@ -48,19 +48,31 @@ def _resolve(file: ast.File, given: Mapping[str, str]) -> dict[str, Value]:
     if problems:
         raise PipelangError(problems)
     for decl in schedule.body:
-        scope = Scope(dict(types), file.fns)
-        if isinstance(decl, ast.Let):
-            if decl.name in types:
-                problems.append(Diagnostic("E0102", f"`{decl.name}` is already defined",
-                                           decl.span))
-                continue
-            types[decl.name], value = infer(decl.value, scope)
-            env[decl.name] = value(env)
-        elif isinstance(decl, ast.Require) and not compile_expr(decl.test, scope, BOOL)(env):
-            problems.append(_failed_require(decl, env))
+        try:
+            _declare(decl, Scope(dict(types), file.fns), env, types, problems)
+        except PipelangError:
+            # A failed `require` usually explains why a later `let` cannot be evaluated
+            # (say, a division by a parameter it ruled out): report the require.
+            if any(p.code == "E0204" for p in problems):
+                break
+            raise
     if problems:
         raise PipelangError(problems)
     return env
+
+
+def _declare(
+    decl: ast.Decl, scope: Scope, env: Env, types: dict[str, str], problems: list[Diagnostic]
+) -> None:
+    """Evaluate one schedule-level `let` or `require` into `env`, or record its problem."""
+    if isinstance(decl, ast.Let):
+        if decl.name in types:
+            problems.append(Diagnostic("E0102", f"`{decl.name}` is already defined", decl.span))
+            return
+        types[decl.name], value = infer(decl.value, scope)
+        env[decl.name] = value(env)
+    elif isinstance(decl, ast.Require) and not compile_expr(decl.test, scope, BOOL)(env):
+        problems.append(_failed_require(decl, env))
 
 
 def _unknown_params(schedule: ast.Schedule, given: Mapping[str, str]) -> list[Diagnostic]:
