@@ -16,6 +16,8 @@ from pipelang.codes import CODES
 from pipelang.compiler import PASS_NAMES, Compilation
 from pipelang.import_torch import run_import_torch, setup_import_torch
 from pipelang.ir import COMPUTE_KINDS, CostModel, Program
+from pipelang.visualize.command import HELP as VIZ_HELP
+from pipelang.visualize.command import run_viz, setup_viz
 
 _console = Console(highlight=False, soft_wrap=True)
 
@@ -230,6 +232,22 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- run --------------------------------------------------------------------------------
+
+
+def setup_run(parser: argparse.ArgumentParser) -> None:
+    from pipelang.backends.launch import add_run_arguments
+
+    _schedule_args(parser)
+    add_run_arguments(parser)
+
+
+def run_run(args: argparse.Namespace) -> int:
+    from pipelang.backends.launch import run_program
+
+    return run_program(_compile(args).need_program(), args)
+
+
 # ---- explain ------------------------------------------------------------------------------
 
 
@@ -254,8 +272,11 @@ COMMANDS = {
                 setup_compile, run_compile),
     "simulate": ("replay a schedule with a cost model: makespan, bubbles, memory",
                  setup_simulate, run_simulate),
+    "viz": (VIZ_HELP, setup_viz, run_viz),
     "export": ("print each rank's compute ops as JSON or torch's CSV schedule format",
                setup_export, run_export),
+    "run": ("train a model with the schedule: one process per rank (gloo), or local",
+            setup_run, run_run),
     "explain": ("explain a diagnostic code", setup_explain, run_explain),
     "import-torch": ("read torch's CSV schedule into a checked .pipe program",
                      setup_import_torch, run_import_torch),
