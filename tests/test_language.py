@@ -13,8 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from helpers import CHIMERA_4, gpipe, one_f_one_b
+
 from pipelang import api
 from pipelang.cli import UsageError, parse_params
 from pipelang.codes import CODES
@@ -47,7 +47,10 @@ def ranks(program: Program) -> list[str]:
 
 
 def expect_error(
-    tmp_path: Path, text: str, code: str, params: dict[str, str] | None = None,
+    tmp_path: Path,
+    text: str,
+    code: str,
+    params: dict[str, str] | None = None,
     line: int | None = None,
 ) -> Diagnostic:
     """Compile `text`; it must fail with `code` at the line marked `# <-` (or `line`)."""
@@ -80,12 +83,19 @@ def schedule(body: str, params: str = "D: int = 2, N: int = 2", order: str = "")
 # ---- expressions ------------------------------------------------------------------------
 
 
-def values(tmp_path: Path, exprs: dict[str, str], params: str = "", given: dict[str, str] | None = None,
-           fns: str = "") -> dict[str, int | bool]:
+def values(
+    tmp_path: Path,
+    exprs: dict[str, str],
+    params: str = "",
+    given: dict[str, str] | None = None,
+    fns: str = "",
+) -> dict[str, int | bool]:
     """Each expression as a schedule-level `let` (evaluated at run time by resolve-params)."""
     lets = "\n".join(f"    let {name} = {expr}" for name, expr in exprs.items())
-    text = (f"{fns}\nschedule t({params}) {{\n{lets}\n    pipeline main: stage s in 0..1 -> rank s\n"
-            "    microbatches 0..1 -> main\n    order rank r { F(0) B(0) }\n}\n")
+    text = (
+        f"{fns}\nschedule t({params}) {{\n{lets}\n    pipeline main: stage s in 0..1 -> rank s\n"
+        "    microbatches 0..1 -> main\n    order rank r { F(0) B(0) }\n}\n"
+    )
     path = write(tmp_path, text)
     c = api.compile_schedule(str(path), given or {}, stop_after="resolve-params")
     assert c.params is not None
@@ -95,9 +105,11 @@ def values(tmp_path: Path, exprs: dict[str, str], params: str = "", given: dict[
 def folded(tmp_path: Path, expr: str, params: str = "", fns: str = "") -> int:
     """`expr` evaluated inside `order rank`, where parameters are constants and fold: the
     rank emits `expr + 100` forwards."""
-    text = (f"{fns}\nschedule t({params}) {{\n    pipeline main: stage s in 0..1 -> rank s\n"
-            "    microbatches 0..200 -> main\n"
-            f"    order rank r {{ let v = {expr}\n for i in 0..v + 100 {{ F(i) }} }}\n}}\n")
+    text = (
+        f"{fns}\nschedule t({params}) {{\n    pipeline main: stage s in 0..1 -> rank s\n"
+        "    microbatches 0..200 -> main\n"
+        f"    order rank r {{ let v = {expr}\n for i in 0..v + 100 {{ F(i) }} }}\n}}\n"
+    )
     program = compile_text(tmp_path, text)
     return len(program.ranks[0]) - 100
 
@@ -107,8 +119,12 @@ FLOOR_CASES = [(-7, 2), (7, -2), (-7, -2), (7, 2), (-8, 2), (0, -3), (-1, 5), (1
 
 @pytest.mark.parametrize(("a", "b"), FLOOR_CASES)
 def test_floor_division_and_remainder_follow_python(tmp_path: Path, a: int, b: int) -> None:
-    got = values(tmp_path, {"q": "a // b", "m": "a % b", "ql": f"{a} // {b}", "ml": f"{a} % {b}"},
-                 params="a: int = 0, b: int = 1", given={"a": str(a), "b": str(b)})
+    got = values(
+        tmp_path,
+        {"q": "a // b", "m": "a % b", "ql": f"{a} // {b}", "ml": f"{a} % {b}"},
+        params="a: int = 0, b: int = 1",
+        given={"a": str(a), "b": str(b)},
+    )
     assert got == {"q": a // b, "m": a % b, "ql": a // b, "ml": a % b}
     assert folded(tmp_path, "a // b * 10 + a % b", params=f"a: int = {a}, b: int = {b}") == (
         a // b * 10 + a % b
@@ -170,16 +186,21 @@ def test_and_or_conditional_short_circuit(tmp_path: Path) -> None:
 
 
 def test_the_branch_taken_is_still_evaluated(tmp_path: Path) -> None:
-    text = schedule("let x = true and 1 // z == 0  " + MARK, params="D: int = 2, N: int = 2, z: int = 0")
+    text = schedule(
+        "let x = true and 1 // z == 0  " + MARK, params="D: int = 2, N: int = 2, z: int = 0"
+    )
     diag = expect_error(tmp_path, text, "E0104")
     assert "`1 // z`" in diag.message
 
 
 def test_division_by_zero_in_an_order_points_at_the_division(tmp_path: Path) -> None:
-    text = schedule("", order=f"""
+    text = schedule(
+        "",
+        order=f"""
         order rank r {{
             for i in 0..N {{ F(i // r) B(i) }}  {MARK}
-        }}""")
+        }}""",
+    )
     expect_error(tmp_path, text, "E0104")
 
 
@@ -267,11 +288,14 @@ def test_slash_suggests_floor_division(tmp_path: Path) -> None:
 
 
 def test_unknown_name_on_a_branch_never_taken(tmp_path: Path) -> None:
-    text = schedule("", order=f"""
+    text = schedule(
+        "",
+        order=f"""
         order rank r {{
             if false {{ F(nope) }}  {MARK}
             F(0) B(0) F(1) B(1)
-        }}""")
+        }}""",
+    )
     diag = expect_error(tmp_path, text, "E0101")
     assert diag.message == "unknown name `nope`"
 
@@ -280,7 +304,10 @@ def test_unknown_name_on_a_branch_never_taken(tmp_path: Path) -> None:
 
 
 def test_sibling_loops_reuse_a_name_and_lets_follow_their_block(tmp_path: Path) -> None:
-    text = schedule("let half = N // 2", params="D: int = 2, N: int = 4", order="""
+    text = schedule(
+        "let half = N // 2",
+        params="D: int = 2, N: int = 4",
+        order="""
         order rank r {
             for i in 0..half { F(i) }
             for i in 0..half {
@@ -290,7 +317,8 @@ def test_sibling_loops_reuse_a_name_and_lets_follow_their_block(tmp_path: Path) 
             }
             for i in half..N { B(i) }
             let i = 0
-        }""")
+        }""",
+    )
     assert ranks(compile_text(tmp_path, text)) == [
         f"F0@{r}/main F1@{r}/main F2@{r}/main B0@{r}/main F3@{r}/main B1@{r}/main "
         f"B2@{r}/main B3@{r}/main"
@@ -299,12 +327,15 @@ def test_sibling_loops_reuse_a_name_and_lets_follow_their_block(tmp_path: Path) 
 
 
 def test_if_branches_are_separate_scopes(tmp_path: Path) -> None:
-    text = schedule("", order="""
+    text = schedule(
+        "",
+        order="""
         order rank r {
             if r == 0 { let x = 0  F(x) } else { let x = 0  F(x) }
             let x = 1
             F(x) B(0) B(1)
-        }""")
+        }""",
+    )
     assert ranks(compile_text(tmp_path, text))[0] == "F0@0/main F1@0/main B0@0/main B1@0/main"
 
 
@@ -329,15 +360,16 @@ def test_scope_errors(tmp_path: Path, order: str, code: str) -> None:
 
 
 def test_schedule_lets_and_requires_run_in_order(tmp_path: Path) -> None:
-    text = schedule(f"require x > 0 : \"x\"  {MARK}\nlet x = 1", order="order rank r { F(0) }")
+    text = schedule(f'require x > 0 : "x"  {MARK}\nlet x = 1', order="order rank r { F(0) }")
     expect_error(tmp_path, text, "E0101")
     text = schedule(f"let N = 3  {MARK}", order="order rank r { F(0) }")
     expect_error(tmp_path, text, "E0102")
 
 
 def test_parameter_defaults_see_earlier_parameters_only(tmp_path: Path) -> None:
-    text = schedule("", params="D: int = 2, N: int = 3 * D, k: bool = N > 5",
-                    order="order rank r { F(0) }")
+    text = schedule(
+        "", params="D: int = 2, N: int = 3 * D, k: bool = N > 5", order="order rank r { F(0) }"
+    )
     program = compile_text(tmp_path, text, {"D": "1"})
     assert program.params == (("D", 1), ("N", 3), ("k", False))
     expect_error(tmp_path, f"schedule t(N: int = D,  {MARK}\n D: int = 2) {{}}", "E0101")
@@ -368,8 +400,11 @@ def test_a_default_that_uses_a_rejected_parameter_is_not_reported_again(tmp_path
     ],
 )
 def test_p_values(tmp_path: Path, given: dict[str, str], expected: tuple[int, bool]) -> None:
-    text = schedule("", params="D: int = 2, N: int = 2, a: int = 1, b: bool = false",
-                    order="order rank r { F(0) }")
+    text = schedule(
+        "",
+        params="D: int = 2, N: int = 2, a: int = 1, b: bool = false",
+        order="order rank r { F(0) }",
+    )
     program = compile_text(tmp_path, text, given)
     assert dict(program.params)["a"] == expected[0]
     assert dict(program.params)["b"] is expected[1]
@@ -390,8 +425,11 @@ def test_p_values(tmp_path: Path, given: dict[str, str], expected: tuple[int, bo
     ],
 )
 def test_bad_p_values(tmp_path: Path, given: dict[str, str], code: str) -> None:
-    text = schedule("", params="D: int = 2, N: int = 2, a: int = 1, b: bool = false",
-                    order="order rank r { F(0) }")
+    text = schedule(
+        "",
+        params="D: int = 2, N: int = 2, a: int = 1, b: bool = false",
+        order="order rank r { F(0) }",
+    )
     expect_error(tmp_path, text, code, given, line=1)
 
 
@@ -422,10 +460,13 @@ def test_stdlib_1f1b_is_1f1b(d: int, n: int) -> None:
 
 
 def test_op_arguments(tmp_path: Path) -> None:
-    text = schedule("", order="""
+    text = schedule(
+        "",
+        order="""
         order rank r {
             F(0)  F(mb=1)  B(0, r)  B(stage=r, mb=1)
-        }""")
+        }""",
+    )
     assert ranks(compile_text(tmp_path, text)) == [
         f"F0@{r}/main F1@{r}/main B0@{r}/main B1@{r}/main" for r in range(2)
     ]
@@ -465,20 +506,37 @@ def test_a_stage_held_by_another_rank_is_left_to_validate(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     "op",
-    ["F()", "F(0, 1, 0)", "F(0, mb=1)", "F(stage=0, 1)", "F(mb=0, mb=0)", "F(slot=1)", "G(0)",
-     "F(0) @ 1", "F(5)", "F(-1)", "F(0, 7)", "F(0, -1)", "F(stage=0)"],
+    [
+        "F()",
+        "F(0, 1, 0)",
+        "F(0, mb=1)",
+        "F(stage=0, 1)",
+        "F(mb=0, mb=0)",
+        "F(slot=1)",
+        "G(0)",
+        "F(0) @ 1",
+        "F(5)",
+        "F(-1)",
+        "F(0, 7)",
+        "F(0, -1)",
+        "F(stage=0)",
+    ],
 )
 def test_bad_ops_in_order_rank(tmp_path: Path, op: str) -> None:
     expect_error(tmp_path, schedule("", order=f"order rank r {{\n {op}  {MARK}\n}}"), "E0103")
 
 
 def test_if_else_if_chain(tmp_path: Path) -> None:
-    text = schedule("", params="D: int = 3, N: int = 1", order="""
+    text = schedule(
+        "",
+        params="D: int = 3, N: int = 1",
+        order="""
         order rank r {
             if r == 0 { F(0) B(0) }
             else if r == 1 { F(0) B(mb=0) }
             else { F(mb=0) B(0, 2) }
-        }""")
+        }""",
+    )
     assert ranks(compile_text(tmp_path, text)) == gpipe(3, 1)
 
 
@@ -498,8 +556,9 @@ schedule repeat_1f1b(D: int = 4, N: int = 8) {
 """
 
 
-@pytest.mark.parametrize(("d", "n"), [(1, 1), (1, 4), (2, 1), (2, 2), (3, 7), (4, 4), (4, 8),
-                                      (5, 2), (6, 12)])
+@pytest.mark.parametrize(
+    ("d", "n"), [(1, 1), (1, 4), (2, 1), (2, 2), (3, 7), (4, 4), (4, 8), (5, 2), (6, 12)]
+)
 def test_repeat_form_of_1f1b_equals_the_explicit_one(tmp_path: Path, d: int, n: int) -> None:
     params = {"D": str(d), "N": str(n)}
     repeat = compile_text(tmp_path, REPEAT_1F1B, params)
@@ -521,24 +580,33 @@ def test_repeat_over_two_pipelines_is_chimera(tmp_path: Path) -> None:
 
 
 def test_repeat_slots_may_be_negative_and_every_may_be_left_out(tmp_path: Path) -> None:
-    backwards = schedule("", params="D: int = 1, N: int = 3",
-                         order="order repeat k every -2 { F(stage=0) @ 0  B(stage=0) @ 1 }")
+    backwards = schedule(
+        "",
+        params="D: int = 1, N: int = 3",
+        order="order repeat k every -2 { F(stage=0) @ 0  B(stage=0) @ 1 }",
+    )
     assert ranks(compile_text(tmp_path, backwards)) == [
         "F2@0/main B2@0/main F1@0/main B1@0/main F0@0/main B0@0/main"
     ]
-    spaced = schedule("", params="D: int = 1, N: int = 2",
-                      order="order repeat k { F(stage=0) @ 10 * k  B(stage=0) @ 10 * k + 7 }")
+    spaced = schedule(
+        "",
+        params="D: int = 1, N: int = 2",
+        order="order repeat k { F(stage=0) @ 10 * k  B(stage=0) @ 10 * k + 7 }",
+    )
     assert ranks(compile_text(tmp_path, spaced)) == ["F0@0/main B0@0/main F1@0/main B1@0/main"]
 
 
 def test_repeat_collision(tmp_path: Path) -> None:
-    text = schedule("", order=f"""
+    text = schedule(
+        "",
+        order=f"""
         order repeat k every 1 {{
             for s in 0..D {{
                 F(stage=s) @ s  {MARK}
                 B(stage=s) @ 2 * D - 1 - s
             }}
-        }}""")
+        }}""",
+    )
     diag = expect_error(tmp_path, text, "E0310")
     assert diag.message == "`F1@1/main` and `B0@1/main` both land in slot 2 of their rank"
     assert diag.labels[0].span.line == diag.span.line + 1
@@ -556,8 +624,9 @@ def test_repeat_collision_across_pipelines(tmp_path: Path) -> None:
     expect_error(tmp_path, text, "E0310")
 
 
-@pytest.mark.parametrize("op", ["F(0, 0) @ 1", "F(stage=0)", "F(0) @ 0", "F(stage=9) @ 0",
-                                "F(mb=0, stage=0) @ 0"])
+@pytest.mark.parametrize(
+    "op", ["F(0, 0) @ 1", "F(stage=0)", "F(0) @ 0", "F(stage=9) @ 0", "F(mb=0, stage=0) @ 0"]
+)
 def test_bad_ops_in_order_repeat(tmp_path: Path, op: str) -> None:
     order = f"order repeat k every 2 {{\n {op}  {MARK}\n}}"
     expect_error(tmp_path, schedule("", order=order), "E0103")
@@ -680,8 +749,10 @@ def test_interleaved_placement(tmp_path: Path) -> None:
         }"""
     program = compile_text(tmp_path, text)
     assert program.pipelines[0].placement == (0, 1, 0, 1)
-    assert ranks(program) == ["F0@0/main F0@2/main B0@2/main B0@0/main",
-                              "F0@1/main F0@3/main B0@3/main B0@1/main"]
+    assert ranks(program) == [
+        "F0@0/main F0@2/main B0@2/main B0@0/main",
+        "F0@1/main F0@3/main B0@3/main B0@1/main",
+    ]
 
 
 PLACEMENT_ERRORS = [
@@ -689,27 +760,60 @@ PLACEMENT_ERRORS = [
     ("pipeline main: stage s in 0..0 -> rank s", "microbatches 0..N -> main", "E0205", 2),
     ("pipeline main: stage s in 0..D -> rank 2 * s", "microbatches 0..N -> main", "E0205", 2),
     ("pipeline main: stage s in 0..D -> rank s - 1", "microbatches 0..N -> main", "E0205", 2),
-    ("pipeline main: stage s in 0..D -> rank s\n    pipeline b: stage s in 0..D + 1 -> rank s",
-     "microbatches 0..N -> main", "E0205", 3),
-    ("pipeline main: stage s in 0..D -> rank s\n    pipeline main: stage s in 0..D -> rank s",
-     "microbatches 0..N -> main", "E0102", 3),
-    ("pipeline p0: stage s in 0..D -> rank s\n    pipeline p[j in 0..2]: stage s in 0..D -> rank s",
-     "microbatches 0..N -> p0", "E0102", 3),
+    (
+        "pipeline main: stage s in 0..D -> rank s\n    pipeline b: stage s in 0..D + 1 -> rank s",
+        "microbatches 0..N -> main",
+        "E0205",
+        3,
+    ),
+    (
+        "pipeline main: stage s in 0..D -> rank s\n    pipeline main: stage s in 0..D -> rank s",
+        "microbatches 0..N -> main",
+        "E0102",
+        3,
+    ),
+    (
+        "pipeline p0: stage s in 0..D -> rank s\n"
+        "    pipeline p[j in 0..2]: stage s in 0..D -> rank s",
+        "microbatches 0..N -> p0",
+        "E0102",
+        3,
+    ),
     ("pipeline p[j in 0..f]: stage s in 0..D -> rank s", "microbatches 0..N -> p", "E0207", 2),
     ("pipeline main: stage s in 0..D -> rank s", "microbatches 0..N -> nope", "E0107", 3),
-    ("pipeline p[j in 0..2]: stage s in 0..D -> rank s", "microbatches m in 0..N -> p[m + 1]",
-     "E0107", 3),
+    (
+        "pipeline p[j in 0..2]: stage s in 0..D -> rank s",
+        "microbatches m in 0..N -> p[m + 1]",
+        "E0107",
+        3,
+    ),
     ("pipeline p[j in 0..2]: stage s in 0..D -> rank s", "microbatches 0..N -> p", "E0107", 3),
-    ("pipeline main: stage s in 0..D -> rank s", "microbatches 0..N -> main, 0..1 -> main",
-     "E0206", 3),
-    ("pipeline main: stage s in 0..D -> rank s", "microbatches 0..1 -> main, 2..3 -> main",
-     "E0206", 3),
+    (
+        "pipeline main: stage s in 0..D -> rank s",
+        "microbatches 0..N -> main, 0..1 -> main",
+        "E0206",
+        3,
+    ),
+    (
+        "pipeline main: stage s in 0..D -> rank s",
+        "microbatches 0..1 -> main, 2..3 -> main",
+        "E0206",
+        3,
+    ),
     ("pipeline main: stage s in 0..D -> rank s", "microbatches 0..0 -> main", "E0206", 3),
     ("pipeline main: stage s in 0..D -> rank s", "microbatches -1..N -> main", "E0206", 3),
-    ("pipeline main: stage s in 0..D -> rank s",
-     "microbatches 1000000000000..1000000000001 -> main", "E0206", 3),
-    ("pipeline main: stage s in 0..D -> rank s", "microbatches 0..N -> main\n    microbatches "
-     "0..N -> main", "E0207", 4),
+    (
+        "pipeline main: stage s in 0..D -> rank s",
+        "microbatches 1000000000000..1000000000001 -> main",
+        "E0206",
+        3,
+    ),
+    (
+        "pipeline main: stage s in 0..D -> rank s",
+        "microbatches 0..N -> main\n    microbatches 0..N -> main",
+        "E0207",
+        4,
+    ),
 ]
 
 
@@ -717,8 +821,10 @@ PLACEMENT_ERRORS = [
 def test_placement_and_assignment_errors(
     tmp_path: Path, pipelines: str, mbs: str, code: str, line: int
 ) -> None:
-    text = (f"schedule t(D: int = 2, N: int = 2, f: int = 0) {{\n    {pipelines}\n    {mbs}\n"
-            "    order rank r { F(0) }\n}\n")
+    text = (
+        f"schedule t(D: int = 2, N: int = 2, f: int = 0) {{\n    {pipelines}\n    {mbs}\n"
+        "    order rank r { F(0) }\n}\n"
+    )
     expect_error(tmp_path, text, code, line=line)
 
 
@@ -726,21 +832,34 @@ def test_placement_and_assignment_errors(
 
 
 def test_ops_and_cost_lines(tmp_path: Path) -> None:
-    text = schedule("ops W, R, B, F\ncost F = 1.5, B = 2, C = 0.25\ncost F[1] = 3, B = 4",
-                    params="D: int = 2, N: int = 1",
-                    order="order rank r { F(0) R(0) B(0) W(0) }")
+    text = schedule(
+        "ops W, R, B, F\ncost F = 1.5, B = 2, C = 0.25\ncost F[1] = 3, B = 4",
+        params="D: int = 2, N: int = 1",
+        order="order rank r { F(0) R(0) B(0) W(0) }",
+    )
     program = compile_text(tmp_path, text)
     assert [k.value for k in program.kinds] == ["F", "B", "W", "R"]
     costs = program.costs
     assert (costs.of("F", 0), costs.of("F", 1), costs.of("B"), costs.of("W"), costs.of("C")) == (
-        1.5, 3.0, 4.0, 1.0, 0.25
+        1.5,
+        3.0,
+        4.0,
+        1.0,
+        0.25,
     )
 
 
 @pytest.mark.parametrize(
     ("decl", "code"),
-    [("ops F, W", "E0309"), ("ops F, B, F", "E0309"), ("ops F, B\n    ops F, B", "E0207"),
-     ("ops F, B, X", "E0001"), ("cost X = 1", "E0001"), ("cost F = -1", "E0001")],
+    [
+        ("ops F, W", "E0309"),
+        ("ops F, B, F", "E0309"),
+        ("ops F, B\n    ops F, B", "E0207"),
+        ("ops F, B, X", "E0001"),
+        ("cost X = 1", "E0001"),
+        ("cost F = -1", "E0001"),
+        ("cost F = " + "9" * 400, "E0106"),
+    ],
 )
 def test_ops_and_cost_errors(tmp_path: Path, decl: str, code: str) -> None:
     line = 5 if "\n" in decl else 4
@@ -767,8 +886,11 @@ def test_after_dependencies_are_recorded(tmp_path: Path) -> None:
 
 
 def test_greedy_honours_after(tmp_path: Path) -> None:
-    text = greedy("prefer F, B", params="D: int = 2, N: int = 4",
-                  body="F(i + 2, 0) after B(i, 0) for i in 0..N - 2")
+    text = greedy(
+        "prefer F, B",
+        params="D: int = 2, N: int = 4",
+        body="F(i + 2, 0) after B(i, 0) for i in 0..N - 2",
+    )
     assert ranks(compile_text(tmp_path, text))[0] == (
         "F0@0/main F1@0/main B0@0/main F2@0/main B1@0/main F3@0/main B2@0/main B3@0/main"
     )
@@ -776,9 +898,14 @@ def test_greedy_honours_after(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("dep", "code"),
-    [("B(0) after F(0, 0)", "E0103"), ("B(0, 0) after F(0, 0) @ 1", "E0103"),
-     ("B(9, 0) after F(0, 0)", "E0103"), ("B(0, 5) after F(0, 0)", "E0103"),
-     ("G(0, 0) after F(0, 0)", "E0103"), ("B(0, 0) after F(i, 0) for i in 0..N + x", "E0101")],
+    [
+        ("B(0) after F(0, 0)", "E0103"),
+        ("B(0, 0) after F(0, 0) @ 1", "E0103"),
+        ("B(9, 0) after F(0, 0)", "E0103"),
+        ("B(0, 5) after F(0, 0)", "E0103"),
+        ("G(0, 0) after F(0, 0)", "E0103"),
+        ("B(0, 0) after F(i, 0) for i in 0..N + x", "E0101"),
+    ],
 )
 def test_after_errors(tmp_path: Path, dep: str, code: str) -> None:
     expect_error(tmp_path, schedule(f"{dep}  {MARK}", order="order rank r { F(0) }"), code)
@@ -793,8 +920,9 @@ def test_imports_are_relative_and_transitive_and_may_repeat(tmp_path: Path) -> N
     write(tmp_path, "fn one() = 1", "lib/base.pipe")
     write(tmp_path, 'import "base.pipe"\nfn two() = one() + one()', "lib/two.pipe")
     write(tmp_path, 'import "base.pipe"\nfn three() = one() + 2', "lib/three.pipe")
-    text = ('import "lib/two.pipe"\nimport "lib/three.pipe"\nimport "lib/two.pipe"\n'
-            + schedule("let x = two() + three() + one()", order="order rank r { F(0) }"))
+    text = 'import "lib/two.pipe"\nimport "lib/three.pipe"\nimport "lib/two.pipe"\n' + schedule(
+        "let x = two() + three() + one()", order="order rank r { F(0) }"
+    )
     path = write(tmp_path, text, "main.pipe")
     c = api.compile_schedule(str(path), {}, stop_after="resolve-params")
     assert c.params is not None and c.params["x"] == 6
@@ -892,10 +1020,25 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
         assert info.value.diagnostics[0].code == "E0003"
 
 
+def test_a_file_that_cannot_be_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, MAIN)
+
+    def refuse(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(PipelangError) as info:
+        api.compile_schedule(str(path), {})
+    diag = info.value.diagnostics[0]
+    assert (diag.code, diag.message) == ("E0003", f"cannot read `{path}`: Permission denied")
+
+
 def test_comments_crlf_and_tabs(tmp_path: Path) -> None:
-    text = ("# header\r\nschedule\tt(D: int = 2, N: int = 2) { # trailing\r\n"
-            "\tpipeline main: stage s in 0..D -> rank s # here\r\n"
-            "\tmicrobatches 0..N -> main\r\n\torder rank r { F(0) B(0) F(1) B(1) }\r\n}\r\n")
+    text = (
+        "# header\r\nschedule\tt(D: int = 2, N: int = 2) { # trailing\r\n"
+        "\tpipeline main: stage s in 0..D -> rank s # here\r\n"
+        "\tmicrobatches 0..N -> main\r\n\torder rank r { F(0) B(0) F(1) B(1) }\r\n}\r\n"
+    )
     path = tmp_path / "crlf.pipe"
     path.write_bytes(text.encode())
     program = api.compile_schedule(str(path), {}, stop_after="expand-orders").need_program()
@@ -903,11 +1046,15 @@ def test_comments_crlf_and_tabs(tmp_path: Path) -> None:
 
 
 def test_keywords_are_names_where_no_keyword_fits(tmp_path: Path) -> None:
-    text = schedule("", params="D: int = 2, N: int = 2, order: int = 1", order="""
+    text = schedule(
+        "",
+        params="D: int = 2, N: int = 2, order: int = 1",
+        order="""
         order rank r {
             let stage = r
             for rank in 0..N { F(rank, stage) B(mb=rank) }
-        }""")
+        }""",
+    )
     assert ranks(compile_text(tmp_path, text)) == [
         f"F0@{r}/main B0@{r}/main F1@{r}/main B1@{r}/main" for r in range(2)
     ]
@@ -915,7 +1062,9 @@ def test_keywords_are_names_where_no_keyword_fits(tmp_path: Path) -> None:
 
 # ---- limits (E0106) -----------------------------------------------------------------------
 
-FN_TOWER = "fn f0(x) = x\n" + "\n".join(f"fn f{i}(x) = f{i - 1}(x) + f{i - 1}(x)" for i in range(1, 30))
+FN_TOWER = "fn f0(x) = x\n" + "\n".join(
+    f"fn f{i}(x) = f{i - 1}(x) + f{i - 1}(x)" for i in range(1, 30)
+)
 FN_CHAIN = "fn g0(x) = x\n" + "\n".join(f"fn g{i}(x) = g{i - 1}(x) + 1" for i in range(1, 600))
 
 
@@ -927,19 +1076,36 @@ FN_CHAIN = "fn g0(x) = x\n" + "\n".join(f"fn g{i}(x) = g{i - 1}(x) + 1" for i in
         ("", f"let x = {'+'.join(['1'] * 150)}  {MARK}", "order rank r { F(0) }", "mark"),
         ("", f"let x = {'- x' * 150}  {MARK}", "order rank r { F(0) }", "mark"),
         ("", f"let x = {'not ' * 400}true  {MARK}", "order rank r { F(0) }", "mark"),
-        ("", "", "order rank r { " + "if true { " * 150 + "F(0)" + " }" * 150 + " }  " + MARK,
-         "mark"),
+        (
+            "",
+            "",
+            "order rank r { " + "if true { " * 150 + "F(0)" + " }" * 150 + " }  " + MARK,
+            "mark",
+        ),
         ("", "", "order rank r { " + "if true { " * 500 + "F(0)" + " }" * 500 + " }", "start"),
         # Too many loop iterations: at the loop that goes over.
         ("", "", f"order rank r {{ for i in 0..5000000 {{ F(0) }} }}  {MARK}", "mark"),
-        ("", "", f"order rank r {{ for i in 0..3000 {{ for j in 0..3000 {{ }} }} }}  {MARK}",
-         "mark"),
+        (
+            "",
+            "",
+            f"order rank r {{ for i in 0..3000 {{ for j in 0..3000 {{ }} }} }}  {MARK}",
+            "mark",
+        ),
         # fns: exponentially many inlined bodies, or calls nested too deep to evaluate.
         (FN_TOWER, "let x = f29(1)", "order rank r { F(0) }", "fns"),
         (FN_CHAIN, "let x = g599(1)", "order rank r { F(0) }", "schedule"),
     ],
-    ids=["long-sum", "many-minus", "many-not", "nested-ifs", "very-nested-ifs", "long-loop",
-         "nested-loops", "fn-tower", "fn-chain"],
+    ids=[
+        "long-sum",
+        "many-minus",
+        "many-not",
+        "nested-ifs",
+        "very-nested-ifs",
+        "long-loop",
+        "nested-loops",
+        "fn-tower",
+        "fn-chain",
+    ],
 )
 def test_size_and_nesting_limits(
     tmp_path: Path, fns: str, body: str, order: str, where: str
@@ -969,8 +1135,10 @@ def test_size_and_nesting_limits(
 def test_huge_parameters_are_refused(
     tmp_path: Path, params: dict[str, str], mbs: str, pipeline: str, line: int
 ) -> None:
-    text = (f"schedule t(D: int = 2, N: int = 2) {{\n    pipeline main: {pipeline}\n"
-            f"    microbatches {mbs} -> main\n    order rank r {{ F(0) }}\n}}\n")
+    text = (
+        f"schedule t(D: int = 2, N: int = 2) {{\n    pipeline main: {pipeline}\n"
+        f"    microbatches {mbs} -> main\n    order rank r {{ F(0) }}\n}}\n"
+    )
     expect_error(tmp_path, text, "E0106", params, line=line)
 
 
@@ -987,14 +1155,35 @@ def test_family_placements_are_bounded_in_all(tmp_path: Path) -> None:
 # ---- every front-end code ------------------------------------------------------------------
 
 FRONT_END_CODES = {
-    "E0001", "E0002", "E0003", "E0004", "E0005", "E0006", "E0101", "E0102", "E0103", "E0104",
-    "E0105", "E0106", "E0107", "E0201", "E0202", "E0203", "E0204", "E0205", "E0206", "E0207",
-    "E0301", "E0309", "E0310", "E0311",
+    "E0001",
+    "E0002",
+    "E0003",
+    "E0004",
+    "E0005",
+    "E0006",
+    "E0101",
+    "E0102",
+    "E0103",
+    "E0104",
+    "E0105",
+    "E0106",
+    "E0107",
+    "E0201",
+    "E0202",
+    "E0203",
+    "E0204",
+    "E0205",
+    "E0206",
+    "E0207",
+    "E0301",
+    "E0309",
+    "E0310",
+    "E0311",
 }
 
 
 def test_front_end_codes_are_known() -> None:
-    assert FRONT_END_CODES <= set(CODES)
+    assert set(CODES) >= FRONT_END_CODES
 
 
 def test_failed_require_gives_the_schedules_message(tmp_path: Path) -> None:

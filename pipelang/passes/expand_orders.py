@@ -21,7 +21,14 @@ from collections.abc import Mapping
 from pipelang import ast
 from pipelang.diagnostics import fail
 from pipelang.evaluate import (
-    LIMIT, Env, Scope, Value, compile_int, constant_scope, eval_range, nesting_limit,
+    LIMIT,
+    Env,
+    Scope,
+    Value,
+    compile_int,
+    constant_scope,
+    eval_range,
+    nesting_limit,
 )
 from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program
 from pipelang.orders import Layout

@@ -17,7 +17,15 @@ from collections.abc import Mapping
 from pipelang import ast
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.evaluate import (
-    BOOL, INT, MAX_DIGITS, Env, Scope, Value, compile_expr, infer, nesting_limit,
+    BOOL,
+    INT,
+    MAX_DIGITS,
+    Env,
+    Scope,
+    Value,
+    compile_expr,
+    infer,
+    nesting_limit,
 )
 
 _INT = re.compile(r"[+-]?[0-9]+")
