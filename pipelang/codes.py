@@ -95,10 +95,15 @@ CODES: dict[str, Code] = {
              "that another one in the cycle produces later in its rank's order. The diagnostic "
              "lists the cycle with the source line of each op and a rank x step grid. Reorder "
              "one of the ranks so that the cycle is broken."),
-        Code("E0307", "crossing transfers", "Two transfers on one channel (one directed pair of "
-             "ranks) are consumed in the opposite order to the one they are produced in. "
-             "Channels are FIFO, so the receiver would wait for the message behind the one it "
-             "needs. Reorder the consumer or the producer."),
+        Code("E0307", "mismatched transfers", "A lowered program (one with `send`/`recv` "
+             "actions, such as a `schedule.json` edited by hand) lists the two ends of its "
+             "transfers on one channel (one directed pair of ranks) in different orders, or "
+             "lists an end with no partner. A channel delivers in the order it is sent, so "
+             "its k-th send (or signal) must match its k-th recv (or wait): same op, recv for "
+             "send, wait for signal. The compiler never makes this mistake: a rank may consume "
+             "what another sends in any order, and `insert-comms` receives in the sender's "
+             "order: each recv goes right before the first op that needs it, or earlier when a "
+             "message sent after it is needed sooner."),
         Code("E0308", "too many activations in flight", "A rank holds more activations (forwards "
              "whose backward has not run) than `--max-activations` allows."),
         Code("E0309", "op kind not declared", "The order uses `W` or `R`, but the schedule's "

@@ -40,12 +40,6 @@ from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # noqa: E402
 from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 
-# torch's ZB-V order, and interleaved ZB at D = 2, send two results over one rank pair in
-# the opposite order to the one the receiver consumes them; `validate` rejects that
-# (E0307) because recvs are placed right before their consumer. torch posts its recvs
-# in the sender's order instead. Until insert-comms does the same, these fail `check`.
-CROSSING = "torch's order crosses transfers on one channel (E0307); see the module docstring"
-
 
 @functools.cache
 def load(name: str) -> ast.File:
@@ -309,9 +303,9 @@ def test_zb_h2(D: int) -> None:
 def test_zbv(D: int) -> None:
     """Zero Bubble section 6 [P]: ZB-V has no bubble in any rank's span when F = B = W,
     and peaks at D micro-batches of activations, i.e. 2D chunk activations (each chunk
-    is half a rank's layers). Simulated without `check` (see CROSSING)."""
+    is half a rank's layers)."""
     for N in (2 * D, 4 * D):
-        timeline = run(program("zbv", validate=False, D=D, N=N))
+        timeline = run(program("zbv", D=D, N=N))
         assert all(span_idle(timeline, r) == 0 for r in range(D))
         assert timeline.peak_activations(0) == 2 * D
 
@@ -361,7 +355,7 @@ VALID = {
         dict(D=4, N=8, v=2),
         dict(D=3, N=6, v=3),
         dict(D=4, N=3, v=2),
-        pytest.param(dict(D=2, N=4, v=2), marks=pytest.mark.xfail(reason=CROSSING, strict=True)),
+        dict(D=2, N=4, v=2),  # consumes out of send order: recvs are hoisted
     ],
     "chimera": [
         dict(D=4, N=4),
@@ -376,7 +370,7 @@ VALID = {
         dict(D=4, N=4),
         dict(D=2, N=2),
         dict(D=1, N=5),
-        pytest.param(dict(D=4, N=8), marks=pytest.mark.xfail(reason=CROSSING, strict=True)),
+        dict(D=4, N=8),  # consumes out of send order: recvs are hoisted
     ],
     "v-min": [dict(D=4, N=8), dict(D=2, N=1), dict(D=6, N=13)],
     "v-half": [dict(D=4, N=8), dict(D=3, N=1), dict(D=6, N=13)],
@@ -414,12 +408,11 @@ def test_every_stdlib_file_is_covered() -> None:
 
 
 def _valid_cases() -> list[object]:
-    cases = []
-    for name, params in VALID.items():
-        for i, case in enumerate(params):
-            given, marks = (case, ()) if isinstance(case, dict) else (case.values[0], case.marks)
-            cases.append(pytest.param(name, given, marks=marks, id=f"{name}-{i}"))
-    return cases
+    return [
+        pytest.param(name, case, id=f"{name}-{i}")
+        for name, params in VALID.items()
+        for i, case in enumerate(params)
+    ]
 
 
 @pytest.mark.parametrize(("name", "params"), _valid_cases())
@@ -466,7 +459,9 @@ def test_list_shows_every_schedule_with_a_summary() -> None:
         ("interleaved-1f1b", dict(D=4, N=8)),
         ("looped-bfs", dict(D=2, N=3, v=3)),
         ("interleaved-zb", dict(D=4, N=8)),
+        ("interleaved-zb", dict(D=2, N=4)),
         ("zb-h2", dict(D=4, N=8)),
+        ("zbv", dict(D=4, N=8)),
         ("v-half", dict(D=4, N=8)),
         ("hanayo", dict(D=3, N=6, w=2)),
     ],

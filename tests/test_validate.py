@@ -1,4 +1,5 @@
-"""validate: each kind of mistake in an order, alone and all at once."""
+"""validate: each kind of mistake in an order, alone and all at once; and E0307, the
+check of a lowered program's channels."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.grid import step_grid
 from pipelang.ir import Program
+from pipelang.lowered import check_lowered
 from pipelang.passes.build_dag import build_dag
+from pipelang.passes.insert_comms import insert_comms
+from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
 from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_from_dump
 
@@ -85,7 +89,6 @@ marked `listed after` come from the order"""
 
 def test_deadlock_is_one_diagnostic_with_the_cycle() -> None:
     found = check(program_from_dump(DEADLOCK))
-    # The crossing on channel 0 -> 1 is part of the same cycle: not reported again.
     assert [d.code for d in found] == ["E0306"]
     assert found[0].render() == DEADLOCK_RENDERED
 
@@ -117,25 +120,77 @@ def test_step_grid_marks_ops_and_skips_steps() -> None:
     )
 
 
-# ---- E0307 crossing ------------------------------------------------------------------------
+# ---- consuming in another order than sent is fine; E0307 is for lowered programs -----------
+
+CROSSING = [
+    "F0@0/main F1@0/main B0@0/main B1@0/main",
+    "F1@1/main F0@1/main B0@1/main B1@1/main",  # needs F1 first, but rank 0 sends F0 first
+]
+
+# `recv:F0@0/main<0` is hoisted from before F0@1 to before F1@1, ahead of F1's own recv.
+CROSSING_LOWERED = """\
+rank 0: F0@0/main send:F0@0/main>1 F1@0/main send:F1@0/main>1 recv:B0@1/main<1 B0@0/main \
+recv:B1@1/main<1 B1@0/main
+rank 1: recv:F0@0/main<0 recv:F1@0/main<0 F1@1/main F0@1/main B0@1/main send:B0@1/main>0 \
+B1@1/main send:B1@1/main>0"""
 
 
-def test_crossing_transfers() -> None:
-    program = program_from_dump(
-        ["F0@0/main F1@0/main B0@0/main B1@0/main", "F1@1/main F0@1/main B0@1/main B1@1/main"]
-    )
-    (found,) = check(program)
+def test_consuming_out_of_send_order_compiles_with_the_recv_hoisted() -> None:
+    program = program_from_dump(CROSSING)
+    assert check(program) == []
+    lowered = insert_comms(program)
+    assert lowered.dump() == CROSSING_LOWERED
+    assert check_lowered(lowered) == []
+    assert not _deadlocks(insert_sync(lowered).ranks)
+
+
+OUT_OF_ORDER = [
+    "F0@0/main send:F0@0/main>1 F1@0/main send:F1@0/main>1",
+    "recv:F1@0/main<0 recv:F0@0/main<0 F1@1/main F0@1/main",
+]
+
+
+def test_lowered_program_received_out_of_channel_order() -> None:
+    (found,) = check_lowered(program_from_dump(OUT_OF_ORDER))
     assert found.code == "E0307"
     assert found.message == (
-        "transfers from rank 0 to rank 1 cross: `F1@0/main` is sent after `F0@0/main` "
-        "but needed before it"
+        "transfers from rank 0 to rank 1 do not match: rank 0 sends `send:F0@0/main>1` "
+        "(step 1) where rank 1 receives `recv:F1@0/main<0` (step 0)"
     )
     assert where(found) == (2, 1)
-    assert [(lb.span.line, lb.span.column) for lb in found.labels] == [(2, 11)]
+    assert [(lb.span.line, lb.span.column, lb.message) for lb in found.labels] == [
+        (1, 11, "sent here")
+    ]
     assert found.help == (
-        "on rank 1, list `F0@1/main` before `F1@1/main`, or on rank 0 produce `F1@0/main` "
-        "before `F0@0/main`"
+        "on rank 1, receive what rank 0 sends in the order it sends it: `recv:F0@0/main<0` here"
     )
+
+
+def test_lowered_program_from_json_unmatched_and_wrong_kind() -> None:
+    program = program_from_dump(
+        [
+            "F0@0/main send:F0@0/main>1 F1@0/main signal:F1@0/main>1 send:F1@0/main>2",
+            "recv:F0@0/main<0 F0@1/main recv:F1@0/main<0 F1@1/main",
+            "recv:F1@0/main<0 recv:F0@0/main<0",
+        ],
+        pipelines={"main": (0, 1, 2)},
+    )
+    found = check_lowered(Program.from_json(program.to_json()))
+    assert [(d.code, d.span, d.message) for d in found] == [
+        (
+            "E0307",
+            None,
+            "transfers from rank 0 to rank 1 do not match: rank 0 sends `signal:F1@0/main>1` "
+            "(step 3) where rank 1 receives `recv:F1@0/main<0` (step 2)",
+        ),
+        (
+            "E0307",
+            None,
+            "transfers from rank 0 to rank 2 do not match: rank 2 lists `recv:F0@0/main<0` "
+            "(step 1), but rank 0 never sends it",
+        ),
+    ]
+    assert found[1].help == "add `send:F0@0/main>2` to rank 0, or remove `recv:F0@0/main<0`"
 
 
 # ---- E0301..E0305, E0309: one at a time ----------------------------------------------------

@@ -119,8 +119,9 @@ class OpGraph:
         """What crosses between ranks, per channel (src, dst), in the sender's order.
 
         One message per producer and receiving rank: data when any op there consumes the
-        producer's result, else just a signal for `after` dependencies. It is received
-        before its first consumer; receiving order is (consumer step, producer step).
+        producer's result, else just a signal for `after` dependencies. Its `consumer` is
+        the first op there that needs it; the receiver may need messages in another order
+        than they are sent (`insert-comms` receives in send order all the same).
         """
         ranks, steps = self.ranks, self.steps
         first: dict[Edge, Edge] = {}  # (producer, dst) -> (consumer, is data)

@@ -1,30 +1,38 @@
 """Pass `insert-comms`: a send and a recv for every result that crosses ranks.
 
-Needs: a validated Program of compute ops only (no crossing transfers, no deadlock).
+Needs: a validated Program of compute ops only (no deadlock).
 Guarantees: for every producer and every other rank that consumes its result, a
-`send:OP>dst` right after the producer on its rank and a `recv:OP<src` right before the
-first consumer on the receiving rank; for an `after` dependency alone, `signal:`/`wait:`
-instead. A producer sends once per receiving rank. Sends after one producer go in rank
-order; recvs before one consumer go by sending rank, then in channel order. There is one
-channel per directed rank pair, and on each channel the k-th send (or signal) matches
-the k-th recv (or wait). Sends keep the producer's span, recvs the consumer's.
-Same-rank dependencies get nothing.
+`send:OP>dst` right after the producer on its rank and one `recv:OP<src` on the
+receiving rank; for an `after` dependency alone, `signal:`/`wait:` instead. A producer
+sends once per receiving rank; sends after one producer go in rank order. Same-rank
+dependencies get nothing. Sends keep the producer's span, recvs their first consumer's.
 
-    rank 0: F0@0/main B0@0/main
-    rank 1: F0@1/main B0@1/main
+There is one channel per directed rank pair, and it delivers in the order it is sent, so
+recvs are placed in the channel's send order: the recv of the k-th message goes right
+before the earliest consumer of messages k, k+1, ... (right before its own first
+consumer unless a later message is needed sooner). Recvs before one op go by sending
+rank, then in channel order. So the k-th send (or signal) on a channel always matches
+the k-th recv (or wait), whatever order the receiver consumes in (`check_lowered`
+verifies it). Hoisting a recv adds no waiting: message k is sent before message j > k,
+so it has arrived by the time j has. It only holds k in a buffer a little longer.
+
+    rank 0: F0@0/main F1@0/main B0@0/main B1@0/main
+    rank 1: F1@1/main F0@1/main B0@1/main B1@1/main      (F1 is needed first, sent second)
   =>
-    rank 0: F0@0/main send:F0@0/main>1 recv:B0@1/main<1 B0@0/main
-    rank 1: recv:F0@0/main<0 F0@1/main B0@1/main send:B0@1/main>0
+    rank 0: F0@0/main send:F0@0/main>1 F1@0/main send:F1@0/main>1 recv:B0@1/main<1
+            B0@0/main recv:B1@1/main<1 B1@0/main
+    rank 1: recv:F0@0/main<0 recv:F1@0/main<0 F1@1/main F0@1/main B0@1/main
+            send:B0@1/main>0 B1@1/main send:B1@1/main>0
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from itertools import pairwise
 
 from pipelang.diagnostics import InternalError
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
+from pipelang.lowered import check_lowered
 from pipelang.passes.build_dag import Message, OpGraph, op_graph
 
 
@@ -33,19 +41,32 @@ def insert_comms(program: Program) -> Program:
     if not {a.kind for actions in program.ranks for a in actions} <= COMPUTE_KINDS:
         raise InternalError("insert-comms runs once, on a program of compute ops")
     graph = op_graph(program)
-    _check_fifo(graph)
     # Per rank, step -> the comms to put right before / right after the action there.
     before: list[dict[int, list[Action]]] = [defaultdict(list) for _ in program.ranks]
     after: list[dict[int, list[Action]]] = [defaultdict(list) for _ in program.ranks]
     ranks, steps = graph.ranks, graph.steps
     # Channels come sorted by (src, dst), each in send order: sends after one producer
-    # land in dst order, recvs before one consumer by src, then in channel order.
-    for sent in graph.channels.values():
-        for m in sent:
+    # land in dst order, recvs before one op by src, then in channel order.
+    for (_, dst), sent in graph.channels.items():
+        for m, at in zip(sent, _receive_steps(graph, sent), strict=True):
             after[ranks[m.producer]][steps[m.producer]].append(_send(graph, m))
-            before[ranks[m.consumer]][steps[m.consumer]].append(_receive(graph, m))
+            before[dst][at].append(_receive(graph, m))
     spliced = map(_splice, program.ranks, before, after)
-    return dataclasses.replace(program, ranks=tuple(spliced))
+    lowered = dataclasses.replace(program, ranks=tuple(spliced))
+    mismatches = check_lowered(lowered)
+    if mismatches:
+        raise InternalError(f"insert-comms made mismatched transfers: {mismatches[0].message}")
+    return lowered
+
+
+def _receive_steps(graph: OpGraph, sent: list[Message]) -> list[int]:
+    """For each message of one channel (in send order), the step on the receiving rank to
+    receive it right before: the first consumer's step of it or of any later message."""
+    steps = graph.steps
+    at = [steps[m.consumer] for m in sent]
+    for k in range(len(at) - 2, -1, -1):
+        at[k] = min(at[k], at[k + 1])
+    return at
 
 
 def _splice(
@@ -72,12 +93,3 @@ def _receive(graph: OpGraph, message: Message) -> Action:
     kind = Kind.RECV if message.data else Kind.WAIT
     span = graph.ops[message.consumer].span
     return Action(kind, op.mb, op.stage, op.pipeline, message.src, op.kind, span)
-
-
-def _check_fifo(graph: OpGraph) -> None:
-    """Each channel must be received in the order it is sent; `validate` made sure."""
-    steps = graph.steps
-    for (src, dst), sent in graph.channels.items():
-        needed = [steps[m.consumer] for m in sent]
-        if any(a > b for a, b in pairwise(needed)):
-            raise InternalError(f"channel {src}->{dst} crosses; was the program validated?")

@@ -2,16 +2,17 @@
 
 Needs: the Program from `expand-orders` and its DAG from `build-dag`.
 Guarantees: an empty list exactly when every required op runs once, on the rank its
-placement names, after the ops it needs on its own rank, with no deadlock, no crossing
-transfers on a channel, and (when a cap is given) no rank over the activation cap. Each
-diagnostic points at the action that caused it; they come sorted by position.
+placement names, after the ops it needs on its own rank, with no deadlock, and (when a
+cap is given) no rank over the activation cap. Each diagnostic points at the action
+that caused it; they come sorted by position.
 
 Checks, by code: E0301 wrong rank (or an op the schedule does not have), E0302
 duplicate, E0303 missing, E0309 undeclared op kind, E0304 B before its F, E0305 W
-before its B or R outside F..B, E0306 deadlock, E0307 crossing transfers, E0308 too
-many activations. Deadlock and crossing checks need a sound graph, so they run only
-when no op is missing, duplicated or misplaced; a same-rank order mistake is reported
-as E0304/E0305 and not again as a deadlock.
+before its B or R outside F..B, E0306 deadlock, E0308 too many activations. The
+deadlock check needs a sound graph, so it runs only when no op is missing, duplicated
+or misplaced; a same-rank order mistake is reported as E0304/E0305 and not again as a
+deadlock. The order in which a rank consumes what another rank sends does not matter:
+`insert-comms` receives in the sender's order (E0307 checks that of lowered programs).
 
     rank 0: F0@0/main B0@0/main F1@0/main B1@0/main
     rank 1: F1@1/main F0@1/main B0@1/main B1@1/main
@@ -30,7 +31,7 @@ import networkx as nx
 from pipelang.deadlock import describe_cycle, find_cycle
 from pipelang.diagnostics import Diagnostic, Label
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
-from pipelang.passes.build_dag import Edge, Key, Message, OpGraph, graph_of
+from pipelang.passes.build_dag import Edge, Key, OpGraph, graph_of
 from pipelang.source import Span
 
 SHOWN = 3
@@ -48,7 +49,6 @@ def validate(program: Program, dag: nx.DiGraph, max_activations: int | None) -> 
         cycle = find_cycle(graph, skip=_edges_of(graph, order_problems))
         if cycle:
             found.append(describe_cycle(program, graph, cycle))
-        found += _crossings(graph, exclude=frozenset(cycle))
     if max_activations is not None:
         found += _memory(program, max_activations)
     return sorted(found, key=Diagnostic.sort_key)
@@ -327,49 +327,6 @@ def _edges_of(graph: OpGraph, problems: list[_Problem]) -> frozenset[Edge]:
             if u is not None and v is not None:
                 edges.add((u, v))
     return frozenset(edges)
-
-
-def _crossings(graph: OpGraph, exclude: frozenset[int]) -> list[Diagnostic]:
-    """E0307: per channel, the first message received before one sent earlier."""
-    diagnostics = []
-    steps = graph.steps
-    for sent in graph.channels.values():
-        latest = sent[0]
-        for message in sent[1:]:
-            if steps[message.consumer] >= steps[latest.consumer]:
-                latest = message
-                continue
-            involved = {message.producer, message.consumer, latest.producer, latest.consumer}
-            if not involved & exclude:
-                diagnostics.append(_crossing(graph, latest, message))
-            break
-    return diagnostics
-
-
-def _crossing(graph: OpGraph, early: Message, late: Message) -> Diagnostic:
-    """`late` is sent after `early` but its consumer comes first on the receiving rank."""
-    ops, steps = graph.ops, graph.steps
-    src, dst = late.src, late.dst
-    sent_first, sent_then = ops[early.producer], ops[late.producer]
-    needs_first, needs_then = ops[late.consumer], ops[early.consumer]
-    labels = _label(needs_then.span, f"needs `{sent_first}`, which is sent first")
-    return Diagnostic(
-        "E0307",
-        f"transfers from rank {src} to rank {dst} cross: `{sent_then}` is sent after "
-        f"`{sent_first}` but needed before it",
-        needs_first.span,
-        labels,
-        notes=(
-            f"rank {src} sends `{sent_first}` (step {steps[early.producer]}) and then "
-            f"`{sent_then}` (step {steps[late.producer]})",
-            f"rank {dst} needs `{sent_then}` for `{needs_first}` (step {steps[late.consumer]}) "
-            f"and then `{sent_first}` for `{needs_then}` (step {steps[early.consumer]})",
-            "a channel delivers in the order it is sent, so the receiver would get the wrong "
-            "message",
-        ),
-        help=f"on rank {dst}, list `{needs_then}` before `{needs_first}`, or on rank {src} "
-        f"produce `{sent_then}` before `{sent_first}`",
-    )
 
 
 def _memory(program: Program, cap: int) -> list[Diagnostic]:
