@@ -64,8 +64,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="sgd",
-        help="sgd (momentum 0.9) or adam (default sgd)",
+        default="adam",
+        help="adam, or sgd with momentum 0.9 (default adam)",
     )
     parser.add_argument("--lr", type=float, help="learning rate (default 0.05 sgd, 3e-3 adam)")
     parser.add_argument(
@@ -265,8 +265,11 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     from pipelang.backends.reference import compare, train_reference
 
     device = outcome_device(config)
-    reference = train_reference(config, program.num_microbatches, device)
-    comparison = compare(reference, outcome.results, outcome.losses, spec.torch_dtype)
+    from pipelang.backends.worker import rank_threads
+
+    threads = rank_threads(program.num_ranks) if config.backend == "gloo" else None
+    reference = train_reference(config, program.num_microbatches, device, threads)
+    comparison = compare(reference, outcome.results, outcome.losses, config)
     out.print(comparison.render(), markup=False)
     return 0 if comparison.ok else 1
 

@@ -90,10 +90,10 @@ class LocalRun:
         if self.failure is not None:
             rank, what, trace = self.failure
             phase, step, action = self.status[3 * rank : 3 * rank + 3]
-            raise RunFailure(
-                f"rank {rank} failed {where(self.program, rank, phase, step, action)}: {what}",
-                trace,
-            )
+            place = where(self.program, rank, phase, step, action)
+            if not trace:  # the watchdog's verdict, not an exception
+                raise RunFailure(f"rank {rank} stopped responding {place}: {what}")
+            raise RunFailure(f"rank {rank} failed {place}: {what}", trace)
         return Outcome([self.results[r] for r in range(self.program.num_ranks)], self.losses)
 
     def _watch(self, threads: list[threading.Thread]) -> None:
@@ -104,9 +104,7 @@ class LocalRun:
             if self.status != last:
                 last, changed = list(self.status), time.monotonic()
             elif time.monotonic() - changed > self.config.timeout and self.failure is None:
-                busy = next(
-                    r for r in range(self.program.num_ranks) if self.status[3 * r] == PHASE_RUNNING
-                )
+                busy = self.hub.holder  # only the baton holder can be stuck
                 self.failure = (busy, f"no progress for {self.config.timeout:g} s (--timeout)", "")
                 self.hub.abort(RuntimeError("timeout"))
                 return

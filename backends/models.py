@@ -9,8 +9,9 @@ only its stages, so replicas of a stage start identical without any communicatio
                                          nn.Sequential (or a list of modules) whose output
                                          is next-token logits
 
-The data is synthetic next-token prediction: each sequence repeats a random pattern of
-2..8 tokens, so the loss falls within a few steps. `batch(step, mb)` is a pure function
+The data is synthetic next-token prediction: each sequence walks through a fixed random
+permutation of the vocabulary, so the next token follows from the current one and the
+loss falls within a few steps. `batch(step, mb)` is a pure function
 of (seed, step, micro-batch), so every rank and the `--check` reference see the same data.
 """
 
@@ -79,7 +80,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads = cfg.heads
         self.ln_attn = nn.LayerNorm(cfg.width)
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        # No bias: the key bias would get a gradient that is zero up to rounding (softmax
+        # ignores it), which Adam turns into full-size steps of noise.
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
         self.proj = nn.Linear(cfg.width, cfg.width)
         self.ln_mlp = nn.LayerNorm(cfg.width)
         self.fc = nn.Linear(cfg.width, 4 * cfg.width)
@@ -199,12 +202,14 @@ class LayeredModel:
 def synthetic_batch(
     seed: int, step: int, mb: int, size: int, seq_len: int, vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences that repeat a random pattern of 2..8 tokens; targets are inputs shifted."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 10_007 + mb) % 2**62)
-    periods = torch.randint(2, 9, (size, 1), generator=gen)
-    patterns = torch.randint(0, vocab, (size, 8), generator=gen)
-    where = torch.arange(seq_len + 1).expand(size, -1) % periods
-    tokens = patterns.gather(1, where)
+    """Walks through a fixed random permutation of the vocabulary from random starts, so
+    each token predicts the next; targets are the inputs shifted by one."""
+    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 10_007 + mb + 1) % 2**62)
+    tokens = torch.empty(size, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (size,), generator=gen)
+    for t in range(seq_len):
+        tokens[:, t + 1] = successor[tokens[:, t]]
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 

@@ -37,6 +37,7 @@ from pipelang.backends.worker import (
     PHASE_STARTING,
     Job,
     from_bytes,
+    rank_threads,
     worker_main,
 )
 
@@ -114,7 +115,7 @@ class Launcher:
                 wait_for_workers=False,
                 timeout=timedelta(seconds=self.config.timeout),
             )
-            threads = max(1, (os.cpu_count() or 1) // self.world)
+            threads = rank_threads(self.world)
             for rank in range(self.world):
                 job = Job(
                     self.program.to_json(),

@@ -51,7 +51,7 @@ class RunConfig:
     backend: str = "gloo"
     steps: int = 3
     check: bool = False
-    optimizer: str = "sgd"
+    optimizer: str = "adam"
     lr: float | None = None
     micro_batch_size: int = 4
     seq_len: int | None = None

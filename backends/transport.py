@@ -151,6 +151,11 @@ class LocalHub:
         }
         self._reductions: dict[tuple[int, int], _Reduction] = {}
 
+    @property
+    def holder(self) -> int:
+        """The rank that holds the baton (the only one running)."""
+        return self._running
+
     def start(self, rank: int) -> None:
         """Block until `rank` holds the baton for the first time."""
         with self._cond:

@@ -52,6 +52,11 @@ class Job:
     """The launcher's environment now (the forkserver's may be older)."""
 
 
+def rank_threads(num_ranks: int) -> int:
+    """CPU threads of one rank process when all ranks share this machine."""
+    return max(1, (os.cpu_count() or 1) // num_ranks)
+
+
 def device_for(config: RunConfig, local_rank: int) -> torch.device:
     """cuda:LOCAL_RANK for nccl, the CPU for gloo."""
     if config.backend == "nccl":
@@ -103,56 +108,57 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
     slot = 3 * job.rank
     status[slot] = PHASE_SETUP
     status[slot + 1] = -1
-    config = job.config
     try:
-        torch.set_num_threads(job.threads)
-        program = Program.from_json(job.program_json)
-        wait = timedelta(seconds=config.timeout)
-        store = dist.TCPStore(job.store_host, job.store_port, None, False, timeout=wait)
-        dist.init_process_group(
-            "nccl" if config.backend == "nccl" else "gloo",
-            store=store,
-            rank=job.rank,
-            world_size=program.num_ranks,
-            timeout=wait,
-        )
-        device = device_for(config, job.rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        transport = DistTransport(program, job.rank, device, config.timeout)
-        path = Path(job.run_dir) / f"rank{job.rank}.py"
-        runtime, iteration = build_rank(
-            program,
-            job.rank,
-            config,
-            transport,
-            device,
-            status,
-            path.read_text(),
-            str(path),
-            job.shapes,
-        )
-        dist.barrier()
-        runtime.start_clock()
+        runtime, iteration = _set_up(job, status)
         status[slot] = PHASE_RUNNING
-        for step in range(config.steps):
+        for step in range(job.config.steps):
             losses, seconds = run_step(runtime, iteration, step)
             queue.put(("step", job.rank, step, losses, seconds))
-        result = runtime.result(config.check)
+        result = runtime.result(job.config.check)
         status[slot] = PHASE_DONE
         queue.put(("done", job.rank, _to_bytes(result)))
         dist.destroy_process_group()
     except BaseException as err:
         status[slot] = PHASE_FAILED
-        traceback.print_exc()
-        queue.put(
-            ("error", job.rank, describe(err), traceback.format_exc(), isinstance(err, PeerFailure))
-        )
+        secondary = isinstance(err, PeerFailure)
+        queue.put(("error", job.rank, describe(err), traceback.format_exc(), secondary))
         queue.close()
         queue.join_thread()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _set_up(job: Job, status: MutableSequence[int]) -> tuple[RankRuntime, Iteration]:
+    """Join the process group, open the channels, build the stages, load the program."""
+    config = job.config
+    torch.set_num_threads(job.threads)
+    program = Program.from_json(job.program_json)
+    wait = timedelta(seconds=config.timeout)
+    store = dist.TCPStore(job.store_host, job.store_port, None, False, timeout=wait)
+    backend = "nccl" if config.backend == "nccl" else "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=job.rank, world_size=program.num_ranks, timeout=wait
+    )
+    device = device_for(config, job.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    transport = DistTransport(program, job.rank, device, config.timeout)
+    path = Path(job.run_dir) / f"rank{job.rank}.py"
+    runtime, iteration = build_rank(
+        program,
+        job.rank,
+        config,
+        transport,
+        device,
+        status,
+        path.read_text(),
+        str(path),
+        job.shapes,
+    )
+    dist.barrier()
+    runtime.start_clock()
+    return runtime, iteration
 
 
 def run_torchrun_rank(
@@ -170,8 +176,7 @@ def run_torchrun_rank(
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; a hand-started rank may not
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     wait = timedelta(seconds=config.timeout)
     backend = "nccl" if config.backend == "nccl" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=wait)

@@ -97,23 +97,3 @@ def _add_sync(program: Program, out: list[list[Action]]) -> None:
                 last += 1
             actions.insert(last + 1, Action(Kind.ALLREDUCE, None, stage, pipe))
         actions.append(Action(Kind.STEP))
-
-
-def zero_bubble_lines(num_ranks: int, num_mbs: int) -> list[str]:
-    """1F1B with the backward split: B then its W right away in the steady state, and the
-    warm-up ranks' Ws deferred to the end (a simple ZB-H1-like order)."""
-    lines = []
-    for r in range(num_ranks):
-        warm = min(num_ranks - r - 1, num_mbs)
-        ops = [f"F{i}@{r}/main" for i in range(warm)]
-        deferred = []
-        for i in range(num_mbs - warm):
-            ops += [f"F{warm + i}@{r}/main", f"B{i}@{r}/main"]
-            if i < num_mbs - warm - r:
-                ops.append(f"W{i}@{r}/main")
-            else:
-                deferred.append(f"W{i}@{r}/main")
-        ops += [f"B{i}@{r}/main" for i in range(num_mbs - warm, num_mbs)]
-        ops += deferred + [f"W{i}@{r}/main" for i in range(num_mbs - warm, num_mbs)]
-        lines.append(" ".join(ops))
-    return lines

@@ -27,11 +27,11 @@ from pipelang.backends.launch import add_run_arguments, run_program
 from pipelang.backends.local import run_local
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
-from pipelang.backends.runtime import RunConfig
+from pipelang.backends.runtime import RankRuntime, RunConfig
 from runtime_helpers import with_comms
 
 from pipelang.api import load_program
-from pipelang.ir import Kind, Program
+from pipelang.ir import Action, Kind, Program
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "codegen_1f1b_D2_N2_rank0.expected"
@@ -84,6 +84,18 @@ def test_v_placement_passes_check_on_local(capsys: pytest.CaptureFixture[str]) -
     assert "check OK" in capsys.readouterr().out
 
 
+def test_signal_and_wait_pass_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """`after` dependencies across ranks become signal/wait pairs that carry no data."""
+    one_f_one_b2 = stdlib("1f1b", D=2, N=2)
+    rank0, rank1 = list(one_f_one_b2.ranks[0]), list(one_f_one_b2.ranks[1])
+    rank1.insert(rank1.index(Action.parse("F0@1/main")) + 1, Action.parse("signal:F0@1/main>0"))
+    rank0.insert(rank0.index(Action.parse("recv:B0@1/main<1")), Action.parse("wait:F0@1/main<1"))
+    signalled = dataclasses.replace(one_f_one_b2, ranks=(tuple(rank0), tuple(rank1)))
+    assert run(signalled, "--check") == 0
+    assert run(signalled, "--check", "--backend", "local") == 0
+    assert capsys.readouterr().out.count("check OK") == 2
+
+
 def test_recompute_passes_check(capsys: pytest.CaptureFixture[str]) -> None:
     lines = [
         " ".join(f"F{i}@{r}/main" for i in range(2))
@@ -126,6 +138,31 @@ def test_split_backward_equals_full_backward_bitwise() -> None:
 def test_local_backend_runs_chimera(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(stdlib("chimera", D=4, N=4), "--backend", "local", "--check") == 0
     assert "check OK" in capsys.readouterr().out
+
+
+def test_check_catches_a_wrong_gradient(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two classic pipeline bugs fail the check (exit 1): the loss scaled twice (SGD sees
+    it; Adam would not), and replicas that never synchronise (with Adam)."""
+    original = RankRuntime._scaled_loss
+
+    def doubled(self: RankRuntime, mb: int, logits: torch.Tensor, record: bool) -> torch.Tensor:
+        return 2 * original(self, mb, logits, record)
+
+    monkeypatch.setattr(RankRuntime, "_scaled_loss", doubled)
+    status = run(stdlib("1f1b", D=2, N=4), "--check", "--backend", "local", "--optimizer", "sgd")
+    assert status == 1
+    assert "check FAILED" in capsys.readouterr().out
+    monkeypatch.setattr(RankRuntime, "_scaled_loss", original)
+
+    def skipped(self: RankRuntime, stage: int, pipeline: str) -> None:
+        self.action_index += 1
+
+    monkeypatch.setattr(RankRuntime, "allreduce", skipped)
+    status = run(stdlib("chimera", D=4, N=4), "--check", "--backend", "local")
+    assert status == 1
+    assert "check FAILED" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])
