@@ -8,6 +8,9 @@ same per-rank order and lowers it with send/recv.
 
     python benchmarks/compile_speed.py            # the full sweep (torch at 64x512 ~ 20 s)
     python benchmarks/compile_speed.py --quick    # small sizes only
+
+It ends with the time of each pass at the largest size, in CPU seconds (a shared machine
+inflates wall time), and `sum(range(1000))` in microseconds to calibrate the machine.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import argparse
 import platform
 import statistics
 import time
+import timeit
 
 from pipelang.api import load_file
-from pipelang.compiler import Options, run_passes
+from pipelang.compiler import PASSES, Compilation, Options, run_passes
 
 SIZES = [(4, 8), (8, 16), (16, 64), (32, 128), (32, 256), (64, 256), (64, 512)]
 
@@ -58,6 +62,20 @@ def main() -> None:
               f"{theirs / ours:.1f}x |")
     print(f"\nus/op spread over sizes: min {min(per_op):.2f}, median "
           f"{statistics.median(per_op):.2f}, max {max(per_op):.2f} (flat = linear time)")
+    d, n = sizes[-1]
+    print(f"\nper pass at D={d}, N={n}, v=2 (CPU seconds, best of 3):")
+    options = Options({"D": str(d), "N": str(n), "v": "2"})
+    best: dict[str, float] = {}
+    for _ in range(3):
+        c = Compilation(file, options)
+        for name, run in PASSES:
+            start = time.process_time()
+            c = run(c)
+            best[name] = min(best.get(name, float("inf")), time.process_time() - start)
+    print("  " + ", ".join(f"{name} {t:.3f}" for name, t in best.items())
+          + f"; total {sum(best.values()):.3f}")
+    calibrate = min(timeit.repeat("sum(range(1000))", number=10_000, repeat=5)) / 10_000
+    print(f"machine: sum(range(1000)) takes {calibrate * 1e6:.1f} us")
 
 
 if __name__ == "__main__":
