@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipelang.diagnostics import InternalError
 from pipelang.source import Span
@@ -62,13 +63,17 @@ COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.R})
 COMM_KINDS = frozenset({Kind.SEND, Kind.RECV, Kind.SIGNAL, Kind.WAIT})
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
+class Action(NamedTuple):
     """One thing a rank does.
 
     Compute actions use `kind`, `mb`, `stage`, `pipeline`. Communication actions name the
     compute op whose result they move (`of`) and the other rank (`peer`). `allreduce`
-    names a stage and pipeline; `step` names nothing.
+    names a stage and pipeline; `step` names nothing. `span` is where the action came
+    from; it takes no part in equality or hashing.
+
+    Immutable like every IR node, but a NamedTuple rather than a frozen dataclass: a
+    large schedule makes 4 x 10^5 actions per compile, and a tuple is built several
+    times faster (measured in benchmarks/compile_speed.py's notes in RESULTS.md).
     """
 
     kind: Kind
@@ -77,7 +82,23 @@ class Action:
     pipeline: str | None = None
     peer: int | None = None
     of: Kind | None = None
-    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+    span: Span | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Action):
+            return NotImplemented
+        return self[:6] == other[:6]
+
+    def __ne__(self, other: object) -> bool:
+        if not isinstance(other, Action):
+            return NotImplemented
+        return self[:6] != other[:6]
+
+    def __hash__(self) -> int:
+        return hash(self[:6])
+
+    def __repr__(self) -> str:
+        return f"Action({self.text()})"
 
     def op(self) -> Action:
         """The compute op this action is about (itself for compute actions)."""

@@ -49,7 +49,7 @@ def with_comms(program: Program) -> Program:
                 progressed = True
                 consumer = _consumer(program, op)
                 if consumer is not None and (peer := _rank(program, consumer)) != rank:
-                    out[rank].append(dataclasses.replace(op, kind=Kind.SEND, peer=peer, of=op.kind))
+                    out[rank].append(op._replace(kind=Kind.SEND, peer=peer, of=op.kind))
                     channel.setdefault((rank, peer), deque()).append(op)
         if not progressed:
             raise ValueError("the test program deadlocks")
@@ -75,7 +75,7 @@ def _receive_inputs(
         while True:
             got = queue.popleft()
             received[rank].add(got)
-            out[rank].append(dataclasses.replace(got, kind=Kind.RECV, peer=src, of=got.kind))
+            out[rank].append(got._replace(kind=Kind.RECV, peer=src, of=got.kind))
             if got == dep:
                 break
     return True
