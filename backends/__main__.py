@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 from pipelang.backends.launch import add_run_arguments, run_program
-
 from pipelang.ir import Program
 
 

@@ -25,10 +25,11 @@ from pipelang.ir import Kind, Program
 
 if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--help`
     import torch
+    from rich.console import Console
+
     from pipelang.backends.models import Shapes
     from pipelang.backends.report import Outcome
     from pipelang.backends.runtime import RunConfig
-    from rich.console import Console
 
 BACKENDS = ("gloo", "nccl", "local")
 OPTIMIZERS = ("sgd", "adam")
@@ -133,9 +134,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def run_program(program: Program, args: argparse.Namespace) -> int:
     """Run a compiled Program as `args` say; returns the exit status."""
+    from rich.console import Console
+
     from pipelang.backends.models import ModelError
     from pipelang.backends.processes import RunFailure
-    from rich.console import Console
 
     config = config_from_args(args)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -165,6 +167,7 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
     Returns the shape of every stage's output (the receive buffers' shapes).
     """
     import torch
+
     from pipelang.backends.models import plan_stages
 
     if config.backend == "nccl" and not under_torchrun():
@@ -227,9 +230,10 @@ def _run_here(program: Program, config: RunConfig, shapes: Shapes, err: Console)
 def _run_as_torchrun_rank(
     program: Program, config: RunConfig, source: str | None = None, filename: str | None = None
 ) -> int:
+    from rich.console import Console
+
     from pipelang.backends.report import Outcome
     from pipelang.backends.worker import run_torchrun_rank
-    from rich.console import Console
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     losses: list[float] = []
@@ -246,9 +250,10 @@ def _run_as_torchrun_rank(
 
 def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     """Print the summary, write the trace, run the check; the exit status."""
+    from rich.console import Console
+
     from pipelang.backends.models import plan_stages
     from pipelang.backends.report import summary, write_trace
-    from rich.console import Console
 
     out = Console(highlight=False, soft_wrap=True)
     spec = config.spec

@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
+
 from pipelang.backends.models import Shapes
 from pipelang.backends.processes import RunFailure, where
 from pipelang.backends.report import Outcome
@@ -29,7 +30,6 @@ from pipelang.backends.worker import (
     describe,
     run_step,
 )
-
 from pipelang.ir import Program
 
 OnStep = Callable[[int, float, float], None]

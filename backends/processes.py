@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
 from pipelang.backends.codegen import write_rank_programs
 from pipelang.backends.models import Shapes
 from pipelang.backends.report import Outcome
@@ -40,7 +41,6 @@ from pipelang.backends.worker import (
     rank_threads,
     worker_main,
 )
-
 from pipelang.ir import Program
 
 OnStep = Callable[[int, float, float], None]

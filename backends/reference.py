@@ -23,8 +23,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from pipelang.backends.runtime import RankResult, RunConfig, full_model_names, make_optimizer
 from torch import nn
+
+from pipelang.backends.runtime import RankResult, RunConfig, full_model_names, make_optimizer
 
 TOLERANCE = {
     torch.float32: (1e-5, 1e-4),

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from pipelang.backends.runtime import RankResult
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -18,6 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from pipelang.backends.runtime import RankResult
 from pipelang.ir import Program
 
 

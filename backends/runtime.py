@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
-from pipelang.backends.optim import SGD, Adam, Optimizer
-from pipelang.backends.transport import Handle, PeerFailure, Transport
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
+from pipelang.backends.optim import SGD, Adam, Optimizer
+from pipelang.backends.transport import Handle, PeerFailure, Transport
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Kind, Program
 

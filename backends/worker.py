@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from pipelang.backends.codegen import load_iteration, render_rank_program
 from pipelang.backends.models import Shapes
 from pipelang.backends.runtime import RankResult, RankRuntime, RunConfig
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport
-
 from pipelang.ir import Program
 
 PHASE_STARTING, PHASE_SETUP, PHASE_RUNNING, PHASE_DONE, PHASE_FAILED = range(5)

@@ -56,12 +56,20 @@ def main() -> None:
         per_op.append(ours / ops * 1e6)
         theirs = float("nan")
         if not args.no_torch:
-            theirs = best_of(lambda d=d, n=n: _schedule_visualizer.get_schedule_ops(
-                "Interleaved1F1B", d, n, num_stages_per_rank=2, with_comms=True), 1)
-        print(f"| {d} | {n} | {ops} | {ours:.3f} | {ours / ops * 1e6:.2f} | {theirs:.2f} | "
-              f"{theirs / ours:.1f}x |")
-    print(f"\nus/op spread over sizes: min {min(per_op):.2f}, median "
-          f"{statistics.median(per_op):.2f}, max {max(per_op):.2f} (flat = linear time)")
+            theirs = best_of(
+                lambda d=d, n=n: _schedule_visualizer.get_schedule_ops(
+                    "Interleaved1F1B", d, n, num_stages_per_rank=2, with_comms=True
+                ),
+                1,
+            )
+        print(
+            f"| {d} | {n} | {ops} | {ours:.3f} | {ours / ops * 1e6:.2f} | {theirs:.2f} | "
+            f"{theirs / ours:.1f}x |"
+        )
+    print(
+        f"\nus/op spread over sizes: min {min(per_op):.2f}, median "
+        f"{statistics.median(per_op):.2f}, max {max(per_op):.2f} (flat = linear time)"
+    )
     d, n = sizes[-1]
     print(f"\nper pass at D={d}, N={n}, v=2 (CPU seconds, best of 3):")
     options = Options({"D": str(d), "N": str(n), "v": "2"})
@@ -72,8 +80,11 @@ def main() -> None:
             start = time.process_time()
             c = run(c)
             best[name] = min(best.get(name, float("inf")), time.process_time() - start)
-    print("  " + ", ".join(f"{name} {t:.3f}" for name, t in best.items())
-          + f"; total {sum(best.values()):.3f}")
+    print(
+        "  "
+        + ", ".join(f"{name} {t:.3f}" for name, t in best.items())
+        + f"; total {sum(best.values()):.3f}"
+    )
     calibrate = min(timeit.repeat("sum(range(1000))", number=10_000, repeat=5)) / 10_000
     print(f"machine: sum(range(1000)) takes {calibrate * 1e6:.1f} us")
 

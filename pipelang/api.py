@@ -25,8 +25,11 @@ def find_schedule(sched: str) -> tuple[Path, str]:
     candidate = stdlib_dir() / f"{sched}.pipe"
     if candidate.exists():
         return candidate, f"<stdlib>/{sched}.pipe"
-    raise fail("E0003", f"no schedule `{sched}`: not a file and not a stdlib name",
-               help="stdlib schedules: " + ", ".join(stdlib_names()))
+    raise fail(
+        "E0003",
+        f"no schedule `{sched}`: not a file and not a stdlib name",
+        help="stdlib schedules: " + ", ".join(stdlib_names()),
+    )
 
 
 def load_file(sched: str) -> ast.File:
@@ -36,7 +39,10 @@ def load_file(sched: str) -> ast.File:
 
 
 def compile_schedule(
-    sched: str, params: Mapping[str, str] | None = None, *, max_activations: int | None = None,
+    sched: str,
+    params: Mapping[str, str] | None = None,
+    *,
+    max_activations: int | None = None,
     stop_after: str | None = None,
 ) -> Compilation:
     """Run the passes on a schedule (path or stdlib name) with `-p`-style string params."""

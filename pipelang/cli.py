@@ -52,12 +52,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `pipelang export ... | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (InternalError, Exception) as err:  # noqa: BLE001 - the last line of defence
+    except (InternalError, Exception) as err:
         if args.debug:
             raise
-        print(f"internal error: {type(err).__name__}: {err}\n"
-              "this is a bug in pipelang; run again with --debug for the traceback",
-              file=sys.stderr)
+        print(
+            f"internal error: {type(err).__name__}: {err}\n"
+            "this is a bug in pipelang; run again with --debug for the traceback",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -70,15 +72,20 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"pipelang {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="show Python tracebacks for internal errors")
+    parser.add_argument(
+        "--debug", action="store_true", help="show Python tracebacks for internal errors"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from pipelang import commands
 
     for name, (helptext, setup, handler) in commands.COMMANDS.items():
         command = sub.add_parser(name, help=helptext, description=helptext)
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                             help="show Python tracebacks for internal errors")
+        command.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="show Python tracebacks for internal errors",
+        )
         setup(command)
         command.set_defaults(handler=handler)
     return parser

@@ -18,103 +18,232 @@ CODES: dict[str, Code] = {
     c.code: c
     for c in (
         # 00xx: reading and parsing
-        Code("E0001", "syntax error", "The text does not follow the grammar of `.pipe` files. "
-             "The caret marks the first token that could not continue the program; the "
-             "message lists what was expected there. See docs/language.md for the grammar."),
-        Code("E0002", "unexpected end of file", "The file ends in the middle of a construct, "
-             "usually a missing `}` or an unfinished expression. Check that every `{` has "
-             "its `}`."),
-        Code("E0003", "unreadable file", "The file could not be read as UTF-8 text (binary "
-             "data, a directory, or a missing file)."),
-        Code("E0004", "import not found", "An `import \"path.pipe\"` names a file that does not "
-             "exist. Paths are relative to the importing file; a bare stdlib name such as "
-             "`import \"1f1b\"` is looked up in the standard library."),
-        Code("E0005", "import cycle", "A file imports itself, directly or through other files. "
-             "Imports bring in `fn` definitions only, so a cycle is never needed: move the shared "
-             "functions into a file of their own."),
-        Code("E0006", "no schedule in file", "The file has no `schedule` block, or has more than "
-             "one. A `.pipe` file that is run or checked holds exactly one schedule; files "
-             "meant only for `import` hold `fn` definitions."),
-        Code("E0007", "malformed torch CSV", "`pipelang import-torch` reads torch's compute-only "
-             "CSV schedule: one row per rank, cells like `2F0` (stage 2, forward, micro-batch 0) "
-             "with kinds F, I (input gradient), W (weight gradient) and B (full backward); empty "
-             "cells are idle steps and communication cells are dropped. A cell that is none of "
-             "these, an overlapped `OVERLAP_F_B` pair, or a mix of full and split backwards "
-             "cannot be imported."),
+        Code(
+            "E0001",
+            "syntax error",
+            "The text does not follow the grammar of `.pipe` files. "
+            "The caret marks the first token that could not continue the program; the "
+            "message lists what was expected there. See docs/language.md for the grammar.",
+        ),
+        Code(
+            "E0002",
+            "unexpected end of file",
+            "The file ends in the middle of a construct, "
+            "usually a missing `}` or an unfinished expression. Check that every `{` has "
+            "its `}`.",
+        ),
+        Code(
+            "E0003",
+            "unreadable file",
+            "The file could not be read as UTF-8 text (binary "
+            "data, a directory, or a missing file).",
+        ),
+        Code(
+            "E0004",
+            "import not found",
+            'An `import "path.pipe"` names a file that does not '
+            "exist. Paths are relative to the importing file; a bare stdlib name such as "
+            '`import "1f1b"` is looked up in the standard library.',
+        ),
+        Code(
+            "E0005",
+            "import cycle",
+            "A file imports itself, directly or through other files. "
+            "Imports bring in `fn` definitions only, so a cycle is never needed: move the shared "
+            "functions into a file of their own.",
+        ),
+        Code(
+            "E0006",
+            "no schedule in file",
+            "The file has no `schedule` block, or has more than "
+            "one. A `.pipe` file that is run or checked holds exactly one schedule; files "
+            "meant only for `import` hold `fn` definitions.",
+        ),
+        Code(
+            "E0007",
+            "malformed torch CSV",
+            "`pipelang import-torch` reads torch's compute-only "
+            "CSV schedule: one row per rank, cells like `2F0` (stage 2, forward, micro-batch 0) "
+            "with kinds F, I (input gradient), W (weight gradient) and B (full backward); empty "
+            "cells are idle steps and communication cells are dropped. A cell that is none of "
+            "these, an overlapped `OVERLAP_F_B` pair, or a mix of full and split backwards "
+            "cannot be imported.",
+        ),
         # 01xx: names, types, evaluation
-        Code("E0101", "unknown name", "An identifier is used that is neither a parameter, a "
-             "`let`, a loop variable, a `fn`, nor a builtin (`min`, `max`). Check the spelling; "
-             "names are case-sensitive."),
-        Code("E0102", "duplicate definition", "A parameter, pipeline, `fn` or `let` is defined "
-             "twice in the same scope."),
-        Code("E0103", "wrong arguments", "A function or op is called with the wrong number or "
-             "kind of arguments. Ops take `(mb)` or `(mb, stage)`; named arguments are "
-             "`mb=` and `stage=`."),
-        Code("E0104", "division by zero", "An integer `//` or `%` has a zero right-hand side "
-             "for the parameter values given."),
-        Code("E0105", "type mismatch", "A boolean was used where an integer is needed or the "
-             "other way round (for example `if N` instead of `if N > 0`)."),
-        Code("E0106", "schedule too large", "Expanding the schedule would create more ops or "
-             "loop iterations than the compiler's limit. The limit keeps a mistyped parameter "
-             "(N=10**9) from exhausting memory; pass smaller parameters."),
-        Code("E0107", "unknown pipeline", "A `microbatches` assignment or a pipeline index names a "
-             "pipeline that is not declared."),
+        Code(
+            "E0101",
+            "unknown name",
+            "An identifier is used that is neither a parameter, a "
+            "`let`, a loop variable, a `fn`, nor a builtin (`min`, `max`). Check the spelling; "
+            "names are case-sensitive.",
+        ),
+        Code(
+            "E0102",
+            "duplicate definition",
+            "A parameter, pipeline, `fn` or `let` is defined twice in the same scope.",
+        ),
+        Code(
+            "E0103",
+            "wrong arguments",
+            "A function or op is called with the wrong number or "
+            "kind of arguments. Ops take `(mb)` or `(mb, stage)`; named arguments are "
+            "`mb=` and `stage=`.",
+        ),
+        Code(
+            "E0104",
+            "division by zero",
+            "An integer `//` or `%` has a zero right-hand side for the parameter values given.",
+        ),
+        Code(
+            "E0105",
+            "type mismatch",
+            "A boolean was used where an integer is needed or the "
+            "other way round (for example `if N` instead of `if N > 0`).",
+        ),
+        Code(
+            "E0106",
+            "schedule too large",
+            "Expanding the schedule would create more ops or "
+            "loop iterations than the compiler's limit. The limit keeps a mistyped parameter "
+            "(N=10**9) from exhausting memory; pass smaller parameters.",
+        ),
+        Code(
+            "E0107",
+            "unknown pipeline",
+            "A `microbatches` assignment or a pipeline index names a "
+            "pipeline that is not declared.",
+        ),
         # 02xx: parameters
-        Code("E0201", "missing parameter", "A schedule parameter has no default and was not "
-             "given. Give it with `-p NAME=VALUE`."),
-        Code("E0202", "unknown parameter", "`-p NAME=VALUE` names a parameter the schedule does "
-             "not declare. `pipelang list` shows each stdlib schedule's parameters."),
-        Code("E0203", "parameter of the wrong type", "A parameter value does not parse as the "
-             "declared type: `int` takes an integer such as `8`, `bool` takes `true` or `false`."),
-        Code("E0204", "requirement failed", "A `require COND : \"message\"` in the schedule is false "
-             "for the parameter values given. The message says what the schedule needs."),
-        Code("E0205", "bad placement", "A pipeline's placement is not a function from every stage "
-             "`0..S` to a rank `0..R`: a stage is missing, placed twice, or sent to a negative "
-             "rank; or two pipelines disagree on the number of stages."),
-        Code("E0206", "bad micro-batch assignment", "Each micro-batch `0..N` must be assigned to "
-             "exactly one pipeline by `microbatches`; one is unassigned, assigned twice or "
-             "negative, or there are none."),
-        Code("E0207", "missing or repeated declaration", "A schedule needs at least one "
-             "`pipeline`, exactly one `microbatches` and exactly one `order` (`order rank`, "
-             "`order greedy` or `order repeat`), and at most one `ops`."),
+        Code(
+            "E0201",
+            "missing parameter",
+            "A schedule parameter has no default and was not given. Give it with `-p NAME=VALUE`.",
+        ),
+        Code(
+            "E0202",
+            "unknown parameter",
+            "`-p NAME=VALUE` names a parameter the schedule does "
+            "not declare. `pipelang list` shows each stdlib schedule's parameters.",
+        ),
+        Code(
+            "E0203",
+            "parameter of the wrong type",
+            "A parameter value does not parse as the "
+            "declared type: `int` takes an integer such as `8`, `bool` takes `true` or `false`.",
+        ),
+        Code(
+            "E0204",
+            "requirement failed",
+            'A `require COND : "message"` in the schedule is false '
+            "for the parameter values given. The message says what the schedule needs.",
+        ),
+        Code(
+            "E0205",
+            "bad placement",
+            "A pipeline's placement is not a function from every stage "
+            "`0..S` to a rank `0..R`: a stage is missing, placed twice, or sent to a negative "
+            "rank; or two pipelines disagree on the number of stages.",
+        ),
+        Code(
+            "E0206",
+            "bad micro-batch assignment",
+            "Each micro-batch `0..N` must be assigned to "
+            "exactly one pipeline by `microbatches`; one is unassigned, assigned twice or "
+            "negative, or there are none.",
+        ),
+        Code(
+            "E0207",
+            "missing or repeated declaration",
+            "A schedule needs at least one "
+            "`pipeline`, exactly one `microbatches` and exactly one `order` (`order rank`, "
+            "`order greedy` or `order repeat`), and at most one `ops`.",
+        ),
         # 03xx: the order
-        Code("E0301", "op on the wrong rank", "An op is listed in the order of a rank that does "
-             "not hold its stage for the op's pipeline. The placement decides where an op runs; "
-             "the order only decides when."),
-        Code("E0302", "duplicated op", "The same op (kind, micro-batch, stage) appears twice in "
-             "the orders. Each op runs exactly once."),
-        Code("E0303", "missing op", "An op the schedule must run never appears in any rank's "
-             "order. Every micro-batch needs an F and a B on every stage of its pipeline "
-             "(and W, R where `ops` declares them)."),
-        Code("E0304", "backward before its forward", "A rank runs B of a (micro-batch, stage) "
-             "before its F; the backward needs the activations the forward saved."),
-        Code("E0305", "weight gradient before its backward", "A rank runs W of a (micro-batch, "
-             "stage) before its B (or R after B, or R before F); W needs the output gradient "
-             "B received."),
-        Code("E0306", "deadlock", "The ops wait on each other in a cycle: each needs a result "
-             "that another one in the cycle produces later in its rank's order. The diagnostic "
-             "lists the cycle with the source line of each op and a rank x step grid. Reorder "
-             "one of the ranks so that the cycle is broken."),
-        Code("E0307", "mismatched transfers", "A lowered program (one with `send`/`recv` "
-             "actions, such as a `schedule.json` edited by hand) lists the two ends of its "
-             "transfers on one channel (one directed pair of ranks) in different orders, or "
-             "lists an end with no partner. A channel delivers in the order it is sent, so "
-             "its k-th send (or signal) must match its k-th recv (or wait): same op, recv for "
-             "send, wait for signal. The compiler never makes this mistake: a rank may consume "
-             "what another sends in any order, and `insert-comms` receives in the sender's "
-             "order: each recv goes right before the first op that needs it, or earlier when a "
-             "message sent after it is needed sooner."),
-        Code("E0308", "too many activations in flight", "A rank holds more activations (forwards "
-             "whose backward has not run) than `--max-activations` allows."),
-        Code("E0309", "op kind not declared", "The order uses `W` or `R`, but the schedule's "
-             "`ops` line does not declare it. Add `ops F, B, W` (split backward) or `ops F, B, "
-             "R` (recompute)."),
-        Code("E0310", "slot collision", "In a `repeat` order two ops land on the same rank in the "
-             "same slot; the block's offsets must give each rank at most one op per slot."),
-        Code("E0311", "greedy policy stuck", "The greedy policy reached a point where no rank can "
-             "run a ready op without breaking its in-flight `cap`, and ops remain. Raise the cap "
-             "or change the priority."),
-        Code("E0312", "collectives in different orders", "Two ranks run the same pair of "
-             "gradient allreduces in opposite orders; each would wait for the other forever."),
+        Code(
+            "E0301",
+            "op on the wrong rank",
+            "An op is listed in the order of a rank that does "
+            "not hold its stage for the op's pipeline. The placement decides where an op runs; "
+            "the order only decides when.",
+        ),
+        Code(
+            "E0302",
+            "duplicated op",
+            "The same op (kind, micro-batch, stage) appears twice in "
+            "the orders. Each op runs exactly once.",
+        ),
+        Code(
+            "E0303",
+            "missing op",
+            "An op the schedule must run never appears in any rank's "
+            "order. Every micro-batch needs an F and a B on every stage of its pipeline "
+            "(and W, R where `ops` declares them).",
+        ),
+        Code(
+            "E0304",
+            "backward before its forward",
+            "A rank runs B of a (micro-batch, stage) "
+            "before its F; the backward needs the activations the forward saved.",
+        ),
+        Code(
+            "E0305",
+            "weight gradient before its backward",
+            "A rank runs W of a (micro-batch, "
+            "stage) before its B (or R after B, or R before F); W needs the output gradient "
+            "B received.",
+        ),
+        Code(
+            "E0306",
+            "deadlock",
+            "The ops wait on each other in a cycle: each needs a result "
+            "that another one in the cycle produces later in its rank's order. The diagnostic "
+            "lists the cycle with the source line of each op and a rank x step grid. Reorder "
+            "one of the ranks so that the cycle is broken.",
+        ),
+        Code(
+            "E0307",
+            "mismatched transfers",
+            "A lowered program (one with `send`/`recv` "
+            "actions, such as a `schedule.json` edited by hand) lists the two ends of its "
+            "transfers on one channel (one directed pair of ranks) in different orders, or "
+            "lists an end with no partner. A channel delivers in the order it is sent, so "
+            "its k-th send (or signal) must match its k-th recv (or wait): same op, recv for "
+            "send, wait for signal. The compiler never makes this mistake: a rank may consume "
+            "what another sends in any order, and `insert-comms` receives in the sender's "
+            "order: each recv goes right before the first op that needs it, or earlier when a "
+            "message sent after it is needed sooner.",
+        ),
+        Code(
+            "E0308",
+            "too many activations in flight",
+            "A rank holds more activations (forwards "
+            "whose backward has not run) than `--max-activations` allows.",
+        ),
+        Code(
+            "E0309",
+            "op kind not declared",
+            "The order uses `W` or `R`, but the schedule's "
+            "`ops` line does not declare it. Add `ops F, B, W` (split backward) or `ops F, B, "
+            "R` (recompute).",
+        ),
+        Code(
+            "E0310",
+            "slot collision",
+            "In a `repeat` order two ops land on the same rank in the "
+            "same slot; the block's offsets must give each rank at most one op per slot.",
+        ),
+        Code(
+            "E0311",
+            "greedy policy stuck",
+            "The greedy policy reached a point where no rank can "
+            "run a ready op without breaking its in-flight `cap`, and ops remain. Raise the cap "
+            "or change the priority.",
+        ),
+        Code(
+            "E0312",
+            "collectives in different orders",
+            "Two ranks run the same pair of "
+            "gradient allreduces in opposite orders; each would wait for the other forever.",
+        ),
     )
 }

@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import cast
 
 from rich.console import Console
 from rich.table import Table
@@ -23,24 +24,38 @@ _console = Console(highlight=False, soft_wrap=True)
 
 
 def _schedule_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("sched", metavar="SCHED",
-                        help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)")
-    parser.add_argument("-p", dest="params", action="append", default=[], metavar="NAME=VALUE",
-                        help="set a schedule parameter; repeat for several (-p D=4 -p N=8)")
+    parser.add_argument(
+        "sched",
+        metavar="SCHED",
+        help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)",
+    )
+    parser.add_argument(
+        "-p",
+        dest="params",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a schedule parameter; repeat for several (-p D=4 -p N=8)",
+    )
 
 
 def _compile(args: argparse.Namespace, stop_after: str | None = None) -> Compilation:
-    return api.compile_schedule(args.sched, parse_params(args.params),
-                                max_activations=getattr(args, "max_activations", None),
-                                stop_after=stop_after)
+    return api.compile_schedule(
+        args.sched,
+        parse_params(args.params),
+        max_activations=getattr(args, "max_activations", None),
+        stop_after=stop_after,
+    )
 
 
 def _describe(program: Program) -> str:
     params = ", ".join(f"{k}={v}" for k, v in program.params)
     ops = sum(1 for actions in program.ranks for a in actions if a.kind in COMPUTE_KINDS)
-    return (f"{program.name}({params}): {program.num_ranks} ranks, {program.num_stages} stages, "
-            f"{len(program.pipelines)} pipeline(s), {program.num_microbatches} micro-batches, "
-            f"{ops} compute ops")
+    return (
+        f"{program.name}({params}): {program.num_ranks} ranks, {program.num_stages} stages, "
+        f"{len(program.pipelines)} pipeline(s), {program.num_microbatches} micro-batches, "
+        f"{ops} compute ops"
+    )
 
 
 # ---- list ---------------------------------------------------------------------------------
@@ -89,18 +104,36 @@ def _summary(text: str) -> str:
 
 def setup_check(parser: argparse.ArgumentParser) -> None:
     _schedule_args(parser)
-    parser.add_argument("--max-activations", type=int, metavar="K",
-                        help="reject the schedule if a rank ever holds more than K activations")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="json prints diagnostics (or the summary) as one JSON object")
+    parser.add_argument(
+        "--max-activations",
+        type=int,
+        metavar="K",
+        help="reject the schedule if a rank ever holds more than K activations",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="json prints diagnostics (or the summary) as one JSON object",
+    )
 
 
 def run_check(args: argparse.Namespace) -> int:
     program = _compile(args).need_program()
     if args.format == "json":
-        print(json.dumps({"ok": True, "schedule": program.name, "params": dict(program.params),
-                          "ranks": program.num_ranks, "stages": program.num_stages,
-                          "microbatches": program.num_microbatches, "diagnostics": []}))
+        print(
+            json.dumps(
+                {
+                    "ok": True,
+                    "schedule": program.name,
+                    "params": dict(program.params),
+                    "ranks": program.num_ranks,
+                    "stages": program.num_stages,
+                    "microbatches": program.num_microbatches,
+                    "diagnostics": [],
+                }
+            )
+        )
     else:
         print(f"ok: {_describe(program)}")
     return 0
@@ -111,14 +144,26 @@ def run_check(args: argparse.Namespace) -> int:
 
 def setup_compile(parser: argparse.ArgumentParser) -> None:
     _schedule_args(parser)
-    parser.add_argument("-o", dest="out", type=Path, metavar="DIR",
-                        help="write DIR/schedule.json (the whole Program) and DIR/rank{r}.py")
+    parser.add_argument(
+        "-o",
+        dest="out",
+        type=Path,
+        metavar="DIR",
+        help="write DIR/schedule.json (the whole Program) and DIR/rank{r}.py",
+    )
     stages = ("parse", *PASS_NAMES)
-    parser.add_argument("--dump-after", choices=stages, metavar="PASS",
-                        help="print the AST (parse) or the IR after PASS and stop; one of: "
-                        + ", ".join(stages))
-    parser.add_argument("--max-activations", type=int, metavar="K",
-                        help="reject the schedule if a rank ever holds more than K activations")
+    parser.add_argument(
+        "--dump-after",
+        choices=stages,
+        metavar="PASS",
+        help="print the AST (parse) or the IR after PASS and stop; one of: " + ", ".join(stages),
+    )
+    parser.add_argument(
+        "--max-activations",
+        type=int,
+        metavar="K",
+        help="reject the schedule if a rank ever holds more than K activations",
+    )
 
 
 def run_compile(args: argparse.Namespace) -> int:
@@ -146,8 +191,9 @@ def dump(c: Compilation, after: str) -> str:
     """The text form of what pass `after` produced."""
     if after == "resolve-params":
         assert c.params is not None
-        return "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
-                         for k, v in c.params.items())
+        return "\n".join(
+            f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in c.params.items()
+        )
     program = c.need_program()
     header = f"# {_describe(program)}\n# after {after}"
     if after == "build-dag" and c.dag is not None:
@@ -160,11 +206,14 @@ def dump(c: Compilation, after: str) -> str:
 
 def setup_simulate(parser: argparse.ArgumentParser) -> None:
     _schedule_args(parser)
-    parser.add_argument("--cost", metavar="SPEC", default="",
-                        help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2. "
-                        "Defaults come from the schedule's `cost` line, else 1 (C=0)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the metrics as one JSON object")
+    parser.add_argument(
+        "--cost",
+        metavar="SPEC",
+        default="",
+        help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2. "
+        "Defaults come from the schedule's `cost` line, else 1 (C=0)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     parser.add_argument("--grid", action="store_true", help="also print the rank x time grid")
 
 
@@ -174,8 +223,10 @@ def parse_cost(spec: str) -> CostModel:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         match = re.fullmatch(r"([FBWRC])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
         if match is None:
-            raise UsageError(f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
-                             "F=1,B=2,W=1,C=0 or F[3]=2 for stage 3")
+            raise UsageError(
+                f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
+                "F=1,B=2,W=1,C=0 or F[3]=2 for stage 3"
+            )
         kind, stage, value = match.groups()
         entries.append((kind, None if stage is None else int(stage), float(value)))
     return CostModel(tuple(entries))
@@ -196,9 +247,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     table = Table()
     for column in ("rank", "busy", "idle", "peak activations", "weight copies"):
         table.add_column(column, justify="right")
-    for row in metrics["ranks"]:
-        table.add_row(*(str(row[k]) for k in
-                        ("rank", "busy", "idle", "peak_activations", "weight_copies")))
+    for row in cast(list[dict[str, object]], metrics["ranks"]):
+        table.add_row(
+            *(str(row[k]) for k in ("rank", "busy", "idle", "peak_activations", "weight_copies"))
+        )
     _console.print(table)
     if args.grid:
         print(timeline.text_grid())
@@ -210,11 +262,16 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def setup_export(parser: argparse.ArgumentParser) -> None:
     _schedule_args(parser)
-    parser.add_argument("--format", choices=("json", "torch-csv"), default="json",
-                        help="json: each rank's compute ops in order; torch-csv: the CSV "
-                        "that torch.distributed.pipelining's _load_csv reads")
-    parser.add_argument("-o", dest="out", type=Path, metavar="FILE",
-                        help="write to FILE instead of standard output")
+    parser.add_argument(
+        "--format",
+        choices=("json", "torch-csv"),
+        default="json",
+        help="json: each rank's compute ops in order; torch-csv: the CSV "
+        "that torch.distributed.pipelining's _load_csv reads",
+    )
+    parser.add_argument(
+        "-o", dest="out", type=Path, metavar="FILE", help="write to FILE instead of standard output"
+    )
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -258,27 +315,43 @@ def setup_explain(parser: argparse.ArgumentParser) -> None:
 def run_explain(args: argparse.Namespace) -> int:
     code = CODES.get(args.code.upper())
     if code is None:
-        raise UsageError(f"no diagnostic code `{args.code}`; codes are "
-                         f"{min(CODES)}..{max(CODES)}")
+        raise UsageError(f"no diagnostic code `{args.code}`; codes are {min(CODES)}..{max(CODES)}")
     print(f"{code.code}: {code.title}\n\n{code.explanation}")
     return 0
 
 
 COMMANDS = {
     "list": ("show the standard-library schedules and their parameters", setup_list, run_list),
-    "check": ("check a schedule: parse, bind parameters, validate the order", setup_check,
-              run_check),
-    "compile": ("compile a schedule to DIR/schedule.json and one program per rank",
-                setup_compile, run_compile),
-    "simulate": ("replay a schedule with a cost model: makespan, bubbles, memory",
-                 setup_simulate, run_simulate),
+    "check": (
+        "check a schedule: parse, bind parameters, validate the order",
+        setup_check,
+        run_check,
+    ),
+    "compile": (
+        "compile a schedule to DIR/schedule.json and one program per rank",
+        setup_compile,
+        run_compile,
+    ),
+    "simulate": (
+        "replay a schedule with a cost model: makespan, bubbles, memory",
+        setup_simulate,
+        run_simulate,
+    ),
     "viz": (VIZ_HELP, setup_viz, run_viz),
-    "export": ("print each rank's compute ops as JSON or torch's CSV schedule format",
-               setup_export, run_export),
-    "run": ("train a model with the schedule: one process per rank (gloo), or local",
-            setup_run, run_run),
+    "export": (
+        "print each rank's compute ops as JSON or torch's CSV schedule format",
+        setup_export,
+        run_export,
+    ),
+    "run": (
+        "train a model with the schedule: one process per rank (gloo), or local",
+        setup_run,
+        run_run,
+    ),
     "explain": ("explain a diagnostic code", setup_explain, run_explain),
-    "import-torch": ("read torch's CSV schedule into a checked .pipe program",
-                     setup_import_torch, run_import_torch),
+    "import-torch": (
+        "read torch's CSV schedule into a checked .pipe program",
+        setup_import_torch,
+        run_import_torch,
+    ),
 }
-

@@ -105,9 +105,7 @@ PASS_NAMES = tuple(name for name, _ in PASSES)
 
 
 @bulk
-def run_passes(
-    file: ast.File, options: Options, stop_after: str | None = None
-) -> Compilation:
+def run_passes(file: ast.File, options: Options, stop_after: str | None = None) -> Compilation:
     """Run the passes in order, up to and including `stop_after` (all by default).
 
     Raises `PipelangError` with every diagnostic of the first pass that finds any.

@@ -32,11 +32,17 @@ MAX_INLINED = 1000
 """Most `fn` bodies one expression may expand to, counting calls inside calls (E0106)."""
 
 _ARITH: dict[str, Callable[[int, int], int]] = {
-    "+": operator.add, "-": operator.sub, "*": operator.mul,
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
 }
 _COMPARE: dict[str, Callable[[Value, Value], bool]] = {
-    "==": operator.eq, "!=": operator.ne, "<": operator.lt,
-    "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
 }
 
 
@@ -87,8 +93,12 @@ class _Calls:
     def enter(self, name: str, call: ast.Call) -> _Calls:
         self.inlined[0] += 1
         if self.inlined[0] > MAX_INLINED:
-            raise fail("E0106", f"this expression expands to more than {MAX_INLINED} `fn` "
-                       "bodies", call.span, help="call fewer `fn`s inside `fn`s")
+            raise fail(
+                "E0106",
+                f"this expression expands to more than {MAX_INLINED} `fn` bodies",
+                call.span,
+                help="call fewer `fn`s inside `fn`s",
+            )
         return _Calls((*self.chain, name), self.inlined)
 
 
@@ -184,8 +194,12 @@ def _binary(expr: ast.Binary, scope: Scope, calling: _Calls) -> tuple[str, Evalu
         if isinstance(right, Const) and right.value != 0:
             return INT, _apply(divide, left, right)
         return INT, _fold(_division(divide, left, right, expr), left, right)
-    raise fail("E0001", f"`{op}` is not an operator", expr.span,
-               help="use `//` for integer division" if op == "/" else None)
+    raise fail(
+        "E0001",
+        f"`{op}` is not an operator",
+        expr.span,
+        help="use `//` for integer division" if op == "/" else None,
+    )
 
 
 def _apply(fn: Callable[[Any, Any], Value], left: Evaluator, right: Evaluator) -> Evaluator:
@@ -205,8 +219,12 @@ def _division(
     def run(env: Env) -> int:
         divisor = right(env)
         if divisor == 0:
-            raise fail("E0104", f"division by zero in `{_text(expr)}`", expr.span,
-                       notes=(f"`{_text(expr.right)}` is 0 here",))
+            raise fail(
+                "E0104",
+                f"division by zero in `{_text(expr)}`",
+                expr.span,
+                notes=(f"`{_text(expr.right)}` is 0 here",),
+            )
         return divide(left(env), divisor)  # type: ignore[arg-type]
 
     return run
@@ -224,11 +242,16 @@ def _call(expr: ast.Call, scope: Scope, calling: _Calls) -> tuple[str, Evaluator
     if fn is None:
         raise _unknown(expr, name, scope, function=True)
     if name in calling.chain:
-        raise fail("E0103", f"`fn {name}` calls itself", expr.span,
-                   help="fns are not recursive; write the closed form")
+        raise fail(
+            "E0103",
+            f"`fn {name}` calls itself",
+            expr.span,
+            help="fns are not recursive; write the closed form",
+        )
     if len(expr.args) != len(fn.params):
-        raise fail("E0103", f"`{name}` takes {len(fn.params)} arguments, "
-                   f"{len(expr.args)} given", expr.span)
+        raise fail(
+            "E0103", f"`{name}` takes {len(fn.params)} arguments, {len(expr.args)} given", expr.span
+        )
     args = [_typed(a, scope, calling, INT) for a in expr.args]
     body_scope = Scope(dict.fromkeys(fn.params, INT), scope.fns)
     body_type, body = _compile(fn.body, body_scope, calling.enter(name, expr))
@@ -243,11 +266,15 @@ def _call(expr: ast.Call, scope: Scope, calling: _Calls) -> tuple[str, Evaluator
 def _unknown(node: ast.Node, name: str, scope: Scope, function: bool = False) -> Exception:
     import difflib
 
-    known = list(scope.fns) + ["min", "max"] if function else list(scope.names)
+    known = [*scope.fns, "min", "max"] if function else list(scope.names)
     close = difflib.get_close_matches(name, known, n=1)
     kind = "function" if function else "name"
-    return fail("E0101", f"unknown {kind} `{name}`", node.span,
-                help=f"did you mean `{close[0]}`?" if close else None)
+    return fail(
+        "E0101",
+        f"unknown {kind} `{name}`",
+        node.span,
+        help=f"did you mean `{close[0]}`?" if close else None,
+    )
 
 
 def _text(node: ast.Node) -> str:
@@ -262,8 +289,11 @@ def eval_range(rng: ast.Range, scope: Scope, env: Env) -> range:
 
 def checked_range(start: int, stop: int, rng: ast.Range) -> range:
     if stop - start > LIMIT:
-        raise fail("E0106", f"range `{_text(rng)}` has {stop - start} elements, more than the "
-                   f"limit of {LIMIT}", rng.span)
+        raise fail(
+            "E0106",
+            f"range `{_text(rng)}` has {stop - start} elements, more than the limit of {LIMIT}",
+            rng.span,
+        )
     return range(start, stop)
 
 
@@ -274,8 +304,12 @@ def nesting_limit(span: Span) -> Iterator[None]:
     try:
         yield
     except RecursionError:
-        raise fail("E0106", "`fn` calls nest too deeply to evaluate", span,
-                   help="call fewer `fn`s inside `fn`s") from None
+        raise fail(
+            "E0106",
+            "`fn` calls nest too deeply to evaluate",
+            span,
+            help="call fewer `fn`s inside `fn`s",
+        ) from None
 
 
 def constant_scope(env: Mapping[str, Value], fns: Mapping[str, ast.FnDecl]) -> Scope:

@@ -26,8 +26,9 @@ def to_json(program: Program) -> str:
         }
         for r, actions in enumerate(program.ranks)
     ]
-    return json.dumps({"schedule": program.name, "params": dict(program.params),
-                       "ranks": ranks}, indent=1)
+    return json.dumps(
+        {"schedule": program.name, "params": dict(program.params), "ranks": ranks}, indent=1
+    )
 
 
 def to_torch_csv(program: Program) -> str:
@@ -37,8 +38,10 @@ def to_torch_csv(program: Program) -> str:
     becomes `I` when the schedule splits off `W`.
     """
     if len(program.pipelines) != 1:
-        raise ExportError(f"torch's CSV format holds one pipeline; `{program.name}` has "
-                          f"{len(program.pipelines)} (torch has no replicas or directions)")
+        raise ExportError(
+            f"torch's CSV format holds one pipeline; `{program.name}` has "
+            f"{len(program.pipelines)} (torch has no replicas or directions)"
+        )
     if Kind.R in program.kinds:
         raise ExportError("torch's CSV format has no recompute op `R`")
     backward = "I" if Kind.W in program.kinds else "B"

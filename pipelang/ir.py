@@ -119,7 +119,9 @@ class Action(NamedTuple):
             return f"allreduce@{self.stage}/{self.pipeline}"
         arrow = ">" if kind in (Kind.SEND, Kind.SIGNAL) else "<"
         assert self.of is not None
-        return f"{kind.value}:{self.of.value}{self.mb}@{self.stage}/{self.pipeline}{arrow}{self.peer}"
+        return (
+            f"{kind.value}:{self.of.value}{self.mb}@{self.stage}/{self.pipeline}{arrow}{self.peer}"
+        )
 
     def __str__(self) -> str:
         return self.text()

@@ -26,12 +26,30 @@ MAX_DEPTH = 100
 
 # Token names as lark reports them, spelled as a user would type them.
 _TOKEN_TEXT = {
-    "LBRACE": "`{`", "RBRACE": "`}`", "LPAR": "`(`", "RPAR": "`)`", "LSQB": "`[`",
-    "RSQB": "`]`", "COMMA": "`,`", "COLON": "`:`", "EQUAL": "`=`", "NAME": "a name",
-    "INT": "an integer", "NUMBER": "a number", "STRING": "a string", "OPNAME": "an op (F, B, W, R)",
-    "COSTNAME": "a cost name (F, B, W, R, C)", "TYPE": "a type (int, bool)", "COMPARE": "a comparison",
-    "ADD_OP": "`+` or `-`", "MUL_OP": "`*`, `//` or `%`", "MINUS": "`-`", "AT": "`@`",
-    "__ANON_0": "`->`", "__ANON_1": "`..`", "$END": "end of file",
+    "LBRACE": "`{`",
+    "RBRACE": "`}`",
+    "LPAR": "`(`",
+    "RPAR": "`)`",
+    "LSQB": "`[`",
+    "RSQB": "`]`",
+    "COMMA": "`,`",
+    "COLON": "`:`",
+    "EQUAL": "`=`",
+    "NAME": "a name",
+    "INT": "an integer",
+    "NUMBER": "a number",
+    "STRING": "a string",
+    "OPNAME": "an op (F, B, W, R)",
+    "COSTNAME": "a cost name (F, B, W, R, C)",
+    "TYPE": "a type (int, bool)",
+    "COMPARE": "a comparison",
+    "ADD_OP": "`+` or `-`",
+    "MUL_OP": "`*`, `//` or `%`",
+    "MINUS": "`-`",
+    "AT": "`@`",
+    "__ANON_0": "`->`",
+    "__ANON_1": "`..`",
+    "$END": "end of file",
 }
 
 
@@ -39,7 +57,9 @@ _TOKEN_TEXT = {
 def _lark() -> Lark:
     grammar = resources.files("pipelang.grammars").joinpath("pipe.lark")
     with resources.as_file(grammar) as path:
-        return Lark.open(str(path), parser="lalr", propagate_positions=True, maybe_placeholders=True)
+        return Lark.open(
+            str(path), parser="lalr", propagate_positions=True, maybe_placeholders=True
+        )
 
 
 def stdlib_dir() -> Path:
@@ -57,10 +77,13 @@ def read_source(path: Path, display: str | None = None, span: Span | None = None
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as err:
-        raise fail("E0004" if span else "E0003", f"cannot read `{name}`: {err.strerror}",
-                   span) from None
+        raise fail(
+            "E0004" if span else "E0003", f"cannot read `{name}`: {err.strerror}", span
+        ) from None
     except UnicodeDecodeError as err:
-        raise fail("E0003", f"`{name}` is not UTF-8 text (byte {err.start} is invalid)", span) from None
+        raise fail(
+            "E0003", f"`{name}` is not UTF-8 text (byte {err.start} is invalid)", span
+        ) from None
     if "\x00" in text:
         raise fail("E0003", f"`{name}` is binary, not a `.pipe` text file", span)
     return SourceFile.of(name, text)
@@ -103,8 +126,12 @@ def _check_depth(items: list[Any]) -> None:
 
 
 def _too_deep(span: Span) -> PipelangError:
-    return fail("E0106", f"the file nests expressions or blocks more than {MAX_DEPTH} deep",
-                span, help="name parts of a long expression with `let`")
+    return fail(
+        "E0106",
+        f"the file nests expressions or blocks more than {MAX_DEPTH} deep",
+        span,
+        help="name parts of a long expression with `let`",
+    )
 
 
 def parse_file(path: Path, display: str | None = None) -> ast.File:
@@ -115,15 +142,22 @@ def parse_file(path: Path, display: str | None = None) -> ast.File:
     if len(schedules) != 1:
         where = schedules[1].span if len(schedules) > 1 else None
         count = "no" if not schedules else str(len(schedules))
-        raise fail("E0006", f"`{source.path}` holds {count} schedules; it must hold exactly one",
-                   where, help="put each schedule in a file of its own")
+        raise fail(
+            "E0006",
+            f"`{source.path}` holds {count} schedules; it must hold exactly one",
+            where,
+            help="put each schedule in a file of its own",
+        )
     fns: dict[str, ast.FnDecl] = {}
     _collect_fns(path.resolve(), items, fns, (path.resolve(),), set())
     return ast.File(source, schedules[0], fns)
 
 
 def _collect_fns(
-    path: Path, items: list[Any], fns: dict[str, ast.FnDecl], chain: tuple[Path, ...],
+    path: Path,
+    items: list[Any],
+    fns: dict[str, ast.FnDecl],
+    chain: tuple[Path, ...],
     done: set[Path],
 ) -> None:
     """Add the `fn`s of `items` and of the files they import; `done` files are skipped, so
@@ -131,15 +165,24 @@ def _collect_fns(
     for item in items:
         if isinstance(item, ast.FnDecl):
             if item.name in fns and fns[item.name] is not item:
-                raise fail("E0102", f"`fn {item.name}` is defined twice", item.span,
-                           labels=(), notes=(f"first defined at {fns[item.name].span.location()}",))
+                raise fail(
+                    "E0102",
+                    f"`fn {item.name}` is defined twice",
+                    item.span,
+                    labels=(),
+                    notes=(f"first defined at {fns[item.name].span.location()}",),
+                )
             fns[item.name] = item
         if isinstance(item, ast.Import):
             target = _import_target(path, item)
             if target in chain:
                 cycle = " -> ".join(p.name for p in (*chain, target))
-                raise fail("E0005", f"import cycle: {cycle}", item.span,
-                           help="imports carry `fn`s only; move shared ones to a separate file")
+                raise fail(
+                    "E0005",
+                    f"import cycle: {cycle}",
+                    item.span,
+                    help="imports carry `fn`s only; move shared ones to a separate file",
+                )
             if target in done:
                 continue
             done.add(target)
@@ -185,11 +228,19 @@ def _unexpected_end(source: SourceFile) -> Diagnostic:
     where = Span(source, end, end)
     brace = _unclosed_brace(source.text)
     if brace is None:
-        return Diagnostic("E0002", "unexpected end of file", where,
-                          help="the file ends inside a declaration or an expression")
-    return Diagnostic("E0002", "unexpected end of file: a `{` is never closed", where,
-                      labels=(Label(Span(source, brace, brace + 1), "this `{` is not closed"),),
-                      help="add the missing `}`")
+        return Diagnostic(
+            "E0002",
+            "unexpected end of file",
+            where,
+            help="the file ends inside a declaration or an expression",
+        )
+    return Diagnostic(
+        "E0002",
+        "unexpected end of file: a `{` is never closed",
+        where,
+        labels=(Label(Span(source, brace, brace + 1), "this `{` is not closed"),),
+        help="add the missing `}`",
+    )
 
 
 def _unclosed_brace(text: str) -> int | None:
@@ -325,8 +376,12 @@ class _Build(Transformer[Token, Any]):
         seen: set[str] = set()
         for kind, value, where in items:
             if kind in seen:
-                raise fail("E0207", f"`{kind}` is given twice in `order greedy`", where,
-                           help=f"merge them into one `{kind}` line")
+                raise fail(
+                    "E0207",
+                    f"`{kind}` is given twice in `order greedy`",
+                    where,
+                    help=f"merge them into one `{kind}` line",
+                )
             seen.add(kind)
             if kind == "prefer":
                 prefer = value
@@ -368,8 +423,12 @@ class _Build(Transformer[Token, Any]):
         *args, slot = rest
         kind = str(name)
         if kind not in ("F", "B", "W", "R"):
-            raise fail("E0103", f"`{kind}` is not an op", self._tok(name),
-                       help="ops are F (forward), B (backward), W (weight grad), R (recompute)")
+            raise fail(
+                "E0103",
+                f"`{kind}` is not an op",
+                self._tok(name),
+                help="ops are F (forward), B (backward), W (weight grad), R (recompute)",
+            )
         values: dict[str, ast.Expr] = {}
         named = False
         for index, (key, value) in enumerate(a for a in args if a is not None):
@@ -377,8 +436,12 @@ class _Build(Transformer[Token, Any]):
             if key is None and index < 2 and not named:
                 key = ("mb", "stage")[index]
             if key not in ("mb", "stage") or key in values:
-                raise fail("E0103", f"bad argument to `{kind}`", value.span,
-                           help="ops take `(mb)`, `(mb, stage)`, or named `mb=` and `stage=`")
+                raise fail(
+                    "E0103",
+                    f"bad argument to `{kind}`",
+                    value.span,
+                    help="ops take `(mb)`, `(mb, stage)`, or named `mb=` and `stage=`",
+                )
             values[key] = value
         return ast.OpCall(span, kind, values.get("mb"), values.get("stage"), slot)
 
@@ -423,8 +486,11 @@ class _Build(Transformer[Token, Any]):
 
     def _int_lit(self, span: Span, token: Token) -> ast.IntLit:
         if len(token) > MAX_DIGITS:
-            raise fail("E0106", f"an integer of {len(token)} digits; at most {MAX_DIGITS} are "
-                       "allowed", span)
+            raise fail(
+                "E0106",
+                f"an integer of {len(token)} digits; at most {MAX_DIGITS} are allowed",
+                span,
+            )
         return ast.IntLit(span, int(token))
 
     def _true_lit(self, span: Span) -> ast.BoolLit:

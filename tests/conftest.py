@@ -10,8 +10,11 @@ os.environ.setdefault("COLUMNS", "100")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-golden", action="store_true",
-                     help="rewrite tests/golden/*.expected from the current output")
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite tests/golden/*.expected from the current output",
+    )
 
 
 @pytest.fixture

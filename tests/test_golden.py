@@ -35,8 +35,11 @@ def run_cli(args: list[str]) -> tuple[int, str, str]:
 
 def transcript(path: Path) -> str:
     relative = path.relative_to(ROOT).as_posix()
-    runs = [line.split("RUN:", 1)[1].strip() for line in path.read_text().splitlines()
-            if line.startswith("# RUN:")]
+    runs = [
+        line.split("RUN:", 1)[1].strip()
+        for line in path.read_text().splitlines()
+        if line.startswith("# RUN:")
+    ]
     assert runs, f"{relative} has no `# RUN:` line"
     parts = []
     for run in runs:

@@ -22,15 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import one_f_one_b, program_from_dump
+from runtime_helpers import with_comms
+
+from pipelang.api import load_program
 from pipelang.backends import codegen
 from pipelang.backends.launch import add_run_arguments, run_program
 from pipelang.backends.local import run_local
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.runtime import RankRuntime, RunConfig
-from runtime_helpers import with_comms
-
-from pipelang.api import load_program
 from pipelang.ir import Action, Kind, Program
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -296,9 +296,7 @@ def test_ops_from_one_source_position_collapse() -> None:
     program = program_from_dump(one_f_one_b(2, 4))
     # As if one loop statement listed rank 1's forwards on rank 0 too.
     span = program.ranks[0][0].span
-    extra = tuple(
-        a._replace(span=span) for a in program.ranks[1] if a.kind.value == "F"
-    )
+    extra = tuple(a._replace(span=span) for a in program.ranks[1] if a.kind.value == "F")
     program = dataclasses.replace(program, ranks=(program.ranks[0] + extra, program.ranks[1]))
     (found,) = [d for d in check(program) if d.code == "E0301"]
     assert found.message == (

@@ -49,19 +49,40 @@ class Layout:
         self, call: ast.OpCall, mb: int | None, stage: int | None, rank: int | None
     ) -> Exception:
         if mb is None:
-            return fail("E0103", f"`{call.kind}` needs a micro-batch here", call.span,
-                        help=f"write `{call.kind}(mb)` or `{call.kind}(mb, stage)`")
+            return fail(
+                "E0103",
+                f"`{call.kind}` needs a micro-batch here",
+                call.span,
+                help=f"write `{call.kind}(mb)` or `{call.kind}(mb, stage)`",
+            )
         if not 0 <= mb < len(self.assignment):
-            return fail("E0103", f"micro-batch {mb} does not exist", call.span,
-                        notes=(f"micro-batches are 0..{len(self.assignment)}",))
+            return fail(
+                "E0103",
+                f"micro-batch {mb} does not exist",
+                call.span,
+                notes=(f"micro-batches are 0..{len(self.assignment)}",),
+            )
         if stage is not None:
-            return fail("E0103", f"stage {stage} does not exist", call.span,
-                        notes=(f"stages are 0..{self.num_stages}",))
+            return fail(
+                "E0103",
+                f"stage {stage} does not exist",
+                call.span,
+                notes=(f"stages are 0..{self.num_stages}",),
+            )
         pipeline = self.assignment[mb]
         stages = self.local_stages.get((pipeline, rank), ()) if rank is not None else ()
         if not stages:
-            return fail("E0301", f"rank {rank} holds no stage of pipeline `{pipeline}`",
-                        call.span, help="name the stage, or check the placement")
+            return fail(
+                "E0301",
+                f"rank {rank} holds no stage of pipeline `{pipeline}`",
+                call.span,
+                help="name the stage, or check the placement",
+            )
         listed = ", ".join(map(str, stages))
-        return fail("E0103", f"`{call.kind}` needs a stage: rank {rank} holds stages {listed} "
-                    f"of pipeline `{pipeline}`", call.span, help=f"write `{call.kind}(mb, stage)`")
+        return fail(
+            "E0103",
+            f"`{call.kind}` needs a stage: rank {rank} holds stages {listed} "
+            f"of pipeline `{pipeline}`",
+            call.span,
+            help=f"write `{call.kind}(mb, stage)`",
+        )

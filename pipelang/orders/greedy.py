@@ -68,7 +68,7 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
     done = 0
     comm = layout.costs.of("C")
     while events:
-        time, what, rank_index, finished = heapq.heappop(events)
+        time, _, rank_index, finished = heapq.heappop(events)
         if finished is not None:
             done += 1
             for nxt in consumers[finished]:
@@ -84,9 +84,10 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
         rank = ranks[rank_index]
         if rank.free_at > time:
             continue
-        op = _pick(rank, time, key_of)
-        if op is None:
+        chosen = _pick(rank, time, key_of)
+        if chosen is None:
             continue
+        op = chosen
         end = time + layout.costs.of(op.kind.value, op.stage)
         rank.free_at = end
         rank.order.append(Action(op.kind, op.mb, op.stage, op.pipeline, span=order.span))
@@ -114,8 +115,17 @@ def _pick(rank: _Rank, time: float, key_of: Callable[[Action], tuple[int, ...]])
 
 
 def _skeleton(layout: Layout) -> Program:
-    return Program("", "", (), layout.num_ranks, layout.num_stages, layout.pipelines,
-                   layout.assignment, layout.kinds, ())
+    return Program(
+        "",
+        "",
+        (),
+        layout.num_ranks,
+        layout.num_stages,
+        layout.pipelines,
+        layout.assignment,
+        layout.kinds,
+        (),
+    )
 
 
 def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tuple[int, ...]]:
@@ -125,7 +135,9 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
     prefer = order.prefer + tuple(k for k in _DEFAULT_PREFER if k not in order.prefer)
     scope = layout.scope.with_name("mb").with_name("stage").with_name("rank")
     keys = [compile_int(expr, scope) for expr in order.priority]
-    rank_of = {(p.name, s): r for p in layout.pipelines for s, r in enumerate(p.placement)}
+    rank_of: dict[tuple[str | None, int | None], int] = {
+        (p.name, s): r for p in layout.pipelines for s, r in enumerate(p.placement)
+    }
 
     def key_of(op: Action) -> tuple[int, ...]:
         env: Env = dict(layout.env)
@@ -142,13 +154,21 @@ def _cap(order: ast.OrderGreedy, layout: Layout, rank: int) -> int:
     env["rank"] = rank
     cap = compile_int(order.cap, layout.scope.with_name("rank"))(env)
     if cap < 1:
-        raise fail("E0311", f"the cap is {cap} on rank {rank}; no forward could ever run",
-                   order.cap.span, help="the cap must be at least 1 on every rank")
+        raise fail(
+            "E0311",
+            f"the cap is {cap} on rank {rank}; no forward could ever run",
+            order.cap.span,
+            help="the cap must be at least 1 on every rank",
+        )
     return cap
 
 
 def _stuck(order: ast.OrderGreedy, ranks: list[_Rank], left: int) -> Exception:
     full = [f"rank {r.index} holds {r.in_flight} of {r.cap}" for r in ranks if r.held]
-    return fail("E0311", f"the greedy policy is stuck with {left} ops left", order.span,
-                notes=tuple(full[:4]) or ("no op is ready on any rank",),
-                help="raise the `cap`, or add `after` dependencies that unblock it")
+    return fail(
+        "E0311",
+        f"the greedy policy is stuck with {left} ops left",
+        order.span,
+        notes=tuple(full[:4]) or ("no op is ready on any rank",),
+        help="raise the `cap`, or add `after` dependencies that unblock it",
+    )

@@ -1,11 +1,11 @@
 """`order rank r { ... }`: each rank's order written out with `let` / `for` / `if`.
 
-    order rank r {
-        let warm = min(D - r - 1, N)
-        for i in 0..warm { F(i) }
-        for i in 0..N - warm { F(warm + i)  B(i) }
-        for i in N - warm..N { B(i) }
-    }
+order rank r {
+    let warm = min(D - r - 1, N)
+    for i in 0..warm { F(i) }
+    for i in 0..N - warm { F(warm + i)  B(i) }
+    for i in N - warm..N { B(i) }
+}
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ from pipelang.orders.statements import Budget, compile_block
 def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Action, ...], ...]:
     """Run the body once per rank with the rank variable bound."""
     if order.var in layout.scope.names:
-        raise fail("E0102", f"`{order.var}` is already defined", order.span,
-                   help="name the rank variable something else, e.g. `order rank r`")
+        raise fail(
+            "E0102",
+            f"`{order.var}` is already defined",
+            order.span,
+            help="name the rank variable something else, e.g. `order rank r`",
+        )
     budget = Budget()
     ranks = []
     for rank in range(layout.num_ranks):
@@ -33,8 +37,12 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
             call: ast.OpCall, kind: Kind, mb: int | None, stage: int | None, slot: int | None
         ) -> None:
             if slot is not None:
-                raise fail("E0103", "`@ slot` belongs in a `repeat` order", call.span,
-                           help="in `order rank`, the order of the statements is the order")
+                raise fail(
+                    "E0103",
+                    "`@ slot` belongs in a `repeat` order",
+                    call.span,
+                    help="in `order rank`, the order of the statements is the order",
+                )
             actions.append(layout.op(call, kind, mb, stage, rank))  # noqa: B023
 
         env = dict(layout.env)

@@ -23,8 +23,12 @@ from pipelang.orders.statements import Budget, compile_block
 def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[Action, ...], ...]:
     """Place every op at its slot, then sort each rank by slot (two in one slot: E0310)."""
     if order.var in layout.scope.names:
-        raise fail("E0102", f"`{order.var}` is already defined", order.span,
-                   help="name the block's variable something else, e.g. `order repeat k`")
+        raise fail(
+            "E0102",
+            f"`{order.var}` is already defined",
+            order.span,
+            help="name the block's variable something else, e.g. `order repeat k`",
+        )
     scope = layout.scope.with_name(order.var)
     body = compile_block(order.body, scope, Budget())
     every = 0 if order.every is None else compile_int(order.every, layout.scope)(layout.env)
@@ -33,14 +37,27 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
         mbs = [mb for mb, p in enumerate(layout.assignment) if p == pipeline.name]
         for k, mb in enumerate(mbs):
 
-            def emit(call: ast.OpCall, kind: Kind, mb_arg: int | None, stage: int | None,
-                     slot: int | None) -> None:
+            def emit(
+                call: ast.OpCall,
+                kind: Kind,
+                mb_arg: int | None,
+                stage: int | None,
+                slot: int | None,
+            ) -> None:
                 if mb_arg is not None or stage is None or slot is None:
-                    raise fail("E0103", f"in a `repeat` block write `{call.kind}(stage=s) @ slot`",
-                               call.span, notes=("the micro-batch is the block's own",))
+                    raise fail(
+                        "E0103",
+                        f"in a `repeat` block write `{call.kind}(stage=s) @ slot`",
+                        call.span,
+                        notes=("the micro-batch is the block's own",),
+                    )
                 if not 0 <= stage < layout.num_stages:
-                    raise fail("E0103", f"stage {stage} does not exist", call.span,
-                               notes=(f"stages are 0..{layout.num_stages}",))
+                    raise fail(
+                        "E0103",
+                        f"stage {stage} does not exist",
+                        call.span,
+                        notes=(f"stages are 0..{layout.num_stages}",),
+                    )
                 action = Action(kind, mb, stage, pipeline.name, span=call.span)  # noqa: B023
                 _place(placed[pipeline.placement[stage]], slot + k * every, action)  # noqa: B023
 
@@ -55,7 +72,10 @@ def _place(slots: dict[int, Action], slot: int, action: Action) -> None:
     if other is None:
         slots[slot] = action
         return
-    raise fail("E0310", f"`{action}` and `{other}` both land in slot {slot} of their rank",
-               action.span, labels=(Label(other.span, f"`{other}` is placed here"),)
-               if other.span else (),
-               help="change the offsets or the `every` interval so each slot holds one op")
+    raise fail(
+        "E0310",
+        f"`{action}` and `{other}` both land in slot {slot} of their rank",
+        action.span,
+        labels=(Label(other.span, f"`{other}` is placed here"),) if other.span else (),
+        help="change the offsets or the `every` interval so each slot holds one op",
+    )

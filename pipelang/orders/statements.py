@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from pipelang import ast
 from pipelang.diagnostics import fail
-from pipelang.ir import Kind
 from pipelang.evaluate import BOOL, LIMIT, Const, Env, Scope, compile_expr, compile_int, infer
+from pipelang.ir import Kind
 
 Emit = Callable[[ast.OpCall, Kind, int | None, int | None, int | None], None]
 """Called once per op statement run: (statement, kind, mb, stage, slot), unset ones None."""
@@ -24,8 +24,12 @@ class Budget:
     def spend(self, count: int, node: ast.Node) -> None:
         self.left -= count
         if self.left < 0:
-            raise fail("E0106", f"the order runs more than {LIMIT} loop iterations", node.span,
-                       help="check the parameters: a huge N or D makes the schedule huge")
+            raise fail(
+                "E0106",
+                f"the order runs more than {LIMIT} loop iterations",
+                node.span,
+                help="check the parameters: a huge N or D makes the schedule huge",
+            )
 
 
 def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> Block:
@@ -59,8 +63,12 @@ def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> 
 
 def _check_new(name: str, node: ast.Node, scope: Scope) -> None:
     if name in scope.names:
-        raise fail("E0102", f"`{name}` is already defined here", node.span,
-                   help="pick another name; names cannot be shadowed")
+        raise fail(
+            "E0102",
+            f"`{name}` is already defined here",
+            node.span,
+            help="pick another name; names cannot be shadowed",
+        )
 
 
 def _let(name: str, value: Callable[[Env], object]) -> Block:

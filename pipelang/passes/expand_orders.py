@@ -17,6 +17,7 @@ Whether every op appears once and in a valid order is `validate`'s job.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 from pipelang import ast
 from pipelang.diagnostics import fail
@@ -36,6 +37,8 @@ from pipelang.orders.greedy import expand_greedy_order
 from pipelang.orders.rank import expand_rank_order
 from pipelang.orders.repeat import expand_repeat_order
 
+DeclT = TypeVar("DeclT", bound=ast.Node)
+
 
 def expand_orders(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     """Evaluate the declarations of the schedule and run its order."""
@@ -49,24 +52,31 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     scope = constant_scope(env, file.fns)
     kinds = _kinds(schedule)
     costs = _costs(schedule, scope, env)
-    pipelines = _pipelines(_one(schedule, ast.PipelineDecl, "pipeline", many=True), scope, env)
+    pipelines = _pipelines(_declared(schedule, ast.PipelineDecl, "pipeline"), scope, env)
     num_stages = len(pipelines[0].placement)
     num_ranks = _check_ranks(schedule, pipelines)
-    assignment = _assignment(_one(schedule, ast.Microbatches, "microbatches"), pipelines, scope,
-                             env)
+    assignment = _assignment(
+        _single(schedule, ast.Microbatches, "microbatches"), pipelines, scope, env
+    )
     total = len(assignment) * num_stages * len(kinds)
     if total > LIMIT:
-        raise fail("E0106", f"the schedule has {total} ops, more than the limit of {LIMIT}",
-                   schedule.span, help="pass smaller parameters (N, D)")
+        raise fail(
+            "E0106",
+            f"the schedule has {total} ops, more than the limit of {LIMIT}",
+            schedule.span,
+            help="pass smaller parameters (N, D)",
+        )
     local: dict[tuple[str, int], tuple[int, ...]] = {}
     for p in pipelines:
         for s, r in enumerate(p.placement):
             local[(p.name, r)] = (*local.get((p.name, r), ()), s)
-    layout = Layout(scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs,
-                    (), local)
+    layout = Layout(
+        scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs, (), local
+    )
     after = _after(schedule, layout)
-    layout = Layout(scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs,
-                    after, local)
+    layout = Layout(
+        scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs, after, local
+    )
     order = _order(schedule)
     if isinstance(order, ast.OrderRank):
         ranks = expand_rank_order(order, layout)
@@ -75,29 +85,61 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     else:
         ranks = expand_repeat_order(order, layout)
     params = tuple((p.name, bindings[p.name]) for p in schedule.params)
-    return Program(schedule.name, file.source.path, params, num_ranks, num_stages, pipelines,
-                   assignment, kinds, ranks, after, costs, order.span)
+    return Program(
+        schedule.name,
+        file.source.path,
+        params,
+        num_ranks,
+        num_stages,
+        pipelines,
+        assignment,
+        kinds,
+        ranks,
+        after,
+        costs,
+        order.span,
+    )
 
 
-def _one(schedule: ast.Schedule, kind: type, word: str, many: bool = False) -> list:  # type: ignore[type-arg]
-    found = [d for d in schedule.body if isinstance(d, kind)]
+def _declared(schedule: ast.Schedule, kind: type[DeclT], word: str) -> list[DeclT]:
+    """Every declaration of one kind; at least one must exist (E0207)."""
+    found: list[DeclT] = [d for d in schedule.body if isinstance(d, kind)]
     if not found:
-        raise fail("E0207", f"schedule `{schedule.name}` has no `{word}` declaration",
-                   schedule.span, help=f"see docs/language.md for `{word}`")
-    if len(found) > 1 and not many:
-        raise fail("E0207", f"schedule `{schedule.name}` has two `{word}` declarations",
-                   found[1].span, help="merge them into one")
-    return found if many else found[0]
+        raise fail(
+            "E0207",
+            f"schedule `{schedule.name}` has no `{word}` declaration",
+            schedule.span,
+            help=f"see docs/language.md for `{word}`",
+        )
+    return found
+
+
+def _single(schedule: ast.Schedule, kind: type[DeclT], word: str) -> DeclT:
+    """The one declaration of a kind that must appear exactly once (E0207)."""
+    found = _declared(schedule, kind, word)
+    if len(found) > 1:
+        raise fail(
+            "E0207",
+            f"schedule `{schedule.name}` has two `{word}` declarations",
+            found[1].span,
+            help="merge them into one",
+        )
+    return found[0]
 
 
 def _order(schedule: ast.Schedule) -> ast.Order:
-    orders = [d for d in schedule.body
-              if isinstance(d, ast.OrderRank | ast.OrderGreedy | ast.OrderRepeat)]
+    orders = [
+        d for d in schedule.body if isinstance(d, ast.OrderRank | ast.OrderGreedy | ast.OrderRepeat)
+    ]
     if len(orders) != 1:
         where = orders[1].span if orders else schedule.span
         count = "no" if not orders else "two"
-        raise fail("E0207", f"schedule `{schedule.name}` has {count} `order` declarations",
-                   where, help="give exactly one `order rank`, `order greedy` or `order repeat`")
+        raise fail(
+            "E0207",
+            f"schedule `{schedule.name}` has {count} `order` declarations",
+            where,
+            help="give exactly one `order rank`, `order greedy` or `order repeat`",
+        )
     return orders[0]
 
 
@@ -134,8 +176,12 @@ def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[P
         # The stage range cannot use the family's index: every member has as many stages.
         placed += len(indices) * len(eval_range(decl.stages, scope, env))
         if placed > LIMIT:
-            raise fail("E0106", f"the pipelines place more than {LIMIT} stages", decl.span,
-                       help="pass smaller parameters")
+            raise fail(
+                "E0106",
+                f"the pipelines place more than {LIMIT} stages",
+                decl.span,
+                help="pass smaller parameters",
+            )
         for j in indices:
             # Family members are `down0`, `down1`, ...; a family of one keeps the plain name.
             name = decl.name if j is None or len(indices) == 1 else f"{decl.name}{j}"
@@ -147,21 +193,33 @@ def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[P
                 local[decl.index_var] = j  # type: ignore[index]
             pipelines.append(Pipeline(name, _placement(decl, scope, local), decl.span))
     if not pipelines:
-        raise fail("E0207", "every `pipeline` family is empty; there is no pipeline",
-                   decls[0].span, help="check the family's range: `p[j in 0..f]` needs f >= 1")
+        raise fail(
+            "E0207",
+            "every `pipeline` family is empty; there is no pipeline",
+            decls[0].span,
+            help="check the family's range: `p[j in 0..f]` needs f >= 1",
+        )
     sizes = {len(p.placement) for p in pipelines}
     if len(sizes) > 1:
-        raise fail("E0205", "pipelines have different numbers of stages: "
-                   + ", ".join(f"`{p.name}` {len(p.placement)}" for p in pipelines),
-                   pipelines[-1].span, help="every pipeline is a replica of the same model")
+        raise fail(
+            "E0205",
+            "pipelines have different numbers of stages: "
+            + ", ".join(f"`{p.name}` {len(p.placement)}" for p in pipelines),
+            pipelines[-1].span,
+            help="every pipeline is a replica of the same model",
+        )
     return tuple(pipelines)
 
 
 def _placement(decl: ast.PipelineDecl, scope: Scope, env: Env) -> tuple[int, ...]:
     stages = eval_range(decl.stages, scope, env)
     if stages.start != 0 or len(stages) == 0:
-        raise fail("E0205", f"pipeline `{decl.name}` must place stages 0..S with S >= 1, "
-                   f"not {stages.start}..{stages.stop}", decl.stages.span)
+        raise fail(
+            "E0205",
+            f"pipeline `{decl.name}` must place stages 0..S with S >= 1, "
+            f"not {stages.start}..{stages.stop}",
+            decl.stages.span,
+        )
     inner = scope.with_name(decl.stage_var)
     if decl.index_var is not None:
         inner = inner.with_name(decl.index_var)
@@ -171,8 +229,12 @@ def _placement(decl: ast.PipelineDecl, scope: Scope, env: Env) -> tuple[int, ...
         env[decl.stage_var] = s
         rank = rank_of(env)
         if rank < 0:
-            raise fail("E0205", f"pipeline `{decl.name}` puts stage {s} on rank {rank}",
-                       decl.rank.span, help="ranks are 0, 1, 2, ...")
+            raise fail(
+                "E0205",
+                f"pipeline `{decl.name}` puts stage {s} on rank {rank}",
+                decl.rank.span,
+                help="ranks are 0, 1, 2, ...",
+            )
         placement.append(rank)
     return tuple(placement)
 
@@ -184,8 +246,12 @@ def _check_ranks(schedule: ast.Schedule, pipelines: tuple[Pipeline, ...]) -> int
         raise fail("E0106", f"the placement uses {num_ranks} ranks", pipelines[0].span)
     idle = sorted(set(range(num_ranks)) - used)
     if idle:
-        raise fail("E0205", f"rank {idle[0]} holds no stage (ranks are 0..{num_ranks})",
-                   pipelines[0].span, help="ranks must be numbered 0, 1, ... without holes")
+        raise fail(
+            "E0205",
+            f"rank {idle[0]} holds no stage (ranks are 0..{num_ranks})",
+            pipelines[0].span,
+            help="ranks must be numbered 0, 1, ... without holes",
+        )
     return num_ranks
 
 
@@ -202,21 +268,36 @@ def _assignment(
             local = dict(env) if item.var is None else {**env, item.var: mb}
             name = _member(item.pipeline.name, None if index is None else index(local), names)
             if name not in names:
-                raise fail("E0107", f"no pipeline named `{name}`", item.pipeline.span,
-                           notes=("pipelines: " + ", ".join(f"`{n}`" for n in sorted(names)),))
+                raise fail(
+                    "E0107",
+                    f"no pipeline named `{name}`",
+                    item.pipeline.span,
+                    notes=("pipelines: " + ", ".join(f"`{n}`" for n in sorted(names)),),
+                )
             if mb in owner:
-                raise fail("E0206", f"micro-batch {mb} is assigned twice "
-                           f"(to `{owner[mb]}` and `{name}`)", item.span)
+                raise fail(
+                    "E0206",
+                    f"micro-batch {mb} is assigned twice (to `{owner[mb]}` and `{name}`)",
+                    item.span,
+                )
             owner[mb] = name
     if not owner:
-        raise fail("E0206", "no micro-batches are assigned", decl.span,
-                   help="check the range: `microbatches 0..N -> main` with N >= 1")
+        raise fail(
+            "E0206",
+            "no micro-batches are assigned",
+            decl.span,
+            help="check the range: `microbatches 0..N -> main` with N >= 1",
+        )
     if min(owner) < 0 or max(owner) >= len(owner):
         # Distinct numbers >= 0 with one >= their count leave a hole below their count.
         holes = (mb for mb in range(len(owner)) if mb not in owner)
         what = f"{min(owner)} is negative" if min(owner) < 0 else f"{next(holes)} is not assigned"
-        raise fail("E0206", f"micro-batch {what}", decl.span,
-                   help="micro-batches must be numbered 0..N without holes")
+        raise fail(
+            "E0206",
+            f"micro-batch {what}",
+            decl.span,
+            help="micro-batches must be numbered 0..N without holes",
+        )
     return tuple(owner[mb] for mb in range(len(owner)))
 
 
@@ -234,10 +315,12 @@ def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
     for decl in schedule.body:
         if not isinstance(decl, ast.After):
             continue
-        scope = layout.scope if decl.var is None else layout.scope.with_name(decl.var)
-        values = [None] if decl.range is None else eval_range(decl.range, layout.scope, layout.env)
-        for value in values:
-            env = dict(layout.env) if decl.var is None else {**layout.env, decl.var: value}
+        scope, envs = layout.scope, [dict(layout.env)]
+        if decl.var is not None and decl.range is not None:
+            scope = layout.scope.with_name(decl.var)
+            values = eval_range(decl.range, layout.scope, layout.env)
+            envs = [{**layout.env, decl.var: value} for value in values]
+        for env in envs:
             pair = [_after_op(call, scope, env, layout) for call in (decl.earlier, decl.later)]
             deps.append(Dependency(pair[0], pair[1], decl.span))
     return tuple(deps)

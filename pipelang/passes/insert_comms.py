@@ -55,9 +55,11 @@ def insert_comms(program: Program) -> Program:
             op = ops[m.producer]
             send, recv = (Kind.SEND, Kind.RECV) if m.data else (Kind.SIGNAL, Kind.WAIT)
             send_after[steps[m.producer]].append(
-                Action(send, op.mb, op.stage, op.pipeline, dst, op.kind, op.span))
+                Action(send, op.mb, op.stage, op.pipeline, dst, op.kind, op.span)
+            )
             receive_before[at].append(
-                Action(recv, op.mb, op.stage, op.pipeline, src, op.kind, ops[m.consumer].span))
+                Action(recv, op.mb, op.stage, op.pipeline, src, op.kind, ops[m.consumer].span)
+            )
     spliced = map(_splice, program.ranks, before, after)
     return dataclasses.replace(program, ranks=tuple(spliced))
 

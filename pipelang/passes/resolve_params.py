@@ -44,8 +44,9 @@ def _resolve(file: ast.File, given: Mapping[str, str]) -> dict[str, Value]:
     types: dict[str, str] = {}
     for param in schedule.params:
         if param.name in types:
-            problems.append(Diagnostic("E0102", f"parameter `{param.name}` is declared twice",
-                                       param.span))
+            problems.append(
+                Diagnostic("E0102", f"parameter `{param.name}` is declared twice", param.span)
+            )
             continue
         types[param.name] = param.type
         value = _param_value(param, given, Scope(dict(types), file.fns), env)
@@ -87,8 +88,12 @@ def _unknown_params(schedule: ast.Schedule, given: Mapping[str, str]) -> list[Di
     declared = {p.name for p in schedule.params}
     names = ", ".join(f"`{p.name}`" for p in schedule.params) or "none"
     return [
-        Diagnostic("E0202", f"`{schedule.name}` has no parameter `{name}`", schedule.span,
-                   notes=(f"its parameters are {names}",))
+        Diagnostic(
+            "E0202",
+            f"`{schedule.name}` has no parameter `{name}`",
+            schedule.span,
+            notes=(f"its parameters are {names}",),
+        )
         for name in given
         if name not in declared
     ]
@@ -102,8 +107,12 @@ def _param_value(
     if text is not None:
         return _parse_value(param, text.strip())
     if param.default is None:
-        return Diagnostic("E0201", f"parameter `{param.name}` needs a value", param.span,
-                          help=f"give it with `-p {param.name}=VALUE`")
+        return Diagnostic(
+            "E0201",
+            f"parameter `{param.name}` needs a value",
+            param.span,
+            help=f"give it with `-p {param.name}=VALUE`",
+        )
     without_self = Scope({k: v for k, v in scope.names.items() if k != param.name}, scope.fns)
     default = compile_expr(param.default, without_self, param.type)
     try:
@@ -115,19 +124,28 @@ def _param_value(
 def _parse_value(param: ast.Param, text: str) -> Value | Diagnostic:
     if param.type == INT and _INT.fullmatch(text):
         if len(text.lstrip("+-")) > MAX_DIGITS:
-            return Diagnostic("E0106", f"`-p {param.name}=...`: an integer of "
-                              f"{len(text.lstrip('+-'))} digits; at most {MAX_DIGITS} are "
-                              "allowed", param.span)
+            return Diagnostic(
+                "E0106",
+                f"`-p {param.name}=...`: an integer of "
+                f"{len(text.lstrip('+-'))} digits; at most {MAX_DIGITS} are "
+                "allowed",
+                param.span,
+            )
         return int(text)
     if param.type == BOOL and text in ("true", "false"):
         return text == "true"
     shown = text if len(text) <= 40 else text[:40] + "..."
     example = "an integer such as `8`" if param.type == INT else "`true` or `false`"
-    return Diagnostic("E0203", f"`-p {param.name}={shown}`: `{param.name}` is `{param.type}`",
-                      param.span, help=f"give {example}")
+    return Diagnostic(
+        "E0203",
+        f"`-p {param.name}={shown}`: `{param.name}` is `{param.type}`",
+        param.span,
+        help=f"give {example}",
+    )
 
 
 def _failed_require(decl: ast.Require, env: Env) -> Diagnostic:
-    shown = ", ".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
-                      for k, v in env.items())
+    shown = ", ".join(
+        f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in env.items()
+    )
     return Diagnostic("E0204", decl.message, decl.span, notes=(f"with {shown}",))
