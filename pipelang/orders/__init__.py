@@ -13,6 +13,9 @@ from pipelang.diagnostics import fail
 from pipelang.evaluate import Env, Scope
 from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline
 
+_make = tuple.__new__
+"""Builds an Action without NamedTuple's Python-level __new__: this runs once per op."""
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -40,9 +43,9 @@ class Layout:
             if stage is None:
                 stages = self.local_stages.get((pipeline, rank), ())  # type: ignore[arg-type]
                 if len(stages) == 1:
-                    return Action(kind, mb, stages[0], pipeline, span=call.span)
+                    return _make(Action, (kind, mb, stages[0], pipeline, None, None, call.span))
             elif 0 <= stage < self.num_stages:
-                return Action(kind, mb, stage, pipeline, span=call.span)
+                return _make(Action, (kind, mb, stage, pipeline, None, None, call.span))
         raise self._bad_op(call, mb, stage, rank)
 
     def _bad_op(

@@ -48,17 +48,21 @@ def insert_comms(program: Program) -> Program:
     # Channels come sorted by (src, dst), each in send order: sends after one producer
     # land in dst order, recvs before one op by src, then in channel order.
     ops = graph.ops
+    # This loop makes two actions per transfer, 10^5 of them: it builds the tuples
+    # directly (NamedTuple's own __new__ is a Python function) and unpacks once.
+    make = tuple.__new__
     for (src, dst), sent in graph.channels.items():
         send_after, receive_before = after[src], before[dst]
-        for m, at in zip(sent, _receive_steps(graph, sent), strict=True):
-            # Inlined: this loop makes two actions per transfer, 10^5 of them.
-            op = ops[m.producer]
-            send, recv = (Kind.SEND, Kind.RECV) if m.data else (Kind.SIGNAL, Kind.WAIT)
-            send_after[steps[m.producer]].append(
-                Action(send, op.mb, op.stage, op.pipeline, dst, op.kind, op.span)
+        for (producer, consumer, _, _, data), at in zip(
+            sent, _receive_steps(graph, sent), strict=True
+        ):
+            kind, mb, stage, pipeline, _, _, span = ops[producer]
+            send, recv = (Kind.SEND, Kind.RECV) if data else (Kind.SIGNAL, Kind.WAIT)
+            send_after[steps[producer]].append(
+                make(Action, (send, mb, stage, pipeline, dst, kind, span))
             )
             receive_before[at].append(
-                Action(recv, op.mb, op.stage, op.pipeline, src, op.kind, ops[m.consumer].span)
+                make(Action, (recv, mb, stage, pipeline, src, kind, ops[consumer].span))
             )
     spliced = map(_splice, program.ranks, before, after)
     return dataclasses.replace(program, ranks=tuple(spliced))
