@@ -73,7 +73,7 @@ class Action(NamedTuple):
 
     Immutable like every IR node, but a NamedTuple rather than a frozen dataclass: a
     large schedule makes 4 x 10^5 actions per compile, and a tuple is built several
-    times faster (measured in benchmarks/compile_speed.py's notes in RESULTS.md).
+    times faster (see "Compile speed" in benchmarks/RESULTS.md).
     """
 
     kind: Kind
