@@ -96,7 +96,10 @@ class Let(Node):
 
 @dataclass(frozen=True, slots=True)
 class OpCall(Node):
-    """`F(mb)`, `B(mb, stage)`, `W(mb=i, stage=s)`, or `F(stage=s) @ slot` in a repeat."""
+    """`F(mb)`, `B(mb, stage)`, `W(mb=i, stage=s)`, or `F(stage=s) @ slot` in a repeat.
+
+    `kind` is `F`, `B`, `W`, `R`, or `BW`: a full backward in a split schedule (its B
+    and W as one action)."""
 
     kind: str
     mb: Expr | None
@@ -122,7 +125,15 @@ class If(Node):
     otherwise: tuple[Stmt, ...]
 
 
-Stmt = Let | OpCall | For | If
+@dataclass(frozen=True, slots=True)
+class Pair(Node):
+    """`F(i, a) & B(j, b)`: two ops that start together as one step (an overlapped pair)."""
+
+    first: OpCall
+    second: OpCall
+
+
+Stmt = Let | OpCall | Pair | For | If
 
 
 # ---- schedule-level declarations -----------------------------------------------------------

@@ -221,11 +221,11 @@ def parse_cost(spec: str) -> CostModel:
     """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
     entries: list[tuple[str, int | None, float]] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        match = re.fullmatch(r"([FBWRC])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
+        match = re.fullmatch(r"(FB|[FBWRC])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
         if match is None:
             raise UsageError(
                 f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
-                "F=1,B=2,W=1,C=0 or F[3]=2 for stage 3"
+                "F=1,B=2,W=1,C=0,FB=2 or F[3]=2 for stage 3"
             )
         kind, stage, value = match.groups()
         entries.append((kind, None if stage is None else int(stage), float(value)))

@@ -6,7 +6,7 @@ import csv
 import io
 import json
 
-from pipelang.ir import Kind, Program
+from pipelang.ir import Action, Kind, Program
 
 
 class ExportError(ValueError):
@@ -35,7 +35,8 @@ def to_torch_csv(program: Program) -> str:
     """torch.distributed.pipelining's compute-only CSV: one row per rank, cells like `2F0`.
 
     torch's `B` is a full backward and `I` the input-gradient half, so pipelang's `B`
-    becomes `I` when the schedule splits off `W`.
+    becomes `I` when the schedule splits off `W`, and a B with its W fused to it (`BW`)
+    is `B`. An overlapped pair `F3@0/main &B0@7/main` is the cell `(0F3;7B0)OVERLAP_F_B`.
     """
     if len(program.pipelines) != 1:
         raise ExportError(
@@ -44,10 +45,38 @@ def to_torch_csv(program: Program) -> str:
         )
     if Kind.R in program.kinds:
         raise ExportError("torch's CSV format has no recompute op `R`")
-    backward = "I" if Kind.W in program.kinds else "B"
-    letters = {Kind.F: "F", Kind.B: backward, Kind.W: "W"}
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for actions in program.ranks:
-        writer.writerow(f"{a.stage}{letters[a.kind]}{a.mb}" for a in actions if a.kind.is_compute)
+        writer.writerow(_torch_cells(program, [a for a in actions if a.kind.is_compute]))
     return out.getvalue()
+
+
+def _torch_cells(program: Program, actions: list[Action]) -> list[str]:
+    """One rank's cells: a full backward (B, then its own W fused) is one `B` cell, and
+    a forward with a backward fused to it one OVERLAP_F_B cell."""
+    backward = "I" if Kind.W in program.kinds else "B"
+    letters = {Kind.F: "F", Kind.B: backward, Kind.W: "W"}
+    steps: list[list[str]] = []
+    for i, a in enumerate(actions):
+        whole = a.kind is Kind.W and i > 0 and actions[i - 1].kind is Kind.B
+        if a.fused and whole and actions[i - 1].unfused() == a._replace(kind=Kind.B):
+            steps[-1][-1] = f"{a.stage}B{a.mb}"
+            continue
+        cell = f"{a.stage}{letters[a.kind]}{a.mb}"
+        if a.fused and steps:
+            steps[-1].append(cell)
+        else:
+            steps.append([cell])
+    cells = []
+    for step in steps:
+        if len(step) == 1:
+            cells.append(step[0])
+        elif len(step) == 2 and "F" in step[0] and "F" not in step[1]:
+            cells.append(f"({step[0]};{step[1]})OVERLAP_F_B")
+        else:
+            raise ExportError(
+                f"torch's CSV format has no action for `{' & '.join(step)}`; it overlaps "
+                "only a forward with a backward"
+            )
+    return cells

@@ -15,9 +15,9 @@ checked, simulated and drawn.
                                   order rank r { if r == 0 { F(mb=0, stage=0) ... } ... }
 
 Communication and bookkeeping cells (SEND_F, RECV_B, UNSHARD, RESHARD, REDUCE_GRAD) are
-dropped: pipelang inserts its own transfers and gradient sync. Overlapped pairs
-(`(0F1;1B0)OVERLAP_F_B`) and a mix of full and split backwards cannot be written in the
-language yet and are reported as errors.
+dropped: pipelang inserts its own transfers and gradient sync. An overlapped pair
+`(0F1;1B0)OVERLAP_F_B` becomes `F(mb=1, stage=0) & B(mb=0, stage=1)`; a full backward
+`B` in a CSV that also splits backwards into I and W becomes `BW`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pipelang.parser import parse_text, read_source
 from pipelang.source import SourceFile, Span
 
 _COMPUTE = re.compile(r"(\d+)([FIBW])(\d+)")
+_OVERLAP = re.compile(r"\((\d+)(F)(\d+);(\d+)([IB])(\d+)\)OVERLAP_F_B")
 _DROPPED = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)")
 _OPS_PER_LINE = 5
 
@@ -47,6 +48,8 @@ class Cell:
     stage: int
     mb: int
     span: Span
+    fused: bool = False
+    """Started together with the cell before it (the backward of an OVERLAP_F_B pair)."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,12 @@ def read_torch_csv(source: SourceFile) -> TorchSchedule:
             if not cell:
                 continue
             match = _COMPUTE.fullmatch(cell)
+            pair = _OVERLAP.fullmatch(cell)
             if match:
                 row.append(Cell(match[2], int(match[1]), int(match[3]), span))
+            elif pair:
+                row.append(Cell(pair[2], int(pair[1]), int(pair[3]), span))
+                row.append(Cell(pair[5], int(pair[4]), int(pair[6]), span, fused=True))
             elif _DROPPED.fullmatch(cell):
                 dropped += 1
             else:
@@ -104,19 +111,13 @@ def _cells(line: str) -> list[tuple[int, str]]:
 
 
 def _bad_cell(cell: str, span: Span) -> Exception:
-    if "OVERLAP_F_B" in cell:
-        return fail(
-            "E0007",
-            "an overlapped forward-backward pair cannot be imported yet",
-            span,
-            notes=("pipelang has no atomic overlapped F&B op (DualPipeV uses one)",),
-        )
     return fail(
         "E0007",
         f"`{cell}` is not a torch action",
         span,
-        help="cells look like `2F0` (stage 2, forward, micro-batch 0); kinds are "
-        "F, I (input grad), W (weight grad), B (full backward)",
+        help="cells look like `2F0` (stage 2, forward, micro-batch 0) or "
+        "`(2F0;5B1)OVERLAP_F_B`; kinds are F, I (input grad), W (weight grad), "
+        "B (full backward)",
     )
 
 
@@ -155,17 +156,6 @@ def infer_layout(schedule: TorchSchedule) -> Layout:
             help="every rank must hold a stage; rows are ranks 0, 1, ...",
         )
     split = [c for c in cells if c.kind in "IW"]
-    full = [c for c in cells if c.kind == "B"]
-    if split and full:
-        raise fail(
-            "E0007",
-            "the CSV mixes full backwards (B) and split ones (I, W)",
-            full[0].span,
-            notes=(
-                f"`I`/`W` at {split[0].span.location()}",
-                "pipelang cannot mix them in one schedule yet (DualPipeV does)",
-            ),
-        )
     placement = tuple(home[s][0] for s in range(len(home)))
     return Layout(placement, 1 + max(c.mb for c in cells), bool(split))
 
@@ -188,7 +178,8 @@ def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> str:
     layout = infer_layout(schedule)
     ranks, stages = len(schedule.ranks), len(layout.placement)
     rank_expr, style = placement_expr(layout.placement, ranks)
-    letters = {"F": "F", "I": "B", "B": "B", "W": "W"}
+    # A full backward in a split schedule is `BW`: its B and W as one action.
+    letters = {"F": "F", "I": "B", "B": "BW" if layout.split_w else "B", "W": "W"}
     lines = [
         f"# Imported from torch's CSV schedule `{origin}`: {_count(ranks, 'rank')}, "
         f"{_count(stages, 'stage')}, {_count(layout.num_microbatches, 'micro-batch')}.",
@@ -197,7 +188,10 @@ def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> str:
         f"# Placement: {style}.",
     ]
     if layout.split_w:
-        lines.append("# The backward is split: torch's I (input gradient) is B here.")
+        lines.append(
+            "# The backward is split: torch's I (input gradient) is B here, its B (full "
+            "backward) BW."
+        )
     if schedule.dropped:
         lines.append(
             f"# {schedule.dropped} communication / bookkeeping cells were dropped; "
@@ -213,7 +207,13 @@ def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> str:
     for rank, row in enumerate(schedule.ranks):
         head = "if" if rank == 0 else "} else if"
         lines.append(f"        {head} r == {rank} {{")
-        ops = [f"{letters[c.kind]}(mb={c.mb}, stage={c.stage})" for c in row]
+        ops: list[str] = []
+        for c in row:
+            op = f"{letters[c.kind]}(mb={c.mb}, stage={c.stage})"
+            if c.fused and ops:
+                ops[-1] += f" & {op}"
+            else:
+                ops.append(op)
         for i in range(0, len(ops), _OPS_PER_LINE):
             lines.append("            " + " ".join(ops[i : i + _OPS_PER_LINE]))
     lines += ["        }", "    }", "}", ""]

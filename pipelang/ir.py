@@ -4,6 +4,8 @@ One action type serves every stage of the compiler. Each action has a one-token 
 form that `Action.parse` reads back; IR dumps, golden files and error grids use it:
 
     F3@1/down               forward of micro-batch 3 on stage 1 of pipeline `down`
+    &B0@3/down              B0@3/down, started together with the action before it
+                            (an overlapped pair `F(3, 1) & B(0, 3)`, or a full backward)
     send:F3@1/down>2        send what F3@1/down produced to rank 2
     recv:F3@1/down<1        receive what F3@1/down produced from rank 1
     signal:F2@1/down>0      tell rank 0 that F2@1/down finished (an `after` dependency)
@@ -71,6 +73,13 @@ class Action(NamedTuple):
     names a stage and pipeline; `step` names nothing. `span` is where the action came
     from; it takes no part in equality or hashing.
 
+    `fused` marks a compute action that starts together with the one before it on its
+    rank, as one step: `F(i, a) & B(j, b)` (an overlapped pair, torch's OVERLAP_F_B) or a
+    full backward `BW(j, b)` in a split schedule (its B, then its W fused to it). A run of
+    actions joined this way is a *compound*: it starts when the inputs of all its ops are
+    ready and all of them end together. Every pass that needs no timing treats them as
+    ops in order. Like `span`, `fused` takes no part in equality or hashing.
+
     Immutable like every IR node, but a NamedTuple rather than a frozen dataclass: a
     large schedule makes 4 x 10^5 actions per compile, and a tuple is built several
     times faster (see "Compile speed" in benchmarks/RESULTS.md).
@@ -83,6 +92,7 @@ class Action(NamedTuple):
     peer: int | None = None
     of: Kind | None = None
     span: Span | None = None
+    fused: bool = False
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Action):
@@ -108,11 +118,16 @@ class Action(NamedTuple):
             raise InternalError(f"{self} names no compute op")
         return Action(self.of, self.mb, self.stage, self.pipeline, span=self.span)
 
+    def unfused(self) -> Action:
+        """This action without the `fused` mark."""
+        return self._replace(fused=False) if self.fused else self
+
     def text(self) -> str:
         """The one-token text form; `Action.parse(a.text()) == a`."""
         kind = self.kind
         if kind.is_compute:
-            return f"{kind.value}{self.mb}@{self.stage}/{self.pipeline}"
+            fused = "&" if self.fused else ""
+            return f"{fused}{kind.value}{self.mb}@{self.stage}/{self.pipeline}"
         if kind is Kind.STEP:
             return "step"
         if kind is Kind.ALLREDUCE:
@@ -139,7 +154,9 @@ class Action(NamedTuple):
             return Action(Kind.ALLREDUCE, None, int(g["ar_stage"]), g["ar_pipe"], span=span)
         op_kind, mb, stage, pipe = Kind(g["op"]), int(g["mb"]), int(g["stage"]), g["pipe"]
         if g["comm"] is None:
-            return Action(op_kind, mb, stage, pipe, span=span)
+            return Action(op_kind, mb, stage, pipe, span=span, fused=bool(g["fused"]))
+        if g["fused"]:
+            raise ValueError(f"only a compute action can be fused (`&`): {token!r}")
         comm = Kind(g["comm"])
         wants = ">" if comm in (Kind.SEND, Kind.SIGNAL) else "<"
         if g["arrow"] != wants:
@@ -151,7 +168,7 @@ _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _TOKEN = re.compile(
     rf"(?P<step>step)"
     rf"|allreduce@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
-    rf"|(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWR])(?P<mb>\d+)@(?P<stage>\d+)/(?P<pipe>{_NAME})"
+    rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWR])(?P<mb>\d+)@(?P<stage>\d+)/(?P<pipe>{_NAME})"
     rf"(?:(?P<arrow>[<>])(?P<peer>\d+))?"
 )
 
@@ -176,7 +193,9 @@ class Dependency:
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Time of each op kind (`F`, `B`, `W`, `R`) and of one transfer (`C`).
+    """Time of each op kind (`F`, `B`, `W`, `R`), of one transfer (`C`), and of an
+    overlapped forward-backward pair (`FB`, for the forward's stage; without it a pair
+    takes the sum of its ops).
 
     Entries are (kind, stage or None, time); a later entry overrides an earlier one, and a
     per-stage entry overrides a per-kind one. Unit costs by default, transfers free.
@@ -200,6 +219,10 @@ class CostModel:
             if name == kind and s is not None and s == stage:
                 found = value
         return found
+
+    def gives(self, kind: str) -> bool:
+        """Whether any entry sets `kind` (`FB` has no default)."""
+        return any(name == kind for name, _, _ in self.entries)
 
     def merged(self, other: CostModel | None) -> CostModel:
         """This model with `other`'s entries taking precedence."""

@@ -422,12 +422,13 @@ class _Build(Transformer[Token, Any]):
     def _op(self, span: Span, name: Token, *rest: Any) -> ast.OpCall:
         *args, slot = rest
         kind = str(name)
-        if kind not in ("F", "B", "W", "R"):
+        if kind not in ("F", "B", "W", "R", "BW"):
             raise fail(
                 "E0103",
                 f"`{kind}` is not an op",
                 self._tok(name),
-                help="ops are F (forward), B (backward), W (weight grad), R (recompute)",
+                help="ops are F (forward), B (backward), W (weight grad), R (recompute), "
+                "BW (full backward in a split schedule)",
             )
         values: dict[str, ast.Expr] = {}
         named = False
@@ -444,6 +445,9 @@ class _Build(Transformer[Token, Any]):
                 )
             values[key] = value
         return ast.OpCall(span, kind, values.get("mb"), values.get("stage"), slot)
+
+    def _pair(self, span: Span, first: ast.OpCall, second: ast.OpCall) -> ast.Pair:
+        return ast.Pair(span, first, second)
 
     def _arg(self, span: Span, name: Any, value: ast.Expr) -> tuple[str | None, ast.Expr]:
         return (None if name is None else str(name)), value

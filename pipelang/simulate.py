@@ -2,9 +2,12 @@
 
 Every compute op starts as soon as the op before it on its rank has ended and every op
 it depends on has ended, plus one transfer time `C` for each result that comes from
-another rank (`after` dependencies cost nothing). Comm, allreduce and step actions in
-the program are not replayed: transfers are charged on the edges instead. One pass in
-topological order, linear in the number of ops and dependencies.
+another rank (`after` dependencies cost nothing). A compound (`F3@0/main &B0@7/main`, see
+`ir.Action`) starts once the inputs of all its ops are ready; it takes the `FB` cost when
+the model gives one and the compound holds a forward and a backward (the forward's stage
+picks it), else the sum of its ops' costs, and all its ops end together. Comm, allreduce
+and step actions in the program are not replayed: transfers are charged on the edges
+instead. One pass in topological order, linear in the number of ops and dependencies.
 
     rank 0: F0@0/main B0@0/main          costs F=1, B=2, C=0
     rank 1: F0@1/main B0@1/main
@@ -72,8 +75,8 @@ class Timeline:
         return 1.0 - sum(self.busy(r) for r in range(self.program.num_ranks)) / total
 
     def busy(self, rank: int) -> float:
-        """Time `rank` spends running ops."""
-        return sum(e.end - e.start for e in self._by_rank[rank])
+        """Time `rank` spends running ops (a compound counts once)."""
+        return sum(e.end - e.start for e in self._by_rank[rank] if not e.action.fused)
 
     def idle(self, rank: int) -> float:
         """Time `rank` waits within the iteration: makespan - busy."""
@@ -120,6 +123,8 @@ class Timeline:
         for rank, events in enumerate(self._by_rank):
             cells = ["."] * width
             for event in events:
+                if event.action.fused:
+                    continue  # its compound's first op labels the cells
                 first, last = round(event.start / unit), round(event.end / unit)
                 for cell in range(first, last):
                     cells[cell] = label(rank, event.action) if cell == first else "-"
@@ -159,11 +164,19 @@ def simulate(program: Program, costs: CostModel) -> Timeline:
         raise PipelangError(validate(program, build_dag(program), None))
     # Ops are numbered in rank order, then in each rank's order; none is listed twice.
     ends = [s + t for s, t in zip(start, times, strict=True)]
+    heads = graph.heads
+    for op, head in enumerate(heads):
+        if head != op:
+            # Fused ops were timed to start as their compound ends, taking no time.
+            start[op] = start[head]
+            ends[op] = ends[head]
     events = map(Event, graph.ranks, graph.ops, start, ends)
     return Timeline(program, costs, tuple(events))
 
 
 def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
+    """The time of every op; a compound's whole time goes to its first op and its fused
+    ops take none, so that whatever follows any of them waits for the whole compound."""
     cache: dict[tuple[str, int | None], float] = {}
     times = []
     for op in graph.ops:
@@ -171,6 +184,20 @@ def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
         if key not in cache:
             cache[key] = costs.of(*key)
         times.append(cache[key])
+    members: dict[int, list[int]] = {}
+    for node, head in enumerate(graph.heads):
+        if head != node:
+            members.setdefault(head, [head]).append(node)
+    overlap = costs.gives("FB")
+    for head, group in members.items():
+        ops = [graph.ops[node] for node in group]
+        forwards = [a for a in ops if a.kind is Kind.F]
+        if overlap and forwards and any(a.kind is Kind.B for a in ops):
+            times[head] = costs.of("FB", forwards[0].stage)
+        else:
+            times[head] = sum(times[node] for node in group)
+        for node in group[1:]:
+            times[node] = 0.0
     return times
 
 

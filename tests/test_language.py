@@ -19,7 +19,7 @@ from pipelang import api
 from pipelang.cli import UsageError, parse_params
 from pipelang.codes import CODES
 from pipelang.diagnostics import Diagnostic, PipelangError
-from pipelang.ir import Program
+from pipelang.ir import Action, Program
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "# <-"
@@ -1227,3 +1227,45 @@ def test_the_language_reference_examples_compile(tmp_path: Path) -> None:
         with pytest.raises(PipelangError) as info:
             api.compile_schedule(str(tmp_path / name), {}, stop_after="expand-orders")
         assert info.value.diagnostics[0].code == error.group(1), name
+
+
+# ---- overlapped pairs and full backwards ------------------------------------------------
+
+PAIRED = """
+schedule paired(D: int = 1, N: int = 2) {
+    ops F, B, W
+    pipeline main: stage s in 0..2 -> rank 0
+    microbatches 0..N -> main
+    cost FB = 2
+    order rank r {
+        F(0, 0) F(0, 1) F(1, 0) BW(0, 1)
+        F(1, 1) & BW(0, 0)
+        B(1, 1) W(1, 1) BW(1, 0)
+    }
+}
+"""
+
+
+def test_pair_and_full_backward_are_fused_actions(tmp_path: Path) -> None:
+    program = compile_text(tmp_path, PAIRED, stop="validate")
+    assert ranks(program) == [
+        "F0@0/main F0@1/main F1@0/main B0@1/main &W0@1/main F1@1/main &B0@0/main "
+        "&W0@0/main B1@1/main W1@1/main B1@0/main &W1@0/main"
+    ]
+    assert [Action.parse(a.text()).fused for a in program.ranks[0]] == [
+        a.fused for a in program.ranks[0]
+    ]
+
+
+def test_pair_in_a_repeat_order_is_an_error(tmp_path: Path) -> None:
+    text = """
+    schedule t(D: int = 2, N: int = 2) {
+        pipeline main: stage s in 0..D -> rank s
+        microbatches 0..N -> main
+        order repeat k every 2 {
+            F(stage=0) @ 0 & F(stage=1) @ 1  # <-
+            B(stage=1) @ 2 B(stage=0) @ 3
+        }
+    }
+    """
+    expect_error(tmp_path, text, "E0103")

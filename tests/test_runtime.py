@@ -59,6 +59,7 @@ SCHEDULES = {
     "chimera-D4-N8": ("chimera", {"D": 4, "N": 8}),
     "interleaved-1f1b-D2-N4": ("interleaved-1f1b", {"D": 2, "N": 4, "v": 2}),
     "zb-h1-D4-N8": ("zb-h1", {"D": 4, "N": 8}),
+    "dualpipev-D2-N4": ("dualpipev", {"D": 2, "N": 4}),
 }
 
 

@@ -69,7 +69,7 @@ def span_idle(timeline: Timeline, rank: int) -> float:
 
 # ---- (a) torch agreement ----------------------------------------------------------------
 
-_COMPUTE = re.compile(r"\d+[FIBW]\d+")
+_COMPUTE = re.compile(r"\d+[FIBW]\d+|\(\d+F\d+;\d+[IB]\d+\)OVERLAP_F_B")
 
 
 def torch_rows(schedule: str, D: int, N: int, v: int | None = None) -> list[list[str]]:
@@ -112,6 +112,8 @@ TORCH_SWEEPS = [
     ("looped-bfs", "LoopedBFS", (1, 2, 4), (1, 3, 8), (2, 3)),
     ("interleaved-zb", "InterleavedZeroBubble", (1, 2, 3, 4), (1, 2, 4, 6, 8), (2, 3)),
     ("zbv", "ZBVZeroBubble", (1, 2, 3, 4, 5), (1, 3, 4, 7, 8, 9), (2,)),
+    # Compound cells compared whole: `(0F3;7B0)OVERLAP_F_B`, and B (full) beside I and W.
+    ("dualpipev", "DualPipeV", (1, 2, 3, 4, 5), (1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 15), (None,)),
 ]
 
 
@@ -132,6 +134,9 @@ def test_same_order_as_torch(
                 try:
                     expected = torch_rows(torch_name, D, N, v)
                 except ValueError:
+                    if name == "dualpipev":  # torch: N >= 2D, and so our `require`
+                        with pytest.raises(PipelangError, match="N >= 2D"):
+                            program(name, validate=False, **params)
                     if takes_v:  # torch's interleaved schedules: N must split into rounds
                         with pytest.raises(PipelangError, match="rounds"):
                             program(name, validate=False, **params)
@@ -310,6 +315,19 @@ def test_zbv(D: int) -> None:
         assert timeline.peak_activations(0) == 2 * D
 
 
+def test_dualpipev_makespan_and_peak() -> None:
+    """DualPipeV with P = 4 ranks, N = 8, F = B = W = 1 (reference section 4, the Victarry
+    emulator): makespan 54 when an overlapped pair takes 3 (no overlap: F plus a full
+    backward) and 44 when it takes 2, both (P-1)(F&B + B - 3W) beyond the ideal; the
+    pair must start atomically for that. Peak PP + 1 = 9 chunk activations per rank."""
+    prog = program("dualpipev", D=4, N=8)
+    for pair, makespan in ((None, 54), (3, 54), (2, 44)):
+        extra = () if pair is None else (("FB", None, float(pair)),)
+        timeline = simulate(prog, CostModel((*CostModel().entries, *extra)))
+        assert timeline.makespan == makespan
+    assert [timeline.peak_activations(r) for r in range(4)] == [9] * 4
+
+
 @pytest.mark.parametrize("D", [4, 6, 8, 12, 16])
 def test_v_schedules_memory(D: int) -> None:
     """Controllable Memory (Qi et al., arXiv 2405.15362) [P, project summary]: V-Half
@@ -376,6 +394,7 @@ VALID = {
     "v-half": [dict(D=4, N=8), dict(D=3, N=1), dict(D=6, N=13)],
     "hanayo": [dict(D=4, N=8), dict(D=1, N=1), dict(D=3, N=7, w=2)],
     "gems": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=7)],
+    "dualpipev": [dict(D=4, N=8), dict(D=1, N=2), dict(D=3, N=7), dict(D=5, N=16)],
 }
 
 INVALID = [
@@ -399,6 +418,8 @@ INVALID = [
     ("v-half", dict(D=1), "V-Half needs at least two ranks"),
     ("hanayo", dict(w=0), "Hanayo needs at least one wave"),
     ("gems", dict(N=0), "GEMS needs at least one micro-batch"),
+    ("dualpipev", dict(D=4, N=7), "DualPipeV needs at least as many micro-batches as stages"),
+    ("dualpipev", dict(D=0, N=2), "DualPipeV needs at least one rank"),
 ]
 
 
@@ -464,6 +485,7 @@ def test_list_shows_every_schedule_with_a_summary() -> None:
         ("zbv", dict(D=4, N=8)),
         ("v-half", dict(D=4, N=8)),
         ("hanayo", dict(D=3, N=6, w=2)),
+        ("dualpipev", dict(D=3, N=7)),
     ],
 )
 def test_import_torch_round_trip(tmp_path: Path, name: str, params: dict[str, int]) -> None:

@@ -34,18 +34,27 @@ class Layout:
     """(pipeline, rank) -> the stages of that pipeline the rank holds, ascending."""
 
     def op(
-        self, call: ast.OpCall, kind: Kind, mb: int | None, stage: int | None, rank: int | None
+        self,
+        call: ast.OpCall,
+        kind: Kind,
+        mb: int | None,
+        stage: int | None,
+        rank: int | None,
+        fused: bool = False,
     ) -> Action:
-        """The Action an op statement names; `rank` picks the stage when it is left out."""
+        """The Action an op statement names; `rank` picks the stage when it is left out;
+        `fused` joins it to the action before it (`&`, `BW`)."""
         # The fast path first: this runs once per op of the schedule.
         if mb is not None and 0 <= mb < len(self.assignment):
             pipeline = self.assignment[mb]
             if stage is None:
                 stages = self.local_stages.get((pipeline, rank), ())  # type: ignore[arg-type]
                 if len(stages) == 1:
-                    return _make(Action, (kind, mb, stages[0], pipeline, None, None, call.span))
+                    return _make(
+                        Action, (kind, mb, stages[0], pipeline, None, None, call.span, fused)
+                    )
             elif 0 <= stage < self.num_stages:
-                return _make(Action, (kind, mb, stage, pipeline, None, None, call.span))
+                return _make(Action, (kind, mb, stage, pipeline, None, None, call.span, fused))
         raise self._bad_op(call, mb, stage, rank)
 
     def _bad_op(

@@ -34,7 +34,12 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
         actions: list[Action] = []
 
         def emit(
-            call: ast.OpCall, kind: Kind, mb: int | None, stage: int | None, slot: int | None
+            call: ast.OpCall,
+            kind: Kind,
+            mb: int | None,
+            stage: int | None,
+            slot: int | None,
+            fused: bool,
         ) -> None:
             if slot is not None:
                 raise fail(
@@ -43,7 +48,7 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
                     call.span,
                     help="in `order rank`, the order of the statements is the order",
                 )
-            actions.append(layout.op(call, kind, mb, stage, rank))  # noqa: B023
+            actions.append(layout.op(call, kind, mb, stage, rank, fused))  # noqa: B023
 
         env = dict(layout.env)
         env[order.var] = rank

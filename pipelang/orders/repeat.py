@@ -43,7 +43,15 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
                 mb_arg: int | None,
                 stage: int | None,
                 slot: int | None,
+                fused: bool,
             ) -> None:
+                if fused:
+                    raise fail(
+                        "E0103",
+                        "`&` and `BW` belong in an `order rank`",
+                        call.span,
+                        help="in a `repeat` block give each op its own slot",
+                    )
                 if mb_arg is not None or stage is None or slot is None:
                     raise fail(
                         "E0103",

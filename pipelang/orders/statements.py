@@ -10,8 +10,9 @@ from pipelang.diagnostics import fail
 from pipelang.evaluate import BOOL, LIMIT, Const, Env, Scope, compile_expr, compile_int, infer
 from pipelang.ir import Kind
 
-Emit = Callable[[ast.OpCall, Kind, int | None, int | None, int | None], None]
-"""Called once per op statement run: (statement, kind, mb, stage, slot), unset ones None."""
+Emit = Callable[[ast.OpCall, Kind, int | None, int | None, int | None, bool], None]
+"""Called once per op an op statement runs: (statement, kind, mb, stage, slot, fused),
+unset ones None; `fused` joins the op to the one emitted before it (`&`, `BW`)."""
 Block = Callable[[Env, Emit], None]
 
 
@@ -48,6 +49,8 @@ def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> 
             steps.append(_for(stmt, scope, budget))
         elif isinstance(stmt, ast.If):
             steps.append(_if(stmt, scope, budget))
+        elif isinstance(stmt, ast.Pair):
+            steps.append(_pair(_op(stmt.first, scope), _op(stmt.second, scope, fused=True)))
         else:
             steps.append(_op(stmt, scope))
 
@@ -108,19 +111,29 @@ def _if(stmt: ast.If, scope: Scope, budget: Budget) -> Block:
     return run
 
 
-def _op(stmt: ast.OpCall, scope: Scope) -> Block:
+def _pair(first: Block, second: Block) -> Block:
+    def run(env: Env, emit: Emit) -> None:
+        first(env, emit)
+        second(env, emit)
+
+    return run
+
+
+def _op(stmt: ast.OpCall, scope: Scope, fused: bool = False) -> Block:
+    """One op; `BW` is a B with its W fused to it (a full backward), `fused` joins the
+    (first) op to the one before it."""
     mb, stage, slot = (
         None if e is None else compile_int(e, scope) for e in (stmt.mb, stmt.stage, stmt.slot)
     )
-    kind = Kind(stmt.kind)
+    kinds = ((Kind.B, fused), (Kind.W, True)) if stmt.kind == "BW" else ((Kind(stmt.kind), fused),)
 
     def run(env: Env, emit: Emit) -> None:
-        emit(
-            stmt,
-            kind,
+        args = (
             None if mb is None else mb(env),
             None if stage is None else stage(env),
             None if slot is None else slot(env),
         )
+        for kind, joined in kinds:
+            emit(stmt, kind, *args, joined)
 
     return run

@@ -11,6 +11,9 @@ with attribute `why`:
 - `data`: v consumes u's result (`Program.inputs_of`): F(m,s) -> F(m,s+1),
   F(m,s) -> B(m,s), B(m,s+1) -> B(m,s), B(m,s) -> W(m,s), F(m,s) -> R(m,s) -> B(m,s);
 - `after`: an explicit `after` dependency.
+A compound (an action and the `&` actions fused to it, see `ir.Action`) starts as one:
+every input of a fused op from outside the compound is also a `data` edge into the
+compound's first op, so both halves' inputs are ready (and received) before it starts.
 
 An edge whose endpoint is absent is left out. When two reasons join the same pair, the
 edge says `data` over `after` over `order`; edges with one reason share one attribute
@@ -79,6 +82,8 @@ class OpGraph:
     ranks: tuple[int, ...]
     steps: tuple[int, ...]
     index: Mapping[Key, int]
+    heads: tuple[int, ...]
+    """The first op of each op's compound: itself unless it is fused to the ops before."""
     order: tuple[Edge, ...]
     data: tuple[Edge, ...]
     after: tuple[Edge, ...]
@@ -204,6 +209,7 @@ def _number(program: Program) -> OpGraph:
     ranks: list[int] = []
     steps: list[int] = []
     index: dict[Key, int] = {}
+    heads: list[int] = []
     order: list[Edge] = []
     compute = COMPUTE_KINDS
     for rank, actions in enumerate(program.ranks):
@@ -219,10 +225,13 @@ def _number(program: Program) -> OpGraph:
                 ops.append(action)
                 ranks.append(rank)
                 steps.append(step)
+                joined = action.fused and previous >= 0
+                heads.append(heads[previous] if joined else node)
             if previous >= 0:
                 order.append((previous, node))
             previous = node
     data = _data_edges(index, program.num_stages)
+    data += _compound_edges(data, heads)
     after = _after_edges(program, index)
     listed = len(order) + sum(1 for rank in set(ranks))  # one edge fewer than ops per rank
     return OpGraph(
@@ -231,6 +240,7 @@ def _number(program: Program) -> OpGraph:
         tuple(ranks),
         tuple(steps),
         index,
+        tuple(heads),
         tuple(order),
         tuple(data),
         tuple(after),
@@ -261,6 +271,11 @@ def _data_edges(index: Mapping[Key, int], num_stages: int) -> list[Edge]:
             if u is not None:
                 add((u, v))
     return edges
+
+
+def _compound_edges(data: list[Edge], heads: list[int]) -> list[Edge]:
+    """For each fused op, its inputs from outside its compound into the compound's head."""
+    return [(u, heads[v]) for u, v in data if heads[v] != v and heads[u] != heads[v]]
 
 
 def _after_edges(program: Program, index: Mapping[Key, int]) -> list[Edge]:

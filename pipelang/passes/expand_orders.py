@@ -329,6 +329,8 @@ def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
 def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Action:
     if call.mb is None or call.stage is None or call.slot is not None:
         raise fail("E0103", f"an `after` names ops fully: `{call.kind}(mb, stage)`", call.span)
+    if call.kind == "BW":
+        raise fail("E0103", "an `after` names one op: write `B` or `W`, not `BW`", call.span)
     mb = compile_int(call.mb, scope)(env)
     stage = compile_int(call.stage, scope)(env)
     return layout.op(call, Kind(call.kind), mb, stage, None)

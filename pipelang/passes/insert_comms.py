@@ -14,6 +14,7 @@ consumer unless a later message is needed sooner). Recvs before one op go by sen
 rank, then in channel order. So the k-th send (or signal) on a channel always matches
 the k-th recv (or wait), whatever order the receiver consumes in (the tests verify it
 with `check_lowered`; it costs as much as this pass, so it does not run every time).
+A compound (`F3@0/main &B0@7/main`) stays whole: its recvs go before it, its sends after.
 Hoisting a recv adds no waiting: message k is sent before message j > k,
 so it has arrived by the time j has. It only holds k in a buffer a little longer.
 
@@ -56,13 +57,13 @@ def insert_comms(program: Program) -> Program:
         for (producer, consumer, _, _, data), at in zip(
             sent, _receive_steps(graph, sent), strict=True
         ):
-            kind, mb, stage, pipeline, _, _, span = ops[producer]
+            kind, mb, stage, pipeline, _, _, span, _ = ops[producer]
             send, recv = (Kind.SEND, Kind.RECV) if data else (Kind.SIGNAL, Kind.WAIT)
             send_after[steps[producer]].append(
-                make(Action, (send, mb, stage, pipeline, dst, kind, span))
+                make(Action, (send, mb, stage, pipeline, dst, kind, span, False))
             )
             receive_before[at].append(
-                make(Action, (recv, mb, stage, pipeline, src, kind, ops[consumer].span))
+                make(Action, (recv, mb, stage, pipeline, src, kind, ops[consumer].span, False))
             )
     spliced = map(_splice, program.ranks, before, after)
     return dataclasses.replace(program, ranks=tuple(spliced))
@@ -81,11 +82,22 @@ def _receive_steps(graph: OpGraph, sent: list[Message]) -> list[int]:
 def _splice(
     actions: tuple[Action, ...], before: dict[int, list[Action]], after: dict[int, list[Action]]
 ) -> tuple[Action, ...]:
+    """Put the comms around their steps, keeping each compound (`&`) whole: what comes
+    before a fused action goes before the compound, what comes after goes after it."""
     out: list[Action] = []
+    pending: list[Action] = []  # sends and signals for after the current compound
+    head = 0  # where in `out` the current compound starts
     for step, action in enumerate(actions):
-        if step in before:
-            out.extend(before[step])
+        receives = before.get(step, ())
+        if action.fused and step > 0:
+            out[head:head] = receives
+            head += len(receives)
+        else:
+            out.extend(pending)
+            pending.clear()
+            out.extend(receives)
+            head = len(out)
         out.append(action)
-        if step in after:
-            out.extend(after[step])
+        pending.extend(after.get(step, ()))
+    out.extend(pending)
     return tuple(out)
