@@ -45,10 +45,10 @@ from pipelang.ir import Program
 
 OnStep = Callable[[int, float, float], None]
 GRACE_SECONDS = 0.5
+"""After a first failure, how long to keep listening for the one that caused it."""
 HANG_MARGIN = 2.0
 """The launcher calls a run hung this long after the ranks' own communication timeout,
 so that a rank blocked on a silent peer reports first and the silent one gets the blame."""
-"""After a first failure, how long to keep listening for the one that caused it."""
 
 
 @dataclass(frozen=True, slots=True)
