@@ -120,6 +120,21 @@ def transfers(timeline: Timeline) -> Iterator[Transfer]:
             yield Transfer(source.rank, e.rank, source.end, e.start, source.action)
 
 
+def bands(events: Sequence[Event]) -> list[tuple[int, int]]:
+    """(band, bands) of each event: the ops of a compound (an overlapped pair `F & B`, a
+    `BW`) share one start and end, so their box is split into one horizontal band per op,
+    top to bottom in order; a lone op is (0, 1). Fused ops follow their compound's first
+    op in `events` (the simulator's order)."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for i, event in enumerate(events):
+        if i and not event.action.fused:
+            out.extend((k, i - start) for k in range(i - start))
+            start = i
+    out.extend((k, len(events) - start) for k in range(len(events) - start))
+    return out
+
+
 def shared_span(panels: Sequence[Panel]) -> float:
     """The longest time any panel covers (panels drawn together share one time scale)."""
     return max((p.span for p in panels), default=0.0) or 1.0

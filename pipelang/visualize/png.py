@@ -20,7 +20,7 @@ from typing import Any
 from pipelang.ir import Kind
 from pipelang.simulate import Timeline
 from pipelang.visualize import style
-from pipelang.visualize.panel import Panel, shared_span, short_op, transfers
+from pipelang.visualize.panel import Panel, bands, shared_span, short_op, transfers
 
 DPI = 150
 LANE, MODEL_LANE = 0.9, 0.4
@@ -131,16 +131,20 @@ def _boxes(
     """Boxes grouped per rank and colour (`offset` moves the lane down, `height` is its
     height), and the micro-batch numbers that fit (0.62 of the font size per digit;
     `points_per_unit` 0 draws none)."""
-    groups: dict[tuple[int, tuple[Kind, int]], list[tuple[float, float]]] = defaultdict(list)
-    for rank, action, start, end in timeline.events:
+    Group = tuple[int, tuple[Kind, int], int, int]
+    groups: dict[Group, list[tuple[float, float]]] = defaultdict(list)
+    for (rank, action, start, end), (band, of) in zip(
+        timeline.events, bands(timeline.events), strict=True
+    ):
         look = pal.of(action)
-        groups[(rank, look)].append((start, end - start))
+        groups[(rank, look, band, of)].append((start, end - start))
         label = str(action.mb)
-        size = min(7.5, ((end - start) * points_per_unit - 3) / (0.62 * len(label)))
+        # A band of a compound is 1/of of the lane: its number gets at most that share.
+        size = min(7.5, 11 / of, ((end - start) * points_per_unit - 3) / (0.62 * len(label)))
         if size >= 5:
             ax.text(
                 (start + end) / 2,
-                rank * pitch + offset,
+                rank * pitch + offset + height * ((band + 0.5) / of - 0.5),
                 label,
                 ha="center",
                 va="center",
@@ -148,10 +152,10 @@ def _boxes(
                 color=style.text_color(pal.fill(*look)),
             )
     model = height != LANE
-    for (rank, look), bars in groups.items():
+    for (rank, look, band, of), bars in groups.items():
         ax.broken_barh(
             bars,
-            (rank * pitch + offset - height / 2, height),
+            (rank * pitch + offset - height / 2 + height * band / of, height / of),
             facecolor=pal.fill(*look),
             edgecolor="white",
             linewidth=0.4,

@@ -23,7 +23,7 @@ from html import escape
 from pipelang.ir import Kind
 from pipelang.simulate import Event, Timeline
 from pipelang.visualize import style
-from pipelang.visualize.panel import Panel, number, shared_span, short_op, transfers
+from pipelang.visualize.panel import Panel, bands, number, shared_span, short_op, transfers
 
 BOX_PX = 24.0
 MIN_PLOT, MAX_PLOT = 720.0, 3200.0
@@ -222,25 +222,28 @@ def _boxes(
     head = "model: " if cls != "op" else ""
     what = {k: f"{k.value} ({style.KIND_NAME.get(k, k.value)})" for k in Kind}
     px, variant, count, append = scale.px, pal.variant, len(pal.names), parts.append
-    for rank, a, start, end in timeline.events:
+    for (rank, a, start, end), (band, of) in zip(
+        timeline.events, bands(timeline.events), strict=True
+    ):
         kind = a.kind
         c = f"{kind.value}{variant[(a.pipeline, a.stage)]}_{count}"
         x, w = LEFT + start * px, (end - start) * px
-        y = top + rank * row
+        h = lane / of
+        y = top + rank * row + band * h
         append(
             f'<rect class="{cls} {c}" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" '
-            f'height="{lane:.1f}"><title>{head}{kind.value}{a.mb}@{a.stage}/{a.pipeline} '
+            f'height="{h:.1f}"><title>{head}{kind.value}{a.mb}@{a.stage}/{a.pipeline} '
             f"on rank {rank}\n{what[kind]}, micro-batch {a.mb}, stage {a.stage}, pipeline "
             f"{a.pipeline}\nstart {number(start)}{unit}, end {number(end)}{unit}"
             "</title></rect>"
         )
         label = str(a.mb)
-        size = min(font, (w - 3) / (0.62 * len(label)))
+        size = min(font, (w - 3) / (0.62 * len(label)), h * 0.8)
         if size < 6.5:
             continue
         sized = "" if size >= font else f' style="font-size:{size:.1f}px"'
         append(
-            f'<text class="l t{c}" x="{x + w / 2:.1f}" y="{y + lane / 2 + size * 0.36:.1f}"'
+            f'<text class="l t{c}" x="{x + w / 2:.1f}" y="{y + h / 2 + size * 0.36:.1f}"'
             f"{sized}>{label}</text>"
         )
 
