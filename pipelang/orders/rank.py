@@ -19,13 +19,7 @@ from pipelang.orders.statements import Budget, compile_block
 
 def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Action, ...], ...]:
     """Run the body once per rank with the rank variable bound."""
-    if order.var in layout.scope.names:
-        raise fail(
-            "E0102",
-            f"`{order.var}` is already defined",
-            order.span,
-            help="name the rank variable something else, e.g. `order rank r`",
-        )
+    layout.check_fresh(order, "order rank r")
     budget = Budget()
     ranks = []
     for rank in range(layout.num_ranks):

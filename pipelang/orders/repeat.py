@@ -22,13 +22,7 @@ from pipelang.orders.statements import Budget, compile_block
 
 def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[Action, ...], ...]:
     """Place every op at its slot, then sort each rank by slot (two in one slot: E0310)."""
-    if order.var in layout.scope.names:
-        raise fail(
-            "E0102",
-            f"`{order.var}` is already defined",
-            order.span,
-            help="name the block's variable something else, e.g. `order repeat k`",
-        )
+    layout.check_fresh(order, "order repeat k")
     scope = layout.scope.with_name(order.var)
     body = compile_block(order.body, scope, Budget())
     every = 0 if order.every is None else compile_int(order.every, layout.scope)(layout.env)
