@@ -91,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_param_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """`-p NAME=VALUE`, repeatable, into `args.params` (read with `parse_params`)."""
+    parser.add_argument(
+        "-p", dest="params", action="append", default=[], metavar="NAME=VALUE", help=help
+    )
+
+
 def parse_params(pairs: Sequence[str]) -> dict[str, str]:
     """`-p K=V` strings into a dict; a malformed one is a usage error."""
     params: dict[str, str] = {}

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelang import api, ast
-from pipelang.cli import UsageError, parse_params, write_output
+from pipelang.cli import UsageError, add_param_option, parse_params, write_output
 from pipelang.codes import CODES
 from pipelang.compiler import PASS_NAMES, Compilation
 from pipelang.import_torch import run_import_torch, setup_import_torch
@@ -29,14 +29,7 @@ def _schedule_args(parser: argparse.ArgumentParser) -> None:
         metavar="SCHED",
         help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)",
     )
-    parser.add_argument(
-        "-p",
-        dest="params",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="set a schedule parameter; repeat for several (-p D=4 -p N=8)",
-    )
+    add_param_option(parser, "set a schedule parameter; repeat for several (-p D=4 -p N=8)")
 
 
 def _compile(args: argparse.Namespace, stop_after: str | None = None) -> Compilation:

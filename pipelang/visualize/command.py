@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pipelang import api
-from pipelang.cli import UsageError, parse_params, write_output
+from pipelang.cli import UsageError, add_param_option, parse_params, write_output
 from pipelang.ir import CostModel, Program
 from pipelang.simulate import Event, Timeline
 from pipelang.visualize import FORMATS, render
@@ -31,14 +31,7 @@ def setup_viz(parser: argparse.ArgumentParser) -> None:
         metavar="SCHED",
         help="a .pipe file or a stdlib name; several are drawn one under another on one time scale",
     )
-    parser.add_argument(
-        "-p",
-        dest="params",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="set a schedule parameter, for every SCHED; repeat for several",
-    )
+    add_param_option(parser, "set a schedule parameter, for every SCHED; repeat for several")
     parser.add_argument(
         "--cost",
         metavar="SPEC",
