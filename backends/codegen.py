@@ -8,6 +8,11 @@ Each action becomes one call on the runtime `rt`, with the action's token as a c
     wait:F2@1/down<1        rt.wait("F", mb=2, stage=1, pipeline="down", src=1)
     allreduce@1/down        rt.allreduce(stage=1, pipeline="down")
     step                    rt.step()
+    E3@0/main>3             rt.evict(mb=3, stage=0, pipeline="main", to=3)
+    U2@1/main               rt.update(stage=1, pipeline="main", version=3)
+
+(`update` belongs to asynchronous schedules; its `version` counts the copy's updates from
+1 in each iteration; see docs/runtime.md.)
 
 This module decides every line; the template (`templates/rank.py.j2`, StrictUndefined)
 only loops and substitutes.
@@ -29,11 +34,18 @@ from pipelang.ir import Action, Kind, Program
 _METHODS = {Kind.F: "forward", Kind.B: "backward", Kind.W: "weight_grad", Kind.R: "recompute"}
 """The runtime method of each compute kind."""
 
+_STASH_METHODS = {Kind.E: "evict", Kind.H: "hold", Kind.L: "load"}
+"""The runtime method of each eviction action (BPipe; backends/stash.py)."""
+
 _TRANSFERS = {
     (Kind.SEND, Kind.F): "send_activation",
     (Kind.RECV, Kind.F): "recv_activation",
     (Kind.SEND, Kind.B): "send_grad",
     (Kind.RECV, Kind.B): "recv_grad",
+    (Kind.SEND, Kind.E): "send_evicted",
+    (Kind.RECV, Kind.E): "recv_evicted",
+    (Kind.SEND, Kind.H): "send_held",
+    (Kind.RECV, Kind.H): "recv_held",
 }
 """The runtime method of each data transfer: (comm kind, kind of the op that made it)."""
 
@@ -55,8 +67,13 @@ def action_call(action: Action) -> str:
     where = f'stage={action.stage}, pipeline="{action.pipeline}"'
     if kind is Kind.ALLREDUCE:
         return f"rt.allreduce({where})"
+    if kind is Kind.U:
+        return f"rt.update({where}, version={(action.mb or 0) + 1})"
     if kind.is_compute:
         return f"rt.{_METHODS[kind]}(mb={action.mb}, {where})"
+    if kind in _STASH_METHODS:
+        to = "" if kind is not Kind.E else f", to={action.peer}"
+        return f"rt.{_STASH_METHODS[kind]}(mb={action.mb}, {where}{to})"
     peer = f"to={action.peer}" if kind in (Kind.SEND, Kind.SIGNAL) else f"src={action.peer}"
     if kind in (Kind.SIGNAL, Kind.WAIT):
         assert action.of is not None

@@ -8,8 +8,14 @@ Backends: `gloo` (one CPU process per rank, started here), `nccl` (one GPU per r
 `local` (every rank in this process). Started by torchrun (RANK and WORLD_SIZE in the
 environment), this process is one rank and rank 0 reports.
 
+`--dp K` runs K data-parallel copies of the whole pipeline: K x R processes (threads
+for `local`), the process of rank r in copy k being `k * R + r`. Each copy trains on its
+own N of the step's K x N micro-batches; the loss is scaled by 1/(N*K) and every stage's
+gradients are summed over all its copies (the schedule's replicas times K).
+
 Exit status: 0 when the run (and `--check`) passed; 1 when the program does not fit the
-model, a rank failed, or the check found a difference over the tolerance.
+model, a rank failed, or the check found a difference over the tolerance; 2 when the
+processes do not fit the machine or torchrun's world (a usage error).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelang.ir import Kind, Program
+from pipelang.ir import STASH_KINDS, Kind, Program
 
 if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--help`
     import torch
@@ -38,6 +44,11 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 class RunError(Exception):
     """A run that cannot start: the program does not fit the model or the machine."""
+
+
+class WorldError(RunError):
+    """The processes asked for (`--dp` x ranks) do not fit the machine or torchrun's
+    world: a usage error (exit 2)."""
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +68,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "rank in this process (default gloo)",
     )
     parser.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
+    parser.add_argument(
+        "--dp",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="data parallelism: K copies of the whole pipeline, K x ranks processes, each "
+        "copy on its own N micro-batches of a K x N step, gradients averaged over the "
+        "copies (default 1)",
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -110,8 +130,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig that the parsed options describe."""
+def config_from_args(
+    args: argparse.Namespace, partition: tuple[int, ...] | None = None
+) -> RunConfig:
+    """The RunConfig that the parsed options describe; `partition` (the schedule's own
+    `partition` line) applies when `--partition` is not given."""
     from pipelang.backends.runtime import RunConfig
 
     return RunConfig(
@@ -128,7 +151,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         trace=str(args.trace) if args.trace else None,
         seed=args.seed,
         debug=bool(getattr(args, "debug", False)),
-        partition=args.partition,
+        partition=args.partition or partition,
+        dp=args.dp,
     )
 
 
@@ -139,7 +163,7 @@ def run_program(program: Program, args: argparse.Namespace) -> int:
     from pipelang.backends.models import ModelError
     from pipelang.backends.processes import RunFailure
 
-    config = config_from_args(args)
+    config = config_from_args(args, program.partition)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         if config.backend != "local" and not under_torchrun():
@@ -152,7 +176,7 @@ def run_program(program: Program, args: argparse.Namespace) -> int:
         outcome = _run_here(program, config, shapes, err)
     except (RunError, ModelError) as error:
         err.print(f"error: {error}", markup=False)
-        return 1
+        return 2 if isinstance(error, WorldError) else 1
     except RunFailure as failure:
         err.print(f"error: {failure}", markup=False)
         if config.debug and failure.details:
@@ -166,21 +190,35 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
 
     Returns the shape of every stage's output (the receive buffers' shapes).
     """
+    if program.weights is not None and config.dp > 1:
+        raise RunError(
+            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`), and "
+            "the runtime cannot run an asynchronous schedule with --dp yet: each stage "
+            "copy updates on its own at every `U`, and the data-parallel copies would "
+            "need their gradients summed before each update; run it without --dp"
+        )
+    refusal = eviction_refusal(program, config)
+    if refusal is not None:
+        raise RunError(refusal)
     import torch
 
     from pipelang.backends.models import plan_stages
 
+    world = program.num_ranks * config.dp
+    ranks = f"{program.num_ranks} ranks"
+    if config.dp > 1:
+        ranks = f"{world} ranks (--dp {config.dp} x {ranks})"
     if config.backend == "nccl" and not under_torchrun():
         have = torch.cuda.device_count()
-        if have < program.num_ranks:
-            raise RunError(
-                f"the nccl backend needs one GPU per rank: {program.num_ranks} ranks, "
+        if have < world:
+            raise WorldError(
+                f"the nccl backend needs one GPU per rank: {ranks}, "
                 f"{have} GPUs here (use --backend gloo or local)"
             )
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != program.num_ranks:
-        raise RunError(
-            f"torchrun started {os.environ['WORLD_SIZE']} processes but the program "
-            f"has {program.num_ranks} ranks"
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
+        raise WorldError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes but the run needs "
+            f"{ranks}; WORLD_SIZE must be --dp x the program's ranks"
         )
     shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
     for rank in range(program.num_ranks):
@@ -192,7 +230,7 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
                 "the replicas of a stage on different ranks"
             )
         kinds = {a.kind for a in program.ranks[rank]}
-        if copies and Kind.STEP not in kinds:
+        if copies and Kind.STEP not in kinds and program.weights is None:
             raise RunError(
                 f"rank {rank}'s program has no `step`; run a fully compiled program "
                 "(the insert-sync pass adds the optimizer step)"
@@ -208,6 +246,31 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
     return shapes
 
 
+def eviction_refusal(program: Program, config: RunConfig) -> str | None:
+    """Why the runtime cannot run `program`'s evictions (`E`, `H`, `L`) with `config`;
+    None when it has none or they can run: on the CPU (gloo, local), without `R`."""
+    evicts = next((a for acts in program.ranks for a in acts if a.kind in STASH_KINDS), None)
+    if evicts is None:
+        return None
+    import torch
+
+    cuda = config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available())
+    if cuda:
+        return (
+            f"`{program.name}` evicts activations to partner ranks (`{evicts}`), and "
+            "evictions have run only on the CPU so far (gloo, or local without a GPU); "
+            "the CUDA path is untested, so it is refused rather than trusted; see "
+            "docs/runtime.md"
+        )
+    if Kind.R in program.kinds:
+        return (
+            f"`{program.name}` evicts activations (`{evicts}`) and recomputes forwards "
+            "(`R`): a forward that will be recomputed saves nothing to evict, and the "
+            "runtime does not move a recomputed forward's input yet"
+        )
+    return None
+
+
 def under_torchrun() -> bool:
     """Whether this process was started by torchrun (or by hand as one rank)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
@@ -216,7 +279,10 @@ def under_torchrun() -> bool:
 def _run_here(program: Program, config: RunConfig, shapes: Shapes, err: Console) -> Outcome:
     from pipelang.backends.report import StepProgress
 
-    title = f"{program.name} on {config.model} ({config.backend}, {program.num_ranks} ranks)"
+    ranks = f"{program.num_ranks} ranks"
+    if config.dp > 1:
+        ranks = f"{config.dp} x {ranks}"
+    title = f"{program.name} on {config.model} ({config.backend}, {ranks})"
     with StepProgress(config.steps, title, err) as progress:
         if config.backend == "local":
             from pipelang.backends.local import run_local
@@ -258,13 +324,17 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     out = Console(highlight=False, soft_wrap=True)
     spec = config.spec
     seq_len = plan_stages(spec, program.num_stages, config.partition).seq_len
-    tokens = program.num_microbatches * spec.micro_batch_size * seq_len
+    tokens = program.num_microbatches * config.dp * spec.micro_batch_size * seq_len
     out.print(
         summary(program, outcome.results, outcome.losses, config.model, config.backend, tokens)
     )
     if config.trace:
         write_trace(Path(config.trace), program, outcome.results)
         out.print(f"wrote the trace of every action to {config.trace}", markup=False)
+    if program.weights is not None:
+        from pipelang.backends.versions import versions_line
+
+        out.print(versions_line(program, outcome.results), markup=False)
     if not config.check:
         return 0
     from pipelang.backends.reference import compare, train_reference
@@ -272,8 +342,15 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     device = outcome_device(config)
     from pipelang.backends.worker import rank_threads
 
-    threads = rank_threads(program.num_ranks) if config.backend == "gloo" else None
-    reference = train_reference(config, program.num_microbatches, device, threads)
+    world = program.num_ranks * config.dp
+    threads = rank_threads(world) if config.backend == "gloo" else None
+    if program.weights is not None:
+        from pipelang.backends.async_reference import train_async_reference
+
+        reference = train_async_reference(config, program, device, threads)
+    else:
+        # the reference trains on every copy's micro-batches: K x N per step
+        reference = train_reference(config, program.num_microbatches * config.dp, device, threads)
     comparison = compare(reference, outcome.results, outcome.losses, config)
     out.print(comparison.render(), markup=False)
     return 0 if comparison.ok else 1
@@ -299,23 +376,35 @@ def run_generated(rank: int, file: str) -> int:
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
     args = parser.parse_args()
-    os.environ.setdefault("RANK", str(rank))
-    missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing or os.environ["RANK"] != str(rank):
-        print(
-            f"error: set {', '.join(missing) or 'RANK'} (this file is rank {rank})", file=sys.stderr
-        )
-        return 2
+    if args.dp == 1:
+        os.environ.setdefault("RANK", str(rank))
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
     from pipelang.backends.models import ModelError
 
     program = Program.from_json((Path(file).parent / "schedule.json").read_text())
-    config = config_from_args(args)
+    if missing or not _runs_file(os.environ["RANK"], rank, program.num_ranks, args.dp):
+        need = f"RANK = copy x {program.num_ranks} + {rank}" if args.dp > 1 else f"RANK={rank}"
+        print(
+            f"error: set {', '.join(missing) or 'RANK'} (this file is rank {rank}; {need})",
+            file=sys.stderr,
+        )
+        return 2
+    config = config_from_args(args, program.partition)
     try:
         preflight(program, config)
     except (RunError, ModelError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(error, WorldError) else 1
     return _run_as_torchrun_rank(program, config, Path(file).read_text(), file)
+
+
+def _runs_file(env_rank: str, rank: int, num_ranks: int, dp: int) -> bool:
+    """Whether the process RANK `env_rank` runs program rank `rank` (`--dp`: any copy)."""
+    if not env_rank.isdigit():
+        return False
+    return int(env_rank) < num_ranks * dp and int(env_rank) % num_ranks == rank
 
 
 def _positive(text: str) -> int:

@@ -55,8 +55,9 @@ class LocalRun:
         self.config = config
         self.on_step = on_step
         self.device = local_device()
-        self.hub = LocalHub(program, self.device)
-        self.status = [0] * (3 * program.num_ranks)
+        self.world = program.num_ranks * config.dp
+        self.hub = LocalHub(program, self.device, config.dp)
+        self.status = [0] * (3 * self.world)
         self.lock = threading.Lock()
         self.results: dict[int, RankResult] = {}
         self.pending: dict[int, dict[int, float]] = {}
@@ -75,7 +76,7 @@ class LocalRun:
             threading.Thread(
                 target=self._rank_main, args=(r,), name=f"pipelang-rank{r}", daemon=True
             )
-            for r in range(self.program.num_ranks)
+            for r in range(self.world)
         ]
         for thread in threads:
             thread.start()
@@ -83,7 +84,7 @@ class LocalRun:
         if self.failure is None and self.hub.failure is not None:
             waiting = [
                 f"rank {r} {where(self.program, r, *self.status[3 * r : 3 * r + 3])}"
-                for r in range(self.program.num_ranks)
+                for r in range(self.world)
                 if self.status[3 * r] == PHASE_FAILED
             ]
             raise RunFailure(f"{self.hub.failure}:\n  " + "\n  ".join(waiting))
@@ -94,7 +95,7 @@ class LocalRun:
             if not trace:  # the watchdog's verdict, not an exception
                 raise RunFailure(f"rank {rank} stopped responding {place}: {what}")
             raise RunFailure(f"rank {rank} failed {place}: {what}", trace)
-        return Outcome([self.results[r] for r in range(self.program.num_ranks)], self.losses)
+        return Outcome([self.results[r] for r in range(self.world)], self.losses)
 
     def _watch(self, threads: list[threading.Thread]) -> None:
         last, changed = list(self.status), time.monotonic()
@@ -120,12 +121,13 @@ class LocalRun:
                 torch.cuda.set_stream(transport.stream)
             runtime, iteration = build_rank(
                 self.program,
-                rank,
+                rank % self.program.num_ranks,
                 self.config,
                 transport,
                 self.device,
                 self.status,
                 shapes=self.shapes,
+                replica=rank // self.program.num_ranks,
             )
             runtime.start_clock(self.t0, self.t0_event)
             self.status[slot] = PHASE_RUNNING
@@ -152,9 +154,9 @@ class LocalRun:
             self.pending.setdefault(step, {}).update(losses)
             self.seconds[step] = max(self.seconds.get(step, 0.0), seconds)
             self.reported[step] = self.reported.get(step, 0) + 1
-            while self.reported.get(len(self.losses)) == self.program.num_ranks:
+            while self.reported.get(len(self.losses)) == self.world:
                 done = len(self.losses)
-                n = self.program.num_microbatches
+                n = self.program.num_microbatches * self.config.dp
                 merged = self.pending.pop(done)
                 loss = sum(merged.get(mb, float("nan")) for mb in range(n)) / n
                 self.losses.append(loss)

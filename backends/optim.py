@@ -25,10 +25,15 @@ class SGD:
         self.momentum = momentum
         self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
 
-    @torch.no_grad()
     def step(self) -> None:
-        for i, param in enumerate(self.params):
-            grad = param.grad
+        """Update every parameter from its `.grad`."""
+        self.apply(self.params, [p.grad for p in self.params])
+
+    @torch.no_grad()
+    def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        """Update `params` in place from `grads`, with the state of `self.params` (the i-th
+        tensor is the i-th parameter, possibly a newer version of it); None skips one."""
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
             if grad is None:
                 continue
             if self.momentum:
@@ -63,14 +68,19 @@ class Adam:
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
 
-    @torch.no_grad()
     def step(self) -> None:
+        """Update every parameter from its `.grad`."""
+        self.apply(self.params, [p.grad for p in self.params])
+
+    @torch.no_grad()
+    def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        """Update `params` in place from `grads` (see `SGD.apply`); one Adam step."""
         self.steps += 1
         correction1 = 1 - self.beta1**self.steps
         correction2_sqrt = math.sqrt(1 - self.beta2**self.steps)
         step_size = self.lr / correction1
-        for param, avg, avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
-            grad = param.grad
+        moments = zip(params, grads, self.exp_avg, self.exp_avg_sq, strict=True)
+        for param, grad, avg, avg_sq in moments:
             if grad is None:
                 continue
             avg.lerp_(grad, 1 - self.beta1)

@@ -73,10 +73,12 @@ class RunFailure(Exception):
 
 
 def where(program: Program, rank: int, phase: int, step: int, action: int) -> str:
-    """`at step 1, action 7 (recv:B0@2/main<3)`, or `during setup`."""
+    """`at step 1, action 7 (recv:B0@2/main<3)`, or `during setup`.
+
+    `rank` is the process's rank; with `--dp` it runs program rank `rank % R`."""
     if phase in (PHASE_STARTING, PHASE_SETUP) or step < 0:
         return "during setup"
-    actions = program.ranks[rank]
+    actions = program.ranks[rank % program.num_ranks]
     if phase == PHASE_DONE or action >= len(actions):
         return f"after step {step}"
     return f"at step {step}, action {action} `{actions[action].text()}`"
@@ -92,7 +94,7 @@ class Launcher:
         self.config = config
         self.shapes = shapes
         self.on_step = on_step
-        self.world = program.num_ranks
+        self.world = program.num_ranks * config.dp
         self.ctx = forkserver()
         self.status: Any = self.ctx.Array("q", 3 * self.world, lock=False)
         self.queue: Any = self.ctx.Queue()
@@ -203,7 +205,7 @@ class Launcher:
             merged = {
                 mb: v for part in self.step_losses.pop(done).values() for mb, v in part.items()
             }
-            n = self.program.num_microbatches
+            n = self.program.num_microbatches * self.config.dp
             loss = sum(merged.get(mb, float("nan")) for mb in range(n)) / n
             self.losses.append(loss)
             self.on_step(done, loss, self.step_seconds[done])

@@ -62,10 +62,11 @@ class Outcome:
 
 
 def training_seconds(results: list[RankResult]) -> float:
-    """From the first action of the first step to the last action of the last step."""
-    starts = [e[2] for r in results for e in r.events]
-    ends = [e[3] for r in results for e in r.events]
-    return (max(ends) - min(starts)) / 1e9 if starts else 0.0
+    """From the start of the first step to the end of the last, over every rank."""
+    spans = [r.span_ns for r in results if r.span_ns != (0, 0)]
+    if not spans:
+        return 0.0
+    return (max(end for _, end in spans) - min(start for start, _ in spans)) / 1e9
 
 
 def summary(
@@ -76,13 +77,15 @@ def summary(
     backend: str,
     tokens_per_step: int,
 ) -> Table:
-    """The table printed after a run: throughput, then busy share and memory per rank."""
+    """The table printed after a run: throughput, then busy share and memory per rank.
+
+    With `--dp K` there are K x R results (one per process, `rank` replica-major)."""
     seconds = training_seconds(results)
     steps = len(losses)
     rate = steps / seconds if seconds else 0.0
     params = ", ".join(f"{k}={v}" for k, v in program.params)
     table = Table(
-        title=f"{program.name}({params}) on {model}, {backend}, {program.num_ranks} ranks: "
+        title=f"{program.name}({params}) on {model}, {backend}, {world_text(program, results)}: "
         f"{steps} steps in {seconds:.3f} s, {rate:.2f} steps/s, "
         f"{rate * tokens_per_step:,.0f} tokens/s, final loss {losses[-1]:.4f}"
         if losses
@@ -92,22 +95,28 @@ def summary(
     for column in ("rank", "stage copies", "actions/step", "busy", "peak memory"):
         table.add_column(column, justify="left" if column == "stage copies" else "right")
     for result in sorted(results, key=lambda r: r.rank):
-        actions = program.ranks[result.rank]
-        busy = sum(
-            end - start for _, index, start, end in result.events if actions[index].kind.is_compute
-        )
+        actions = program.ranks[result.rank % program.num_ranks]
         table.add_row(
             str(result.rank),
             ", ".join(f"{s}/{p}" for s, p, _ in result.copies),
             str(len(actions)),
-            f"{100 * busy / 1e9 / seconds:.0f}%" if seconds else "-",
+            f"{100 * result.busy_ns / 1e9 / seconds:.0f}%" if seconds else "-",
             f"{result.peak_memory / 2**20:,.1f} MiB",
         )
     return table
 
 
+def world_text(program: Program, results: list[RankResult]) -> str:
+    """`4 ranks`, or with `--dp 2`: `2 x 4 ranks (--dp 2)`."""
+    dp = max(1, len(results) // program.num_ranks)
+    if dp == 1:
+        return f"{program.num_ranks} ranks"
+    return f"{dp} x {program.num_ranks} ranks (--dp {dp})"
+
+
 def chrome_trace(program: Program, results: list[RankResult]) -> dict[str, object]:
-    """Every action of every rank as a Chrome trace complete event (pid = tid = rank)."""
+    """Every action of every rank as a Chrome trace complete event (pid = tid = rank;
+    with `--dp K`, the process's rank, `replica * R + rank`)."""
     events: list[dict[str, object]] = []
     for result in results:
         rank = result.rank
@@ -121,7 +130,7 @@ def chrome_trace(program: Program, results: list[RankResult]) -> dict[str, objec
             }
         )
         for step, index, start, end in result.events:
-            action = program.ranks[rank][index]
+            action = program.ranks[rank % program.num_ranks][index]
             events.append(
                 {
                     "name": action.text(),

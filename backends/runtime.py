@@ -16,16 +16,21 @@ model from the seed and keeps only those stages, so the replicas of a stage (Chi
 - `send_*`/`recv_*` move a stage's output (activation) or its input gradient; `signal`
   and `wait` carry no data. `allreduce` starts summing one stage's gradients over its
   replicas; `step` waits for those sums, runs the optimizer and clears the gradients.
+- `update` (asynchronous schedules only, which have no `step`) applies one stage copy's
+  gathered gradients and makes a new version of its weights (backends/versions.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
 import time
 from collections.abc import Callable, MutableSequence, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from time import perf_counter_ns
 from typing import Any, TypeVar
 
 import torch
@@ -34,9 +39,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
 from pipelang.backends.optim import SGD, Adam, Optimizer
+from pipelang.backends.stash import Stash
 from pipelang.backends.transport import Handle, PeerFailure, Transport
+from pipelang.backends.versions import CopyVersions, installed
 from pipelang.diagnostics import InternalError
-from pipelang.ir import Kind, Program
+from pipelang.ir import STASH_KINDS, Kind, Program
 
 OPTIMIZERS = ("sgd", "adam")
 DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
@@ -61,6 +68,10 @@ class RunConfig:
     seed: int = 0
     debug: bool = False
     partition: tuple[int, ...] | None = None
+    dp: int = 1
+    """Data-parallel copies of the whole pipeline (`--dp K`): K x ranks processes."""
+    count_activations: bool = False
+    """Count the bytes of saved activations per rank (always on with evictions)."""
 
     @property
     def spec(self) -> ModelSpec:
@@ -101,6 +112,8 @@ class Saved:
     x: torch.Tensor
     y: torch.Tensor | None
     dy: torch.Tensor | None = None
+    params: list[nn.Parameter] | None = None
+    """Asynchronous schedules: the weight version the forward read."""
 
 
 @dataclass(slots=True)
@@ -114,10 +127,21 @@ class RankResult:
     """Per step: the (unscaled) loss of every micro-batch whose last stage ran here."""
     step_seconds: list[float] = field(default_factory=list)
     events: list[tuple[int, int, int, int]] = field(default_factory=list)
-    """(step, action index, start ns, end ns), times relative to the run's common start."""
+    """(step, action index, start ns, end ns), times relative to the run's common start;
+    recorded only with `--trace` (and always on CUDA)."""
+    busy_ns: int = 0
+    """Time in compute actions (F, B, W, R) over all steps."""
+    span_ns: tuple[int, int] = (0, 0)
+    """(start of the first step, end of the last), relative to the run's common start."""
     peak_memory: int = 0
+    peak_activation_bytes: int = 0
+    """The most bytes of saved activations resident at once, held-for-partner buffers
+    included (backends/stash.py); counted with evictions or `count_activations`."""
     copy_weights: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Final parameters of every copy (with `--check`), named as in the whole model."""
+    peak_weight_versions: int = 0
+    """The most weight versions in memory at once over this rank's copies (counted in
+    asynchronous schedules only; compare `pipelang simulate`'s peak_weight_versions)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,28 +174,32 @@ T = TypeVar("T", bound=Callable[..., None])
 
 
 def _action(method: T) -> T:
-    """Count the action, publish where the rank is, time it, and fire an injected fault."""
+    """Count the action, publish where the rank is, fire an injected fault, and time the
+    action when a trace records it (`RankRuntime.timed`)."""
+    return _wrapped(method, busy=False)
 
+
+def _compute(method: T) -> T:
+    """`_action`, and add the action's time to the rank's busy time even without a trace."""
+    return _wrapped(method, busy=True)
+
+
+def _wrapped(method: T, busy: bool) -> T:
     @functools.wraps(method)
     def run(self: RankRuntime, *args: Any, **kwargs: Any) -> None:
         index = self.action_index
         self.action_index = index + 1
-        self.status[self.status_slot + 2] = index
-        fault = self.fault
-        if fault is not None and fault.step == self.step_index and fault.action == index:
-            fault.trigger()
-        if self.gpu_events is not None:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+        self.status[self.action_slot] = index
+        if self.fault is not None:
+            self.fault_check(index)
+        if self.timed:
+            self.timed_call(index, method, args, kwargs)
+        elif busy:
+            start = perf_counter_ns()
             method(self, *args, **kwargs)
-            end.record()
-            self.gpu_events.append((self.step_index, index, begin, end))
-            return
-        start = time.perf_counter_ns()
-        method(self, *args, **kwargs)
-        self.events.append(
-            (self.step_index, index, start - self.t0, time.perf_counter_ns() - self.t0)
-        )
+            self.busy_ns += perf_counter_ns() - start
+        else:
+            method(self, *args, **kwargs)
 
     return run  # type: ignore[return-value]
 
@@ -188,18 +216,27 @@ class RankRuntime:
         device: torch.device,
         status: MutableSequence[int] | None = None,
         shapes: Shapes | None = None,
+        replica: int = 0,
     ) -> None:
         self.program = program
         self.rank = rank
+        self.replica = replica
+        self.world_rank = replica * program.num_ranks + rank
+        """This process's rank in the whole run: replica-major, `replica * R + rank`."""
         self.config = config
         self.transport = transport
         self.device = device
-        self.status: MutableSequence[int] = status if status is not None else [0] * (3 * (rank + 1))
-        self.status_slot = 3 * rank
-        self.fault = Fault.from_env(rank)
+        slot = 3 * self.world_rank
+        self.status: MutableSequence[int] = status if status is not None else [0] * (slot + 3)
+        self.step_slot, self.action_slot = slot + 1, slot + 2
+        self.fault = Fault.from_env(self.world_rank)
         self.split_backward = Kind.W in program.kinds
         self.recomputes = Kind.R in program.kinds
-        self.scale = 1.0 / program.num_microbatches
+        self.scale = 1.0 / (program.num_microbatches * config.dp)
+        if program.weights is not None:
+            self.scale = 1.0  # each update averages the gradients it applies instead
+        self.first_mb = replica * program.num_microbatches
+        """This replica's micro-batch `mb` is micro-batch `first_mb + mb` of the step."""
         self.model = config.spec.build()
         bounds = self.model.stage_bounds(program.num_stages, config.partition)
         if shapes is None:
@@ -209,11 +246,32 @@ class RankRuntime:
             (s, p): self._stage_copy(s, p, bounds[s]) for s, p in program.stage_copies(rank)
         }
         self.model.layers = []  # keep only this rank's stages alive
+        self.versions: dict[tuple[int, str], CopyVersions] = {}
+        if program.weights is not None:
+            self.versions = {
+                key: CopyVersions(c.module, c.params, program.weights.stashes)
+                for key, c in self.copies.items()
+            }
+        self.peak_versions = len(self.versions)
+        self.reduced_at_step = [
+            self.copies[key]
+            for key in _reduced_at_step(program, rank, config.dp, list(self.copies))
+        ]
+        self.group_sizes = {
+            stage: len(set(program.replicas(stage))) * config.dp for stage, _ in self.copies
+        }
         self.saved: dict[tuple[int, int, str], Saved] = {}
+        counts = config.count_activations or _evicts(program)
+        self.stash = Stash() if counts else None
+        """Saved activations per forward, for evictions and their byte count."""
         self.values: dict[tuple[str, int, int, str], torch.Tensor] = {}
         self.reducing: list[tuple[StageCopy, torch.Tensor, list[torch.Tensor], Handle]] = []
         self.losses: list[tuple[int, torch.Tensor]] = []
         self.events: list[tuple[int, int, int, int]] = []
+        self.timed = config.trace is not None
+        """Time every action for the trace (CUDA: always, with events)."""
+        self.busy_ns = 0
+        self.span_ns: tuple[int, int] | None = None
         self.step_index = 0
         self.action_index = 0
         self.stepped = False
@@ -234,6 +292,31 @@ class RankRuntime:
                 t0_event.record()
             self.t0_event = t0_event
             self.gpu_events = []
+            self.timed = True
+
+    def fault_check(self, index: int) -> None:
+        """Fire the injected fault if this is its step and action."""
+        fault = self.fault
+        if fault is not None and fault.step == self.step_index and fault.action == index:
+            fault.trigger()
+
+    def timed_call(
+        self, index: int, method: Callable[..., None], args: Any, kwargs: dict[str, Any]
+    ) -> None:
+        """Run one action and record its start and end (CUDA events on a GPU)."""
+        if self.gpu_events is not None:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            method(self, *args, **kwargs)
+            end.record()
+            self.gpu_events.append((self.step_index, index, begin, end))
+            return
+        start = perf_counter_ns()
+        method(self, *args, **kwargs)
+        end_ns = perf_counter_ns()
+        self.events.append((self.step_index, index, start - self.t0, end_ns - self.t0))
+        if self.program.ranks[self.rank][index].kind.is_compute:
+            self.busy_ns += end_ns - start
 
     def _stage_copy(self, stage: int, pipeline: str, layers: range) -> StageCopy:
         module = self.model.stage_module(layers).to(self.device)
@@ -256,7 +339,10 @@ class RankRuntime:
         self.step_index = step
         self.action_index = 0
         self.stepped = False
-        self.status[self.status_slot + 1] = step
+        self.status[self.step_slot] = step
+        if self.span_ns is None:
+            start = perf_counter_ns() - self.t0
+            self.span_ns = (start, start)
 
     def end_step(self) -> dict[int, float]:
         """Finish the iteration: wait for sends, check nothing is left; losses by mb."""
@@ -267,11 +353,17 @@ class RankRuntime:
         left = [f"{k[0]}{k[1]}@{k[2]}/{k[3]}" for k in self.values] + [
             f"F{mb}@{s}/{p}" for mb, s, p in self.saved
         ]
-        if left or self.reducing or not self.stepped:
+        if self.stash is not None:
+            left += [f"H{mb}@{s}/{p}" for mb, s, p in self.stash.held]
+        for versions in self.versions.values():
+            versions.end_iteration()
+        if left or self.reducing or not (self.stepped or self.versions):
             what = ", ".join(left) if left else "no `step` action ran"
             raise InternalError(f"rank {self.rank} ended step {self.step_index} unfinished: {what}")
         losses = {mb: float(loss) for mb, loss in self.losses}
         self.losses.clear()
+        if self.span_ns is not None:
+            self.span_ns = (self.span_ns[0], perf_counter_ns() - self.t0)
         return losses
 
     def result(self, with_weights: bool) -> RankResult:
@@ -283,11 +375,19 @@ class RankRuntime:
                 (step, index, int(zero.elapsed_time(b) * 1e6), int(zero.elapsed_time(e) * 1e6))
                 for step, index, b, e in self.gpu_events
             ]
+            actions = self.program.ranks[self.rank]
+            self.busy_ns = sum(e - b for _, i, b, e in self.events if actions[i].kind.is_compute)
+            if self.events:
+                self.span_ns = (self.events[0][2], self.events[-1][3])
         result = RankResult(
-            self.rank,
+            self.world_rank,
             [(c.stage, c.pipeline, c.layers.start) for c in self.copies.values()],
             events=self.events,
             peak_memory=peak_memory(self.device),
+            busy_ns=self.busy_ns,
+            span_ns=self.span_ns or (0, 0),
+            peak_weight_versions=self.peak_versions,
+            peak_activation_bytes=self.stash.peak_bytes if self.stash is not None else 0,
         )
         if with_weights:
             for c in self.copies.values():
@@ -298,17 +398,18 @@ class RankRuntime:
 
     def _stage_input(self, mb: int, copy: StageCopy) -> torch.Tensor:
         if copy.first:
-            ids, _ = self.model.batch(self.step_index, mb, self.device)
+            ids, _ = self.model.batch(self.step_index, self.first_mb + mb, self.device)
             return ids
         value = self.values.pop(("F", mb, copy.stage - 1, copy.pipeline))
         return value.detach().requires_grad_(True)
 
     def _scaled_loss(self, mb: int, logits: torch.Tensor, record: bool) -> torch.Tensor:
-        """The loss of one micro-batch scaled by 1/N: the one place the loss is scaled."""
-        _, targets = self.model.batch(self.step_index, mb, self.device)
+        """The loss of one micro-batch scaled by 1/(N*K) (K = `--dp`): the one place the
+        loss is scaled. The allreduce then sums the K data-parallel copies' gradients."""
+        _, targets = self.model.batch(self.step_index, self.first_mb + mb, self.device)
         loss = self.model.loss(logits, targets)
         if record:
-            self.losses.append((mb, loss.detach()))
+            self.losses.append((self.first_mb + mb, loss.detach()))
         return loss * self.scale
 
     def _run_stage(self, mb: int, copy: StageCopy, x: torch.Tensor, record: bool) -> torch.Tensor:
@@ -317,7 +418,7 @@ class RankRuntime:
             return self._scaled_loss(mb, y, record)
         return y
 
-    @_action
+    @_compute
     def forward(self, mb: int, stage: int, pipeline: str) -> None:
         """F: run the stage; keep its input and output; publish the output."""
         copy = self.copies[(stage, pipeline)]
@@ -325,21 +426,30 @@ class RankRuntime:
         if self.recomputes:
             with torch.no_grad():
                 y = self._run_stage(mb, copy, x, record=True)
-            self.saved[(mb, stage, pipeline)] = Saved(x, None)
+            saved = self.saved[(mb, stage, pipeline)] = Saved(x, None)
         else:
-            y = self._run_stage(mb, copy, x, record=True)
-            self.saved[(mb, stage, pipeline)] = Saved(x, y)
+            with self._recording(mb, copy):
+                y = self._run_stage(mb, copy, x, record=True)
+            saved = self.saved[(mb, stage, pipeline)] = Saved(x, y)
+            self._measure()
+        if self.versions:
+            saved.params = copy.params
         if not copy.last:
             self.values[("F", mb, stage, pipeline)] = y.detach()
 
-    @_action
+    @_compute
     def recompute(self, mb: int, stage: int, pipeline: str) -> None:
         """R: redo the forward from the kept input, this time building the graph."""
         copy = self.copies[(stage, pipeline)]
         saved = self.saved[(mb, stage, pipeline)]
-        saved.y = self._run_stage(mb, copy, saved.x, record=False)
+        versions = self.versions.get((stage, pipeline))
+        if versions is None or not versions.stash or saved.params is None:
+            saved.y = self._run_stage(mb, copy, saved.x, record=False)
+            return
+        with installed(versions.slots, saved.params, copy.params):
+            saved.y = self._run_stage(mb, copy, saved.x, record=False)
 
-    @_action
+    @_compute
     def backward(self, mb: int, stage: int, pipeline: str) -> None:
         """B: input gradient, plus the weight gradient unless the program splits off W."""
         copy = self.copies[(stage, pipeline)]
@@ -351,22 +461,41 @@ class RankRuntime:
         if not self.split_backward:
             torch.autograd.backward(saved.y, dy)
             del self.saved[key]
+            self._forget(key)
             if not copy.first:
                 assert saved.x.grad is not None
                 self.values[("B", mb, stage, pipeline)] = saved.x.grad
+            if saved.params is not None:
+                self.versions[(stage, pipeline)].collect(saved.params)
+                saved.y = saved.params = None  # frees the graph and its version
             return
         if not copy.first:
             (dx,) = torch.autograd.grad(saved.y, [saved.x], dy, retain_graph=True)
             self.values[("B", mb, stage, pipeline)] = dx
         saved.dy = dy
 
-    @_action
+    @_compute
     def weight_grad(self, mb: int, stage: int, pipeline: str) -> None:
         """W: accumulate the parameter gradients from the graph B kept."""
         copy = self.copies[(stage, pipeline)]
         saved = self.saved.pop((mb, stage, pipeline))
+        self._forget((mb, stage, pipeline))
         assert saved.y is not None
-        torch.autograd.backward(saved.y, saved.dy, inputs=copy.params)
+        params = saved.params if saved.params is not None else copy.params
+        torch.autograd.backward(saved.y, saved.dy, inputs=params)
+        if saved.params is not None:
+            self.versions[(stage, pipeline)].collect(params)
+            saved.y = saved.params = None
+
+    @_action
+    def update(self, stage: int, pipeline: str, version: int) -> None:
+        """U: apply the mean of the gradients this copy gathered since its last update
+        and make `version` (counted from 1 in each iteration); see backends/versions.py."""
+        copy = self.copies[(stage, pipeline)]
+        copy.params = self.versions[(stage, pipeline)].update(copy.optimizer, version)
+        # only an update adds a version: the peak is right after one
+        live = sum(v.live() for v in self.versions.values())
+        self.peak_versions = max(self.peak_versions, live)
 
     # ---- communication --------------------------------------------------------------------
 
@@ -423,27 +552,114 @@ class RankRuntime:
         except RuntimeError as err:
             raise PeerFailure(str(err)) from err
 
+    # ---- evicted activations (BPipe; backends/stash.py) -------------------------------------
+
+    def _recording(self, mb: int, copy: StageCopy) -> AbstractContextManager[None]:
+        """File the tensors a forward saves under (mb, stage, pipeline) when counting."""
+        if self.stash is None:
+            return contextlib.nullcontext()
+        name = f"F{mb}@{copy.stage}/{copy.pipeline}"
+        return self.stash.recording((mb, copy.stage, copy.pipeline), name, copy.module)
+
+    def _measure(self) -> None:
+        if self.stash is not None:
+            self.stash.measure(set(self.saved))
+
+    def _forget(self, key: tuple[int, int, str]) -> None:
+        if self.stash is not None:
+            self.stash.entries.pop(key, None)
+
+    def _stash(self) -> Stash:
+        if self.stash is None:
+            raise InternalError("an eviction action ran, but the runtime keeps no stash")
+        return self.stash
+
+    def _send_bytes(self, buffer: torch.Tensor, peer: int) -> None:
+        """An eviction's bytes go as two messages: their count (int64), then the bytes."""
+        size = torch.tensor([buffer.numel()], dtype=torch.int64, device=self.device)
+        try:
+            self.transport.send(size, peer)
+            self.transport.send(buffer, peer)
+        except RuntimeError as err:
+            raise PeerFailure(str(err)) from err
+
+    def _recv_bytes(self, peer: int) -> torch.Tensor:
+        try:
+            size = self.transport.recv((1,), torch.int64, peer)
+            return self.transport.recv((int(size.item()),), torch.uint8, peer)
+        except RuntimeError as err:
+            raise PeerFailure(str(err)) from err
+
+    @_action
+    def evict(self, mb: int, stage: int, pipeline: str, to: int) -> None:
+        """E: copy the forward's activations into one buffer and free their storages."""
+        key = (mb, stage, pipeline)
+        saved = self.saved[key]
+        keep = None if self.copies[(stage, pipeline)].last else saved.y
+        self.values[("E", *key)] = self._stash().evict(key, keep)
+
+    @_action
+    def send_evicted(self, mb: int, stage: int, pipeline: str, to: int) -> None:
+        """send:E: send the evicted activations to the partner."""
+        self._send_bytes(self.values.pop(("E", mb, stage, pipeline)), to)
+
+    @_action
+    def recv_evicted(self, mb: int, stage: int, pipeline: str, src: int) -> None:
+        """recv:E: on the partner, receive activations another rank evicts."""
+        self.values[("E", mb, stage, pipeline)] = self._recv_bytes(src)
+
+    @_action
+    def hold(self, mb: int, stage: int, pipeline: str) -> None:
+        """H: keep the received activations until the owner loads them back."""
+        stash = self._stash()
+        stash.held[(mb, stage, pipeline)] = self.values.pop(("E", mb, stage, pipeline))
+        self._measure()
+
+    @_action
+    def send_held(self, mb: int, stage: int, pipeline: str, to: int) -> None:
+        """send:H: send the held activations back to their owner; stop holding them."""
+        self._send_bytes(self._stash().held.pop((mb, stage, pipeline)), to)
+
+    @_action
+    def recv_held(self, mb: int, stage: int, pipeline: str, src: int) -> None:
+        """recv:H: on the owner, receive its activations back from the partner."""
+        self.values[("H", mb, stage, pipeline)] = self._recv_bytes(src)
+
+    @_action
+    def load(self, mb: int, stage: int, pipeline: str) -> None:
+        """L: give the forward's storages their bytes back, for the backward."""
+        key = (mb, stage, pipeline)
+        self._stash().load(key, self.values.pop(("H", *key)))
+        self._measure()
+
     # ---- synchronisation ------------------------------------------------------------------
 
     @_action
     def allreduce(self, stage: int, pipeline: str) -> None:
         """allreduce: start summing this copy's gradients with the stage's other replicas."""
-        copy = self.copies[(stage, pipeline)]
-        if len(set(self.program.replicas(stage))) < 2:
+        if self.group_sizes[stage] < 2:
             return
+        self._start_allreduce(self.copies[(stage, pipeline)])
+
+    def _start_allreduce(self, copy: StageCopy) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in copy.params]
         flat = _flatten_dense_tensors(grads)
         if flat.device.type == "cpu" and flat.dtype in (torch.float16, torch.bfloat16):
             flat = flat.float()
         try:
-            handle = self.transport.allreduce(stage, flat)
+            handle = self.transport.allreduce(copy.stage, flat)
         except RuntimeError as err:
             raise PeerFailure(str(err)) from err
         self.reducing.append((copy, flat, grads, handle))
 
     @_action
     def step(self) -> None:
-        """step: finish the allreduces, update every stage copy, clear the gradients."""
+        """step: finish the allreduces, update every stage copy, clear the gradients.
+
+        With `--dp K`, a copy whose stage has no replica in the schedule (so no
+        `allreduce` action) sums its gradients with the other K - 1 copies here."""
+        for copy in self.reduced_at_step:
+            self._start_allreduce(copy)
         for copy, flat, grads, handle in self.reducing:
             try:
                 handle.wait()
@@ -456,6 +672,22 @@ class RankRuntime:
             copy.optimizer.step()
             copy.optimizer.zero_grad()
         self.stepped = True
+
+
+def _evicts(program: Program) -> bool:
+    """Whether any rank of `program` evicts, holds or loads activations."""
+    return any(a.kind in STASH_KINDS for actions in program.ranks for a in actions)
+
+
+def _reduced_at_step(
+    program: Program, rank: int, dp: int, copies: list[tuple[int, str]]
+) -> list[tuple[int, str]]:
+    """The copies `step` itself reduces under `--dp`: those with no `allreduce` action."""
+    if dp < 2:
+        return []
+    actions = program.ranks[rank]
+    reduced = {(a.stage, a.pipeline) for a in actions if a.kind is Kind.ALLREDUCE}
+    return [copy for copy in copies if copy not in reduced]
 
 
 def _full_names(copy: StageCopy) -> dict[str, torch.Tensor]:

@@ -6,6 +6,11 @@ and one group per stage whose replicas live on several ranks. Sends are non-bloc
 waited at the end of the step; receives block; allreduces start at `allreduce` and are
 waited at `step`.
 
+With `--dp K` the run has K copies of the pipeline, K x R processes, replica-major: the
+process of rank r in copy k is `k * R + r`. A transport speaks program ranks (0..R-1) and
+maps them into its own copy; channels stay inside a copy, and a stage's reduce group
+holds its replicas in every copy (K x the schedule's replicas).
+
 `LocalHub` runs every rank of a program in one process, each rank a thread; only one
 thread runs at a time and the baton passes, in rank order, when a rank must wait for a
 message. On CUDA each rank computes on a stream of its own and a message is a device copy
@@ -64,57 +69,81 @@ def replica_ranks(program: Program, stage: int) -> list[int]:
     return sorted(set(program.replicas(stage)))
 
 
-class DistTransport:
-    """torch.distributed channels; every rank must construct it (groups are collective)."""
+def reduce_ranks(program: Program, stage: int, dp: int) -> list[int]:
+    """The processes holding a copy of `stage` under `--dp dp`, sorted (replica-major)."""
+    world = program.num_ranks
+    return [k * world + r for k in range(dp) for r in replica_ranks(program, stage)]
 
-    def __init__(self, program: Program, rank: int, device: torch.device, timeout: float) -> None:
+
+class DistTransport:
+    """torch.distributed channels; every rank must construct it (groups are collective).
+
+    `rank` is the program rank; `replica` the data-parallel copy (of `dp`) it belongs to.
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        rank: int,
+        device: torch.device,
+        timeout: float,
+        replica: int = 0,
+        dp: int = 1,
+    ) -> None:
         self.rank = rank
         self.device = device
         self.cuda = device.type == "cuda"
         wait = timedelta(seconds=timeout)
-        self.groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        me = replica * program.num_ranks + rank
+        # peer -> (group, the peer's rank in it): sends and receives call the group
+        # directly, skipping torch.distributed's per-call argument checks and lookups.
+        self.out: dict[int, tuple[dist.ProcessGroup, int]] = {}
+        self.into: dict[int, tuple[dist.ProcessGroup, int]] = {}
         self.streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-        for pair in channels(program):
-            group = dist.new_group(list(pair), timeout=wait)
-            if rank in pair:
-                self.groups[pair] = group
+        for k in range(dp):  # every process creates every group, in the same order
+            base = k * program.num_ranks
+            for src, dst in channels(program):
+                group = dist.new_group([base + src, base + dst], timeout=wait)
+                if k != replica or rank not in (src, dst):
+                    continue
+                peer = dst if src == rank else src
+                table = self.out if src == rank else self.into
+                table[peer] = (group, dist.get_group_rank(group, base + peer))
                 if self.cuda:
-                    self.streams[pair] = torch.cuda.Stream(device)
+                    self.streams[(src, dst)] = torch.cuda.Stream(device)
         self.reduce_groups: dict[int, dist.ProcessGroup] = {}
         for stage in range(program.num_stages):
-            ranks = replica_ranks(program, stage)
+            ranks = reduce_ranks(program, stage, dp)
             if len(ranks) > 1:
                 group = dist.new_group(ranks, timeout=wait)
-                if rank in ranks:
+                if me in ranks:
                     self.reduce_groups[stage] = group
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
-        pair = (self.rank, peer)
-        tensor = tensor.contiguous()
+        group, group_peer = self.out[peer]
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
         if self.cuda:
-            stream = self.streams[pair]
+            stream = self.streams[(self.rank, peer)]
             stream.wait_stream(torch.cuda.current_stream(self.device))
             tensor.record_stream(stream)
             with torch.cuda.stream(stream):
-                work = dist.isend(tensor, peer, group=self.groups[pair])
+                work = group.send([tensor], group_peer, 0)
         else:
-            work = dist.isend(tensor, peer, group=self.groups[pair])
-        assert work is not None
+            work = group.send([tensor], group_peer, 0)
         self.sends.append((work, tensor))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
-        pair = (peer, self.rank)
+        group, group_peer = self.into[peer]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         if not self.cuda:
-            dist.recv(buf, peer, group=self.groups[pair])
+            group.recv([buf], group_peer, 0).wait()
             return buf
-        stream = self.streams[pair]
+        stream = self.streams[(peer, self.rank)]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            work = dist.irecv(buf, peer, group=self.groups[pair])
-            assert work is not None
-            work.wait()
+            group.recv([buf], group_peer, 0).wait()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         buf.record_stream(torch.cuda.current_stream(self.device))
         return buf
@@ -137,17 +166,19 @@ class Aborted(Exception):
 class LocalHub:
     """All ranks of a program in one process; see the module docstring."""
 
-    def __init__(self, program: Program, device: torch.device) -> None:
+    def __init__(self, program: Program, device: torch.device, dp: int = 1) -> None:
         self.program = program
         self.device = device
-        self.world = program.num_ranks
+        self.dp = dp
+        self.world = program.num_ranks * dp
         self._cond = threading.Condition()
         self._running = 0
         self._waiting: dict[int, Callable[[], bool]] = {}
         self._finished: set[int] = set()
         self.failure: BaseException | None = None
+        base = [k * program.num_ranks for k in range(dp)]
         self.mailbox: dict[tuple[int, int], deque[tuple[torch.Tensor, object]]] = {
-            pair: deque() for pair in channels(program)
+            (b + src, b + dst): deque() for b in base for src, dst in channels(program)
         }
         self._reductions: dict[tuple[int, int], _Reduction] = {}
 
@@ -208,7 +239,7 @@ class LocalHub:
     def reduction(self, step: int, stage: int) -> _Reduction:
         key = (step, stage)
         if key not in self._reductions:
-            self._reductions[key] = _Reduction(len(replica_ranks(self.program, stage)))
+            self._reductions[key] = _Reduction(len(reduce_ranks(self.program, stage, self.dp)))
         return self._reductions[key]
 
 
@@ -223,11 +254,13 @@ class _Reduction:
 
 
 class LocalTransport:
-    """One rank's view of a `LocalHub`."""
+    """One rank's view of a `LocalHub`: `rank` is the thread's rank in the whole run
+    (`replica * R + program rank`); peers are program ranks of the same copy."""
 
     def __init__(self, hub: LocalHub, rank: int) -> None:
         self.hub = hub
         self.rank = rank
+        self.base = rank - rank % hub.program.num_ranks
         self.cuda = hub.device.type == "cuda"
         self.stream = torch.cuda.Stream(hub.device) if self.cuda else None
         self.step_index = 0
@@ -244,9 +277,10 @@ class LocalTransport:
             self.stream.wait_event(event)  # type: ignore[arg-type]
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
-        self.hub.mailbox[(self.rank, peer)].append((tensor, self._event()))
+        self.hub.mailbox[(self.rank, self.base + peer)].append((tensor, self._event()))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
+        peer += self.base
         box = self.hub.mailbox[(peer, self.rank)]
         self.hub.block_until(self.rank, lambda: bool(box))
         tensor, event = box.popleft()

@@ -74,9 +74,11 @@ def build_rank(
     source: str | None = None,
     filename: str | None = None,
     shapes: Shapes | None = None,
+    replica: int = 0,
 ) -> tuple[RankRuntime, Iteration]:
-    """The runtime of `rank` and its generated `iteration` (rendered unless `source` given)."""
-    runtime = RankRuntime(program, rank, config, transport, device, status, shapes)
+    """The runtime of program rank `rank` in data-parallel copy `replica`, and its
+    generated `iteration` (rendered unless `source` given)."""
+    runtime = RankRuntime(program, rank, config, transport, device, status, shapes, replica)
     text = source if source is not None else render_rank_program(program, rank)
     iteration = load_iteration(text, filename or f"<pipelang rank{rank}.py>")
     return runtime, iteration
@@ -137,17 +139,17 @@ def _set_up(job: Job, status: MutableSequence[int]) -> tuple[RankRuntime, Iterat
     wait = timedelta(seconds=config.timeout)
     store = dist.TCPStore(job.store_host, job.store_port, None, False, timeout=wait)
     backend = "nccl" if config.backend == "nccl" else "gloo"
-    dist.init_process_group(
-        backend, store=store, rank=job.rank, world_size=program.num_ranks, timeout=wait
-    )
+    world = program.num_ranks * config.dp
+    dist.init_process_group(backend, store=store, rank=job.rank, world_size=world, timeout=wait)
     device = device_for(config, job.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    transport = DistTransport(program, job.rank, device, config.timeout)
-    path = Path(job.run_dir) / f"rank{job.rank}.py"
+    replica, rank = divmod(job.rank, program.num_ranks)
+    transport = DistTransport(program, rank, device, config.timeout, replica, config.dp)
+    path = Path(job.run_dir) / f"rank{rank}.py"
     runtime, iteration = build_rank(
         program,
-        job.rank,
+        rank,
         config,
         transport,
         device,
@@ -155,6 +157,7 @@ def _set_up(job: Job, status: MutableSequence[int]) -> tuple[RankRuntime, Iterat
         path.read_text(),
         str(path),
         job.shapes,
+        replica,
     )
     dist.barrier()
     runtime.start_clock()
@@ -170,8 +173,9 @@ def run_torchrun_rank(
 ) -> list[RankResult] | None:
     """This process is one rank under torchrun; rank 0 gets every rank's result.
 
-    `source` is the rank's generated program (a hand-started rank{r}.py); by default it
-    is rendered from `program`.
+    With `--dp K`, RANK is `replica * R + program rank` (WORLD_SIZE is K x R). `source`
+    is the rank's generated program (a hand-started rank{r}.py); by default it is
+    rendered from `program`.
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -184,9 +188,18 @@ def run_torchrun_rank(
         device = device_for(config, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        transport = DistTransport(program, rank, device, config.timeout)
+        replica, program_rank = divmod(rank, program.num_ranks)
+        transport = DistTransport(program, program_rank, device, config.timeout, replica, config.dp)
         runtime, iteration = build_rank(
-            program, rank, config, transport, device, None, source, filename
+            program,
+            program_rank,
+            config,
+            transport,
+            device,
+            None,
+            source,
+            filename,
+            replica=replica,
         )
         dist.barrier()
         runtime.start_clock()
@@ -195,7 +208,7 @@ def run_torchrun_rank(
             total = torch.tensor([sum(losses.values())], dtype=torch.float64, device=device)
             dist.all_reduce(total)
             if rank == 0:
-                on_step(step, float(total[0]) / program.num_microbatches, seconds)
+                on_step(step, float(total[0]) / (program.num_microbatches * config.dp), seconds)
         result = runtime.result(config.check)
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)

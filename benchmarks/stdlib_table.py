@@ -3,7 +3,8 @@
 For each schedule: the number of ranks and stages, the simulated makespan, the bubble
 ratio (ours: 1 - busy / (R * makespan), DESIGN.md section 4), the largest per-rank peak of
 activations in flight (forwards whose backward has not run, counted per stage copy), the
-weight copies a rank holds, and whether `pipelang check` accepts it. Defaults: D = 8,
+most weight versions a rank holds at once (its stage copies; more under an asynchronous
+schedule's weight stashing), and whether `pipelang check` accepts it. Defaults: D = 8,
 N = 16, costs F = 1, B = 2, W = 1 (W only where the schedule splits it), C = 0; other
 parameters (v, f, w) keep their defaults.
 
@@ -47,7 +48,7 @@ def row(name: str, params: dict[str, str], costs: CostModel) -> list[str]:
         f"{timeline.makespan:g}",
         f"{timeline.bubble_ratio:.3f}",
         str(max(timeline.peak_activations(r) for r in ranks)),
-        str(max(timeline.weight_copies(r) for r in ranks)),
+        str(max(timeline.peak_weight_versions(r) for r in ranks)),
         status,
     ]
 
@@ -60,7 +61,7 @@ def table(D: int, N: int, costs: CostModel) -> str:
         "makespan",
         "bubble ratio",
         "peak activations",
-        "weight copies",
+        "weight versions",
         "check",
     ]
     rows = [row(name, {"D": str(D), "N": str(N)}, costs) for name in stdlib_names()]

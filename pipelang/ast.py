@@ -98,8 +98,9 @@ class Let(Node):
 class OpCall(Node):
     """`F(mb)`, `B(mb, stage)`, `W(mb=i, stage=s)`, or `F(stage=s) @ slot` in a repeat.
 
-    `kind` is `F`, `B`, `W`, `R`, or `BW`: a full backward in a split schedule (its B
-    and W as one action)."""
+    `kind` is `F`, `B`, `W`, `R`, `BW`: a full backward in a split schedule (its B
+    and W as one action), or `U`: a weight update (`U()`, `U(stage=s)`), which has no
+    micro-batch."""
 
     kind: str
     mb: Expr | None
@@ -133,7 +134,15 @@ class Pair(Node):
     second: OpCall
 
 
-Stmt = Let | OpCall | Pair | For | If
+@dataclass(frozen=True, slots=True)
+class Evict(Node):
+    """`E(i) -> rank p`: evict the activations `F(i)` kept to rank `p` until `L(i)`."""
+
+    op: OpCall
+    partner: Expr
+
+
+Stmt = Let | OpCall | Pair | Evict | For | If
 
 
 # ---- schedule-level declarations -----------------------------------------------------------
@@ -216,6 +225,13 @@ class Microbatches(Node):
 
 
 @dataclass(frozen=True, slots=True)
+class Partition(Node):
+    """`partition 3, 5, 4, 4`: how many of the model's layers each stage holds."""
+
+    counts: tuple[Expr, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class After(Node):
     """`later after earlier [for i in a..b]`: an extra dependency."""
 
@@ -223,6 +239,17 @@ class After(Node):
     earlier: OpCall
     var: str | None
     range: Range | None
+
+
+@dataclass(frozen=True, slots=True)
+class Weights(Node):
+    """`weights stash`, `weights latest` or `weights K`: the schedule is asynchronous, and
+    this is how each stage copy versions its weights between its `U` updates."""
+
+    policy: str
+    """`stash` (a backward reads its forward's version), `latest` (no stash) or
+    `buffers` (stash, at most `count` versions)."""
+    count: Expr | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,15 +271,19 @@ class OrderGreedy(Node):
 
 @dataclass(frozen=True, slots=True)
 class OrderRepeat(Node):
-    """`order repeat k every T { ... }`: one micro-batch's ops at slots, repeated."""
+    """`order repeat k every T { ... }`: one micro-batch's ops at slots, repeated;
+    `squeeze` after `every T` moves warm-up and cool-down ops earlier (orders/squeeze.py)."""
 
     var: str
     every: Expr | None
     body: tuple[Stmt, ...]
+    squeeze: bool = False
 
 
 Order = OrderRank | OrderGreedy | OrderRepeat
-Decl = Require | Let | Ops | Cost | PipelineDecl | Microbatches | After | Order
+Decl = (
+    Require | Let | Ops | Cost | PipelineDecl | Microbatches | After | Partition | Weights | Order
+)
 
 
 @dataclass(frozen=True, slots=True)

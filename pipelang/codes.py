@@ -158,6 +158,14 @@ CODES: dict[str, Code] = {
             "`pipeline`, exactly one `microbatches` and exactly one `order` (`order rank`, "
             "`order greedy` or `order repeat`), and at most one `ops`.",
         ),
+        Code(
+            "E0208",
+            "bad partition",
+            "`partition 3, 5, 4, 4` says how many of the model's layers each stage holds, "
+            "in stage order: it needs one count per stage and every count at least 1. "
+            "(Whether the counts add up to the model's layers is checked when `pipelang "
+            "run` builds the model.) `pipelang plan` writes this line for you.",
+        ),
         # 03xx: the order
         Code(
             "E0301",
@@ -244,6 +252,75 @@ CODES: dict[str, Code] = {
             "collectives in different orders",
             "Two ranks run the same pair of "
             "gradient allreduces in opposite orders; each would wait for the other forever.",
+        ),
+        Code(
+            "E0313",
+            "weight update misplaced",
+            "A weight update `U` belongs to an asynchronous schedule: one that declares how "
+            "it versions its weights (`weights stash`, `weights latest` or `weights K`). "
+            "Such a schedule has one pipeline (no replicas to synchronise), and every "
+            "gradient it computes must be applied: each stage copy needs a `U` after its "
+            "last backward (or weight-gradient op) on its rank. Declare `weights ...`, or "
+            "remove the `U`; add a `U()` after the last backward of each stage.",
+        ),
+        Code(
+            "E0314",
+            "too many weight versions",
+            "With `weights K` a stage copy may hold at most K versions of its weights at "
+            "once: the newest, plus every older version a micro-batch in flight still "
+            "needs for its backward (weight stashing). An update that makes version v+1 "
+            "while micro-batches forwarded on K older versions still await their backward "
+            "would need K + 1. Update less often (accumulate over more micro-batches: "
+            "PipeDream-2BW needs about as many as there are stages), or allow more versions "
+            "(`weights stash` keeps as many as needed).",
+        ),
+        Code(
+            "E0315",
+            "evicted activations not loaded back in order",
+            "`E(i) -> rank p` sends the activations `F(i)` kept to rank p (BPipe) and "
+            "`L(i)` takes them back. On the rank that runs the forward, each evicted "
+            "forward needs exactly this order: `F(i)`, then `E(i) -> rank p`, then `L(i)`, "
+            "then the ops that need the activations (`R(i)`, `B(i)`). An `E` that is never "
+            "loaded back, an `L` with no `E`, an `E` before its forward, an `L` before its "
+            "`E`, or a backward (or recompute) before the `L` is this error. Move the `L` "
+            "right before the backward, or the `E` right after the forward.",
+        ),
+        Code(
+            "E0316",
+            "bad eviction partner",
+            "`E(i) -> rank p` evicts activations to rank p, which must be another rank of "
+            "the schedule: not the evicting rank itself, and within `0..R` (the ranks the "
+            "placement uses). BPipe pairs rank r with `D - 1 - r`.",
+        ),
+        # 04xx: the planner's inputs (`pipelang profile`, `pipelang plan`)
+        Code(
+            "E0401",
+            "bad profile",
+            "The file given to `pipelang plan --profile` is not a profile that `pipelang "
+            "profile` writes: it is not JSON, lacks the `format: pipelang-profile/1` marker, "
+            "or a layer lacks a field (`forward_ms`, `backward_input_ms`, "
+            "`backward_weight_ms`, `activation_bytes`, `weight_bytes`, `output_bytes`) or "
+            "gives a negative or non-numeric value. Write it again with `pipelang profile "
+            "--model M -o PROFILE.json`; docs/planner.md describes every field.",
+        ),
+        Code(
+            "E0402",
+            "bad topology",
+            "The file given to `pipelang plan --topology` is not a cluster description the "
+            "planner reads: not YAML, a missing or unknown key, a size, bandwidth or "
+            "latency without a unit it knows (`80GiB`, `300GB/s`, `100Gbit/s`, `2us`), or "
+            "a link naming a device that is not listed. Either list `devices` (and "
+            "`links`, with a `default_link`), or use the shorthand `nodes`, "
+            "`gpus_per_node`, `memory`, `intra_node`, `inter_node`; see docs/planner.md.",
+        ),
+        Code(
+            "E0403",
+            "no plan fits",
+            "`pipelang plan` found no candidate (schedule, parameters, partition) that runs "
+            "under the memory cap on every device, or none at all that the model and the "
+            "cluster allow (more stages than layers, a schedule's `require` failing). The "
+            "message lists each candidate's reason. Raise `--max-memory`, give more "
+            "devices, or use a smaller micro-batch when profiling.",
         ),
     )
 }

@@ -17,6 +17,14 @@ from pipelang.codes import CODES
 from pipelang.compiler import PASS_NAMES, Compilation
 from pipelang.import_torch import run_import_torch, setup_import_torch
 from pipelang.ir import COMPUTE_KINDS, CostModel, Program
+from pipelang.planner.command import (
+    PLAN_HELP,
+    PROFILE_HELP,
+    run_plan,
+    run_profile,
+    setup_plan,
+    setup_profile,
+)
 from pipelang.visualize.command import HELP as VIZ_HELP
 from pipelang.visualize.command import run_viz, setup_viz
 
@@ -203,7 +211,8 @@ def setup_simulate(parser: argparse.ArgumentParser) -> None:
         "--cost",
         metavar="SPEC",
         default="",
-        help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2. "
+        help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2; evicted "
+        "activations' trips to the partner and back: E=0.5,L=0.5. "
         "Defaults come from the schedule's `cost` line, else 1 (C=0)",
     )
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
@@ -214,7 +223,7 @@ def parse_cost(spec: str) -> CostModel:
     """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
     entries: list[tuple[str, int | None, float]] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        match = re.fullmatch(r"(FB|[FBWRC])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
+        match = re.fullmatch(r"(FB|[FBWRCEL])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
         if match is None:
             raise UsageError(
                 f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
@@ -238,12 +247,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     _console.print(f"{_describe(program)}")
     _console.print(f"makespan {metrics['makespan']}   bubble ratio {metrics['bubble_ratio']:.4f}")
     table = Table()
-    for column in ("rank", "busy", "idle", "peak activations", "weight copies"):
-        table.add_column(column, justify="right")
+    keys = ["rank", "busy", "idle", "peak_activations", "weight_copies"]
+    if program.weights is not None:  # asynchronous: versions and staleness matter
+        keys += ["peak_weight_versions", "weight_delay"]
+    for key in keys:
+        table.add_column(key.replace("_", " ").replace("peak weight", "weight"), justify="right")
     for row in cast(list[dict[str, object]], metrics["ranks"]):
-        table.add_row(
-            *(str(row[k]) for k in ("rank", "busy", "idle", "peak_activations", "weight_copies"))
-        )
+        table.add_row(*(str(row[k]) for k in keys))
     _console.print(table)
     if args.grid:
         print(timeline.text_grid())
@@ -347,4 +357,6 @@ COMMANDS = {
         setup_import_torch,
         run_import_torch,
     ),
+    "profile": (PROFILE_HELP, setup_profile, run_profile),
+    "plan": (PLAN_HELP, setup_plan, run_plan),
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from pipelang.bulk import bulk
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
     from pipelang import ast
     from pipelang.ir import Program
+    from pipelang.passes.build_dag import OpGraph
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,13 @@ class Compilation:
     options: Options
     params: Mapping[str, int | bool] | None = None
     program: Program | None = None
-    dag: nx.DiGraph | None = None
+    graph: OpGraph | None = None
+    """The dependency DAG with ops numbered, from `build-dag`: what the passes walk."""
+
+    @cached_property
+    def dag(self) -> nx.DiGraph | None:
+        """`graph` as a networkx DiGraph, built when first asked for (see `build-dag`)."""
+        return None if self.graph is None else self.graph.to_networkx()
 
     def need_program(self) -> Program:
         if self.program is None:
@@ -66,19 +74,25 @@ def _expand_orders(c: Compilation) -> Compilation:
 
 
 def _build_dag(c: Compilation) -> Compilation:
-    from pipelang.passes.build_dag import build_dag
+    from pipelang.passes.build_dag import op_graph
 
-    return dataclasses.replace(c, dag=build_dag(c.need_program()))
+    return dataclasses.replace(c, graph=op_graph(c.need_program()))
 
 
 def _validate(c: Compilation) -> Compilation:
     from pipelang.passes.validate import validate
 
-    assert c.dag is not None
-    diagnostics = validate(c.need_program(), c.dag, c.options.max_activations)
+    assert c.graph is not None
+    diagnostics = validate(c.need_program(), c.graph, c.options.max_activations)
     if diagnostics:
         raise PipelangError(diagnostics)
     return c
+
+
+def _insert_holds(c: Compilation) -> Compilation:
+    from pipelang.passes.insert_holds import insert_holds
+
+    return dataclasses.replace(c, program=insert_holds(c.need_program()))
 
 
 def _insert_comms(c: Compilation) -> Compilation:
@@ -98,6 +112,7 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("expand-orders", _expand_orders),
     ("build-dag", _build_dag),
     ("validate", _validate),
+    ("insert-holds", _insert_holds),
     ("insert-comms", _insert_comms),
     ("insert-sync", _insert_sync),
 )

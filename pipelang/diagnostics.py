@@ -16,6 +16,7 @@ Compiler bugs are `InternalError`, never a `Diagnostic`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipelang.source import Span
@@ -136,3 +137,35 @@ class InternalError(Exception):
 def fail(code: str, message: str, span: Span | None = None, **kwargs: object) -> PipelangError:
     """Build the error for one diagnostic; `raise fail(...)` reads as a guard clause."""
     return PipelangError([Diagnostic(code, message, span, **kwargs)])  # type: ignore[arg-type]
+
+
+SHOWN = 3
+"""How many items a merged diagnostic names before `and N more`."""
+
+
+def label(span: Span | None, message: str) -> tuple[Label, ...]:
+    """A label at `span`, or none for something without a source position."""
+    return () if span is None else (Label(span, message),)
+
+
+def listing(items: Sequence[object]) -> str:
+    """`A`, `B`, `C` and 4 more."""
+    names = ", ".join(f"`{item}`" for item in items[:SHOWN])
+    return names if len(items) <= SHOWN else f"{names} and {len(items) - SHOWN} more"
+
+
+def merged(
+    code: str,
+    span: Span | None,
+    details: Sequence[str],
+    names: Sequence[object],
+    many: str,
+    labels: tuple[Label, ...] = (),
+    help: str | None = None,
+) -> Diagnostic:
+    """One diagnostic for a mistake made once or, by a loop, many times: its detail when
+    once, else `N {many}: A, B, C and K more` with the first details as notes."""
+    if len(details) == 1:
+        return Diagnostic(code, details[0], span, labels, help=help)
+    message = f"{len(details)} {many}: {listing(names)}"
+    return Diagnostic(code, message, span, labels, notes=tuple(details[:SHOWN]), help=help)

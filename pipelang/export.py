@@ -14,14 +14,19 @@ class ExportError(ValueError):
 
 
 def to_json(program: Program) -> str:
-    """`{"ranks": [{"rank": r, "ops": [{"op", "mb", "stage", "pipeline"}, ...]}, ...]}`."""
+    """`{"ranks": [{"rank": r, "ops": [{"op", "mb", "stage", "pipeline"}, ...]}, ...]}`.
+
+    An asynchronous schedule's weight updates are in the list too, as
+    `{"op": "U", "update": k, "stage", "pipeline"}` (the copy's k-th update, from 0), and
+    evictions as `{"op": "E", "mb", "stage", "pipeline", "to": p}` and `{"op": "L", ...}`
+    (the partner's holds are the compiler's, and left out)."""
     ranks = [
         {
             "rank": r,
             "ops": [
-                {"op": a.kind.value, "mb": a.mb, "stage": a.stage, "pipeline": a.pipeline}
+                _json_op(a)
                 for a in actions
-                if a.kind.is_compute
+                if a.kind.is_compute or a.kind in (Kind.U, Kind.E, Kind.L)
             ],
         }
         for r, actions in enumerate(program.ranks)
@@ -29,6 +34,20 @@ def to_json(program: Program) -> str:
     return json.dumps(
         {"schedule": program.name, "params": dict(program.params), "ranks": ranks}, indent=1
     )
+
+
+def _json_op(a: Action) -> dict[str, object]:
+    if a.kind is Kind.U:
+        return {"op": "U", "update": a.mb, "stage": a.stage, "pipeline": a.pipeline}
+    op: dict[str, object] = {
+        "op": a.kind.value,
+        "mb": a.mb,
+        "stage": a.stage,
+        "pipeline": a.pipeline,
+    }
+    if a.kind is Kind.E:
+        op["to"] = a.peer
+    return op
 
 
 def to_torch_csv(program: Program) -> str:
@@ -45,6 +64,16 @@ def to_torch_csv(program: Program) -> str:
         )
     if Kind.R in program.kinds:
         raise ExportError("torch's CSV format has no recompute op `R`")
+    if program.weights is not None:
+        raise ExportError(
+            f"torch's CSV format has no weight update; `{program.name}` is asynchronous "
+            f"(`weights {program.weights.text()}`) and updates its stages with `U`"
+        )
+    evicts = next((a for acts in program.ranks for a in acts if a.kind is Kind.E), None)
+    if evicts is not None:
+        raise ExportError(
+            f"torch's CSV format cannot evict activations to another rank (`{evicts}`)"
+        )
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for actions in program.ranks:

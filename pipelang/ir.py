@@ -12,6 +12,11 @@ form that `Action.parse` reads back; IR dumps, golden files and error grids use 
     wait:F2@1/down<1        wait until rank 1 says F2@1/down finished
     allreduce@1/down        sum stage 1's gradients over every replica of stage 1
     step                    run the optimizer on every stage copy this rank holds
+    E3@0/main>3             evict the activations F3@0/main kept to rank 3 (BPipe)
+    H3@0/main               on the partner: hold what E3@0/main evicts until it is loaded
+    L3@0/main               load those activations back (before B3@0/main needs them)
+    U2@1/main               the third weight update (number 2) of stage 1 of pipeline
+                            `main`: it makes version 3 (asynchronous schedules only)
 """
 
 from __future__ import annotations
@@ -51,6 +56,20 @@ class Kind(enum.Enum):
     """Sum one stage's gradients over all its replicas (Chimera's two directions)."""
     STEP = "step"
     """Optimizer step on every stage copy the rank holds; ends the iteration."""
+    U = "U"
+    """Weight update of one stage copy in an asynchronous schedule: the optimizer applies
+    the gradients accumulated since the copy's previous update and makes a new version
+    of its weights. Its `mb` field numbers the copy's updates 0, 1, ...; update k makes
+    version k + 1 (version 0 is the initial weights)."""
+    E = "E"
+    """Evict: move the activations F(mb, stage) kept off this rank to the partner rank
+    `peer` (BPipe), freeing them here until their `L`. Written `E3@0/main>3`."""
+    L = "L"
+    """Load: take the activations an `E` evicted back from the partner, before the ops
+    of that (micro-batch, stage) that need them (`R`, `B`)."""
+    H = "H"
+    """Hold, on the partner: receive activations another rank evicts and keep them until
+    that rank loads them back. Inserted by the compiler (`insert-holds`), never written."""
 
     # Members are singletons compared by identity, so hash them by identity too, in C:
     # Enum's own __hash__ is a Python call, and every Action hash goes through it.
@@ -63,6 +82,12 @@ class Kind(enum.Enum):
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.R})
 COMM_KINDS = frozenset({Kind.SEND, Kind.RECV, Kind.SIGNAL, Kind.WAIT})
+STASH_KINDS = frozenset({Kind.E, Kind.L, Kind.H})
+"""Evicting activations to a partner rank and loading them back (BPipe). These are ops
+of the dependency graph like the compute kinds, but no (micro-batch, stage) must run
+them and they take no compute time."""
+GRAPH_KINDS = COMPUTE_KINDS | STASH_KINDS
+"""The kinds of the actions that are nodes of the dependency graph (`build-dag`)."""
 
 
 class Action(NamedTuple):
@@ -70,8 +95,8 @@ class Action(NamedTuple):
 
     Compute actions use `kind`, `mb`, `stage`, `pipeline`. Communication actions name the
     compute op whose result they move (`of`) and the other rank (`peer`). `allreduce`
-    names a stage and pipeline; `step` names nothing. `span` is where the action came
-    from; it takes no part in equality or hashing.
+    names a stage and pipeline; `step` names nothing; `U` uses `mb` for its number.
+    `span` is where the action came from; it takes no part in equality or hashing.
 
     `fused` marks a compute action that starts together with the one before it on its
     rank, as one step: `F(i, a) & B(j, b)` (an overlapped pair, torch's OVERLAP_F_B) or a
@@ -111,8 +136,8 @@ class Action(NamedTuple):
         return f"Action({self.text()})"
 
     def op(self) -> Action:
-        """The compute op this action is about (itself for compute actions)."""
-        if self.kind.is_compute:
+        """The compute op this action is about (itself for compute and stash actions)."""
+        if self.kind.is_compute or self.kind in STASH_KINDS:
             return self
         if self.of is None:
             raise InternalError(f"{self} names no compute op")
@@ -130,6 +155,11 @@ class Action(NamedTuple):
             return f"{fused}{kind.value}{self.mb}@{self.stage}/{self.pipeline}"
         if kind is Kind.STEP:
             return "step"
+        if kind in STASH_KINDS:
+            to = "" if self.peer is None else f">{self.peer}"
+            return f"{kind.value}{self.mb}@{self.stage}/{self.pipeline}{to}"
+        if kind is Kind.U:
+            return f"U{self.mb}@{self.stage}/{self.pipeline}"
         if kind is Kind.ALLREDUCE:
             return f"allreduce@{self.stage}/{self.pipeline}"
         arrow = ">" if kind in (Kind.SEND, Kind.SIGNAL) else "<"
@@ -152,7 +182,11 @@ class Action(NamedTuple):
             return Action(Kind.STEP, span=span)
         if g["ar_stage"] is not None:
             return Action(Kind.ALLREDUCE, None, int(g["ar_stage"]), g["ar_pipe"], span=span)
+        if g["u_mb"] is not None:
+            return Action(Kind.U, int(g["u_mb"]), int(g["u_stage"]), g["u_pipe"], span=span)
         op_kind, mb, stage, pipe = Kind(g["op"]), int(g["mb"]), int(g["stage"]), g["pipe"]
+        if g["comm"] is None and op_kind in STASH_KINDS:
+            return _stash_action(token, op_kind, mb, stage, pipe, g, span)
         if g["comm"] is None:
             return Action(op_kind, mb, stage, pipe, span=span, fused=bool(g["fused"]))
         if g["fused"]:
@@ -164,11 +198,25 @@ class Action(NamedTuple):
         return Action(comm, mb, stage, pipe, int(g["peer"]), op_kind, span=span)
 
 
+def _stash_action(
+    token: str, kind: Kind, mb: int, stage: int, pipe: str, g: dict[str, str], span: Span | None
+) -> Action:
+    """`E3@0/main>3` (an eviction names its partner), `L3@0/main`, `H3@0/main`."""
+    if g["fused"]:
+        raise ValueError(f"only a compute action can be fused (`&`): {token!r}")
+    if g["arrow"] is None:
+        return Action(kind, mb, stage, pipe, span=span)
+    if kind is not Kind.E or g["arrow"] != ">":
+        raise ValueError(f"only an eviction names a partner, as `E3@0/main>3`: {token!r}")
+    return Action(kind, mb, stage, pipe, int(g["peer"]), span=span)
+
+
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _TOKEN = re.compile(
     rf"(?P<step>step)"
     rf"|allreduce@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
-    rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWR])(?P<mb>\d+)@(?P<stage>\d+)/(?P<pipe>{_NAME})"
+    rf"|U(?P<u_mb>\d+)@(?P<u_stage>\d+)/(?P<u_pipe>{_NAME})"
+    rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWREHL])(?P<mb>\d+)@(?P<stage>\d+)/(?P<pipe>{_NAME})"
     rf"(?:(?P<arrow>[<>])(?P<peer>\d+))?"
 )
 
@@ -180,6 +228,43 @@ class Pipeline:
     name: str
     placement: tuple[int, ...]
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPolicy:
+    """How an asynchronous schedule versions each stage copy's weights (`weights ...`).
+
+    Every forward reads the copy's newest version where it runs in its rank's order;
+    `U` makes a new one. What a backward (and `W`, `R`) reads is the policy:
+
+    - `stash`: the version its forward read (PipeDream's weight stashing), so a copy
+      keeps every version a micro-batch in flight still needs;
+    - `buffers` with `limit` K: the same, but at most K versions may be live at once
+      (PipeDream-2BW: K = 2); more is E0314;
+    - `latest`: the newest version, with no stash (PipeMare): one version.
+    """
+
+    mode: str
+    limit: int | None = None
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def stashes(self) -> bool:
+        """Whether a backward reads the version its forward read."""
+        return self.mode != "latest"
+
+    def text(self) -> str:
+        """The declaration's argument: `stash`, `latest` or the number of buffers."""
+        return str(self.limit) if self.mode == "buffers" else self.mode
+
+    @staticmethod
+    def parse(text: str) -> WeightPolicy:
+        """Read `text()` back; raises ValueError on anything else."""
+        if text in ("stash", "latest"):
+            return WeightPolicy(text)
+        if text.isdigit() and int(text) >= 1:
+            return WeightPolicy("buffers", int(text))
+        raise ValueError(f"not a weight policy: {text!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,17 +293,23 @@ class CostModel:
         ("R", None, 1.0),
         ("C", None, 0.0),
     )
+    _table: dict[tuple[str, int | None], float] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
+    """The last entry of every (kind, stage), so that `of` is one lookup: a plan or a
+    greedy order asks it once per op, of a model with an entry per stage."""
+
+    def __post_init__(self) -> None:
+        for name, stage, value in self.entries:
+            self._table[(name, stage)] = value
 
     def of(self, kind: str, stage: int | None = None) -> float:
         """The time of `kind` (`F`, `B`, `W`, `R` or `C`) on `stage`."""
-        found = 0.0
-        for name, s, value in self.entries:
-            if name == kind and s is None:
-                found = value
-        for name, s, value in self.entries:
-            if name == kind and s is not None and s == stage:
-                found = value
-        return found
+        if stage is not None:
+            found = self._table.get((kind, stage))
+            if found is not None:
+                return found
+        return self._table.get((kind, None), 0.0)
 
     def gives(self, kind: str) -> bool:
         """Whether any entry sets `kind` (`FB` has no default)."""
@@ -251,6 +342,11 @@ class Program:
     costs: CostModel = CostModel()
     order_span: Span | None = field(default=None, compare=False, repr=False)
     """Where the schedule's `order` is written; diagnostics about missing ops point here."""
+    partition: tuple[int, ...] | None = None
+    """Layers per stage from the schedule's `partition` line, for the runtime; None: even."""
+    weights: WeightPolicy | None = None
+    """The weight versioning of an asynchronous schedule (its ranks update their stage
+    copies with `U` actions, and there is no `step`); None for a synchronous one."""
 
     @property
     def num_microbatches(self) -> int:
@@ -331,6 +427,10 @@ class Program:
             "ranks": [[a.text() for a in actions] for actions in self.ranks],
             "after": [[d.earlier.text(), d.later.text()] for d in self.after],
         }
+        if self.partition is not None:
+            doc["partition"] = list(self.partition)
+        if self.weights is not None:
+            doc["weights"] = self.weights.text()
         return json.dumps(doc, indent=1)
 
     @staticmethod
@@ -350,4 +450,6 @@ class Program:
             kinds=tuple(Kind(k) for k in doc["kinds"]),
             ranks=tuple(tuple(Action.parse(t) for t in actions) for actions in doc["ranks"]),
             after=tuple(Dependency(Action.parse(a), Action.parse(b)) for a, b in doc["after"]),
+            partition=tuple(doc["partition"]) if doc.get("partition") is not None else None,
+            weights=WeightPolicy.parse(doc["weights"]) if "weights" in doc else None,
         )

@@ -40,13 +40,14 @@ _TOKEN_TEXT = {
     "NUMBER": "a number",
     "STRING": "a string",
     "OPNAME": "an op (F, B, W, R)",
-    "COSTNAME": "a cost name (F, B, W, R, C)",
+    "COSTNAME": "a cost name (F, B, W, R, C, FB, E, L)",
     "TYPE": "a type (int, bool)",
     "COMPARE": "a comparison",
     "ADD_OP": "`+` or `-`",
     "MUL_OP": "`*`, `//` or `%`",
     "MINUS": "`-`",
     "AT": "`@`",
+    "SQUEEZE": "`squeeze`",
     "__ANON_0": "`->`",
     "__ANON_1": "`..`",
     "$END": "end of file",
@@ -352,6 +353,9 @@ class _Build(Transformer[Token, Any]):
     def _index(self, span: Span, var: Token, rng: ast.Range) -> tuple[str, ast.Range]:
         return str(var), rng
 
+    def _partition_decl(self, span: Span, *counts: ast.Expr) -> ast.Partition:
+        return ast.Partition(span, counts)
+
     def _microbatches_decl(self, span: Span, *items: ast.Assign) -> ast.Microbatches:
         return ast.Microbatches(span, items)
 
@@ -365,6 +369,18 @@ class _Build(Transformer[Token, Any]):
         self, span: Span, later: ast.OpCall, earlier: ast.OpCall, var: Any, rng: Any
     ) -> ast.After:
         return ast.After(span, later, earlier, None if var is None else str(var), rng)
+
+    def _weights_decl(self, span: Span, policy: tuple[str, ast.Expr | None]) -> ast.Weights:
+        return ast.Weights(span, policy[0], policy[1])
+
+    def _weights_stash(self, span: Span) -> tuple[str, None]:
+        return "stash", None
+
+    def _weights_latest(self, span: Span) -> tuple[str, None]:
+        return "latest", None
+
+    def _weights_buffers(self, span: Span, count: ast.Expr) -> tuple[str, ast.Expr]:
+        return "buffers", count
 
     def _order_rank(self, span: Span, var: Token, body: tuple[ast.Stmt, ...]) -> ast.OrderRank:
         return ast.OrderRank(span, str(var), body)
@@ -401,9 +417,14 @@ class _Build(Transformer[Token, Any]):
         return "cap", value, span
 
     def _order_repeat(
-        self, span: Span, var: Token, every: Any, body: tuple[ast.Stmt, ...]
+        self,
+        span: Span,
+        var: Token,
+        every: Any,
+        squeeze: Token | None,
+        body: tuple[ast.Stmt, ...],
     ) -> ast.OrderRepeat:
-        return ast.OrderRepeat(span, str(var), every, body)
+        return ast.OrderRepeat(span, str(var), every, body, squeeze is not None)
 
     # statements
     def _block(self, span: Span, *stmts: ast.Stmt) -> tuple[ast.Stmt, ...]:
@@ -422,13 +443,14 @@ class _Build(Transformer[Token, Any]):
     def _op(self, span: Span, name: Token, *rest: Any) -> ast.OpCall:
         *args, slot = rest
         kind = str(name)
-        if kind not in ("F", "B", "W", "R", "BW"):
+        if kind not in ("F", "B", "W", "R", "BW", "U", "E", "L"):
             raise fail(
                 "E0103",
                 f"`{kind}` is not an op",
                 self._tok(name),
                 help="ops are F (forward), B (backward), W (weight grad), R (recompute), "
-                "BW (full backward in a split schedule)",
+                "BW (full backward in a split schedule), U (weight update), "
+                "E (evict activations), L (load them back)",
             )
         values: dict[str, ast.Expr] = {}
         named = False
@@ -444,9 +466,42 @@ class _Build(Transformer[Token, Any]):
                     help="ops take `(mb)`, `(mb, stage)`, or named `mb=` and `stage=`",
                 )
             values[key] = value
+        if kind == "U" and "mb" in values:
+            raise fail(
+                "E0103",
+                "`U` updates a stage's weights and takes no micro-batch",
+                values["mb"].span,
+                help="write `U()`, or `U(stage=s)` on a rank that holds several stages",
+            )
         return ast.OpCall(span, kind, values.get("mb"), values.get("stage"), slot)
 
+    def _evict(self, span: Span, op: ast.OpCall, partner: ast.Expr) -> ast.Evict:
+        if op.kind != "E":
+            raise fail(
+                "E0103",
+                f"`{op.kind}` does not send anything to a rank; only `E` does",
+                span,
+                help="`E(i) -> rank p` evicts F(i)'s activations to rank p; "
+                "`L(i)` takes them back from the same rank",
+            )
+        return ast.Evict(span, op, partner)
+
     def _pair(self, span: Span, first: ast.OpCall, second: ast.OpCall) -> ast.Pair:
+        for call in (first, second):
+            if call.kind in ("E", "L"):
+                raise fail(
+                    "E0103",
+                    f"`{call.kind}` moves activations and cannot be part of an overlapped pair",
+                    call.span,
+                    help=f"write the `{call.kind}` as a statement of its own",
+                )
+            if call.kind == "U":
+                raise fail(
+                    "E0103",
+                    "a weight update `U` cannot be part of an overlapped pair",
+                    call.span,
+                    help="write the `U()` as a statement of its own",
+                )
         return ast.Pair(span, first, second)
 
     def _arg(self, span: Span, name: Any, value: ast.Expr) -> tuple[str | None, ast.Expr]:

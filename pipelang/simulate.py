@@ -19,17 +19,19 @@ instead. One pass in topological order, linear in the number of ops and dependen
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
 from pipelang.bulk import bulk
 from pipelang.diagnostics import PipelangError
+from pipelang.evictions import peak_activations as stash_peaks
 from pipelang.grid import op_labeler, render_rows
-from pipelang.ir import Action, CostModel, Kind, Program
-from pipelang.passes.build_dag import OpGraph, build_dag, op_graph
+from pipelang.ir import STASH_KINDS, Action, CostModel, Kind, Program
+from pipelang.passes.build_dag import OpGraph, op_graph
 from pipelang.passes.validate import validate
+from pipelang.weights import WeightVersions, weight_versions
 
 
 class Event(NamedTuple):
@@ -83,12 +85,34 @@ class Timeline:
         return self.makespan - self.busy(rank)
 
     def peak_activations(self, rank: int) -> int:
-        """The most forwards whose backward has not run yet, along `rank`'s order."""
+        """The most forwards whose backward has not run yet, along `rank`'s order; with
+        evictions, over time, less those evicted and plus those held for a partner
+        (`evictions.peak_activations`)."""
+        if self._stash_peaks is not None:
+            return self._stash_peaks[rank]
         return max(in_flight(self.program.ranks[rank]), default=0)
+
+    @cached_property
+    def _stash_peaks(self) -> list[int] | None:
+        return stash_peaks(self.program, self.events)
 
     def weight_copies(self, rank: int) -> int:
         """How many stage copies (weights) `rank` holds."""
         return len(self.program.stage_copies(rank))
+
+    @cached_property
+    def _versions(self) -> WeightVersions:
+        return weight_versions(self.program)
+
+    def peak_weight_versions(self, rank: int) -> int:
+        """The most versions of stage weights `rank` keeps at once, over all its copies
+        (`weight_copies` in a synchronous schedule; see `pipelang.weights`)."""
+        return self._versions.peak[rank]
+
+    def weight_delay(self, rank: int) -> int:
+        """The most updates by which a gradient `rank` applies lags the weights it
+        updates (0 in a synchronous schedule; see `pipelang.weights`)."""
+        return self._versions.delay[rank]
 
     def metrics(self) -> dict[str, object]:
         """The numbers `pipelang simulate --json` prints, in that shape."""
@@ -104,6 +128,8 @@ class Timeline:
                     "idle": _number(self.idle(r)),
                     "peak_activations": self.peak_activations(r),
                     "weight_copies": self.weight_copies(r),
+                    "peak_weight_versions": self.peak_weight_versions(r),
+                    "weight_delay": self.weight_delay(r),
                 }
                 for r in range(self.program.num_ranks)
             ],
@@ -134,12 +160,14 @@ class Timeline:
 
 def in_flight(actions: Iterable[Action]) -> Iterable[int]:
     """After each action, how many forwards are waiting for their backward (+1 at F,
-    -1 at B; other actions change nothing)."""
+    -1 at B; -1 at an eviction `E` and +1 at its load `L`; other actions change
+    nothing)."""
     count = 0
     for action in actions:
-        if action.kind is Kind.F:
+        kind = action.kind
+        if kind is Kind.F or kind is Kind.L:
             count += 1
-        elif action.kind is Kind.B:
+        elif kind is Kind.B or kind is Kind.E:
             count -= 1
         yield count
 
@@ -150,18 +178,24 @@ def _number(value: float) -> int | float:
     return int(rounded) if float(rounded).is_integer() else rounded
 
 
+Link = Callable[[Action, int, int], float]
+"""The time to move an op's result from one rank to another: `link(op, src, dst)`."""
+
+
 @bulk
-def simulate(program: Program, costs: CostModel) -> Timeline:
+def simulate(program: Program, costs: CostModel, link: Link | None = None) -> Timeline:
     """Replay `program`'s compute ops under `costs` (see the module docstring).
 
+    `link`, when given, times each transfer instead of the single `C` (the planner gives
+    every stage boundary the time of the link between its two ranks' devices).
     Raises PipelangError with `validate`'s diagnostics when the order cannot run (a
     deadlock, a duplicated op).
     """
     graph = op_graph(program)
     times = _durations(graph, costs)
-    start = _start_times(graph, times, costs.of("C"))
+    start = _start_times(graph, times, costs.of("C"), stash_link(program, graph, costs, link))
     if len(start) < graph.listed:
-        raise PipelangError(validate(program, build_dag(program), None))
+        raise PipelangError(validate(program, graph, None))
     # Ops are numbered in rank order, then in each rank's order; none is listed twice.
     ends = [s + t for s, t in zip(start, times, strict=True)]
     heads = graph.heads
@@ -174,6 +208,26 @@ def simulate(program: Program, costs: CostModel) -> Timeline:
     return Timeline(program, costs, tuple(events))
 
 
+def stash_link(
+    program: Program, graph: OpGraph, costs: CostModel, link: Link | None
+) -> Link | None:
+    """`link`, except that an evicted activation takes `E` to reach the partner (the hop
+    E -> H) and `L` to come back (H -> L). `link` itself when nothing is evicted."""
+    required = program.num_microbatches * program.num_stages * len(program.kinds)
+    if len(graph.ops) == required or not any(op.kind is Kind.E for op in graph.ops):
+        return link
+    transfer = costs.of("C")
+
+    def timed(op: Action, src: int, dst: int) -> float:
+        if op.kind is Kind.E:
+            return costs.of("E", op.stage)
+        if op.kind is Kind.H:
+            return costs.of("L", op.stage)
+        return transfer if link is None else link(op, src, dst)
+
+    return timed
+
+
 def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
     """The time of every op; a compound's whole time goes to its first op and its fused
     ops take none, so that whatever follows any of them waits for the whole compound."""
@@ -182,7 +236,8 @@ def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
     for op in graph.ops:
         key = (op.kind.value, op.stage)
         if key not in cache:
-            cache[key] = costs.of(*key)
+            # E, L, H move activations beside the compute: their time is on the hops
+            cache[key] = 0.0 if op.kind in STASH_KINDS else costs.of(*key)
         times.append(cache[key])
     members: dict[int, list[int]] = {}
     for node, head in enumerate(graph.heads):
@@ -201,15 +256,20 @@ def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
     return times
 
 
-def _start_times(graph: OpGraph, times: list[float], transfer: float) -> list[float]:
+def _start_times(
+    graph: OpGraph, times: list[float], transfer: float, link: Link | None = None
+) -> list[float]:
     """Earliest start of every op, in one topological pass (Kahn's algorithm); a shorter
     list when ops wait on each other in a cycle."""
     succ: list[list[tuple[int, float]]] = [[] for _ in graph.ops]
     indegree = [0] * len(graph.ops)
-    ranks = graph.ranks
+    ranks, ops = graph.ranks, graph.ops
     for delayed, edges in ((False, graph.order), (False, graph.after), (True, graph.data)):
         for u, v in edges:
-            succ[u].append((v, transfer if delayed and ranks[u] != ranks[v] else 0.0))
+            if not delayed or ranks[u] == ranks[v]:
+                succ[u].append((v, 0.0))
+            else:
+                succ[u].append((v, transfer if link is None else link(ops[u], ranks[u], ranks[v])))
             indegree[v] += 1
     start = [0.0] * len(graph.ops)
     ready = [v for v, d in enumerate(indegree) if d == 0]

@@ -1,4 +1,5 @@
-"""Hand-built runnable Programs for the runtime tests, independent of the compiler.
+"""Helpers for the runtime tests: `run` (`pipelang run` in this process), `stdlib` (a
+compiled stdlib schedule), and hand-built runnable Programs, independent of the compiler.
 
 `with_comms` does, for a compute-only Program, what the compiler's insert-comms and
 insert-sync passes do: a send right after the op that produces a value another rank
@@ -9,10 +10,26 @@ copy's allreduce after its last backward and the optimizer `step` at the end.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections import deque
 
+from pipelang.api import load_program
+from pipelang.backends.launch import add_run_arguments, run_program
 from pipelang.ir import Action, Kind, Program
+
+
+def run(program: Program, *options: str) -> int:
+    """`pipelang run` on a Program, in this process; returns the exit status."""
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    parser.add_argument("--debug", action="store_true")
+    return run_program(program, parser.parse_args(list(options)))
+
+
+def stdlib(name: str, **params: int) -> Program:
+    """A compiled stdlib schedule."""
+    return load_program(name, {k: str(v) for k, v in params.items()})
 
 
 def _consumer(program: Program, op: Action) -> Action | None:

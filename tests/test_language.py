@@ -19,7 +19,7 @@ from pipelang import api
 from pipelang.cli import UsageError, parse_params
 from pipelang.codes import CODES
 from pipelang.diagnostics import Diagnostic, PipelangError
-from pipelang.ir import Action, Program
+from pipelang.ir import Action, Kind, Program
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "# <-"
@@ -680,6 +680,26 @@ def test_greedy_with_split_backward(tmp_path: Path) -> None:
     assert ranks(compile_text(tmp_path, early_w)) == [
         "F0@0/main B0@0/main W0@0/main F1@0/main B1@0/main W1@0/main"
     ]
+
+
+@pytest.mark.parametrize(("d", "cap"), [(2, 1), (4, 1), (4, 2), (4, 3), (6, 2)])
+def test_greedy_cap_counts_micro_batches_on_a_v_placement(tmp_path: Path, d: int, cap: int) -> None:
+    """Rank r holds stages r and 2D-1-r; the cap holds back only a forward of stage r (a
+    new micro-batch), so the second chunk of one in flight never stalls the policy."""
+    text = f"""schedule v(D: int = {d}, N: int = 8) {{
+        ops F, B, W
+        pipeline main: stage s in 0..2 * D -> rank if s < D then s else 2 * D - 1 - s
+        microbatches 0..N -> main
+        order greedy {{ prefer B, F, W  priority mb  cap {cap} }}
+    }}"""
+    program = compile_text(tmp_path, text, stop="insert-sync")
+    for rank, actions in enumerate(program.ranks):
+        in_flight, peak = set(), 0
+        for a in actions:
+            if a.stage == rank and a.kind in (Kind.F, Kind.B):
+                (in_flight.add if a.kind is Kind.F else in_flight.remove)(a.mb)
+                peak = max(peak, len(in_flight))
+        assert peak == min(cap, 8), f"rank {rank}"
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pipelang.compiler import Options, run_passes
 from pipelang.ir import Action, Kind, Program
 from pipelang.lowered import check_lowered
 from pipelang.passes import insert_comms as insert_comms_module
-from pipelang.passes.build_dag import build_dag
+from pipelang.passes.build_dag import build_dag, op_graph
 from pipelang.passes.insert_comms import insert_comms
 from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
@@ -170,7 +170,7 @@ def test_insert_comms_after_dependency_becomes_signal_and_wait() -> None:
     assert "B0@0/main signal:B0@0/main>1 recv:B1@1/main<1" in out[0]
     # Both transfers from rank 0 feed F1@1: they are received in channel order.
     assert "recv:F1@0/main<0 wait:B0@0/main<0 F1@1/main" in out[1]
-    assert validate(program, build_dag(program), None) == []
+    assert validate(program, op_graph(program), None) == []
 
 
 def test_insert_comms_sends_once_per_receiving_rank() -> None:
@@ -269,7 +269,7 @@ def test_insert_sync_makes_conflicting_orders_agree() -> None:
         pipelines={"a": (0, 1), "b": (1, 0)},
         assignment=("a", "b"),
     )
-    assert validate(program, build_dag(program), None) == []
+    assert validate(program, op_graph(program), None) == []
     out = insert_sync(insert_comms(program))
     assert allreduce_stages(out, 0) == allreduce_stages(out, 1) == [1, 0]
     assert not _deadlocks(out.ranks)

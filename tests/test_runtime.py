@@ -9,7 +9,6 @@ tests/runtime_helpers.py.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import json
@@ -22,32 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import one_f_one_b, program_from_dump
-from runtime_helpers import with_comms
+from runtime_helpers import run, stdlib, with_comms
 
-from pipelang.api import load_program
 from pipelang.backends import codegen
-from pipelang.backends.launch import add_run_arguments, run_program
 from pipelang.backends.local import run_local
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.runtime import RankRuntime, RunConfig
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import Action, Kind
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "codegen_1f1b_D2_N2_rank0.expected"
-
-
-def run(program: Program, *options: str) -> int:
-    """`pipelang run` on a Program, in this process; returns the exit status."""
-    parser = argparse.ArgumentParser()
-    add_run_arguments(parser)
-    parser.add_argument("--debug", action="store_true")
-    return run_program(program, parser.parse_args(list(options)))
-
-
-def stdlib(name: str, **params: int) -> Program:
-    """A compiled stdlib schedule."""
-    return load_program(name, {k: str(v) for k, v in params.items()})
 
 
 SCHEDULES = {

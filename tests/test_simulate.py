@@ -63,7 +63,15 @@ def test_chimera_d4_n4_backward_twice_forward() -> None:
             "makespan": 16,
             "bubble_ratio": 0.25,
             "ranks": [
-                {"rank": r, "busy": 12, "idle": 4, "peak_activations": p, "weight_copies": 2}
+                {
+                    "rank": r,
+                    "busy": 12,
+                    "idle": 4,
+                    "peak_activations": p,
+                    "weight_copies": 2,
+                    "peak_weight_versions": 2,
+                    "weight_delay": 0,
+                }
                 for r, p in enumerate([3, 4, 4, 3])
             ],
         }

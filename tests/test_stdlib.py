@@ -395,6 +395,12 @@ VALID = {
     "hanayo": [dict(D=4, N=8), dict(D=1, N=1), dict(D=3, N=7, w=2)],
     "gems": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=7)],
     "dualpipev": [dict(D=4, N=8), dict(D=1, N=2), dict(D=3, N=7), dict(D=5, N=16)],
+    "chimera-fwd-double": [dict(D=4, N=8), dict(D=2, N=4), dict(D=6, N=24)],
+    "chimera-bwd-half": [dict(D=4, N=8), dict(D=2, N=4), dict(D=8, N=32)],
+    "pipedream": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=3)],
+    "pipedream-2bw": [dict(D=4, N=8), dict(D=1, N=1), dict(D=4, N=10, m=3)],
+    "pipemare": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=3)],
+    "bpipe": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=7)],
 }
 
 INVALID = [
@@ -420,6 +426,23 @@ INVALID = [
     ("gems", dict(N=0), "GEMS needs at least one micro-batch"),
     ("dualpipev", dict(D=4, N=7), "DualPipeV needs at least as many micro-batches as stages"),
     ("dualpipev", dict(D=0, N=2), "DualPipeV needs at least one rank"),
+    *(
+        (name, params, message)
+        for name in ("chimera-fwd-double", "chimera-bwd-half")
+        for params, message in [
+            (dict(D=3, N=12), "Chimera needs an even number of stages"),
+            (dict(D=0, N=4), "Chimera needs an even number of stages"),
+            (dict(D=-2, N=4), "Chimera needs an even number of stages"),
+            (dict(D=4, N=4), "needs N to be a positive multiple of 2D"),
+            (dict(D=4, N=12), "needs N to be a positive multiple of 2D"),
+            (dict(D=4, N=0), "needs N to be a positive multiple of 2D"),
+            (dict(D=4, N=-8), "needs N to be a positive multiple of 2D"),
+        ]
+    ),
+    ("pipedream", dict(N=0), "PipeDream needs at least one micro-batch"),
+    ("pipedream-2bw", dict(m=0), "PipeDream-2BW needs at least one micro-batch per update"),
+    ("pipemare", dict(D=0), "PipeMare needs at least one rank"),
+    ("bpipe", dict(D=4, N=3), "BPipe balances 1F1B's steady phase: it needs N >= D"),
 ]
 
 

@@ -11,7 +11,7 @@ from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.grid import step_grid
 from pipelang.ir import Program
 from pipelang.lowered import check_lowered
-from pipelang.passes.build_dag import build_dag
+from pipelang.passes.build_dag import op_graph
 from pipelang.passes.insert_comms import insert_comms
 from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
@@ -19,7 +19,7 @@ from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_fr
 
 
 def check(program: Program, max_activations: int | None = None) -> list[Diagnostic]:
-    return validate(program, build_dag(program), max_activations)
+    return validate(program, op_graph(program), max_activations)
 
 
 def where(diagnostic: Diagnostic) -> tuple[int, int] | None:

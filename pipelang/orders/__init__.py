@@ -67,6 +67,34 @@ class Layout:
                 return _make(Action, (kind, mb, stage, pipeline, None, None, call.span, fused))
         raise self._bad_op(call, mb, stage, rank)
 
+    def update(
+        self, call: ast.OpCall, stage: int | None, rank: int, counts: dict[tuple[int, str], int]
+    ) -> Action:
+        """The `U` action a `U()` / `U(stage=s)` statement names on `rank`, numbered by
+        `counts` (the updates of each stage copy on this rank so far, which it advances)."""
+        copies = [
+            (s, p.name)
+            for p in self.pipelines
+            for s in self.local_stages.get((p.name, rank), ())
+            if stage is None or s == stage
+        ]
+        if len(copies) != 1:
+            held = sorted(
+                {s for p in self.pipelines for s in self.local_stages.get((p.name, rank), ())}
+            )
+            what = "several stage copies" if copies else f"no copy of stage {stage}"
+            raise fail(
+                "E0103",
+                f"`U` on rank {rank} names {what}",
+                call.span,
+                notes=(f"rank {rank} holds stages {', '.join(map(str, held))}",),
+                help="write `U(stage=s)` with a stage this rank holds",
+            )
+        copy = copies[0]
+        number = counts.get(copy, 0)
+        counts[copy] = number + 1
+        return Action(Kind.U, number, copy[0], copy[1], span=call.span)
+
     def _bad_op(
         self, call: ast.OpCall, mb: int | None, stage: int | None, rank: int | None
     ) -> Exception:

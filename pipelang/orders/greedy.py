@@ -3,8 +3,11 @@
 The compiler replays the schedule in time with its own cost model (the `cost` line):
 whenever a rank is idle it runs, among its ops whose inputs are ready, the one that comes
 first by `prefer` (op kinds, first wins) and then by the `priority` keys (integer
-expressions over `mb`, `stage` and `rank`, smallest first). A forward is held back while
-the rank already has `cap` activations in flight (forwards whose backward has not run).
+expressions over `mb`, `stage` and `rank`, smallest first). A forward that would bring a
+new micro-batch onto the rank (a forward of the rank's first stage of its pipeline) is
+held back while `cap` micro-batches are in flight there (between that forward and the
+backward of the same stage); later stages of a micro-batch in flight are never held, so
+wave and V placements do not stall on their own second chunk.
 
     order greedy {                  # zero-bubble flavour
         prefer B, F, W
@@ -34,6 +37,8 @@ class _Rank:
 
     index: int
     cap: int
+    entries: frozenset[tuple[int | None, str | None]]
+    """The rank's first (stage, pipeline) of each pipeline: where micro-batches enter."""
     free_at: float = 0.0
     in_flight: int = 0
     waiting: list[tuple[float, int, Action]] = field(default_factory=list)
@@ -58,7 +63,7 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
             consumers[dep].append(op)
             pending[op] += 1
     ready_at = dict.fromkeys(ops, 0.0)
-    ranks = [_Rank(r, _cap(order, layout, r)) for r in range(layout.num_ranks)]
+    ranks = [_Rank(r, _cap(order, layout, r), _entries(layout, r)) for r in range(layout.num_ranks)]
     seq = 0
     for op in ops:
         if pending[op] == 0:
@@ -101,7 +106,7 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
 def _pick(rank: _Rank, time: float, key_of: Callable[[Action], tuple[int, ...]]) -> Action | None:
     while rank.waiting and rank.waiting[0][0] <= time:
         _, seq, op = heapq.heappop(rank.waiting)
-        heap = rank.held if op.kind is Kind.F else rank.ready
+        heap = rank.held if op.kind is Kind.F and op[2:4] in rank.entries else rank.ready
         heapq.heappush(heap, (key_of(op), seq, op))
     candidates = [h for h in (rank.ready, rank.held) if h]
     if rank.in_flight >= rank.cap and rank.held:
@@ -110,8 +115,18 @@ def _pick(rank: _Rank, time: float, key_of: Callable[[Action], tuple[int, ...]])
         return None
     best = min(candidates, key=lambda h: h[0][:2])
     op = heapq.heappop(best)[2]
-    rank.in_flight += {Kind.F: 1, Kind.B: -1}.get(op.kind, 0)
+    if op[2:4] in rank.entries:
+        rank.in_flight += {Kind.F: 1, Kind.B: -1}.get(op.kind, 0)
     return op
+
+
+def _entries(layout: Layout, rank: int) -> frozenset[tuple[int | None, str | None]]:
+    entries = set()
+    for pipeline in layout.pipelines:
+        stages = [s for s, r in enumerate(pipeline.placement) if r == rank]
+        if stages:
+            entries.add((min(stages), pipeline.name))
+    return frozenset(entries)
 
 
 def _skeleton(layout: Layout) -> Program:

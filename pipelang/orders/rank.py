@@ -26,6 +26,7 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
         # Compiled once per rank so that everything that depends only on the rank folds.
         body = compile_block(order.body, layout.scope.with_constant(order.var, rank), budget)
         actions: list[Action] = []
+        updates: dict[tuple[int, str], int] = {}  # stage copy -> its updates so far
 
         def emit(
             call: ast.OpCall,
@@ -34,6 +35,7 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
             stage: int | None,
             slot: int | None,
             fused: bool,
+            peer: int | None,
         ) -> None:
             if slot is not None:
                 raise fail(
@@ -42,7 +44,11 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
                     call.span,
                     help="in `order rank`, the order of the statements is the order",
                 )
-            actions.append(layout.op(call, kind, mb, stage, rank, fused))  # noqa: B023
+            if kind is Kind.U:
+                actions.append(layout.update(call, stage, rank, updates))  # noqa: B023
+                return
+            action = layout.op(call, kind, mb, stage, rank, fused)  # noqa: B023
+            actions.append(action if peer is None else action._replace(peer=peer))  # noqa: B023
 
         env = dict(layout.env)
         env[order.var] = rank

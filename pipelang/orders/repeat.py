@@ -3,7 +3,8 @@
 The body describes the k-th micro-batch of a pipeline: each op names its stage and the
 slot it runs in. Micro-batch k of every pipeline gets the same block shifted by `k * T`
 slots; each rank then runs its ops in slot order. Warm-up and cool-down fall out: the
-first blocks have nothing before them, the last nothing after.
+first blocks have nothing before them, the last nothing after; `squeeze` after `every T`
+closes the idle time they leave (`orders/squeeze.py`).
 
     order repeat k every 2 {                 # 1F1B, and Chimera's two directions
         for s in 0..D { F(stage=s) @ s   B(stage=s) @ 2 * D - 1 - s }
@@ -15,8 +16,9 @@ from __future__ import annotations
 from pipelang import ast
 from pipelang.diagnostics import Label, fail
 from pipelang.evaluate import compile_int
-from pipelang.ir import Action, Kind
+from pipelang.ir import STASH_KINDS, Action, Kind
 from pipelang.orders import Layout
+from pipelang.orders.squeeze import squeeze
 from pipelang.orders.statements import Budget, compile_block
 
 
@@ -27,6 +29,8 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
     body = compile_block(order.body, scope, Budget())
     every = 0 if order.every is None else compile_int(order.every, layout.scope)(layout.env)
     placed: list[dict[int, Action]] = [{} for _ in range(layout.num_ranks)]
+    first: list[int] = []  # the slots of each pipeline's first block, and of its last
+    last: list[int] = []
     for pipeline in layout.pipelines:
         mbs = [mb for mb, p in enumerate(layout.assignment) if p == pipeline.name]
         for k, mb in enumerate(mbs):
@@ -38,7 +42,22 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
                 stage: int | None,
                 slot: int | None,
                 fused: bool,
+                peer: int | None,
             ) -> None:
+                if kind is Kind.U:
+                    raise fail(
+                        "E0103",
+                        "a weight update `U` belongs in an `order rank`",
+                        call.span,
+                        help="write the asynchronous schedule with `order rank`",
+                    )
+                if kind in STASH_KINDS:
+                    raise fail(
+                        "E0103",
+                        "evicting and loading activations (`E`, `L`) belong in an `order rank`",
+                        call.span,
+                        help="write the schedule's order with `order rank r { ... }`",
+                    )
                 if fused:
                     raise fail(
                         "E0103",
@@ -62,10 +81,17 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
                     )
                 action = Action(kind, mb, stage, pipeline.name, span=call.span)  # noqa: B023
                 _place(placed[pipeline.placement[stage]], slot + k * every, action)  # noqa: B023
+                if k == 0:  # noqa: B023
+                    first.append(slot)
+                if k == len(mbs) - 1:  # noqa: B023
+                    last.append(slot + k * every)  # noqa: B023
 
             env = dict(layout.env)
             env[order.var] = k
             body(env, emit)
+    if order.squeeze:
+        # The steady state runs from the first block's last op to the last block's first.
+        return squeeze(placed, (max(first, default=0), min(last, default=0)), layout)
     return tuple(tuple(slots[s] for s in sorted(slots)) for slots in placed)
 
 

@@ -10,9 +10,10 @@ from pipelang.diagnostics import fail
 from pipelang.evaluate import BOOL, LIMIT, Const, Env, Scope, compile_expr, compile_int, infer
 from pipelang.ir import Kind
 
-Emit = Callable[[ast.OpCall, Kind, int | None, int | None, int | None, bool], None]
-"""Called once per op an op statement runs: (statement, kind, mb, stage, slot, fused),
-unset ones None; `fused` joins the op to the one emitted before it (`&`, `BW`)."""
+Emit = Callable[[ast.OpCall, Kind, int | None, int | None, int | None, bool, int | None], None]
+"""Called once per op an op statement runs: (statement, kind, mb, stage, slot, fused,
+partner), unset ones None; `fused` joins the op to the one emitted before it (`&`,
+`BW`); `partner` is the rank an `E(i) -> rank p` evicts to."""
 Block = Callable[[Env, Emit], None]
 
 
@@ -51,7 +52,10 @@ def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> 
             steps.append(_if(stmt, scope, budget))
         elif isinstance(stmt, ast.Pair):
             steps.append(_pair(_op(stmt.first, scope), _op(stmt.second, scope, fused=True)))
+        elif isinstance(stmt, ast.Evict):
+            steps.append(_op(stmt.op, scope, partner=compile_int(stmt.partner, scope)))
         else:
+            _check_partnerless(stmt)
             steps.append(_op(stmt, scope))
 
     if len(steps) == 1:
@@ -119,9 +123,25 @@ def _pair(first: Block, second: Block) -> Block:
     return run
 
 
-def _op(stmt: ast.OpCall, scope: Scope, fused: bool = False) -> Block:
+def _check_partnerless(stmt: ast.OpCall) -> None:
+    """An `E` outside `E(i) -> rank p` has nowhere to go (E0103)."""
+    if stmt.kind == "E":
+        raise fail(
+            "E0103",
+            "`E` needs the rank to evict to",
+            stmt.span,
+            help="write `E(i) -> rank p`: F(i)'s activations go to rank p until `L(i)`",
+        )
+
+
+def _op(
+    stmt: ast.OpCall,
+    scope: Scope,
+    fused: bool = False,
+    partner: Callable[[Env], int] | None = None,
+) -> Block:
     """One op; `BW` is a B with its W fused to it (a full backward), `fused` joins the
-    (first) op to the one before it."""
+    (first) op to the one before it, `partner` is where an `E` evicts to."""
     mb, stage, slot = (
         None if e is None else compile_int(e, scope) for e in (stmt.mb, stmt.stage, stmt.slot)
     )
@@ -133,7 +153,8 @@ def _op(stmt: ast.OpCall, scope: Scope, fused: bool = False) -> Block:
             None if stage is None else stage(env),
             None if slot is None else slot(env),
         )
+        peer = None if partner is None else partner(env)
         for kind, joined in kinds:
-            emit(stmt, kind, *args, joined)
+            emit(stmt, kind, *args, joined, peer)
 
     return run

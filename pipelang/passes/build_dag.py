@@ -2,23 +2,29 @@
 
 Needs: a Program from `expand-orders` (comm, allreduce and step actions, if any, are
 skipped). Ops may be missing, duplicated or misplaced; that is `validate`'s business.
-Guarantees: a `networkx.DiGraph` with one node per distinct compute op in `program.ranks`
-(numbered in (rank, step) order; attributes `action`, and `rank` and `step`: where its
-first occurrence stands) and an edge `u -> v` for every "u must end before v starts",
-with attribute `why`:
+Guarantees: an `OpGraph`, the DAG with one node per distinct compute op in
+`program.ranks` (numbered in (rank, step) order, kept with its action, and the rank and
+step where its first occurrence stands) and an edge `u -> v` for every "u must end
+before v starts", in one list per reason:
 
 - `order`: u comes right before v in one rank's list;
 - `data`: v consumes u's result (`Program.inputs_of`): F(m,s) -> F(m,s+1),
   F(m,s) -> B(m,s), B(m,s+1) -> B(m,s), B(m,s) -> W(m,s), F(m,s) -> R(m,s) -> B(m,s);
+  for evicted activations (BPipe), F(m,s) -> E(m,s) -> H(m,s) -> L(m,s) and
+  E(m,s) -> L(m,s), and L(m,s) -> R(m,s), L(m,s) -> B(m,s) (the stash kinds are nodes
+  too, `ir.GRAPH_KINDS`);
 - `after`: an explicit `after` dependency.
 A compound (an action and the `&` actions fused to it, see `ir.Action`) starts as one:
 every input of a fused op from outside the compound is also a `data` edge into the
 compound's first op, so both halves' inputs are ready (and received) before it starts.
 
-An edge whose endpoint is absent is left out. When two reasons join the same pair, the
-edge says `data` over `after` over `order`; edges with one reason share one attribute
-dict, so treat the graph as read-only. The same facts, with ops numbered, are kept as
-an `OpGraph` in `dag.graph["ops"]` for the passes that walk every edge in a tight loop.
+An edge whose endpoint is absent is left out. `OpGraph.to_networkx()` (and
+`build_dag`) gives the same graph as a `networkx.DiGraph` over the op numbers, each
+edge with attribute `why` (`data` over `after` over `order` where reasons join one
+pair). The passes walk the numbered lists, which is linear and cheap; the networkx view
+is built only when something asks for it (`Compilation.dag`, `--dump-after build-dag`):
+at 10^5 ops it would cost 15% of a compile that never reads it. (`validate` hands
+networkx only the few ops of a deadlock, to find their cycle.)
 
     rank 0: F0@0/main B0@0/main
     rank 1: F0@1/main B0@1/main
@@ -38,7 +44,7 @@ from typing import NamedTuple
 import networkx as nx
 
 from pipelang.diagnostics import InternalError
-from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
+from pipelang.ir import GRAPH_KINDS, Action, Kind, Program
 
 Key = tuple[Kind, int | None, int | None, str | None]
 """An op's identity without its span: (kind, micro-batch, stage, pipeline)."""
@@ -179,14 +185,9 @@ class OpGraph:
 
 
 def build_dag(program: Program) -> nx.DiGraph:
-    """The dependency DAG of `program`'s compute ops (see the module docstring)."""
+    """The dependency DAG of `program`'s compute ops as a networkx graph (see the module
+    docstring)."""
     return op_graph(program).to_networkx()
-
-
-def graph_of(dag: nx.DiGraph, program: Program) -> OpGraph:
-    """The numbered graph `build_dag` stored in `dag`, or a fresh one for `program`."""
-    stored = dag.graph.get("ops")
-    return stored if isinstance(stored, OpGraph) else op_graph(program)
 
 
 _RECENT: list[tuple[Program, OpGraph]] = []
@@ -211,7 +212,7 @@ def _number(program: Program) -> OpGraph:
     index: dict[Key, int] = {}
     heads: list[int] = []
     order: list[Edge] = []
-    compute = COMPUTE_KINDS
+    compute = GRAPH_KINDS
     for rank, actions in enumerate(program.ranks):
         previous = -1
         for step, action in enumerate(actions):
@@ -259,18 +260,31 @@ def _data_edges(index: Mapping[Key, int], num_stages: int) -> list[Edge]:
         if kind is f:
             inputs: tuple[Key, ...] = ((f, mb, stage - 1, pipe),) if stage > 0 else ()
         elif kind is b:
-            inputs = ((f, mb, stage, pipe), (Kind.R, mb, stage, pipe))
+            inputs = ((f, mb, stage, pipe), (Kind.R, mb, stage, pipe), (Kind.L, mb, stage, pipe))
             if stage + 1 < num_stages:
                 inputs += ((b, mb, stage + 1, pipe),)
         elif kind is w:
             inputs = ((b, mb, stage, pipe),)
         else:
-            inputs = ((f, mb, stage, pipe),)
+            inputs = _more_inputs(kind, mb, stage, pipe)
         for key in inputs:
             u = get(key)
             if u is not None:
                 add((u, v))
     return edges
+
+
+def _more_inputs(kind: Kind, mb: int | None, stage: int, pipe: str | None) -> tuple[Key, ...]:
+    """The inputs of R and of the stash kinds: R(m,s) needs F(m,s), and L(m,s) if the
+    activations were evicted; E(m,s) needs F(m,s); the partner's H(m,s) needs E(m,s);
+    L(m,s) needs E(m,s) and H(m,s)."""
+    if kind is Kind.E:
+        return ((Kind.F, mb, stage, pipe),)
+    if kind is Kind.H:
+        return ((Kind.E, mb, stage, pipe),)
+    if kind is Kind.L:
+        return ((Kind.E, mb, stage, pipe), (Kind.H, mb, stage, pipe))
+    return ((Kind.F, mb, stage, pipe), (Kind.L, mb, stage, pipe))
 
 
 def _compound_edges(data: list[Edge], heads: list[int]) -> list[Edge]:

@@ -31,7 +31,7 @@ from pipelang.evaluate import (
     eval_range,
     nesting_limit,
 )
-from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program
+from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program, WeightPolicy
 from pipelang.orders import Layout
 from pipelang.orders.greedy import expand_greedy_order
 from pipelang.orders.rank import expand_rank_order
@@ -98,6 +98,8 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         after,
         costs,
         order.span,
+        partition=_partition(schedule, scope, env, num_stages),
+        weights=_weights(schedule, scope, env),
     )
 
 
@@ -116,7 +118,14 @@ def _declared(schedule: ast.Schedule, kind: type[DeclT], word: str) -> list[Decl
 
 def _single(schedule: ast.Schedule, kind: type[DeclT], word: str) -> DeclT:
     """The one declaration of a kind that must appear exactly once (E0207)."""
-    found = _declared(schedule, kind, word)
+    first = _declared(schedule, kind, word)[0]  # at least one
+    _optional(schedule, kind, word)  # at most one
+    return first
+
+
+def _optional(schedule: ast.Schedule, kind: type[DeclT], word: str) -> DeclT | None:
+    """The declaration of a kind that may appear once (E0207), or None."""
+    found = [d for d in schedule.body if isinstance(d, kind)]
     if len(found) > 1:
         raise fail(
             "E0207",
@@ -124,7 +133,7 @@ def _single(schedule: ast.Schedule, kind: type[DeclT], word: str) -> DeclT:
             found[1].span,
             help="merge them into one",
         )
-    return found[0]
+    return found[0] if found else None
 
 
 def _order(schedule: ast.Schedule) -> ast.Order:
@@ -144,15 +153,31 @@ def _order(schedule: ast.Schedule) -> ast.Order:
 
 
 def _kinds(schedule: ast.Schedule) -> tuple[Kind, ...]:
-    decls = [d for d in schedule.body if isinstance(d, ast.Ops)]
-    if not decls:
+    decl = _optional(schedule, ast.Ops, "ops")
+    if decl is None:
         return (Kind.F, Kind.B)
-    if len(decls) > 1:
-        raise fail("E0207", "two `ops` declarations", decls[1].span)
-    kinds = decls[0].kinds
+    kinds = decl.kinds
     if "F" not in kinds or "B" not in kinds or len(set(kinds)) != len(kinds):
-        raise fail("E0309", "`ops` must list F and B once each, plus W and/or R", decls[0].span)
+        raise fail("E0309", "`ops` must list F and B once each, plus W and/or R", decl.span)
     return tuple(Kind(k) for k in ("F", "B", "W", "R") if k in kinds)
+
+
+def _weights(schedule: ast.Schedule, scope: Scope, env: Env) -> WeightPolicy | None:
+    """The `weights` declaration of an asynchronous schedule; None when there is none."""
+    decl = _optional(schedule, ast.Weights, "weights")
+    if decl is None:
+        return None
+    if decl.count is None:
+        return WeightPolicy(decl.policy, None, decl.span)
+    count = compile_int(decl.count, scope)(env)
+    if count < 1:
+        raise fail(
+            "E0314",
+            f"`weights {count}`: a stage copy holds at least one version of its weights",
+            decl.span,
+            help="`weights 1` forbids stashing; `weights 2` is PipeDream-2BW's double buffer",
+        )
+    return WeightPolicy(decl.policy, count, decl.span)
 
 
 def _costs(schedule: ast.Schedule, scope: Scope, env: Env) -> CostModel:
@@ -163,6 +188,32 @@ def _costs(schedule: ast.Schedule, scope: Scope, env: Env) -> CostModel:
                 stage = None if item.stage is None else compile_int(item.stage, scope)(env)
                 entries.append((item.kind, stage, item.value))
     return CostModel().merged(CostModel(tuple(entries)))
+
+
+def _partition(
+    schedule: ast.Schedule, scope: Scope, env: Env, num_stages: int
+) -> tuple[int, ...] | None:
+    """The `partition` line's layer counts: one per stage, each at least 1 (E0208)."""
+    decl = _optional(schedule, ast.Partition, "partition")
+    if decl is None:
+        return None
+    counts = tuple(compile_int(count, scope)(env) for count in decl.counts)
+    if len(counts) != num_stages:
+        raise fail(
+            "E0208",
+            f"`partition` gives {len(counts)} layer counts but the schedule has "
+            f"{num_stages} stages",
+            decl.span,
+            help=f"give one count per stage, {num_stages} in all",
+        )
+    for count, value in zip(decl.counts, counts, strict=True):
+        if value < 1:
+            raise fail(
+                "E0208",
+                f"a stage of `partition` holds {value} layers; every stage needs at least one",
+                count.span,
+            )
+    return counts
 
 
 def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[Pipeline, ...]:
@@ -327,6 +378,15 @@ def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
 
 
 def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Action:
+    if call.kind == "U":
+        raise fail("E0103", "an `after` names F, B, W or R ops, not a weight update", call.span)
+    if call.kind in ("E", "L"):
+        raise fail(
+            "E0103",
+            f"an `after` names F, B, W or R ops, not `{call.kind}`",
+            call.span,
+            help="an eviction's order is its rank's order; a load runs before its backward",
+        )
     if call.mb is None or call.stage is None or call.slot is not None:
         raise fail("E0103", f"an `after` names ops fully: `{call.kind}(mb, stage)`", call.span)
     if call.kind == "BW":

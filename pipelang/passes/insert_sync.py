@@ -37,7 +37,10 @@ Copy = tuple[int, str]
 
 
 def insert_sync(program: Program) -> Program:
-    """`program` with allreduces and a final step on every rank (module docstring)."""
+    """`program` with allreduces and a final step on every rank (module docstring).
+    An asynchronous program (`weights ...`) is left as it is: its `U`s are its updates."""
+    if program.weights is not None:
+        return program
     eager = [_eager_positions(program, r) for r in range(program.num_ranks)]
     if not any(eager):
         return dataclasses.replace(
@@ -57,9 +60,13 @@ def _eager_positions(program: Program, rank: int) -> dict[Copy, int]:
     actions = program.ranks[rank]
     replicated = {copy for copy in program.stage_copies(rank) if len(program.replicas(copy[0])) > 1}
     last: dict[tuple[int | None, str | None], int] = {}
-    for step, action in enumerate(actions):
-        if action.kind.is_compute:
-            last[(action.stage, action.pipeline)] = step
+    for step in range(len(actions) - 1, -1, -1) if replicated else ():
+        action = actions[step]
+        copy = (action.stage, action.pipeline)
+        if copy not in last and copy in replicated and action.kind.is_compute:
+            last[copy] = step
+            if len(last) == len(replicated):
+                break
     positions = {}
     for copy in sorted(replicated):
         step = last.get(copy, -1) + 1

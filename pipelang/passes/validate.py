@@ -1,6 +1,6 @@
 """Pass `validate`: every problem with the order, collected and reported at once.
 
-Needs: the Program from `expand-orders` and its DAG from `build-dag`.
+Needs: the Program from `expand-orders` and its numbered DAG from `build-dag`.
 Guarantees: an empty list exactly when every required op runs once, on the rank its
 placement names, after the ops it needs on its own rank, with no deadlock, and (when a
 cap is given) no rank over the activation cap. Each diagnostic points at the action
@@ -23,34 +23,36 @@ deadlock. The order in which a rank consumes what another rank sends does not ma
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import networkx as nx
-
 from pipelang.deadlock import describe_cycle, find_cycle
-from pipelang.diagnostics import Diagnostic, Label
+from pipelang.diagnostics import Diagnostic, Label, label, listing, merged
+from pipelang.evictions import check_evictions
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
-from pipelang.passes.build_dag import Edge, Key, OpGraph, graph_of
+from pipelang.passes.build_dag import Edge, Key, OpGraph
 from pipelang.source import Span
-
-SHOWN = 3
-"""How many ops a collapsed diagnostic names before `and N more`."""
+from pipelang.weights import check_weights
 
 
-def validate(program: Program, dag: nx.DiGraph, max_activations: int | None) -> list[Diagnostic]:
-    """Every problem in `program`'s order, sorted by position (see the module docstring)."""
-    graph = graph_of(dag, program)
-    census = _take_census(program)
-    order_problems = _order_problems(census)
-    found = _collapse([*census.problems, *order_problems])
-    found += _missing(program, census)
-    if not any(d.code in ("E0301", "E0302", "E0303") for d in found):
+def validate(program: Program, graph: OpGraph, max_activations: int | None) -> list[Diagnostic]:
+    """Every problem in `program`'s order, sorted by position (see the module docstring).
+    `graph` is `program`'s (`build_dag.op_graph`)."""
+    if _listed_right(program, graph):
+        order_problems = _order_problems(graph)
+        found = _collapse(order_problems)
+    else:
+        census = _take_census(program)
+        order_problems = _order_problems_in(census)
+        found = _collapse([*census.problems, *order_problems]) + _missing(program, census)
+        found += check_evictions(program)  # a program with `E`/`L` is never listed right
+    if not any(d.code in ("E0301", "E0302", "E0303", "E0315") for d in found):
         cycle = find_cycle(graph, skip=_edges_of(graph, order_problems))
         if cycle:
             found.append(describe_cycle(program, graph, cycle))
     if max_activations is not None:
         found += _memory(program, max_activations)
+    found += check_weights(program)
     return sorted(found, key=Diagnostic.sort_key)
 
 
@@ -93,35 +95,47 @@ def _collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
     groups: dict[tuple[str, Span | None, int], list[_Problem]] = defaultdict(list)
     for p in problems:
         groups[(p.code, p.op.span, -1 if p.op.span else p.rank)].append(p)
-    diagnostics = []
-    for (code, span, _), group in groups.items():
-        first = group[0]
-        if len(group) == 1:
-            diagnostics.append(Diagnostic(code, first.detail, span, first.labels, help=first.help))
-            continue
-        ops = _listing([p.op for p in group])
-        diagnostics.append(
-            Diagnostic(
-                code,
-                f"{len(group)} {_MANY[code]}: {ops}",
-                span,
-                first.labels,
-                notes=tuple(p.detail for p in group[:SHOWN]),
-                help=first.help,
-            )
+    return [
+        merged(
+            code,
+            span,
+            [p.detail for p in group],
+            [p.op for p in group],
+            _MANY[code],
+            group[0].labels,
+            group[0].help,
         )
-    return diagnostics
+        for (code, span, _), group in groups.items()
+    ]
 
 
-def _label(span: Span | None, message: str) -> tuple[Label, ...]:
-    """A label at `span`, or none for an action without a source position."""
-    return () if span is None else (Label(span, message),)
+def _listed_right(program: Program, graph: OpGraph) -> bool:
+    """Whether every op the schedule needs is listed once, on the rank its placement
+    names, and of a declared kind: what most programs are. It is checked over the
+    numbered ops alone; the census, which walks every listing, runs only when it will
+    find something."""
+    ops = graph.ops
+    needed = program.num_microbatches * program.num_stages * len(program.kinds)
+    if graph.listed != len(ops) or len(ops) != needed:
+        return False
+    owner, travels = _owners(program)
+    declared = frozenset(program.kinds)
+    return all(
+        owner.get((op.stage, op.pipeline)) == rank
+        and travels.get(op.mb) == op.pipeline
+        and op.kind in declared
+        for op, rank in zip(ops, graph.ranks, strict=True)
+    )
 
 
-def _listing(ops: Sequence[Action]) -> str:
-    """`A`, `B`, `C` and 4 more."""
-    names = ", ".join(f"`{op}`" for op in ops[:SHOWN])
-    return names if len(ops) <= SHOWN else f"{names} and {len(ops) - SHOWN} more"
+def _owners(
+    program: Program,
+) -> tuple[dict[tuple[int | None, str | None], int], dict[int | None, str]]:
+    """The rank of each (stage, pipeline), and the pipeline of each micro-batch."""
+    owner: dict[tuple[int | None, str | None], int] = {
+        (s, p.name): r for p in program.pipelines for s, r in enumerate(p.placement)
+    }
+    return owner, dict(enumerate(program.assignment))
 
 
 def _take_census(program: Program) -> _Census:
@@ -130,10 +144,7 @@ def _take_census(program: Program) -> _Census:
     An op listed on the wrong rank is reported as that alone, not also as a duplicate of
     its copy on the right rank.
     """
-    owner: dict[tuple[int | None, str | None], int] = {
-        (s, p.name): r for p in program.pipelines for s, r in enumerate(p.placement)
-    }
-    travels: dict[int | None, str] = dict(enumerate(program.assignment))
+    owner, travels = _owners(program)
     declared, compute = frozenset(program.kinds), COMPUTE_KINDS
     placed: dict[Key, tuple[int, int, Action]] = {}
     misplaced: set[Key] = set()
@@ -207,7 +218,7 @@ def _not_an_op(program: Program, action: Action) -> str | None:
 
 def _duplicate(first: tuple[int, int, Action], action: Action, rank: int, step: int) -> _Problem:
     first_rank, first_step, original = first
-    labels = _label(original.span, "first listed here")
+    labels = label(original.span, "first listed here")
     return _Problem(
         "E0302",
         action,
@@ -239,7 +250,7 @@ def _missing(program: Program, census: _Census) -> list[Diagnostic]:
         Diagnostic(
             "E0303",
             f"rank {rank} never runs "
-            + (f"`{ops[0]}`" if len(ops) == 1 else f"{len(ops)} required ops: {_listing(ops)}"),
+            + (f"`{ops[0]}`" if len(ops) == 1 else f"{len(ops)} required ops: {listing(ops)}"),
             program.order_span,
             help=f"add them to rank {rank}'s order: every micro-batch needs {kinds} on every "
             "stage of its pipeline",
@@ -285,11 +296,20 @@ _ORDER_RULES = {
 """Keyed by (kind of the needed op, kind of the op that needs it)."""
 
 
-def _order_problems(census: _Census) -> list[_Problem]:
-    """E0304, E0305: an op listed before an op of its own (micro-batch, stage) it needs.
+def _order_problems(graph: OpGraph) -> list[_Problem]:
+    """E0304, E0305: an op listed before an op of its own (micro-batch, stage) it needs:
+    a `data` edge that points back up one rank's list. For a program that lists every
+    op once, on its rank."""
+    ops, ranks = graph.ops, graph.ranks
+    return [
+        _order_problem(ops[u], ops[v], ranks[v])
+        for u, v in graph.data
+        if u > v and ranks[u] == ranks[v] and ops[u][1:4] == ops[v][1:4]
+    ]
 
-    Both are placed right, so both are on one rank.
-    """
+
+def _order_problems_in(census: _Census) -> list[_Problem]:
+    """`_order_problems` for any program: between the occurrences on the right rank."""
     problems = []
     placed = census.placed
     for (kind, mb, stage, pipe), (rank, step, needer) in placed.items():
@@ -313,7 +333,7 @@ def _order_problem(needed: Action, needer: Action, rank: int) -> _Problem:
         rank,
         rule.message.format(needed=needed, needer=needer, rank=rank),
         f"on rank {rank}, list `{needed}` before `{needer}`",
-        _label(other.span, rule.label),
+        label(other.span, rule.label),
         (needed, needer),
     )
 
@@ -335,9 +355,9 @@ def _memory(program: Program, cap: int) -> list[Diagnostic]:
     for rank, actions in enumerate(program.ranks):
         in_flight: dict[tuple[int | None, int | None, str | None], Action] = {}
         for action in actions:
-            if action.kind is Kind.F:
+            if action.kind is Kind.F or action.kind is Kind.L:
                 in_flight[(action.mb, action.stage, action.pipeline)] = action
-            elif action.kind is Kind.B:
+            elif action.kind is Kind.B or action.kind is Kind.E:  # E: evicted to a partner
                 in_flight.pop((action.mb, action.stage, action.pipeline), None)
             if len(in_flight) > cap:
                 diagnostics.append(_too_many(rank, action, list(in_flight.values()), cap))
@@ -351,7 +371,7 @@ def _too_many(rank: int, action: Action, in_flight: list[Action], cap: int) -> D
         f"rank {rank} holds {len(in_flight)} activations after `{action}`, more than the "
         f"cap of {cap}",
         action.span,
-        notes=(f"forwards whose backward has not run yet: {_listing(in_flight)}",),
+        notes=(f"forwards whose backward has not run yet: {listing(in_flight)}",),
         help=f"start fewer forwards before the first backward on rank {rank}, "
         "or raise --max-activations",
     )

@@ -1,0 +1,166 @@
+"""Evicted activations (BPipe's `E`, `H`, `L`): what a forward saves, moved to a partner.
+
+"Activations" here means exactly the tensors autograd saves for the backward while one
+stage copy runs one micro-batch's forward (`torch.autograd.graph.saved_tensors_hooks`):
+the stage input when an op saves it, the layers' intermediate results, a last stage's
+log-probabilities. Not activations, so never shipped: the stage's parameters and buffers
+(and views of them, such as the transposed weight a linear layer saves), a storage that
+another live micro-batch also saved, and the stage's own output, which the send to the
+next stage may still be reading.
+
+While a forward runs, the pack hook files every saved tensor in that forward's `Entry`
+and hands autograd a `Handle`; the unpack hook returns the tensor from the handle. `E`
+copies the bytes of the entry's storages into one flat uint8 buffer and frees the
+storages (`resize_(0)`): every tensor that views them (the hooks' copies, the runtime's
+kept input) stays the same object, now without memory. `L` gives the storages their
+bytes back, so autograd finds the same tensors, bit for bit, when the backward runs; a
+backward that runs while its activations are away raises `EvictedError`.
+
+On the wire an eviction is two messages: its size in bytes (one int64), then the bytes;
+the partner does not know the shapes, and keeps the buffer from `H` until it sends it
+back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+Key = tuple[int, int, str]
+"""(micro-batch, stage, pipeline) of one forward."""
+
+
+class EvictedError(RuntimeError):
+    """A backward needed activations that are on the partner rank (no `L` ran)."""
+
+
+@dataclass(slots=True)
+class Entry:
+    """The tensors one forward saved, and where their storages' bytes are."""
+
+    name: str
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    moved: list[tuple[torch.UntypedStorage, int]] = field(default_factory=list)
+    """(storage, bytes) of each storage the eviction emptied, in buffer order."""
+    evicted: bool = False
+
+    def storages(self) -> dict[int, torch.UntypedStorage]:
+        """Every storage the entry's tensors view, by data pointer (each once)."""
+        out: dict[int, torch.UntypedStorage] = {}
+        for t in self.tensors:
+            storage = t.untyped_storage()
+            if storage.nbytes() > 0:
+                out.setdefault(storage.data_ptr(), storage)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """What autograd keeps instead of a saved tensor: its entry and index there."""
+
+    entry: Entry
+    index: int
+
+
+class Stash:
+    """One rank's saved activations per forward, and what it holds for partners."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Key, Entry] = {}
+        self.held: dict[Key, torch.Tensor] = {}
+        self.peak_bytes = 0
+
+    @contextmanager
+    def recording(self, key: Key, name: str, module: nn.Module) -> Iterator[None]:
+        """Run a forward of `key` with its saved tensors filed in a fresh entry."""
+        entry = self.entries[key] = Entry(name)
+        own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+        def pack(tensor: torch.Tensor) -> object:
+            if tensor.untyped_storage().data_ptr() in own:
+                return tensor  # weights and buffers stay: not activations
+            entry.tensors.append(tensor)
+            return Handle(entry, len(entry.tensors) - 1)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            yield
+
+    def evict(self, key: Key, keep: torch.Tensor | None) -> torch.Tensor:
+        """Free the storages of `key`'s activations; their bytes as one uint8 buffer.
+
+        `keep` (the stage's output, possibly still being sent) and storages another
+        resident entry also saved stay where they are."""
+        entry = self.entries[key]
+        if entry.evicted:
+            raise EvictedError(f"the activations of {entry.name} are evicted twice")
+        shared = {p for k, e in self.entries.items() if k != key for p in e.storages()}
+        if keep is not None:
+            shared.add(keep.untyped_storage().data_ptr())
+        moved = [(s, s.nbytes()) for p, s in entry.storages().items() if p not in shared]
+        parts = [_bytes_of(s, n).clone() for s, n in moved]
+        buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        for storage, _ in moved:
+            storage.resize_(0)
+        entry.moved, entry.evicted = moved, True
+        return buffer
+
+    def load(self, key: Key, buffer: torch.Tensor) -> None:
+        """Give `key`'s storages their bytes back from `buffer` (what `evict` made)."""
+        entry = self.entries[key]
+        if not entry.evicted:
+            raise EvictedError(f"{entry.name}'s activations are loaded but were not evicted")
+        expected = sum(n for _, n in entry.moved)
+        if buffer.numel() != expected:
+            raise EvictedError(
+                f"{entry.name}'s activations came back as {buffer.numel()} bytes, "
+                f"{expected} were evicted"
+            )
+        at = 0
+        for storage, n in entry.moved:
+            storage.resize_(n)
+            _bytes_of(storage, n).copy_(buffer[at : at + n])
+            at += n
+        entry.moved, entry.evicted = [], False
+
+    def drop_finished(self, alive: set[Key]) -> None:
+        """Forget the entries whose backward is done (not in `alive`)."""
+        for key in [k for k in self.entries if k not in alive]:
+            del self.entries[key]
+
+    def resident_bytes(self, alive: set[Key]) -> int:
+        """Bytes of activations on this rank now: the distinct storages of live entries
+        (an evicted one's are empty) plus the buffers held for partners."""
+        seen: dict[int, int] = {}
+        for key, entry in self.entries.items():
+            if key in alive:
+                for p, s in entry.storages().items():
+                    seen[p] = s.nbytes()
+        held = sum(b.numel() for b in self.held.values())
+        return sum(seen.values()) + held
+
+    def measure(self, alive: set[Key]) -> None:
+        """Update the peak with what is resident now."""
+        self.peak_bytes = max(self.peak_bytes, self.resident_bytes(alive))
+
+
+def _unpack(packed: object) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    assert isinstance(packed, Handle)
+    entry = packed.entry
+    if entry.evicted:
+        raise EvictedError(
+            f"the backward of {entry.name} needs its activations, but they are on the "
+            "partner rank: no `L` loaded them back"
+        )
+    return entry.tensors[packed.index]
+
+
+def _bytes_of(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over the first `nbytes` of `storage` (no copy)."""
+    out = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return out.set_(storage, 0, (nbytes,), (1,))

@@ -1,0 +1,33 @@
+"""Peak bytes of saved activations per rank, 1F1B against BPipe, on gloo.
+
+    python benchmarks/bpipe_memory.py
+
+Prints, per schedule and shape, each rank's `peak_activation_bytes` (backends/stash.py)
+in KiB next to the simulator's `peak_activations` count; benchmarks/RESULTS.md has the
+table ("BPipe evictions (CPU)").
+"""
+
+from __future__ import annotations
+
+from pipelang.api import load_program
+from pipelang.backends.models import plan_stages
+from pipelang.backends.processes import launch
+from pipelang.backends.runtime import RunConfig
+from pipelang.simulate import CostModel, simulate
+
+
+def main() -> None:
+    for d, n in ((4, 8), (8, 16)):
+        for name in ("1f1b", "bpipe"):
+            program = load_program(name, {"D": str(d), "N": str(n)})
+            config = RunConfig(backend="gloo", steps=2, count_activations=True)
+            shapes = plan_stages(config.spec, program.num_stages, None).shapes
+            outcome = launch(program, config, shapes, lambda *_: None)
+            kib = [round(r.peak_activation_bytes / 1024) for r in outcome.results]
+            timeline = simulate(program, CostModel())
+            counts = [timeline.peak_activations(r) for r in range(program.num_ranks)]
+            print(f"{name} D={d} N={n}: KiB {kib}  simulator {counts}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""Evicted activations (BPipe): the checks `validate` runs on `E` and `L` actions, and
+the memory they move, for the simulator.
+
+`E(i) -> rank p` sends the activations `F(i)` kept to rank p, and `L(i)` takes them back
+on the rank that evicted them. An eviction is well formed when, for its (micro-batch,
+stage), on the rank that runs the forward:
+
+    F ... E ... L ... B        (and any R after the L: it needs the activations too)
+
+with exactly one `E` and one `L`, and the partner another rank of the schedule.
+
+- E0301: an `E` or `L` on a rank that does not run the forward;
+- E0302: an `E` or `L` listed twice;
+- E0315: an `E` never loaded back, an `L` with no `E`, an `E` before its `F`, an `L`
+  before its `E`, a `B` or `R` before the `L`;
+- E0316: the partner is the evicting rank itself, or no rank of the schedule.
+
+    rank 0: F0@0/main E0@0/main>3 B0@0/main
+  =>
+    error[E0315]: `E0@0/main>3` is never loaded back
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipelang.diagnostics import Diagnostic, Label, label, merged
+from pipelang.ir import Action, Kind, Program
+from pipelang.source import Span
+
+if TYPE_CHECKING:
+    from pipelang.simulate import Event
+
+Key = tuple[int | None, int | None, str | None]
+"""(micro-batch, stage, pipeline) of a forward's activations."""
+
+
+@dataclass
+class _Stash:
+    """Where one forward's activations are evicted and loaded: (rank, step, action) of
+    each `E` and `L` listed for them, and the steps of F, R and B on the owner rank."""
+
+    evicts: list[tuple[int, int, Action]] = field(default_factory=list)
+    loads: list[tuple[int, int, Action]] = field(default_factory=list)
+    steps: dict[Kind, tuple[int, Action]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Problem:
+    code: str
+    what: str
+    """Problems with one `what`, code and span merge into one diagnostic."""
+    action: Action
+    message: str
+    help: str
+    labels: tuple[Label, ...] = ()
+
+
+def check_evictions(program: Program) -> list[Diagnostic]:
+    """E0301, E0302, E0315, E0316 for the `E` and `L` actions of `program` (see the
+    module docstring); empty when it has none or they are all well formed."""
+    stashes = _collect(program)
+    if not stashes:
+        return []
+    owner = _owners(program)
+    problems: list[_Problem] = []
+    for key, stash in stashes.items():
+        problems += _check_one(program, owner.get((key[1], key[2])), stash)
+    return _collapse(problems)
+
+
+def _collect(program: Program) -> dict[Key, _Stash]:
+    """Every evicted or loaded forward, with the steps of its own F, R and B."""
+    stashes: dict[Key, _Stash] = defaultdict(_Stash)
+    for rank, actions in enumerate(program.ranks):
+        for step, action in enumerate(actions):
+            if action.kind is Kind.E:
+                stashes[action[1:4]].evicts.append((rank, step, action))
+            elif action.kind is Kind.L:
+                stashes[action[1:4]].loads.append((rank, step, action))
+    if not stashes:
+        return {}
+    owner = _owners(program)
+    for rank, actions in enumerate(program.ranks):
+        for step, action in enumerate(actions):
+            key = action[1:4]
+            if (
+                action.kind in (Kind.F, Kind.R, Kind.B)
+                and key in stashes
+                and owner.get((action.stage, action.pipeline)) == rank
+            ):
+                stashes[key].steps.setdefault(action.kind, (step, action))
+    return dict(stashes)
+
+
+def _owners(program: Program) -> dict[tuple[int | None, str | None], int]:
+    """The rank that runs each (stage, pipeline)."""
+    return {(s, p.name): r for p in program.pipelines for s, r in enumerate(p.placement)}
+
+
+def _check_one(program: Program, owner: int | None, stash: _Stash) -> list[_Problem]:
+    problems = [
+        _misplaced(action, rank, owner)
+        for rank, _, action in (*stash.evicts, *stash.loads)
+        if rank != owner
+    ]
+    for listed in (stash.evicts, stash.loads):
+        problems += [_twice(listed[0], again) for again in listed[1:]]
+    for rank, _, action in stash.evicts:
+        partner = _bad_partner(program, rank, action)
+        if partner is not None:
+            problems.append(partner)
+    if problems:
+        return problems
+    if not stash.loads:
+        return [_never_loaded(stash.evicts[0][2])]
+    if not stash.evicts:
+        return [_never_evicted(stash.loads[0][2])]
+    return _out_of_order(stash)
+
+
+def _misplaced(action: Action, rank: int, owner: int | None) -> _Problem:
+    forward = Action(Kind.F, action.mb, action.stage, action.pipeline)
+    where = "no rank" if owner is None else f"rank {owner}"
+    return _Problem(
+        "E0301",
+        "misplaced",
+        action,
+        f"`{action}` is listed on rank {rank}, but `{forward}` keeps its activations on {where}",
+        f"evict and load them on {where}, the rank that runs `{forward}`",
+    )
+
+
+def _twice(first: tuple[int, int, Action], again: tuple[int, int, Action]) -> _Problem:
+    return _Problem(
+        "E0302",
+        "twice",
+        again[2],
+        f"`{again[2]}` is listed twice: rank {first[0]} step {first[1]} "
+        f"and rank {again[0]} step {again[1]}",
+        "evict a forward's activations once, and load them back once",
+        label(first[2].span, "first listed here"),
+    )
+
+
+def _bad_partner(program: Program, rank: int, action: Action) -> _Problem | None:
+    peer = action.peer
+    if peer is not None and peer != rank and 0 <= peer < program.num_ranks:
+        return None
+    why = (
+        f"evicts to rank {peer}, the rank that evicts"
+        if peer == rank
+        else f"evicts to rank {peer}, but the ranks are 0..{program.num_ranks}"
+    )
+    return _Problem(
+        "E0316",
+        "partner",
+        action,
+        f"`{action}` {why}",
+        "evict to another rank of the schedule, e.g. the partner `D - 1 - r`",
+    )
+
+
+def _never_loaded(evict: Action) -> _Problem:
+    return _Problem(
+        "E0315",
+        "never loaded",
+        evict,
+        f"`{evict}` is never loaded back",
+        f"add `L({evict.mb})` before `B({evict.mb})` on this rank: the backward needs "
+        "the activations",
+    )
+
+
+def _never_evicted(load: Action) -> _Problem:
+    return _Problem(
+        "E0315",
+        "never evicted",
+        load,
+        f"`{load}` loads activations that no `E` evicted",
+        f"remove it, or evict them first: `E({load.mb}) -> rank p` after `F({load.mb})`",
+    )
+
+
+def _out_of_order(stash: _Stash) -> list[_Problem]:
+    """E before its F, L before its E, and an R or B of the forward before the L."""
+    (_, evict_step, evict), (_, load_step, load) = stash.evicts[0], stash.loads[0]
+    problems = []
+    forward = stash.steps.get(Kind.F)
+    if forward is not None and forward[0] > evict_step:
+        problems.append(_before("E before F", evict, forward[1], "evicts before its forward"))
+    if evict_step > load_step:
+        problems.append(_before("L before E", load, evict, "loads before its eviction"))
+    for kind in (Kind.R, Kind.B):
+        needer = stash.steps.get(kind)
+        if needer is not None and needer[0] < load_step:
+            problems.append(_too_late(load, needer[1]))
+    return problems
+
+
+def _before(what: str, action: Action, other: Action, says: str) -> _Problem:
+    return _Problem(
+        "E0315",
+        what,
+        action,
+        f"`{action}` {says} `{other}`",
+        f"list `{other}` before `{action}`",
+        label(other.span, "listed here"),
+    )
+
+
+def _too_late(load: Action, needer: Action) -> _Problem:
+    return _Problem(
+        "E0315",
+        "loaded late",
+        load,
+        f"`{load}` loads the activations back after `{needer}`, which needs them",
+        f"list `{load}` before `{needer}`",
+        label(needer.span, "needs the activations here"),
+    )
+
+
+_MANY = {
+    "misplaced": "evictions or loads are on the wrong rank",
+    "twice": "evictions or loads are listed twice",
+    "partner": "evictions name a bad partner",
+    "never loaded": "evictions are never loaded back",
+    "never evicted": "loads have no eviction",
+    "E before F": "evictions come before their forward",
+    "L before E": "loads come before their eviction",
+    "loaded late": "loads come after the op that needs them",
+}
+
+
+def _collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
+    """One diagnostic per (code, kind of mistake, span): a loop makes one mistake many
+    times."""
+    groups: dict[tuple[str, str, Span | None], list[_Problem]] = defaultdict(list)
+    for p in problems:
+        groups[(p.code, p.what, p.action.span)].append(p)
+    return [
+        merged(
+            code,
+            span,
+            [p.message for p in group],
+            [p.action for p in group],
+            _MANY[what],
+            group[0].labels,
+            group[0].help,
+        )
+        for (code, what, span), group in groups.items()
+    ]
+
+
+def peak_activations(program: Program, events: Sequence[Event]) -> list[int] | None:
+    """Per rank, the most activations kept at once over a timeline of `program` in which
+    something is evicted; None when nothing is.
+
+    Along its own order a rank keeps a forward's activations from the start of its `F` to
+    the end of its `B`, except from the end of its `E` to the start of its `L`; the
+    partner keeps them from the end of the `E` to the end of the `L` (until they are back).
+    At one instant, what the partner hands back goes first, then the rank's own actions
+    in order, then what it receives. Without evictions this is the count along the
+    order, `simulate.in_flight`.
+    """
+    if len(events) == program.num_microbatches * program.num_stages * len(program.kinds):
+        return None  # a valid program with no stash actions (the usual case)
+    loads = {e.action[1:4]: e for e in events if e.action.kind is Kind.L}
+    changes: list[list[tuple[float, int, int, int]]] = [[] for _ in program.ranks]
+    evicted = False
+    for seq, event in enumerate(events):
+        kind, rows = event.action.kind, changes[event.rank]
+        if kind is Kind.F or kind is Kind.L:
+            rows.append((event.start, 1, seq, 1))
+        elif kind is Kind.B:
+            rows.append((event.end, 1, seq, -1))
+        elif kind is Kind.E:
+            rows.append((event.end, 1, seq, -1))
+            load, peer = loads.get(event.action[1:4]), event.action.peer
+            if load is not None and peer is not None and 0 <= peer < len(changes):
+                changes[peer].append((event.end, 2, seq, 1))
+                changes[peer].append((load.end, 0, seq, -1))
+                evicted = True
+    if not evicted:
+        return None
+    return [max(itertools.accumulate(d for *_, d in sorted(rows)), default=0) for rows in changes]

@@ -1,0 +1,265 @@
+"""`pipelang profile` and `pipelang plan`: the planner's two commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from pipelang.cli import UsageError, write_output
+from pipelang.diagnostics import fail
+from pipelang.planner.units import UnitError, format_bytes, parse_bytes
+
+PROFILE_HELP = "measure a model's per-layer times and memory into a profile JSON"
+PLAN_HELP = "choose schedule, partition and device mapping for a model on a cluster"
+
+_console = Console(highlight=False, soft_wrap=True)
+
+
+# ---- profile ------------------------------------------------------------------------------
+
+
+def setup_profile(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="MODEL",
+        help="gpt:tiny, gpt:small, gpt:medium, or package.module:callable (as `pipelang run`)",
+    )
+    parser.add_argument(
+        "-o", dest="out", type=Path, required=True, metavar="PROFILE.json", help="where to write"
+    )
+    parser.add_argument("--micro-batch-size", type=_positive, default=4, metavar="B")
+    parser.add_argument("--seq-len", type=_positive, metavar="T", help="default: the model's")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:K")
+    parser.add_argument(
+        "--threads",
+        type=_positive,
+        metavar="K",
+        help="CPU threads (default torch's; match the threads one rank of a run gets)",
+    )
+    parser.add_argument("--repeats", type=_positive, default=5, help="timed runs per layer")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from pipelang.backends.models import ModelError
+    from pipelang.planner.profile import ProfileOptions, measure
+
+    options = ProfileOptions(
+        model=args.model,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        repeats=args.repeats,
+        warmup=max(0, args.warmup),
+        seed=args.seed,
+    )
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def progress(index: int, total: int, name: str) -> None:
+        err.print(f"layer {index + 1}/{total}: {name}", markup=False)
+
+    try:
+        profile = measure(options, progress)
+    except (ModelError, RuntimeError) as error:
+        err.print(f"error: {error}", markup=False)
+        return 1
+    write_output(args.out, profile.to_json() + "\n")
+    total = sum(c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in profile.layers)
+    print(
+        f"wrote {args.out}: {len(profile.layers)} layers of {profile.model} on {profile.device}, "
+        f"{total:.3f} ms forward + backward per micro-batch"
+    )
+    return 0
+
+
+# ---- plan ---------------------------------------------------------------------------------
+
+
+def setup_plan(parser: argparse.ArgumentParser) -> None:
+    from pipelang.planner.families import FAMILIES, STATE_FACTOR
+
+    parser.add_argument("--profile", type=Path, required=True, metavar="P.json")
+    parser.add_argument("--topology", type=Path, required=True, metavar="T.yaml")
+    parser.add_argument("--micro-batches", type=_positive, required=True, metavar="N")
+    parser.add_argument(
+        "-o", dest="out", type=Path, required=True, metavar="BEST.pipe", help="the winning plan"
+    )
+    parser.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="memory cap per device, e.g. 40GiB (default: each device's memory)",
+    )
+    parser.add_argument("--optimizer", choices=tuple(STATE_FACTOR), default="adam")
+    parser.add_argument(
+        "--schedules",
+        metavar="A,B,...",
+        help="stdlib schedules to try (default all of: " + ", ".join(FAMILIES) + ")",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=25.0,
+        metavar="SECONDS",
+        help="stop adding candidates that would end the search past this (default 25; 0: none)",
+    )
+    parser.add_argument("--top", type=_positive, default=10, help="rows of the table (default 10)")
+    parser.add_argument(
+        "--all", action="store_true", help="also list every candidate left out, and why"
+    )
+    parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from pipelang.planner.families import FAMILIES
+    from pipelang.planner.profile import load_profile
+    from pipelang.planner.search import Inputs, Planner
+    from pipelang.planner.topology import load_topology
+    from pipelang.planner.write import plan_source
+
+    max_memory = None
+    if args.max_memory is not None:
+        try:
+            max_memory = parse_bytes(args.max_memory)
+        except UnitError as err:
+            raise UsageError(f"--max-memory: {err}") from None
+    schedules = tuple(FAMILIES)
+    if args.schedules:
+        schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+        unknown = [s for s in schedules if s not in FAMILIES]
+        if unknown or not schedules:
+            raise UsageError(
+                f"--schedules: cannot plan with `{', '.join(unknown)}`; use: {', '.join(FAMILIES)}"
+            )
+    inputs = Inputs(
+        load_profile(args.profile),
+        load_topology(args.topology),
+        args.micro_batches,
+        max_memory,
+        args.optimizer,
+        schedules,
+    )
+    planner = Planner(inputs, time_budget=args.time_budget or None)
+    result = planner.search()
+    if not result.plans:
+        reasons = [f"{r.candidate.label}: {r.reason}" for r in result.rejected]
+        shown = reasons[:12] + ([f"... and {len(reasons) - 12} more"] if len(reasons) > 12 else [])
+        raise fail(
+            "E0403",
+            f"no plan fits: all {len(result.rejected)} candidates were left out",
+            notes=tuple(shown),
+            help="raise --max-memory, add devices, or profile a smaller micro-batch",
+        )
+    best = result.plans[0]
+    write_output(args.out, plan_source(best, planner, args.profile.name, args.topology.name))
+    if args.json:
+        print(json.dumps(_as_json(result), indent=1))
+        return 0
+    _print_tables(result, planner, args.top, args.all)
+    _console.print(
+        f"wrote {args.out}: {best.candidate.label}, partition "
+        f"{','.join(map(str, best.partition))}, predicted {best.time_ms:.3f} ms per iteration",
+        markup=False,
+    )
+    return 0
+
+
+def _print_tables(result: object, planner: object, top: int, show_all: bool) -> None:
+    from pipelang.planner.search import Planner, SearchResult
+
+    assert isinstance(result, SearchResult) and isinstance(planner, Planner)
+    inputs = planner.inputs
+    profile = inputs.profile
+    table = Table(
+        title=f"plans for {profile.model} ({len(profile.layers)} layers), "
+        f"{inputs.micro_batches} micro-batches, {inputs.topology.size} devices "
+        f"({len(result.plans) + len(result.rejected)} candidates, {result.seconds:.1f} s)",
+        title_justify="left",
+    )
+    for column in ("#", "schedule", "partition", "iteration ms", "bubble", "peak memory"):
+        table.add_column(column, justify="left" if column in ("schedule", "partition") else "right")
+    best = result.plans[0].time_ms
+    for index, plan in enumerate(result.plans[:top]):
+        peak, rank = plan.peak()
+        parts = ",".join(map(str, plan.partition))
+        approx = "" if plan.exact else "~"
+        table.add_row(
+            str(index + 1),
+            plan.candidate.label,
+            parts if len(parts) <= 40 else parts[:37] + "...",
+            f"{approx}{plan.time_ms:.3f}" + (f" (+{plan.time_ms / best - 1:.0%})" if index else ""),
+            f"{plan.bubble_ratio:.3f}",
+            f"{format_bytes(peak)} (rank {rank})",
+        )
+    _console.print(table)
+    memory = [r for r in result.rejected if r.memory]
+    others = [r for r in result.rejected if not r.memory]
+    listed = memory + (others if show_all else [])
+    if listed:
+        out = Table(title="left out", title_justify="left")
+        out.add_column("schedule")
+        out.add_column("why")
+        for rejected in listed:
+            out.add_row(rejected.candidate.label, rejected.reason)
+        _console.print(out)
+    if others and not show_all:
+        _console.print(
+            f"{len(others)} more left out by their schedule's `require` or the model's "
+            "size (--all lists them)",
+            markup=False,
+        )
+    if any(not p.exact for p in result.plans[:top]):
+        _console.print(
+            "~ extrapolated from two smaller micro-batch counts (only the best few are "
+            "simulated at N)",
+            markup=False,
+        )
+
+
+def _as_json(result: object) -> dict[str, object]:
+    from pipelang.planner.search import SearchResult
+
+    assert isinstance(result, SearchResult)
+    return {
+        "seconds": round(result.seconds, 3),
+        "plans": [
+            {
+                "schedule": p.candidate.schedule,
+                "params": dict(p.candidate.params),
+                "partition": list(p.partition),
+                "devices": list(p.devices),
+                "iteration_ms": round(p.time_ms, 6),
+                "bubble_ratio": round(p.bubble_ratio, 6),
+                "peak_memory_bytes": [round(m) for m in p.memory],
+                "exact": p.exact,
+            }
+            for p in result.plans
+        ],
+        "left_out": [
+            {
+                "schedule": r.candidate.schedule,
+                "params": dict(r.candidate.params),
+                "reason": r.reason,
+                "memory": r.memory,
+            }
+            for r in result.rejected
+        ],
+    }
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value

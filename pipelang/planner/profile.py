@@ -1,0 +1,303 @@
+"""Per-layer costs of a model: what `pipelang profile` measures and `pipelang plan` reads.
+
+For every layer of the model (in order, as the runtime cuts it into stages), on one
+micro-batch: the forward time, the backward time split into the input gradient (`B`)
+and the weight gradient (`W`), the bytes the forward saves for the backward
+(activations), the bytes of its parameters, and the bytes of its output (what a stage
+boundary after this layer sends).
+
+How it is measured: the model is built as `pipelang run` builds it, one micro-batch is
+pushed through the layers once to get every layer's input, then each layer is timed on
+its own input, `repeats` times after `warmup` runs, and the median is kept. The input
+gradient is `torch.autograd.grad` with respect to the layer's input only (autograd then
+skips the weight gradients); the weight gradient is the full backward minus that. The
+last layer's forward and backward include the loss, as the runtime's last stage does.
+Saved activations are the distinct tensor storages autograd packs during the forward
+(`torch.autograd.graph.saved_tensors_hooks`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipelang.diagnostics import fail
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT = "pipelang-profile/1"
+LAYER_FIELDS = (
+    "forward_ms",
+    "backward_input_ms",
+    "backward_weight_ms",
+    "activation_bytes",
+    "weight_bytes",
+    "output_bytes",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """One layer on one micro-batch: times in milliseconds, sizes in bytes."""
+
+    name: str
+    forward_ms: float
+    backward_input_ms: float
+    backward_weight_ms: float
+    activation_bytes: float
+    weight_bytes: float
+    output_bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A model's layers as measured on one device, with what was measured on."""
+
+    model: str
+    device: str
+    dtype: str
+    micro_batch_size: int
+    seq_len: int
+    layers: tuple[LayerCost, ...]
+    torch: str = ""
+    threads: int = 0
+    repeats: int = 0
+
+    def to_json(self) -> str:
+        doc = {"format": FORMAT, **asdict(self)}
+        doc["layers"] = [asdict(layer) for layer in self.layers]
+        return json.dumps(doc, indent=1)
+
+
+def load_profile(path: Path) -> Profile:
+    """Read and check a profile JSON file; every problem is E0401."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise fail("E0401", f"cannot read the profile `{path}`: {err}") from None
+    except json.JSONDecodeError as err:
+        raise fail(
+            "E0401", f"the profile `{path}` is not JSON: {err.msg} (line {err.lineno})"
+        ) from None
+    return profile_from_dict(doc, str(path))
+
+
+def profile_from_dict(doc: object, where: str = "the profile") -> Profile:
+    """A Profile from its JSON object, every field checked."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise fail(
+            "E0401",
+            f'`{where}` is not a pipelang profile (no `"format": "{FORMAT}"`)',
+            help="write one with `pipelang profile --model M -o PROFILE.json`",
+        )
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise fail("E0401", f"`{where}` has no `layers` list")
+    return Profile(
+        model=str(doc.get("model", "?")),
+        device=str(doc.get("device", "?")),
+        dtype=str(doc.get("dtype", "float32")),
+        micro_batch_size=_whole(doc.get("micro_batch_size", 0), where, "micro_batch_size"),
+        seq_len=_whole(doc.get("seq_len", 0), where, "seq_len"),
+        layers=tuple(_layer(entry, i, where) for i, entry in enumerate(layers)),
+        torch=str(doc.get("torch", "")),
+        threads=_whole(doc.get("threads", 0), where, "threads"),
+        repeats=_whole(doc.get("repeats", 0), where, "repeats"),
+    )
+
+
+def _whole(value: object, where: str, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise fail("E0401", f"`{where}`: `{key}` must be a whole number, not {value!r}")
+    return value
+
+
+def _layer(entry: object, index: int, where: str) -> LayerCost:
+    if not isinstance(entry, dict):
+        raise fail("E0401", f"`{where}`: layer {index} is not an object")
+    values: dict[str, float] = {}
+    for key in LAYER_FIELDS:
+        if key not in entry:
+            raise fail(
+                "E0401",
+                f"`{where}`: layer {index} has no `{key}`",
+                help="every layer needs " + ", ".join(f"`{k}`" for k in LAYER_FIELDS),
+            )
+        value = entry[key]
+        number = (
+            float(value) if isinstance(value, int | float) and not isinstance(value, bool) else -1
+        )
+        if not math.isfinite(number) or number < 0:
+            raise fail(
+                "E0401",
+                f"`{where}`: layer {index} `{key}` must be a number of at least 0, not {value!r}",
+            )
+        values[key] = number
+    return LayerCost(name=str(entry.get("name", f"layer{index}")), **values)
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileOptions:
+    """What `pipelang profile` was asked to measure."""
+
+    model: str
+    micro_batch_size: int = 4
+    seq_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    repeats: int = 5
+    warmup: int = 2
+    seed: int = 0
+
+
+def measure(
+    options: ProfileOptions, progress: Callable[[int, int, str], None] | None = None
+) -> Profile:
+    """Build the model and time every layer (see the module docstring)."""
+    import torch
+
+    from pipelang.backends.models import ModelSpec
+
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    device = torch.device(options.device)
+    spec = ModelSpec(
+        options.model, options.seq_len, options.micro_batch_size, options.dtype, options.seed
+    )
+    with device:
+        model = spec.build()
+    ids, targets = model.batch(0, 0, device)
+    inputs: list[torch.Tensor] = [ids]
+    with torch.no_grad():
+        for layer in model.layers[:-1]:
+            inputs.append(layer(inputs[-1]))
+    costs = []
+    last = len(model.layers) - 1
+    for index, layer in enumerate(model.layers):
+        if progress is not None:
+            progress(index, len(model.layers), type(layer).__name__)
+
+        def run(
+            x: torch.Tensor, layer: torch.nn.Module = layer, index: int = index
+        ) -> torch.Tensor:
+            y = layer(x)
+            return model.loss(y, targets) if index == last else y
+
+        costs.append(
+            _measure_layer(type(layer).__name__, layer, inputs[index], run, options, device)
+        )
+    return Profile(
+        model=options.model,
+        device=str(device),
+        dtype=options.dtype,
+        micro_batch_size=options.micro_batch_size,
+        seq_len=model.seq_len,
+        layers=tuple(costs),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        repeats=options.repeats,
+    )
+
+
+def _measure_layer(
+    name: str,
+    layer: torch.nn.Module,
+    x_in: torch.Tensor,
+    run: Callable[[torch.Tensor], torch.Tensor],
+    options: ProfileOptions,
+    device: torch.device,
+) -> LayerCost:
+    import torch
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    differentiable = x_in.is_floating_point()
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor]:
+        x = x_in.detach().requires_grad_(differentiable)
+        return x, run(x)
+
+    def timed(action: Callable[[], Any]) -> float:
+        samples = []
+        for i in range(options.warmup + options.repeats):
+            _sync(device)
+            start = time.perf_counter()
+            action()
+            _sync(device)
+            if i >= options.warmup:
+                samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    forward = timed(fresh)
+
+    def backward(inputs_only: bool) -> float:
+        samples = []
+        for i in range(options.warmup + options.repeats):
+            x, y = fresh()
+            wrt: list[torch.Tensor] = [x] if inputs_only or differentiable else []
+            if not inputs_only:
+                wrt.extend(params)
+            if not wrt:
+                return 0.0
+            grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
+            _sync(device)
+            start = time.perf_counter()
+            torch.autograd.grad(y, wrt, grad, allow_unused=True)
+            _sync(device)
+            if i >= options.warmup:
+                samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    full = backward(inputs_only=False)
+    input_grad = (
+        backward(inputs_only=True)
+        if differentiable and params
+        else (full if differentiable else 0.0)
+    )
+    with torch.no_grad():
+        out = layer(x_in.detach())
+    return LayerCost(
+        name=name,
+        forward_ms=round(forward, 6),
+        backward_input_ms=round(input_grad, 6),
+        backward_weight_ms=round(max(0.0, full - input_grad), 6),
+        activation_bytes=float(_saved_bytes(fresh, layer)),
+        weight_bytes=float(sum(p.numel() * p.element_size() for p in layer.parameters())),
+        output_bytes=float(out.numel() * out.element_size()),
+    )
+
+
+def _saved_bytes(forward: Callable[[], Any], layer: torch.nn.Module) -> int:
+    """Bytes of the distinct storages autograd saves for the backward during `forward`,
+    the layer's own parameters left out (they are weights, counted apart)."""
+    import torch
+
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(seen.values())
+
+
+def _sync(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

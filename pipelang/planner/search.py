@@ -1,0 +1,576 @@
+"""The search: schedule, parameters, partition and device mapping, by simulation.
+
+For every candidate (a stdlib schedule with D ranks and its other parameters, see
+`candidates`), the planner
+
+1. checks the schedule's own `require`s at the requested N (a failure is the reason the
+   candidate is left out);
+2. cuts the layers into the schedule's S stages with the exact DP of `partition.py`,
+   with the transfer times of the links the stage boundaries cross;
+3. maps ranks to devices (`mapping.py`) from the traffic of the compiled program, then
+   cuts again with the mapped links;
+4. predicts the iteration with pipelang's simulator (`simulate`) on the compiled
+   program: per-stage F, B, W costs summed from the profile, every transfer timed on
+   the link between its two ranks' devices, and the gradient allreduce of replicated
+   stages (Chimera, GEMS) added after each stage's last backward on its replicas;
+5. computes each device's peak memory: weights (times the optimizer's state factor) of
+   the stage copies it holds, plus the activations in flight along its order.
+
+Large schedules are first screened on two smaller micro-batch counts and extrapolated
+linearly to N (exact for schedules whose time grows by a fixed amount per micro-batch,
+as every stdlib schedule does past its warm-up); the best few are then improved by a
+local search on the partition, each step judged by the simulator, and simulated at N.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from pipelang import api, ast
+from pipelang.compiler import Options, run_passes
+from pipelang.diagnostics import PipelangError
+from pipelang.ir import Action, CostModel, Kind, Program
+from pipelang.planner.families import FAMILIES, STATE_FACTOR, Params
+from pipelang.planner.mapping import Traffic, map_ranks
+from pipelang.planner.partition import best_partition
+from pipelang.planner.profile import Profile
+from pipelang.planner.topology import Topology
+from pipelang.planner.units import format_bytes
+from pipelang.simulate import simulate
+
+FULL_OPS = 4_000
+"""Schedules with at most this many ops are simulated at N directly, never extrapolated."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A stdlib schedule with all its parameters bound: D, N and the rest."""
+
+    schedule: str
+    params: tuple[tuple[str, int], ...]
+    stages_per_rank: int
+
+    @property
+    def ranks(self) -> int:
+        return dict(self.params)["D"]
+
+    @property
+    def stages(self) -> int:
+        return self.ranks * self.stages_per_rank
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.schedule, *(f"{k}={v}" for k, v in self.params)])
+
+    def with_n(self, n: int) -> Candidate:
+        return replace(self, params=tuple((k, n if k == "N" else v) for k, v in self.params))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A candidate with its partition and mapping, and what the simulator predicts."""
+
+    candidate: Candidate
+    partition: tuple[int, ...]
+    devices: tuple[int, ...]
+    """Device (index into the topology) of every rank."""
+    time_ms: float
+    bubble_ratio: float
+    memory: tuple[float, ...]
+    """Peak bytes of every rank."""
+    exact: bool
+    """Simulated at N (True), or extrapolated from two smaller micro-batch counts."""
+    split_w: bool
+    transfer_ms: float
+    """Mean time of one transfer between ranks (what the written `cost C` says)."""
+
+    def peak(self) -> tuple[float, int]:
+        """The largest peak memory and its rank."""
+        rank = max(range(len(self.memory)), key=self.memory.__getitem__)
+        return self.memory[rank], rank
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A candidate left out, and why (a failed `require`, the memory cap, ...)."""
+
+    candidate: Candidate
+    reason: str
+    memory: bool = False
+    """Left out by the memory cap (rather than by the schedule or the model)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    plans: tuple[Plan, ...]
+    rejected: tuple[Rejected, ...]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """What a search needs: the model's layers, the cluster, N and the memory limit."""
+
+    profile: Profile
+    topology: Topology
+    micro_batches: int
+    max_memory: float | None = None
+    optimizer: str = "adam"
+    schedules: tuple[str, ...] = tuple(FAMILIES)
+
+    def cap(self, device: int) -> float:
+        memory = self.topology.memory[device]
+        return memory if self.max_memory is None else min(memory, self.max_memory)
+
+
+def candidates(inputs: Inputs) -> list[Candidate]:
+    """Every (schedule, D, other parameters) to try: D divides the device count."""
+    found = []
+    devices = inputs.topology.size
+    for d in range(1, devices + 1):
+        if devices % d:
+            continue
+        for name in inputs.schedules:
+            for extra, per_rank in FAMILIES[name](d):
+                params = (("D", d), ("N", inputs.micro_batches), *extra)
+                found.append(Candidate(name, params, per_rank))
+    return found
+
+
+@dataclass
+class Prediction:
+    """The simulator's numbers for one candidate, partition and mapping at one N."""
+
+    time_ms: float
+    busy_ms: float
+    memory: list[float]
+    transfers: list[float] = field(default_factory=list)
+
+
+class Planner:
+    """Runs the search; keeps the compiled programs and parsed files it reuses."""
+
+    def __init__(
+        self,
+        inputs: Inputs,
+        exact_top: int = 3,
+        refine_steps: int = 24,
+        refine_seconds: float = 3.0,
+        time_budget: float | None = None,
+    ) -> None:
+        self.inputs = inputs
+        self.exact_top = exact_top
+        self.refine_steps = refine_steps
+        self.refine_seconds = refine_seconds
+        self.time_budget = time_budget
+        self._screen_cost: dict[Candidate, list[tuple[float, float]]] = {}
+        layers = inputs.profile.layers
+        self.layer_time = [
+            c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in layers
+        ]
+        self._files: dict[str, ast.File] = {}
+        self._programs: dict[Candidate, Program] = {}
+
+    # ---- the whole search -------------------------------------------------------------
+
+    def search(self, progress: Callable[[str], None] | None = None) -> SearchResult:
+        """Screen every candidate, then refine and simulate the best at N (see the
+        module docstring). With a time budget, a candidate whose screening would end
+        past it, judged from the same schedule at a smaller D, is left out with that
+        reason, and a shortlisted one whose simulation at N would is kept extrapolated."""
+        started = time.perf_counter()
+        deadline = started + (self.time_budget or math.inf)
+        screened: list[Plan] = []
+        rejected: list[Rejected] = []
+        costs: dict[tuple[str, Params], list[tuple[float, float]]] = {}
+        for candidate in candidates(self.inputs):
+            family = (candidate.schedule, candidate.params[2:])
+            ops = self._ops(candidate, sum(self._probe_sizes(candidate)))
+            estimate = _scaled(costs.get(family, []), ops)
+            if time.perf_counter() + estimate > deadline:
+                why = f"not searched: screening would take about {estimate:.0f} s, past the"
+                rejected.append(Rejected(candidate, why + " time budget"))
+                continue
+            begun = time.perf_counter()
+            outcome = self.screen(candidate)
+            costs[family] = [*costs.get(family, [])[-1:], (ops, time.perf_counter() - begun)]
+            if isinstance(outcome, Plan):
+                screened.append(outcome)
+                self._screen_cost[candidate] = costs[family]
+            else:
+                rejected.append(outcome)
+        fitting = sorted((p for p in screened if self.fits(p) is None), key=lambda p: p.time_ms)
+        for plan in screened:
+            reason = self.fits(plan)
+            if reason is not None:
+                rejected.append(Rejected(plan.candidate, reason, memory=True))
+        final: list[Plan] = []
+        shortlist = fitting[: self.exact_top]
+        for plan in shortlist:
+            if progress is not None:
+                progress(plan.candidate.label)
+            share = self.refine_seconds / len(shortlist)
+            refined = self.refine(plan, min(deadline, time.perf_counter() + share))
+            full_ops = self._ops(plan.candidate, self.inputs.micro_batches)
+            estimate = _scaled(self._screen_cost.get(plan.candidate, []), full_ops)
+            if refined.exact or time.perf_counter() + estimate > deadline:
+                final.append(refined)
+                continue
+            exact = self.predict(refined.candidate, refined.partition, refined.devices, full=True)
+            if self.fits(exact) is None:
+                final.append(exact)
+            else:
+                rejected.append(Rejected(exact.candidate, str(self.fits(exact)), memory=True))
+        final.sort(key=lambda p: p.time_ms)
+        final.extend(fitting[self.exact_top :])
+        return SearchResult(tuple(final), tuple(rejected), time.perf_counter() - started)
+
+    def _ops(self, candidate: Candidate, micro_batches: int) -> float:
+        return float(micro_batches * candidate.stages * (3 if self._split_w(candidate) else 2))
+
+    def fits(self, plan: Plan) -> str | None:
+        """None when every rank's peak is under its device's cap, else the reason."""
+        for rank, peak in enumerate(plan.memory):
+            device = plan.devices[rank]
+            cap = self.inputs.cap(device)
+            if peak > cap:
+                return (
+                    f"needs {format_bytes(peak)} on rank {rank} "
+                    f"({self.inputs.topology.names[device]}), over the cap of {format_bytes(cap)}"
+                )
+        return None
+
+    # ---- one candidate ----------------------------------------------------------------
+
+    def screen(self, candidate: Candidate) -> Plan | Rejected:
+        """Partition, mapping and a first prediction; or why the candidate is out."""
+        layers = len(self.layer_time)
+        if candidate.stages > layers:
+            return Rejected(
+                candidate, f"{candidate.stages} stages but the model has only {layers} layers"
+            )
+        problem = self._require(candidate)
+        if problem is not None:
+            return Rejected(candidate, problem)
+        try:
+            # Cut without transfers first: a greedy order needs costs to be expanded, and
+            # the mapping needs the expanded program's traffic.
+            counts = best_partition(
+                self.layer_time, candidate.stages, self.inputs.micro_batches
+            ).counts
+            n = self._probe_sizes(candidate)[-1]
+            costs = self.cost_model(counts, self._split_w(candidate))
+            probe = self._program(candidate.with_n(n), costs, True)
+            traffic = self._traffic(probe, counts)
+            devices = map_ranks(traffic, candidate.ranks, self.inputs.topology)
+            counts = self._cut(candidate, probe, devices)
+            return self.predict(candidate, counts, devices, full=False, reorder=False)
+        except PipelangError as err:  # a schedule that does not compile at these sizes
+            return Rejected(candidate, err.diagnostics[0].message)
+
+    def refine(self, plan: Plan, deadline: float = math.inf) -> Plan:
+        """Move single layers across stage boundaries while the simulator says the
+        iteration gets shorter (at most `refine_steps` tries, and not past `deadline`
+        on `time.perf_counter`). Layers leave the slowest stages first."""
+        best, tries = plan, 0
+        improved = True
+        while improved and tries < self.refine_steps:
+            improved = False
+            loads = _sums(self.layer_time, best.partition)
+            for moved in _neighbours(best.partition, loads):
+                if tries >= self.refine_steps or time.perf_counter() > deadline:
+                    return best
+                tries += 1
+                trial = self.predict(
+                    plan.candidate, moved, plan.devices, full=plan.exact, reorder=False
+                )
+                if trial.time_ms < best.time_ms - 1e-9 and self.fits(trial) is None:
+                    best, improved = trial, True
+                    break
+        return best
+
+    def predict(
+        self,
+        candidate: Candidate,
+        counts: Sequence[int],
+        devices: Sequence[int],
+        full: bool,
+        reorder: bool = True,
+    ) -> Plan:
+        """What the simulator says of this partition and mapping: at N when `full` or
+        small enough, else extrapolated from the two probe sizes."""
+        sizes = self._probe_sizes(candidate)
+        if full:
+            sizes = [self.inputs.micro_batches]
+        runs = [(n, self._simulate(candidate.with_n(n), counts, devices, reorder)) for n in sizes]
+        n_b, last = runs[-1]
+        big_n = self.inputs.micro_batches
+        if len(runs) == 1:
+            time_ms, memory = last.time_ms, last.memory
+        else:
+            n_a, first = runs[0]
+            slope = (last.time_ms - first.time_ms) / (n_b - n_a)
+            time_ms = last.time_ms + (big_n - n_b) * slope
+            memory = [
+                max(b, b + (big_n - n_b) * (b - a) / (n_b - n_a))
+                for a, b in zip(first.memory, last.memory, strict=True)
+            ]
+        busy = last.busy_ms * big_n / n_b
+        bubble = 1 - busy / (candidate.ranks * time_ms) if time_ms > 0 else 0.0
+        mean = sum(last.transfers) / len(last.transfers) if last.transfers else 0.0
+        return Plan(
+            candidate,
+            tuple(counts),
+            tuple(devices),
+            time_ms,
+            bubble,
+            tuple(memory),
+            exact=len(runs) == 1,
+            split_w=self._split_w(candidate),
+            transfer_ms=mean,
+        )
+
+    def stage_costs(self, counts: Sequence[int], split_w: bool) -> list[tuple[float, float, float]]:
+        """(F, B, W) milliseconds of every stage; without split W, B is the whole backward."""
+        result, start = [], 0
+        layers = self.inputs.profile.layers
+        for count in counts:
+            part = layers[start : start + count]
+            f = sum(c.forward_ms for c in part)
+            b = sum(c.backward_input_ms for c in part)
+            w = sum(c.backward_weight_ms for c in part)
+            result.append((f, b, w) if split_w else (f, b + w, 0.0))
+            start += count
+        return result
+
+    def cost_model(self, counts: Sequence[int], split_w: bool) -> CostModel:
+        entries: list[tuple[str, int | None, float]] = [("C", None, 0.0)]
+        for stage, (f, b, w) in enumerate(self.stage_costs(counts, split_w)):
+            entries += [("F", stage, f), ("B", stage, b), ("W", stage, w), ("R", stage, f)]
+        return CostModel().merged(CostModel(tuple(entries)))
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _file(self, name: str) -> ast.File:
+        if name not in self._files:
+            self._files[name] = api.load_file(name)
+        return self._files[name]
+
+    def _split_w(self, candidate: Candidate) -> bool:
+        """Whether the schedule splits the weight gradient off the backward (`ops` has W)."""
+        body = self._file(candidate.schedule).schedule.body
+        return any(isinstance(d, ast.Ops) and "W" in d.kinds for d in body)
+
+    def _require(self, candidate: Candidate) -> str | None:
+        """The message of the first `require` that fails at these parameters, if any."""
+        try:
+            run_passes(self._file(candidate.schedule), _options(candidate), "resolve-params")
+        except PipelangError as err:
+            return err.diagnostics[0].message
+        return None
+
+    def _probe_sizes(self, candidate: Candidate) -> list[int]:
+        big_n = self.inputs.micro_batches
+        if big_n * candidate.stages * 3 <= FULL_OPS:
+            return [big_n]
+        for base in (candidate.ranks, 2 * candidate.ranks, 4 * candidate.ranks):
+            valid = 2 * base < big_n and self._require(candidate.with_n(base)) is None
+            if valid and self._require(candidate.with_n(2 * base)) is None:
+                return [base, 2 * base]
+        return [big_n]
+
+    def _program(
+        self, candidate: Candidate, costs: CostModel | None = None, reorder: bool = False
+    ) -> Program:
+        """The schedule expanded at these parameters, kept for reuse. A greedy order
+        depends on the costs: with `reorder` it is expanded again under `costs` (the
+        local search reuses the order found for the DP's partition)."""
+        file = self._file(candidate.schedule)
+        greedy = any(isinstance(d, ast.OrderGreedy) for d in file.schedule.body)
+        if candidate in self._programs and not (greedy and reorder):
+            return self._programs[candidate]
+        if greedy and costs is not None:
+            file = _with_costs(file, costs)
+        program = run_passes(file, _options(candidate), "expand-orders").need_program()
+        self._programs[candidate] = program
+        return program
+
+    def _cut(
+        self, candidate: Candidate, program: Program, devices: Sequence[int]
+    ) -> tuple[int, ...]:
+        """The DP partition, each boundary timed on the link between the devices of the
+        ranks that hold its two stages in the first pipeline."""
+        placement = program.pipelines[0].placement
+        topology = self.inputs.topology
+        outputs = [c.output_bytes for c in self.inputs.profile.layers]
+
+        def cut(boundary: int, before: int) -> float:
+            a, b = devices[placement[boundary]], devices[placement[boundary + 1]]
+            return 0.0 if a == b else topology.link(a, b).seconds(outputs[before - 1]) * 1e3
+
+        split = best_partition(self.layer_time, candidate.stages, self.inputs.micro_batches, cut)
+        return split.counts
+
+    def _traffic(self, program: Program, counts: Sequence[int]) -> Traffic:
+        """Bytes and messages between every pair of ranks in one iteration at N."""
+        outputs = _stage_outputs(self.inputs.profile, counts)
+        weights = _stage_weights(self.inputs.profile, counts)
+        scale = self.inputs.micro_batches / max(program.num_microbatches, 1)
+        traffic: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for pipeline in program.pipelines:
+            for stage in range(program.num_stages - 1):
+                a, b = pipeline.placement[stage], pipeline.placement[stage + 1]
+                if a != b:
+                    mbs = program.assignment.count(pipeline.name) * scale
+                    entry = traffic[(min(a, b), max(a, b))]
+                    entry[0] += 2 * mbs * outputs[stage]
+                    entry[1] += 2 * mbs
+        for stage in range(program.num_stages):
+            ring = sorted(set(program.replicas(stage)))
+            for a, b in zip(ring, ring[1:] + ring[:1], strict=True):
+                if a != b:
+                    entry = traffic[(min(a, b), max(a, b))]
+                    entry[0] += 2 * weights[stage]
+                    entry[1] += 2
+        return {pair: (size, int(messages)) for pair, (size, messages) in traffic.items()}
+
+    def _simulate(
+        self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
+    ) -> Prediction:
+        costs = self.cost_model(counts, self._split_w(candidate))
+        program = self._program(candidate, costs, reorder)
+        topology = self.inputs.topology
+        outputs = _stage_outputs(self.inputs.profile, counts)
+        cache: dict[tuple[Kind, int, int, int], float] = {}
+        transfers: list[float] = []
+
+        def link(op: Action, src: int, dst: int) -> float:
+            key = (op.kind, op.stage or 0, src, dst)
+            if key not in cache:
+                boundary = op.stage if op.kind is Kind.F else (op.stage or 0) - 1
+                size = outputs[boundary] if boundary is not None and boundary >= 0 else 0.0
+                cache[key] = topology.link(devices[src], devices[dst]).seconds(size) * 1e3
+                transfers.append(cache[key])
+            return cache[key]
+
+        timeline = simulate(program, costs, link)
+        end = max(timeline.makespan, self._allreduce_end(program, timeline.events, counts, devices))
+        busy = sum(timeline.busy(r) for r in range(program.num_ranks))
+        return Prediction(end, busy, self._memory(program, counts), transfers)
+
+    def _allreduce_end(
+        self,
+        program: Program,
+        events: Iterable[object],
+        counts: Sequence[int],
+        devices: Sequence[int],
+    ) -> float:
+        """When the last replicated stage has summed its gradients: each stage's
+        allreduce starts after its last backward on all its replicas and takes
+        2 log2(r) alpha + 2 (r-1)/r bytes beta (Rabenseifner, as Chimera's model)."""
+        weights = _stage_weights(self.inputs.profile, counts)
+        last: dict[int, float] = defaultdict(float)
+        for event in events:
+            action = event.action  # type: ignore[attr-defined]
+            if action.kind in (Kind.B, Kind.W):
+                last[action.stage] = max(last[action.stage], event.end)  # type: ignore[attr-defined]
+        end = 0.0
+        for stage in range(program.num_stages):
+            ring = sorted({devices[r] for r in program.replicas(stage)})
+            if len(ring) < 2:
+                continue
+            links = [self.inputs.topology.link(a, b) for a, b in itertools.pairwise(ring)]
+            alpha = max(link.latency for link in links)
+            beta = 1 / min(link.bandwidth for link in links)
+            r = len(ring)
+            seconds = 2 * math.log2(r) * alpha + 2 * (r - 1) / r * weights[stage] * beta
+            end = max(end, last[stage] + seconds * 1e3)
+        return end
+
+    def _memory(self, program: Program, counts: Sequence[int]) -> list[float]:
+        """Peak bytes of every rank: weight state of its stage copies plus the most
+        activations it holds at once (taken at F, freed at B, or at W when W is split)."""
+        factor = STATE_FACTOR[self.inputs.optimizer]
+        weights = _stage_weights(self.inputs.profile, counts)
+        activations = _stage_activations(self.inputs.profile, counts)
+        split_w = Kind.W in program.kinds
+        peaks = []
+        for rank, actions in enumerate(program.ranks):
+            state = sum(weights[s] for s, _ in program.stage_copies(rank)) * factor
+            held = peak = 0.0
+            for action in actions:
+                if action.kind is Kind.F:
+                    held += activations[action.stage or 0]
+                    peak = max(peak, held)
+                elif action.kind is (Kind.W if split_w else Kind.B):
+                    held -= activations[action.stage or 0]
+            peaks.append(state + peak)
+        return peaks
+
+
+def _scaled(seen: list[tuple[float, float]], ops: float) -> float:
+    """Seconds to handle `ops` ops, from the (ops, seconds) of the last one or two
+    screenings of the same schedule: grown as ops^p, p fitted to the two (between 1 and
+    3), else 1.5 (compile and simulation grow a little faster than linearly)."""
+    if not seen or seen[-1][0] <= 0:
+        return 0.0
+    power = 1.5
+    if len(seen) == 2 and seen[1][0] > seen[0][0] and min(seen[0][1], seen[1][1]) > 0.05:
+        power = math.log(seen[1][1] / seen[0][1]) / math.log(seen[1][0] / seen[0][0])
+        power = min(3.0, max(1.0, power))
+    return seen[-1][1] * (ops / seen[-1][0]) ** power
+
+
+def _options(candidate: Candidate) -> Options:
+    return Options({k: str(v) for k, v in candidate.params})
+
+
+def _with_costs(file: ast.File, costs: CostModel) -> ast.File:
+    """The file with `costs` appended as a `cost` line (greedy orders replay them)."""
+    span = file.schedule.span
+    items = tuple(
+        ast.CostItem(span, kind, None if stage is None else ast.IntLit(span, stage), value)
+        for kind, stage, value in costs.entries
+    )
+    schedule = replace(file.schedule, body=(*file.schedule.body, ast.Cost(span, items)))
+    return replace(file, schedule=schedule)
+
+
+def _neighbours(counts: tuple[int, ...], loads: Sequence[float]) -> Iterable[tuple[int, ...]]:
+    """Partitions one layer away (a layer moved across one boundary), the moves that
+    take a layer from the most loaded stages first."""
+    moves = []
+    for b in range(len(counts) - 1):
+        for donor, delta in ((b, 1), (b + 1, -1)):
+            left, right = counts[b] - delta, counts[b + 1] + delta
+            if left >= 1 and right >= 1:
+                moves.append((-loads[donor], b, delta))
+    for _, b, delta in sorted(moves):
+        yield (*counts[:b], counts[b] - delta, counts[b + 1] + delta, *counts[b + 2 :])
+
+
+def _sums(values: Sequence[float], counts: Sequence[int]) -> list[float]:
+    result, start = [], 0
+    for count in counts:
+        result.append(sum(values[start : start + count]))
+        start += count
+    return result
+
+
+def _stage_weights(profile: Profile, counts: Sequence[int]) -> list[float]:
+    return _sums([c.weight_bytes for c in profile.layers], counts)
+
+
+def _stage_activations(profile: Profile, counts: Sequence[int]) -> list[float]:
+    return _sums([c.activation_bytes for c in profile.layers], counts)
+
+
+def _stage_outputs(profile: Profile, counts: Sequence[int]) -> list[float]:
+    """Bytes each stage sends forward: the output of its last layer."""
+    ends = [sum(counts[: s + 1]) - 1 for s in range(len(counts))]
+    return [profile.layers[end].output_bytes for end in ends]

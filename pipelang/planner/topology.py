@@ -1,0 +1,254 @@
+"""The cluster a plan runs on: devices, their memory, and the link between every pair.
+
+Read from YAML (`pipelang plan --topology T.yaml`) in one of two forms. The full form
+lists the devices and the links; pairs not listed use `default_link`:
+
+    devices:
+      - {name: a, memory: 80GiB}
+      - {name: b, memory: 80GiB}
+    links:
+      - {between: [a, b], bandwidth: 300GB/s, latency: 2us}
+    default_link: {bandwidth: 25GB/s, latency: 10us}
+
+The shorthand is N nodes of G GPUs each, one link inside a node and one between nodes;
+the devices are named `node0.gpu0`, `node0.gpu1`, ..., node by node:
+
+    nodes: 2
+    gpus_per_node: 4
+    memory: 80GiB
+    intra_node: {bandwidth: 300GB/s, latency: 2us}     # NVLink
+    inter_node: {bandwidth: 25GB/s, latency: 10us}     # the network
+
+Every problem is E0402 and points at the line of the YAML file that causes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+
+from pipelang.diagnostics import PipelangError, fail
+from pipelang.planner.units import UnitError, parse_bandwidth, parse_bytes, parse_seconds
+from pipelang.source import SourceFile, Span
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A connection between two devices: bytes per second, and seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+    def seconds(self, size: float) -> float:
+        """The time to move `size` bytes over this link (latency plus size/bandwidth)."""
+        return self.latency + size / self.bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Devices (names and memory in bytes) and `links[a][b]` between every pair."""
+
+    names: tuple[str, ...]
+    memory: tuple[float, ...]
+    links: tuple[tuple[Link | None, ...], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+    def link(self, a: int, b: int) -> Link:
+        """The link between devices `a` and `b` (distinct)."""
+        found = self.links[a][b]
+        assert found is not None, (a, b)
+        return found
+
+
+def load_topology(path: Path) -> Topology:
+    """Read and check a topology YAML file; every problem is E0402."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise fail("E0402", f"cannot read the topology `{path}`: {err}") from None
+    return parse_topology(SourceFile.of(str(path), text))
+
+
+def parse_topology(source: SourceFile) -> Topology:
+    """The Topology a YAML text describes (see the module docstring)."""
+    try:
+        root = yaml.compose(source.text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        span = _span_at(source, mark.index) if mark is not None else None
+        problem = getattr(err, "problem", None) or str(err)
+        raise fail("E0402", f"the topology is not valid YAML: {problem}", span) from None
+    reader = _Reader(source)
+    if not isinstance(root, yaml.MappingNode):
+        raise reader.error("a topology is a mapping: `devices:` ... or `nodes:` ...", root)
+    keys = reader.mapping(root)
+    if "nodes" in keys:
+        return _shorthand(reader, root, keys)
+    if "devices" in keys:
+        return _full(reader, root, keys)
+    raise reader.error(
+        "a topology needs `devices` (with `links`) or the shorthand `nodes` and `gpus_per_node`",
+        root,
+    )
+
+
+_LINK_KEYS = {"bandwidth", "latency"}
+
+
+def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
+    reader.only(root, keys, {"nodes", "gpus_per_node", "memory", "intra_node", "inter_node"})
+    nodes = reader.count(keys, "nodes", root)
+    gpus = reader.count(keys, "gpus_per_node", root)
+    memory = reader.value(reader.need(keys, "memory", root), parse_bytes)
+    intra = reader.link(reader.need(keys, "intra_node", root)) if gpus > 1 else None
+    inter = reader.link(reader.need(keys, "inter_node", root)) if nodes > 1 else None
+    size = nodes * gpus
+    if size > 4096:
+        raise reader.error(f"{size} devices; the planner takes at most 4096", keys["nodes"])
+    names = tuple(f"node{n}.gpu{g}" for n in range(nodes) for g in range(gpus))
+    links = tuple(
+        tuple(None if a == b else (intra if a // gpus == b // gpus else inter) for b in range(size))
+        for a in range(size)
+    )
+    return Topology(names, (memory,) * size, links)
+
+
+def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
+    reader.only(root, keys, {"devices", "links", "default_link"})
+    devices = keys["devices"]
+    if not isinstance(devices, yaml.SequenceNode) or not devices.value:
+        raise reader.error("`devices` is a non-empty list of {name, memory}", devices)
+    names: list[str] = []
+    memory: list[float] = []
+    for node in devices.value:
+        if not isinstance(node, yaml.MappingNode):
+            raise reader.error("a device is a mapping {name: ..., memory: ...}", node)
+        entry = reader.mapping(node)
+        reader.only(node, entry, {"name", "memory"})
+        name = reader.text(reader.need(entry, "name", node))
+        if name in names:
+            raise reader.error(f"device `{name}` is listed twice", entry["name"])
+        names.append(name)
+        memory.append(reader.value(reader.need(entry, "memory", node), parse_bytes))
+    size = len(names)
+    table: list[list[Link | None]] = [[None] * size for _ in range(size)]
+    for node in _items(reader, keys.get("links"), "links"):
+        entry = reader.mapping(node)
+        reader.only(node, entry, {"between", *_LINK_KEYS})
+        pair = reader.need(entry, "between", node)
+        ends = pair.value if isinstance(pair, yaml.SequenceNode) else []
+        if len(ends) != 2:
+            raise reader.error("`between` names two devices: [a, b]", pair)
+        a, b = (_device(reader, names, end) for end in ends)
+        if a == b:
+            raise reader.error("a link joins two different devices", pair)
+        table[a][b] = table[b][a] = reader.link(node, entry)
+    default = keys.get("default_link")
+    fallback = reader.link(default) if default is not None else None
+    for a in range(size):
+        for b in range(size):
+            if a != b and table[a][b] is None:
+                if fallback is None:
+                    raise reader.error(
+                        f"no link between `{names[a]}` and `{names[b]}`; list it under "
+                        "`links` or give a `default_link`",
+                        root,
+                    )
+                table[a][b] = fallback
+    return Topology(tuple(names), tuple(memory), tuple(tuple(row) for row in table))
+
+
+def _items(reader: _Reader, node: yaml.Node | None, key: str) -> list[yaml.MappingNode]:
+    if node is None:
+        return []
+    if not isinstance(node, yaml.SequenceNode):
+        raise reader.error(f"`{key}` is a list", node)
+    for item in node.value:
+        if not isinstance(item, yaml.MappingNode):
+            raise reader.error(f"an entry of `{key}` is a mapping", item)
+    return list(node.value)
+
+
+def _device(reader: _Reader, names: list[str], node: yaml.Node) -> int:
+    name = reader.text(node)
+    if name not in names:
+        raise reader.error(f"no device named `{name}`; devices are {', '.join(names)}", node)
+    return names.index(name)
+
+
+def _span_at(source: SourceFile, index: int) -> Span:
+    return Span(source, index, min(index + 1, len(source.text)))
+
+
+class _Reader:
+    """Reads YAML nodes into values; every error points at the node's text."""
+
+    def __init__(self, source: SourceFile) -> None:
+        self.source = source
+
+    def error(self, message: str, node: yaml.Node) -> PipelangError:
+        start, end = node.start_mark.index, node.end_mark.index
+        if end <= start:
+            end = start + 1
+        # A block mapping ends where the next one starts: show its first line only.
+        line_end = self.source.text.find("\n", start)
+        if line_end >= 0:
+            end = min(end, max(line_end, start + 1))
+        return fail("E0402", message, Span(self.source, start, end), help="see docs/planner.md")
+
+    def mapping(self, node: yaml.MappingNode) -> dict[str, yaml.Node]:
+        found: dict[str, yaml.Node] = {}
+        for key, value in node.value:
+            name = self.text(key)
+            if name in found:
+                raise self.error(f"`{name}` is given twice", key)
+            found[name] = value
+        return found
+
+    def only(self, node: yaml.Node, keys: dict[str, yaml.Node], allowed: set[str]) -> None:
+        for key in keys:
+            if key not in allowed:
+                raise self.error(
+                    f"unknown key `{key}`; expected {', '.join(sorted(allowed))}", node
+                )
+
+    def need(self, keys: dict[str, yaml.Node], key: str, node: yaml.Node) -> yaml.Node:
+        if key not in keys:
+            raise self.error(f"missing `{key}`", node)
+        return keys[key]
+
+    def text(self, node: yaml.Node) -> str:
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.error("expected a plain value here", node)
+        return str(node.value)
+
+    def value(self, node: yaml.Node, parse: Callable[[object], T]) -> T:
+        try:
+            return parse(self.text(node))
+        except UnitError as err:
+            raise self.error(str(err), node) from None
+
+    def count(self, keys: dict[str, yaml.Node], key: str, node: yaml.Node) -> int:
+        text = self.text(self.need(keys, key, node))
+        if not text.isdigit() or int(text) < 1:
+            raise self.error(f"`{key}` is a whole number of at least 1, not `{text}`", keys[key])
+        return int(text)
+
+    def link(self, node: yaml.Node, entry: dict[str, yaml.Node] | None = None) -> Link:
+        if entry is None:
+            if not isinstance(node, yaml.MappingNode):
+                raise self.error("a link is a mapping {bandwidth: ..., latency: ...}", node)
+            entry = self.mapping(node)
+            self.only(node, entry, _LINK_KEYS)
+        bandwidth = self.value(self.need(entry, "bandwidth", node), parse_bandwidth)
+        latency = self.value(entry["latency"], parse_seconds) if "latency" in entry else 0.0
+        return Link(bandwidth, latency)

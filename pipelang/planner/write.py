@@ -1,0 +1,76 @@
+"""Write a plan as a `.pipe` file that `pipelang check`, `viz` and `run` accept as is.
+
+The file is the stdlib schedule's own text, with the chosen parameters as the
+defaults, and three kinds of lines added at the top of the schedule's body: the
+`partition` (layers per stage), one `cost` line per stage (milliseconds per micro-batch
+from the profile), and `cost C` (the mean transfer time over the plan's links). A
+comment header names the plan, its prediction and the device each rank runs on.
+"""
+
+from __future__ import annotations
+
+from pipelang import __version__, api
+from pipelang.planner.search import Plan, Planner
+from pipelang.planner.units import format_bytes
+
+
+def plan_source(plan: Plan, planner: Planner, profile_name: str, topology_name: str) -> str:
+    """The text of the `.pipe` file for `plan`."""
+    file = api.load_file(plan.candidate.schedule)
+    text = file.source.text
+    schedule = file.schedule
+    values = dict(plan.candidate.params)
+    edits: list[tuple[int, int, str]] = []
+    for param in schedule.params:
+        if param.name in values and param.default is not None:
+            span = param.default.span
+            edits.append((span.start, span.end, str(values[param.name])))
+    first = schedule.body[0].span.start
+    line_start = text.rfind("\n", 0, first) + 1
+    indent = text[line_start:first]
+    added = [f"{indent}{line}\n" for line in _body_lines(plan, planner)]
+    edits.append((line_start, line_start, "".join(added)))
+    for start, end, new in sorted(edits, reverse=True):
+        text = text[:start] + new + text[end:]
+    return _header(plan, planner, profile_name, topology_name) + text
+
+
+def _body_lines(plan: Plan, planner: Planner) -> list[str]:
+    lines = [
+        "# Planned by `pipelang plan`: layers per stage, and each stage's costs in ms.",
+        "partition " + ", ".join(map(str, plan.partition)),
+    ]
+    for stage, (f, b, w) in enumerate(planner.stage_costs(plan.partition, plan.split_w)):
+        items = [f"F[{stage}] = {_ms(f)}", f"B[{stage}] = {_ms(b)}"]
+        if plan.split_w:
+            items.append(f"W[{stage}] = {_ms(w)}")
+        lines.append("cost " + ", ".join(items))
+    lines.append(f"cost C = {_ms(plan.transfer_ms)}")
+    return lines
+
+
+def _ms(value: float) -> str:
+    """A cost literal: fixed-point (the grammar has no exponent), 4 decimals at most."""
+    text = f"{value:.4f}".rstrip("0").rstrip(".")
+    return text or "0"
+
+
+def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str) -> str:
+    inputs = planner.inputs
+    profile = inputs.profile
+    names = inputs.topology.names
+    peak, rank = plan.peak()
+    devices = ", ".join(f"rank {r} -> {names[d]}" for r, d in enumerate(plan.devices))
+    lines = [
+        f"Plan from `pipelang plan` (pipelang {__version__}): {plan.candidate.label}",
+        f"  profile {profile_name}: {profile.model} on {profile.device}, {profile.dtype}, "
+        f"micro-batches of {profile.micro_batch_size} x {profile.seq_len} tokens",
+        f"  topology {topology_name}: {len(names)} devices",
+        f"  predicted iteration {plan.time_ms:.3f} ms, bubble ratio {plan.bubble_ratio:.3f}, "
+        f"peak memory {format_bytes(peak)} (rank {rank})",
+        f"  devices: {devices}",
+        "  The prediction timed every transfer on its own link; `cost C` below is their",
+        "  mean, so `pipelang simulate` on this file can differ slightly.",
+        "",
+    ]
+    return "".join(f"# {line}".rstrip() + "\n" for line in lines)

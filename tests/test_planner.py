@@ -1,0 +1,438 @@
+"""The planner: partition DP, device mapping, memory cap, the written plan, the CLI.
+
+Oracles: brute force over every partition (the objective computed here from its
+definition, and the real simulator's makespan), memory sums taken straight from the
+profile, torch's own parameter counts, and the compiler's check of the written file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelang.api import compile_schedule
+from pipelang.diagnostics import PipelangError
+from pipelang.ir import CostModel, Program
+from pipelang.planner.mapping import map_ranks
+from pipelang.planner.partition import best_partition
+from pipelang.planner.profile import LayerCost, Profile, load_profile, profile_from_dict
+from pipelang.planner.search import Candidate, Inputs, Plan, Planner
+from pipelang.planner.topology import Link, Topology, load_topology
+from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
+from pipelang.planner.write import plan_source
+from pipelang.simulate import simulate
+from tests.test_cli import pipelang_cmd
+
+MiB = 2**20
+
+
+def compositions(layers: int, stages: int) -> list[tuple[int, ...]]:
+    """Every way to cut `layers` into `stages` non-empty contiguous stages."""
+    found = []
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *cuts, layers)
+        found.append(tuple(bounds[i + 1] - bounds[i] for i in range(stages)))
+    return found
+
+
+def uniform_topology(size: int, memory: float = 1e12, link: Link | None = None) -> Topology:
+    link = link or Link(1e12, 0.0)
+    return Topology(
+        tuple(f"d{i}" for i in range(size)),
+        (memory,) * size,
+        tuple(tuple(None if a == b else link for b in range(size)) for a in range(size)),
+    )
+
+
+def make_profile(
+    forward: list[float], backward: list[float] | None = None, **sizes: float
+) -> Profile:
+    backward = backward or [2 * f for f in forward]
+    layers = tuple(
+        LayerCost(
+            f"l{i}",
+            f,
+            b,
+            0.0,
+            sizes.get("activation", 1e6),
+            sizes.get("weight", 1e6),
+            sizes.get("output", 1e5),
+        )
+        for i, (f, b) in enumerate(zip(forward, backward, strict=True))
+    )
+    return Profile("synthetic", "cpu", "float32", 1, 1, layers)
+
+
+# ---- the DP ----------------------------------------------------------------------------------
+
+
+def objective(
+    counts: tuple[int, ...], costs: list[float], n: int, boundary: list[list[float]] | None
+) -> float:
+    """J from its definition: (N-1) x slowest stage + every stage + each boundary twice."""
+    times, edges, start = [], 0.0, 0
+    for b, count in enumerate(counts):
+        times.append(sum(costs[start : start + count]))
+        start += count
+        if boundary is not None and b < len(counts) - 1:
+            edges += 2 * boundary[b][start]
+    return (n - 1) * max(times) + sum(times) + edges
+
+
+def test_dp_partition_is_optimal_against_brute_force() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        layers = rng.randint(1, 9)
+        stages = rng.randint(1, layers)
+        n = rng.randint(1, 16)
+        costs = [rng.choice([0.1, 0.5, 1.0, 2.0, 4.0, 3.3]) for _ in range(layers)]
+        table = [[rng.random() * 3 for _ in range(layers + 1)] for _ in range(stages)]
+        boundary = table if rng.random() < 0.5 else None
+        cut = (lambda b, j, t=table: t[b][j]) if boundary is not None else None
+        found = best_partition(costs, stages, n, cut)
+        assert sum(found.counts) == layers and min(found.counts) >= 1
+        best = min(objective(c, costs, n, boundary) for c in compositions(layers, stages))
+        assert objective(found.counts, costs, n, boundary) == pytest.approx(best, abs=1e-9)
+
+
+def test_dp_without_transfers_minimises_the_slowest_stage() -> None:
+    costs = [1, 1, 1, 8, 1, 1, 1, 1]
+    found = best_partition(costs, 3, 64)
+    assert (found.counts, found.bottleneck) == ((3, 1, 4), 8)
+
+
+def makespan(
+    program: Program, counts: tuple[int, ...], forward: list[float], backward: list[float]
+) -> float:
+    """The simulator's makespan with each stage's F and B summed over its layers."""
+    entries, start = [], 0
+    for stage, count in enumerate(counts):
+        entries.append(("F", stage, sum(forward[start : start + count])))
+        entries.append(("B", stage, sum(backward[start : start + count])))
+        start += count
+    return simulate(program, CostModel(tuple(entries))).makespan
+
+
+def test_planned_partition_is_the_simulators_optimum_on_small_cases() -> None:
+    """DP then the simulator-guided local search: the 1F1B makespan of the planner's
+    partition equals the best over every partition, each simulated."""
+    rng = random.Random(3)
+    for _ in range(25):
+        layers = rng.randint(3, 8)
+        stages = rng.randint(2, min(4, layers))
+        n = rng.randint(stages, 8)
+        forward = [rng.choice([0.5, 1.0, 2.0, 4.0]) for _ in range(layers)]
+        backward = [2 * f for f in forward]
+        inputs = Inputs(make_profile(forward, backward, output=0), uniform_topology(stages), n)
+        planner = Planner(inputs)
+        screened = planner.screen(Candidate("1f1b", (("D", stages), ("N", n)), 1))
+        assert isinstance(screened, Plan)
+        plan = planner.refine(screened)
+        program = compile_schedule(
+            "1f1b", {"D": str(stages), "N": str(n)}, stop_after="expand-orders"
+        ).need_program()
+
+        best = min(makespan(program, c, forward, backward) for c in compositions(layers, stages))
+        assert makespan(program, plan.partition, forward, backward) == pytest.approx(best)
+        assert plan.time_ms == pytest.approx(best)
+
+
+def test_unbalanced_layer_plan_beats_the_even_split_in_simulation() -> None:
+    # The demo model's shape: embedding, one block 4x the others, seven blocks, head.
+    forward = [0.05, 4.0, *[1.0] * 7, 0.3]
+    inputs = Inputs(make_profile(forward), uniform_topology(2), 8, schedules=("1f1b",))
+    planner = Planner(inputs)
+    result = planner.search()
+    best = result.plans[0]
+    even = planner.predict(best.candidate, (5, 5), best.devices, full=True)
+    # Even: stage 0 = 0.05 + 4 + 3 = 7.05 units of forward. Best: 4 layers (6.05) and 6
+    # (5.3); 3 and 7 would give 5.05 and 6.3.
+    assert best.partition == (4, 6)
+    assert best.time_ms < 0.95 * even.time_ms
+
+
+# ---- mapping ---------------------------------------------------------------------------------
+
+
+def test_mapping_keeps_heavy_edges_on_fast_links(tmp_path: Path) -> None:
+    # Fast pairs a-c and b-d (as if the devices were listed out of node order).
+    (tmp_path / "t.yaml").write_text(
+        "devices:\n" + "".join(f"  - {{name: {n}, memory: 1GiB}}\n" for n in "abcd") + "links:\n"
+        "  - {between: [a, c], bandwidth: 300GB/s, latency: 1us}\n"
+        "  - {between: [b, d], bandwidth: 300GB/s, latency: 1us}\n"
+        "default_link: {bandwidth: 1GB/s, latency: 100us}\n"
+    )
+    topology = load_topology(tmp_path / "t.yaml")
+    traffic = {(0, 1): (1e8, 16), (1, 2): (1e8, 16), (2, 3): (1e8, 16)}
+    devices = map_ranks(traffic, 4, topology)
+    fast = {frozenset("ac"), frozenset("bd")}
+    names = [topology.names[d] for d in devices]
+    on_fast = [frozenset((names[a], names[a + 1])) in fast for a in range(3)]
+    assert on_fast.count(True) == 2  # the best possible: the chain crosses once
+    # The planner itself, on a 1F1B over the same cluster, does the same.
+    inputs = Inputs(make_profile([1.0] * 8, output=1e8), topology, 8, schedules=("1f1b",))
+    plan = next(p for p in Planner(inputs).search().plans if p.candidate.ranks == 4)
+    names = [topology.names[d] for d in plan.devices]
+    assert sum(frozenset((names[a], names[a + 1])) in fast for a in range(3)) == 2
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+
+def test_gpipe_is_excluded_by_a_memory_cap_with_the_reason() -> None:
+    act, weight, n = 10 * MiB, 1 * MiB, 8
+    profile = make_profile([1.0] * 4, activation=act, weight=weight)
+    # Two stages of two layers: GPipe's rank 0 holds all N activations of stage 0, 1F1B's
+    # at most D = 2; weights, gradients and Adam's two moments are 4x the weights.
+    gpipe_peak = 4 * 2 * weight + n * 2 * act
+    one_f_one_b_peak = 4 * 2 * weight + 2 * 2 * act
+    cap = (gpipe_peak + one_f_one_b_peak) / 2
+    topology = uniform_topology(2, memory=1e12)
+    inputs = Inputs(profile, topology, n, max_memory=cap, schedules=("gpipe", "1f1b"))
+    planner = Planner(inputs)
+    result = planner.search()
+    out = {r.candidate.label: r for r in result.rejected}
+    assert out["gpipe D=2 N=8"].memory
+    assert "over the cap of" in out["gpipe D=2 N=8"].reason
+    assert "168.00 MiB" in out["gpipe D=2 N=8"].reason  # 4 x 2 MiB + 8 x 20 MiB
+    labels = [p.candidate.label for p in result.plans]
+    assert labels[0] == "1f1b D=2 N=8" and not any("gpipe" in label for label in labels)
+    assert result.plans[0].memory[0] == pytest.approx(one_f_one_b_peak)
+    even = planner.predict(Candidate("gpipe", (("D", 2), ("N", n)), 1), (2, 2), (0, 1), True)
+    assert even.memory[0] == pytest.approx(gpipe_peak)
+
+
+# ---- the written plan ------------------------------------------------------------------------
+
+
+def plan_for_demo(tmp_path: Path, schedules: tuple[str, ...] = ("1f1b", "zb-h1")) -> Path:
+    forward = [0.05, 4.0, *[1.0] * 7, 0.3]
+    profile = make_profile(forward, activation=2e5, weight=5e5, output=65536)
+    topology = uniform_topology(2, memory=1e10, link=Link(2e9, 5e-5))
+    planner = Planner(Inputs(profile, topology, 4, schedules=schedules))
+    plan = planner.search().plans[0]
+    path = tmp_path / "best.pipe"
+    path.write_text(plan_source(plan, planner, "p.json", "t.yaml"))
+    program = compile_schedule(str(path)).need_program()
+    assert program.partition == plan.partition
+    assert Program.from_json(program.to_json()).partition == plan.partition
+    # One link kind and one activation size: the file's `cost C` is every transfer's time,
+    # so simulating the written file gives the plan's prediction (costs rounded to 1e-4).
+    timeline = simulate(program, program.costs)
+    assert timeline.makespan == pytest.approx(plan.time_ms, abs=1e-3 * len(plan.partition) * 8)
+    return path
+
+
+def test_written_plan_passes_check_and_round_trips(tmp_path: Path) -> None:
+    path = plan_for_demo(tmp_path)
+    text = path.read_text()
+    assert text.startswith("# Plan from `pipelang plan`")
+    assert "partition " in text and "cost F[0] = " in text
+    proc = pipelang_cmd("check", str(path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    proc = pipelang_cmd("viz", str(path), "-o", str(tmp_path / "t.txt"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_run_takes_the_partition_from_the_schedule(tmp_path: Path) -> None:
+    path = tmp_path / "p.pipe"
+    path.write_text(
+        "schedule p(D: int = 2, N: int = 2) {\n    partition 3, 3\n"
+        "    pipeline main: stage s in 0..D -> rank s\n    microbatches 0..N -> main\n"
+        "    order rank r {\n        for i in 0..N { F(i) }\n        for i in 0..N { B(i) }\n"
+        "    }\n}\n"
+    )
+    proc = pipelang_cmd(
+        "run", str(path), "--model", "pipelang.planner.demo:unbalanced", cwd=tmp_path
+    )
+    assert proc.returncode == 1
+    assert "--partition 3,3 must give every stage at least one layer and add up to the 10" in (
+        proc.stderr
+    )
+
+
+def test_written_plan_runs_with_gloo(tmp_path: Path) -> None:
+    path = plan_for_demo(tmp_path, schedules=("1f1b",))
+    proc = pipelang_cmd(
+        "run",
+        str(path),
+        "--model",
+        "pipelang.planner.demo:unbalanced",
+        "--backend",
+        "gloo",
+        "--steps",
+        "1",
+        "--check",
+        cwd=tmp_path,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("partition 3, 3, 3", "`partition` gives 3 layer counts but the schedule has 2 stages"),
+        ("partition 3, 0", "a stage of `partition` holds 0 layers"),
+        ("partition 3, 3\n    partition 3, 3", "two `partition` declarations"),
+    ],
+)
+def test_bad_partition_statement(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "p.pipe"
+    path.write_text(
+        f"schedule p(D: int = 2, N: int = 2) {{\n    {text}\n"
+        "    pipeline main: stage s in 0..D -> rank s\n    microbatches 0..N -> main\n"
+        "    order rank r { for i in 0..N { F(i) B(i) } }\n}\n"
+    )
+    with pytest.raises(PipelangError) as err:
+        compile_schedule(str(path))
+    diagnostic = err.value.diagnostics[0]
+    assert message in diagnostic.message
+    assert diagnostic.span is not None and diagnostic.span.line == 2 + ("two" in message)
+
+
+# ---- profile, topology, units ---------------------------------------------------------------
+
+
+def test_profile_command_measures_every_layer(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    proc = pipelang_cmd(
+        "profile",
+        "--model",
+        "gpt:tiny",
+        "-o",
+        str(out),
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    profile = load_profile(out)
+    from pipelang.backends.models import GPT_SIZES, ModelSpec
+
+    model = ModelSpec("gpt:tiny").build()
+    assert [c.name for c in profile.layers] == [type(m).__name__ for m in model.layers]
+    for cost, layer in zip(profile.layers, model.layers, strict=True):
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        assert cost.weight_bytes == params
+        assert cost.forward_ms > 0 and cost.backward_input_ms + cost.backward_weight_ms > 0
+    cfg = GPT_SIZES["tiny"]
+    assert profile.layers[1].output_bytes == 4 * cfg.seq_len * cfg.width * 4  # fp32 hidden
+    assert profile.layers[0].backward_input_ms == 0  # token ids have no gradient
+    assert profile.layers[1].activation_bytes > profile.layers[1].output_bytes
+
+
+def test_topology_shorthand_and_units(tmp_path: Path) -> None:
+    (tmp_path / "t.yaml").write_text(
+        "nodes: 2\ngpus_per_node: 2\nmemory: 80GiB\n"
+        "intra_node: {bandwidth: 300GB/s, latency: 2us}\n"
+        "inter_node: {bandwidth: 100Gbit/s, latency: 10us}\n"
+    )
+    topology = load_topology(tmp_path / "t.yaml")
+    assert topology.names == ("node0.gpu0", "node0.gpu1", "node1.gpu0", "node1.gpu1")
+    assert topology.memory == (80 * 2**30,) * 4
+    assert topology.link(0, 1) == Link(300e9, 2e-6)
+    assert topology.link(1, 2) == Link(12.5e9, 10e-6)
+    assert parse_bytes("1.5KiB") == 1536 and parse_bandwidth("8bit/s") == 1
+    assert parse_seconds("250ns") == pytest.approx(2.5e-7)
+
+
+def test_profile_reader_rejects_missing_keys() -> None:
+    with pytest.raises(PipelangError) as err:
+        profile_from_dict({"format": "pipelang-profile/1", "layers": [{"forward_ms": 1}]})
+    assert err.value.diagnostics[0].code == "E0401"
+    assert "layer 0 has no `backward_input_ms`" in err.value.diagnostics[0].message
+
+
+# ---- the CLI ---------------------------------------------------------------------------------
+
+
+def write_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    profile = make_profile([1.0, 2.0, 1.0, 1.0], activation=4 * MiB, weight=MiB)
+    doc = json.loads(profile.to_json())
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    (tmp_path / "t.yaml").write_text(
+        "nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nintra_node: {bandwidth: 10GB/s}\n"
+    )
+    return tmp_path / "p.json", tmp_path / "t.yaml"
+
+
+def plan_cmd(tmp_path: Path, *extra: str) -> object:
+    return pipelang_cmd(
+        "plan",
+        "--profile",
+        "p.json",
+        "--topology",
+        "t.yaml",
+        "--micro-batches",
+        "8",
+        "-o",
+        "best.pipe",
+        *extra,
+        cwd=tmp_path,
+        timeout=120,
+    )
+
+
+def test_plan_command_prints_the_ranking_and_the_reason_gpipe_is_out(tmp_path: Path) -> None:
+    write_inputs(tmp_path)
+    # GPipe's rank 0 at D = 2: 4 x 2 MiB of weight state + 8 x 8 MiB of activations.
+    proc = plan_cmd(tmp_path, "--max-memory", "64MiB", "--schedules", "gpipe,1f1b")
+    assert proc.returncode == 0, proc.stderr  # type: ignore[attr-defined]
+    out = proc.stdout  # type: ignore[attr-defined]
+    assert "1f1b D=2 N=8" in out and "wrote best.pipe" in out
+    assert "gpipe D=2 N=8" in out and "needs 72.00 MiB on rank 0" in out
+    assert pipelang_cmd("check", "best.pipe", cwd=tmp_path).returncode == 0
+    proc = plan_cmd(tmp_path, "--json")
+    doc = json.loads(proc.stdout)  # type: ignore[attr-defined]
+    times = [p["iteration_ms"] for p in doc["plans"]]
+    assert times[:3] == sorted(times[:3])
+
+
+@pytest.mark.parametrize(
+    ("setup", "extra", "status", "expected"),
+    [
+        ("yaml", (), 1, "error[E0402]: the topology is not valid YAML"),
+        ("key", (), 1, "error[E0401]: `p.json`: layer 0 has no `weight_bytes`"),
+        ("cap", ("--max-memory", "1KiB"), 1, "error[E0403]: no plan fits"),
+        ("none", ("--max-memory", "12 parsecs"), 2, "--max-memory: unknown size unit"),
+        ("none", ("--schedules", "pipedream"), 2, "--schedules: cannot plan with `pipedream`"),
+        ("missing", (), 1, "error[E0401]: cannot read the profile `p.json`"),
+    ],
+)
+def test_plan_command_errors_are_clean(
+    tmp_path: Path, setup: str, extra: tuple[str, ...], status: int, expected: str
+) -> None:
+    profile, topology = write_inputs(tmp_path)
+    if setup == "yaml":
+        topology.write_text("nodes: [1,\n")
+    elif setup == "key":
+        doc = json.loads(profile.read_text())
+        del doc["layers"][0]["weight_bytes"]
+        profile.write_text(json.dumps(doc))
+    elif setup == "missing":
+        profile.unlink()
+    proc = plan_cmd(tmp_path, *extra)
+    assert proc.returncode == status  # type: ignore[attr-defined]
+    assert expected in proc.stderr  # type: ignore[attr-defined]
+    assert not (tmp_path / "best.pipe").exists()
+
+
+def test_explain_knows_the_planner_codes() -> None:
+    for code in ("E0208", "E0401", "E0402", "E0403"):
+        proc = pipelang_cmd("explain", code, cwd=Path.cwd())
+        assert proc.returncode == 0 and code in proc.stdout
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

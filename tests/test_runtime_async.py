@@ -1,0 +1,233 @@
+"""`pipelang run` on asynchronous schedules: PipeDream, PipeDream-2BW, PipeMare.
+
+Oracles, none of them the pipelined run itself:
+
+- `--check`'s asynchronous reference (backends/async_reference.py), which replays the
+  versions pipelang.weights assigns, in one process, in no rank's order;
+- plain synchronous training (`reference.train_reference`) where the schedule has no
+  staleness: PipeDream-2BW with one update of all N micro-batches per iteration is
+  synchronous training with the mean gradient;
+- torch.optim itself, for one stage (D = 1): PipeDream is then SGD on one micro-batch
+  at a time, 2BW SGD on the mean of each group of m.
+
+Negative tests show the check notices a runtime that reads the wrong versions: a
+reference that ignores stashing disagrees with PipeDream, one that stashes disagrees with
+PipeMare. gloo runs start D processes on a two-core machine, so they are few.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import run, stdlib
+from torch import nn
+
+from pipelang.api import load_program
+from pipelang.backends.async_reference import train_async_reference
+from pipelang.backends.local import run_local
+from pipelang.backends.models import plan_stages
+from pipelang.backends.reference import compare, train_reference
+from pipelang.backends.report import Outcome
+from pipelang.backends.runtime import RunConfig
+from pipelang.ir import Program, WeightPolicy
+from pipelang.weights import weight_versions
+
+SCHEDULES = ("pipedream", "pipedream-2bw", "pipemare")
+N = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    # the local backend and the references run in this process: one intra-op thread
+    # keeps them quick on a small, shared machine (gloo ranks get their own)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def measured_versions(out: str) -> list[tuple[int, int]]:
+    """(measured, predicted) live weight versions per rank, from the run's report."""
+    line = next(x for x in out.splitlines() if x.startswith("weight versions live"))
+    return [(int(a), int(b)) for a, b in re.findall(r"rank \d+ (\d+) \((\d+)\)", line)]
+
+
+def local_outcome(program: Program, config: RunConfig) -> Outcome:
+    shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
+    return run_local(program, config, shapes, lambda *_: None)
+
+
+# ---- --check passes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("D", [2, 3, 4])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_check_passes_on_local(
+    name: str, D: int, optimizer: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program = stdlib(name, D=D, N=N)
+    status = run(program, "--backend", "local", "--steps", "2", "--check", "--optimizer", optimizer)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "check OK" in out and "(bitwise equal)" in out
+    # the versions the runtime keeps alive are the ones pipelang.weights predicts
+    versions = measured_versions(out)
+    assert [m for m, _ in versions] == list(weight_versions(program).peak)
+    assert all(m == p for m, p in versions)
+
+
+GLOO_CASES = [
+    ("pipedream", 4, "adam"),
+    ("pipedream-2bw", 3, "sgd"),
+    ("pipemare", 2, "adam"),
+    ("pipemare", 3, "sgd"),
+]
+
+
+@pytest.mark.parametrize(("name", "D", "optimizer"), GLOO_CASES)
+def test_check_passes_on_gloo(
+    name: str, D: int, optimizer: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program = stdlib(name, D=D, N=N)
+    status = run(program, "--steps", "2", "--check", "--optimizer", optimizer)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "check OK" in out and "(bitwise equal)" in out
+    assert all(m == p for m, p in measured_versions(out))
+
+
+def test_stash_keeps_versions_that_pipemare_does_not() -> None:
+    # PipeDream keeps D - s versions on stage s, PipeMare one: measured, not predicted
+    config = RunConfig(backend="local", steps=1, check=True, optimizer="sgd")
+    stash = local_outcome(stdlib("pipedream", D=4, N=N), config)
+    latest = local_outcome(stdlib("pipemare", D=4, N=N), config)
+    assert [r.peak_weight_versions for r in stash.results] == [4, 3, 2, 1]
+    assert [r.peak_weight_versions for r in latest.results] == [1, 1, 1, 1]
+
+
+# ---- independent oracles -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_2bw_with_one_update_per_iteration_is_synchronous_training(optimizer: str) -> None:
+    # m = N: every stage applies the mean gradient of all N micro-batches once, at the
+    # end, and no forward reads a stale version: plain training (a different summation
+    # order, so within the tolerance rather than bitwise)
+    program = stdlib("pipedream-2bw", D=3, N=4, m=4)
+    config = RunConfig(backend="local", steps=3, check=True, optimizer=optimizer)
+    outcome = local_outcome(program, config)
+    sync = train_reference(config, 4, torch.device("cpu"))
+    assert compare(sync, outcome.results, outcome.losses, config).ok
+    replay = train_async_reference(config, program, torch.device("cpu"))
+    assert compare(replay, outcome.results, outcome.losses, config).ok
+
+
+@pytest.mark.parametrize(("name", "group"), [("pipedream", 1), ("pipedream-2bw", 2)])
+def test_one_stage_is_torch_sgd_on_each_group(name: str, group: int) -> None:
+    program = stdlib(name, D=1, N=4, **({"m": group} if group > 1 else {}))
+    config = RunConfig(backend="local", steps=2, check=True, optimizer="sgd")
+    outcome = local_outcome(program, config)
+    model = config.spec.build()
+    whole = nn.Sequential(*model.layers)
+    sgd = torch.optim.SGD(whole.parameters(), lr=config.learning_rate, momentum=0.9)
+    losses = []
+    for step in range(config.steps):
+        total = 0.0
+        for mb in range(4):
+            ids, targets = model.batch(step, mb, torch.device("cpu"))
+            loss = model.loss(whole(ids), targets)
+            (loss / group).backward()
+            total += loss.item()
+            if mb % group == group - 1:
+                sgd.step()
+                sgd.zero_grad()
+        losses.append(total / 4)
+    got = outcome.results[0].copy_weights[0]
+    expected = whole.state_dict()
+    assert got.keys() == expected.keys()
+    for key, tensor in got.items():
+        torch.testing.assert_close(tensor, expected[key], atol=1e-6, rtol=1e-5)
+    assert outcome.losses == pytest.approx(losses, rel=1e-6)
+
+
+SPLIT = """\
+schedule split(D: int = 3, N: int = 6) {
+    ops F, B, W, R
+    weights POLICY
+    pipeline main: stage s in 0..D -> rank s
+    microbatches 0..N -> main
+    order rank r {
+        let warm = min(D - r - 1, N)
+        for i in 0..warm { F(i) }
+        for i in 0..N - warm { F(warm + i) R(i) B(i) U() W(i) }
+        for i in N - warm..N { R(i) B(i) U() W(i) }
+        U()
+    }
+}
+"""
+
+
+@pytest.mark.parametrize(("policy", "wrong"), [("stash", "latest"), ("latest", "stash")])
+def test_recompute_and_split_weight_gradient_across_an_update(
+    policy: str, wrong: str, tmp_path: Path
+) -> None:
+    # R and W read versions too; an update between B and W applies nothing the first
+    # time (an empty update) and W's gradient at the next one
+    path = tmp_path / "split.pipe"
+    path.write_text(SPLIT.replace("POLICY", policy))
+    program = load_program(str(path))
+    config = RunConfig(backend="local", steps=2, check=True, optimizer="sgd")
+    outcome = local_outcome(program, config)
+    assert [r.peak_weight_versions for r in outcome.results] == list(weight_versions(program).peak)
+    cpu = torch.device("cpu")
+    right = train_async_reference(config, program, cpu)
+    assert compare(right, outcome.results, outcome.losses, config).ok
+    misread = dataclasses.replace(program, weights=WeightPolicy(wrong))
+    assert not compare(
+        train_async_reference(config, misread, cpu), outcome.results, outcome.losses, config
+    ).ok
+
+
+# ---- the check can fail --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "wrong"), [("pipedream", "latest"), ("pipedream-2bw", "latest"), ("pipemare", "stash")]
+)
+def test_reference_with_the_wrong_versions_disagrees(name: str, wrong: str) -> None:
+    program = stdlib(name, D=3, N=N, **({"m": 2} if name == "pipedream-2bw" else {}))
+    config = RunConfig(backend="local", steps=2, check=True, optimizer="sgd")
+    outcome = local_outcome(program, config)
+    cpu = torch.device("cpu")
+    right = train_async_reference(config, program, cpu)
+    assert compare(right, outcome.results, outcome.losses, config).ok
+    misread = dataclasses.replace(program, weights=WeightPolicy(wrong))
+    wrong_ref = train_async_reference(config, misread, cpu)
+    comparison = compare(wrong_ref, outcome.results, outcome.losses, config)
+    assert not comparison.ok
+    assert comparison.max_weight_diff > 100 * comparison.atol
+
+
+def test_synchronous_reference_disagrees_with_pipedream() -> None:
+    program = stdlib("pipedream", D=3, N=N)
+    config = RunConfig(backend="local", steps=2, check=True, optimizer="sgd")
+    outcome = local_outcome(program, config)
+    sync = train_reference(config, N, torch.device("cpu"))
+    assert not compare(sync, outcome.results, outcome.losses, config).ok
+
+
+# ---- what does not run ---------------------------------------------------------------------
+
+
+def test_dp_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    status = run(stdlib("pipemare", D=2, N=4), "--dp", "2", "--backend", "local")
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.startswith("error: `pipemare` is asynchronous (`weights latest`)")
+    assert "with --dp yet" in err
