@@ -299,8 +299,9 @@ CODES: dict[str, Code] = {
             "The file given to `pipelang plan --profile` is not a profile that `pipelang "
             "profile` writes: it is not JSON, lacks the `format: pipelang-profile/1` marker, "
             "or a layer lacks a field (`forward_ms`, `backward_input_ms`, "
-            "`backward_weight_ms`, `activation_bytes`, `weight_bytes`, `output_bytes`) or "
-            "gives a negative or non-numeric value. Write it again with `pipelang profile "
+            "`backward_weight_ms`, `activation_bytes`, `weight_bytes`, `output_bytes`; "
+            "`backward_ms` is optional) or gives a negative or non-numeric value. Write it "
+            "again with `pipelang profile "
             "--model M -o PROFILE.json`; docs/planner.md describes every field.",
         ),
         Code(

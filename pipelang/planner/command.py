@@ -73,7 +73,7 @@ def run_profile(args: argparse.Namespace) -> int:
         err.print(f"error: {error}", markup=False)
         return 1
     write_output(args.out, profile.to_json() + "\n")
-    total = sum(c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in profile.layers)
+    total = sum(c.forward_ms + c.full_backward_ms for c in profile.layers)
     print(
         f"wrote {args.out}: {len(profile.layers)} layers of {profile.model} on {profile.device}, "
         f"{total:.3f} ms forward + backward per micro-batch"

@@ -1,16 +1,17 @@
 """Per-layer costs of a model: what `pipelang profile` measures and `pipelang plan` reads.
 
 For every layer of the model (in order, as the runtime cuts it into stages), on one
-micro-batch: the forward time, the backward time split into the input gradient (`B`)
-and the weight gradient (`W`), the bytes the forward saves for the backward
-(activations), the bytes of its parameters, and the bytes of its output (what a stage
-boundary after this layer sends).
+micro-batch: the forward time, the whole backward, and the backward split into the input
+gradient (`B`) and the weight gradient (`W`), the bytes the forward saves for the
+backward (activations), the bytes of its parameters, and the bytes of its output (what a
+stage boundary after this layer sends).
 
 How it is measured: the model is built as `pipelang run` builds it, one micro-batch is
 pushed through the layers once to get every layer's input, then each layer is timed on
-its own input, `repeats` times after `warmup` runs, and the median is kept. The input
-gradient is `torch.autograd.grad` with respect to the layer's input only (autograd then
-skips the weight gradients); the weight gradient is the full backward minus that. The
+its own input, `repeats` times after `warmup` runs, and the median is kept. The whole
+backward is one `torch.autograd.grad` with respect to the input and the weights; split
+as the runtime splits it, the input gradient is taken first keeping the graph, then the
+weight gradient on that graph (the two cost more than the one pass). The
 last layer's forward and backward include the loss, as the runtime's last stage does.
 Saved activations are the distinct tensor storages autograd packs during the forward
 (`torch.autograd.graph.saved_tensors_hooks`).
@@ -54,6 +55,16 @@ class LayerCost:
     activation_bytes: float
     weight_bytes: float
     output_bytes: float
+    backward_ms: float | None = None
+    """The whole backward as one pass (input and weight gradients together); split in
+    two, as zero-bubble schedules run it, it costs more (the weight pass walks the graph
+    again). None in a hand-written profile: then the sum of the two parts."""
+
+    @property
+    def full_backward_ms(self) -> float:
+        if self.backward_ms is not None:
+            return self.backward_ms
+        return self.backward_input_ms + self.backward_weight_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +151,18 @@ def _layer(entry: object, index: int, where: str) -> LayerCost:
                 f"`{where}`: layer {index} `{key}` must be a number of at least 0, not {value!r}",
             )
         values[key] = number
-    return LayerCost(name=str(entry.get("name", f"layer{index}")), **values)
+    full = entry.get("backward_ms")
+    if full is not None and (
+        isinstance(full, bool) or not isinstance(full, int | float) or not 0 <= full < math.inf
+    ):
+        raise fail(
+            "E0401", f"`{where}`: layer {index} `backward_ms` must be a number of at least 0"
+        )
+    return LayerCost(
+        name=str(entry.get("name", f"layer{index}")),
+        backward_ms=None if full is None else float(full),
+        **values,
+    )
 
 
 # ---- measuring ---------------------------------------------------------------------------
@@ -240,37 +262,55 @@ def _measure_layer(
 
     forward = timed(fresh)
 
-    def backward(inputs_only: bool) -> float:
-        samples = []
+    Select = Callable[[torch.Tensor], list[torch.Tensor]]
+
+    def backward(*passes: Select) -> list[float]:
+        """Median times of backward passes run one after the other on one graph, each
+        with respect to what its function picks from (the layer's input x, params)."""
+        samples: list[list[float]] = [[] for _ in passes]
         for i in range(options.warmup + options.repeats):
             x, y = fresh()
-            wrt: list[torch.Tensor] = [x] if inputs_only or differentiable else []
-            if not inputs_only:
-                wrt.extend(params)
-            if not wrt:
-                return 0.0
             grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
-            _sync(device)
-            start = time.perf_counter()
-            torch.autograd.grad(y, wrt, grad, allow_unused=True)
-            _sync(device)
-            if i >= options.warmup:
-                samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples)
+            for index, select in enumerate(passes):
+                keep = index < len(passes) - 1
+                _sync(device)
+                start = time.perf_counter()
+                torch.autograd.grad(y, select(x), grad, retain_graph=keep, allow_unused=True)
+                _sync(device)
+                if i >= options.warmup:
+                    samples[index].append((time.perf_counter() - start) * 1e3)
+        return [statistics.median(s) for s in samples]
 
-    full = backward(inputs_only=False)
-    input_grad = (
-        backward(inputs_only=True)
-        if differentiable and params
-        else (full if differentiable else 0.0)
-    )
+    def of_input(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x]
+
+    def of_weights(x: torch.Tensor) -> list[torch.Tensor]:
+        return list(params)
+
+    def of_both(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x, *params]
+
+    if differentiable and params:
+        (full,) = backward(of_both)
+        # As the runtime splits it: the input gradient keeping the graph, then the
+        # weight gradient on that graph.
+        input_grad, weight_grad = backward(of_input, of_weights)
+    elif differentiable:
+        (full,) = backward(of_input)
+        input_grad, weight_grad = full, 0.0
+    elif params:
+        (full,) = backward(of_weights)
+        input_grad, weight_grad = 0.0, full
+    else:
+        full = input_grad = weight_grad = 0.0
     with torch.no_grad():
         out = layer(x_in.detach())
     return LayerCost(
         name=name,
         forward_ms=round(forward, 6),
         backward_input_ms=round(input_grad, 6),
-        backward_weight_ms=round(max(0.0, full - input_grad), 6),
+        backward_weight_ms=round(weight_grad, 6),
+        backward_ms=round(full, 6),
         activation_bytes=float(_saved_bytes(fresh, layer)),
         weight_bytes=float(sum(p.numel() * p.element_size() for p in layer.parameters())),
         output_bytes=float(out.numel() * out.element_size()),

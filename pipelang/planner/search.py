@@ -20,14 +20,15 @@ Large schedules are first screened on two smaller micro-batch counts and extrapo
 linearly to N (exact for schedules whose time grows by a fixed amount per micro-batch,
 as every stdlib schedule does past its warm-up); the best few are then improved by a
 local search on the partition, each step judged by the simulator, and simulated at N.
+Under a time budget, candidates whose screening would end past it are left out (the
+cost is judged from the same schedule at a smaller D), and a shortlisted one whose
+simulation at N would is kept extrapolated.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -35,8 +36,16 @@ from pipelang import api, ast
 from pipelang.compiler import Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import Action, CostModel, Kind, Program
+from pipelang.planner.costs import (
+    allreduce_end,
+    peak_memory,
+    program_traffic,
+    stage_outputs,
+    stage_weights,
+    sums,
+)
 from pipelang.planner.families import FAMILIES, STATE_FACTOR, Params
-from pipelang.planner.mapping import Traffic, map_ranks
+from pipelang.planner.mapping import map_ranks
 from pipelang.planner.partition import best_partition
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
@@ -170,9 +179,7 @@ class Planner:
         self.time_budget = time_budget
         self._screen_cost: dict[Candidate, list[tuple[float, float]]] = {}
         layers = inputs.profile.layers
-        self.layer_time = [
-            c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in layers
-        ]
+        self.layer_time = [c.forward_ms + c.full_backward_ms for c in layers]
         self._files: dict[str, ast.File] = {}
         self._programs: dict[Candidate, Program] = {}
 
@@ -266,7 +273,7 @@ class Planner:
             n = self._probe_sizes(candidate)[-1]
             costs = self.cost_model(counts, self._split_w(candidate))
             probe = self._program(candidate.with_n(n), costs, True)
-            traffic = self._traffic(probe, counts)
+            traffic = program_traffic(probe, self.inputs.profile, counts, self.inputs.micro_batches)
             devices = map_ranks(traffic, candidate.ranks, self.inputs.topology)
             counts = self._cut(candidate, probe, devices)
             return self.predict(candidate, counts, devices, full=False, reorder=False)
@@ -281,7 +288,7 @@ class Planner:
         improved = True
         while improved and tries < self.refine_steps:
             improved = False
-            loads = _sums(self.layer_time, best.partition)
+            loads = sums(self.layer_time, best.partition)
             for moved in _neighbours(best.partition, loads):
                 if tries >= self.refine_steps or time.perf_counter() > deadline:
                     return best
@@ -342,9 +349,12 @@ class Planner:
         for count in counts:
             part = layers[start : start + count]
             f = sum(c.forward_ms for c in part)
-            b = sum(c.backward_input_ms for c in part)
-            w = sum(c.backward_weight_ms for c in part)
-            result.append((f, b, w) if split_w else (f, b + w, 0.0))
+            if split_w:
+                b = sum(c.backward_input_ms for c in part)
+                w = sum(c.backward_weight_ms for c in part)
+                result.append((f, b, w))
+            else:
+                result.append((f, sum(c.full_backward_ms for c in part), 0.0))
             start += count
         return result
 
@@ -416,36 +426,13 @@ class Planner:
         split = best_partition(self.layer_time, candidate.stages, self.inputs.micro_batches, cut)
         return split.counts
 
-    def _traffic(self, program: Program, counts: Sequence[int]) -> Traffic:
-        """Bytes and messages between every pair of ranks in one iteration at N."""
-        outputs = _stage_outputs(self.inputs.profile, counts)
-        weights = _stage_weights(self.inputs.profile, counts)
-        scale = self.inputs.micro_batches / max(program.num_microbatches, 1)
-        traffic: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-        for pipeline in program.pipelines:
-            for stage in range(program.num_stages - 1):
-                a, b = pipeline.placement[stage], pipeline.placement[stage + 1]
-                if a != b:
-                    mbs = program.assignment.count(pipeline.name) * scale
-                    entry = traffic[(min(a, b), max(a, b))]
-                    entry[0] += 2 * mbs * outputs[stage]
-                    entry[1] += 2 * mbs
-        for stage in range(program.num_stages):
-            ring = sorted(set(program.replicas(stage)))
-            for a, b in zip(ring, ring[1:] + ring[:1], strict=True):
-                if a != b:
-                    entry = traffic[(min(a, b), max(a, b))]
-                    entry[0] += 2 * weights[stage]
-                    entry[1] += 2
-        return {pair: (size, int(messages)) for pair, (size, messages) in traffic.items()}
-
     def _simulate(
         self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
     ) -> Prediction:
         costs = self.cost_model(counts, self._split_w(candidate))
         program = self._program(candidate, costs, reorder)
         topology = self.inputs.topology
-        outputs = _stage_outputs(self.inputs.profile, counts)
+        outputs = stage_outputs(self.inputs.profile, counts)
         cache: dict[tuple[Kind, int, int, int], float] = {}
         transfers: list[float] = []
 
@@ -459,58 +446,12 @@ class Planner:
             return cache[key]
 
         timeline = simulate(program, costs, link)
-        end = max(timeline.makespan, self._allreduce_end(program, timeline.events, counts, devices))
+        weights = stage_weights(self.inputs.profile, counts)
+        synced = allreduce_end(program, timeline.events, weights, devices, topology)
         busy = sum(timeline.busy(r) for r in range(program.num_ranks))
-        return Prediction(end, busy, self._memory(program, counts), transfers)
-
-    def _allreduce_end(
-        self,
-        program: Program,
-        events: Iterable[object],
-        counts: Sequence[int],
-        devices: Sequence[int],
-    ) -> float:
-        """When the last replicated stage has summed its gradients: each stage's
-        allreduce starts after its last backward on all its replicas and takes
-        2 log2(r) alpha + 2 (r-1)/r bytes beta (Rabenseifner, as Chimera's model)."""
-        weights = _stage_weights(self.inputs.profile, counts)
-        last: dict[int, float] = defaultdict(float)
-        for event in events:
-            action = event.action  # type: ignore[attr-defined]
-            if action.kind in (Kind.B, Kind.W):
-                last[action.stage] = max(last[action.stage], event.end)  # type: ignore[attr-defined]
-        end = 0.0
-        for stage in range(program.num_stages):
-            ring = sorted({devices[r] for r in program.replicas(stage)})
-            if len(ring) < 2:
-                continue
-            links = [self.inputs.topology.link(a, b) for a, b in itertools.pairwise(ring)]
-            alpha = max(link.latency for link in links)
-            beta = 1 / min(link.bandwidth for link in links)
-            r = len(ring)
-            seconds = 2 * math.log2(r) * alpha + 2 * (r - 1) / r * weights[stage] * beta
-            end = max(end, last[stage] + seconds * 1e3)
-        return end
-
-    def _memory(self, program: Program, counts: Sequence[int]) -> list[float]:
-        """Peak bytes of every rank: weight state of its stage copies plus the most
-        activations it holds at once (taken at F, freed at B, or at W when W is split)."""
         factor = STATE_FACTOR[self.inputs.optimizer]
-        weights = _stage_weights(self.inputs.profile, counts)
-        activations = _stage_activations(self.inputs.profile, counts)
-        split_w = Kind.W in program.kinds
-        peaks = []
-        for rank, actions in enumerate(program.ranks):
-            state = sum(weights[s] for s, _ in program.stage_copies(rank)) * factor
-            held = peak = 0.0
-            for action in actions:
-                if action.kind is Kind.F:
-                    held += activations[action.stage or 0]
-                    peak = max(peak, held)
-                elif action.kind is (Kind.W if split_w else Kind.B):
-                    held -= activations[action.stage or 0]
-            peaks.append(state + peak)
-        return peaks
+        memory = peak_memory(program, self.inputs.profile, counts, factor)
+        return Prediction(max(timeline.makespan, synced), busy, memory, transfers)
 
 
 def _scaled(seen: list[tuple[float, float]], ops: float) -> float:
@@ -552,25 +493,3 @@ def _neighbours(counts: tuple[int, ...], loads: Sequence[float]) -> Iterable[tup
                 moves.append((-loads[donor], b, delta))
     for _, b, delta in sorted(moves):
         yield (*counts[:b], counts[b] - delta, counts[b + 1] + delta, *counts[b + 2 :])
-
-
-def _sums(values: Sequence[float], counts: Sequence[int]) -> list[float]:
-    result, start = [], 0
-    for count in counts:
-        result.append(sum(values[start : start + count]))
-        start += count
-    return result
-
-
-def _stage_weights(profile: Profile, counts: Sequence[int]) -> list[float]:
-    return _sums([c.weight_bytes for c in profile.layers], counts)
-
-
-def _stage_activations(profile: Profile, counts: Sequence[int]) -> list[float]:
-    return _sums([c.activation_bytes for c in profile.layers], counts)
-
-
-def _stage_outputs(profile: Profile, counts: Sequence[int]) -> list[float]:
-    """Bytes each stage sends forward: the output of its last layer."""
-    ends = [sum(counts[: s + 1]) - 1 for s in range(len(counts))]
-    return [profile.layers[end].output_bytes for end in ends]

@@ -1,0 +1,121 @@
+"""What a plan costs besides compute: traffic between ranks, the gradient allreduce of
+replicated stages, and each rank's peak memory. Sizes come from the profile, summed
+over the layers of each stage."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from pipelang.ir import Kind, Program
+from pipelang.planner.mapping import Traffic
+from pipelang.planner.profile import Profile
+from pipelang.planner.topology import Topology
+from pipelang.simulate import Event
+
+
+def sums(values: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """`values` (one per layer) summed over each stage's layers."""
+    result, start = [], 0
+    for count in counts:
+        result.append(sum(values[start : start + count]))
+        start += count
+    return result
+
+
+def stage_weights(profile: Profile, counts: Sequence[int]) -> list[float]:
+    return sums([c.weight_bytes for c in profile.layers], counts)
+
+
+def stage_activations(profile: Profile, counts: Sequence[int]) -> list[float]:
+    return sums([c.activation_bytes for c in profile.layers], counts)
+
+
+def stage_outputs(profile: Profile, counts: Sequence[int]) -> list[float]:
+    """Bytes each stage sends forward: the output of its last layer."""
+    ends = [sum(counts[: s + 1]) - 1 for s in range(len(counts))]
+    return [profile.layers[end].output_bytes for end in ends]
+
+
+def program_traffic(
+    program: Program, profile: Profile, counts: Sequence[int], micro_batches: int
+) -> Traffic:
+    """Bytes and messages between every pair of ranks in one iteration of N
+    micro-batches (`program` may have fewer; its traffic is scaled): activations and
+    gradients across stage boundaries, and a ring allreduce among each stage's replicas."""
+    outputs = stage_outputs(profile, counts)
+    weights = stage_weights(profile, counts)
+    scale = micro_batches / max(program.num_microbatches, 1)
+    traffic: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for pipeline in program.pipelines:
+        carried = program.assignment.count(pipeline.name) * scale
+        for stage in range(program.num_stages - 1):
+            a, b = pipeline.placement[stage], pipeline.placement[stage + 1]
+            if a != b:
+                entry = traffic[(min(a, b), max(a, b))]
+                entry[0] += 2 * carried * outputs[stage]
+                entry[1] += 2 * carried
+    for stage in range(program.num_stages):
+        ring = sorted(set(program.replicas(stage)))
+        for a, b in zip(ring, ring[1:] + ring[:1], strict=True):
+            if a != b:
+                entry = traffic[(min(a, b), max(a, b))]
+                entry[0] += 2 * weights[stage]
+                entry[1] += 2
+    return {pair: (size, int(messages)) for pair, (size, messages) in traffic.items()}
+
+
+def allreduce_end(
+    program: Program,
+    events: Iterable[Event],
+    weights: Sequence[float],
+    devices: Sequence[int],
+    topology: Topology,
+) -> float:
+    """When the last replicated stage has summed its gradients (ms): each stage's
+    allreduce starts after its last backward on all its replicas (eager sync) and takes
+    2 log2(r) alpha + 2 (r-1)/r bytes beta over r replicas (Rabenseifner's algorithm, as
+    in Chimera's performance model), alpha the largest latency and 1/beta the smallest
+    bandwidth between them. 0 when no stage is replicated."""
+    last: dict[int, float] = defaultdict(float)
+    for event in events:
+        action = event.action
+        if action.kind in (Kind.B, Kind.W) and action.stage is not None:
+            last[action.stage] = max(last[action.stage], event.end)
+    end = 0.0
+    for stage in range(program.num_stages):
+        ring = sorted({devices[r] for r in program.replicas(stage)})
+        if len(ring) < 2:
+            continue
+        links = [topology.link(a, b) for a, b in itertools.pairwise(ring)]
+        alpha = max(link.latency for link in links)
+        beta = 1 / min(link.bandwidth for link in links)
+        r = len(ring)
+        seconds = 2 * math.log2(r) * alpha + 2 * (r - 1) / r * weights[stage] * beta
+        end = max(end, last[stage] + seconds * 1e3)
+    return end
+
+
+def peak_memory(
+    program: Program, profile: Profile, counts: Sequence[int], state_factor: float
+) -> list[float]:
+    """Peak bytes of every rank: the weight state of its stage copies (weights x
+    `state_factor`) plus the most activations it holds at once along its order (taken
+    at F, freed at B, or at W when W is split: the weight gradient needs the input)."""
+    weights = stage_weights(profile, counts)
+    activations = stage_activations(profile, counts)
+    frees = Kind.W if Kind.W in program.kinds else Kind.B
+    peaks = []
+    for rank, actions in enumerate(program.ranks):
+        state = sum(weights[s] for s, _ in program.stage_copies(rank)) * state_factor
+        held = peak = 0.0
+        for action in actions:
+            if action.kind is Kind.F:
+                held += activations[action.stage or 0]
+                peak = max(peak, held)
+            elif action.kind is frees:
+                held -= activations[action.stage or 0]
+        peaks.append(state + peak)
+    return peaks
