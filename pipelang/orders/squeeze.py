@@ -32,6 +32,14 @@ is never longer than the plain one.
 
     rank 0: F0.s0 F1.s0 .     .     .     .     .     F0.s7 F2.s0 ...   (v-half D=4, plain)
     rank 0: F0.s0 F1.s0 F2.s0 F3.s0 F4.s0 .     .     F0.s7 B0.s7 ...   (squeezed)
+
+The work grows about linearly with the number of micro-batches. Ops are found by
+number, not by hashing (`_graph`). Each rank keeps its ops in time order with the
+activations held after each (`_Line`), and a move only passes over the ops between its
+new and its old start (the W's put back in step 3 land after the earliest of their
+Bs), so a memory check walks those ops alone. The ops that do not move are passed over
+in each rank's order, not visited (`_sweep`). Step 3 puts every loose W of a rank back
+for each cool-down move it tries: about D^3 work in all for D ranks, whatever N.
 """
 
 from __future__ import annotations
@@ -40,79 +48,111 @@ import bisect
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 
+from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.orders import Layout
 
 WARM_UP, STEADY, COOL_DOWN = -1, 0, 1
 
-Input = tuple[Action, bool]
-"""An op's input and whether it is data (a transfer from another rank costs `C`) rather
-than an `after` edge (which costs nothing)."""
+_END = itemgetter(1)
+"""An interval's end. `busy` lists are sorted by start; their intervals do not overlap,
+so the ends rise too and can be bisected."""
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class _Op:
     """One op while squeezing: its rank, its current start, its length and its phase."""
 
     action: Action
     rank: int
     start: float
+    end: float
     length: float
     phase: int
-    seq: int = 0
-    """Its place in start order in the plain timing; breaks ties between equal times."""
+    changes: tuple[int, int]
+    """How it changes its rank's activations held to B, and held to W (`_changes`)."""
     inputs: tuple[tuple[_Op, float], ...] = ()
     """The ops it waits for, each with the delay from its end (a transfer, or none)."""
-    changes: tuple[int, int] = (0, 0)
-    """How it changes its rank's activations held to B, and held to W (`_changes`)."""
+    consumed: bool = False
+    """Whether some op of the schedule waits for it."""
+    seq: int = 0
+    """Its place in start order in the plain timing; breaks ties between equal times."""
 
-    @property
-    def end(self) -> float:
-        return self.start + self.length
-
-    def key(self) -> tuple[float, float, int]:
-        return (self.start, self.end, self.seq)
+    def place(self, start: float) -> None:
+        self.start, self.end = start, start + self.length
 
     def ready(self) -> float:
         """When its inputs have all arrived, at their current times."""
-        return max((op.start + op.length + delay for op, delay in self.inputs), default=0.0)
+        at = 0.0
+        for op, delay in self.inputs:
+            at = max(at, op.end + delay)
+        return at
 
 
-@dataclass(frozen=True)
-class _Context:
-    """What every move needs: the ops, each rank's ops and their memory bounds."""
+_KEY = attrgetter("start", "end", "seq")
+"""Time order: by start, then end, then `seq`."""
 
-    ops: dict[Action, _Op]
-    ranks: dict[int, list[_Op]]
-    caps: dict[int, tuple[int, int]]
-    consumed: set[Action]
-    """The ops some other op waits for."""
 
-    def fits(self, rank: int, since: float = -math.inf, until: float = math.inf) -> bool:
-        """Whether `rank`'s memory, along its current time order, is within its bounds.
-        Only the ops starting from `since` to `until` are walked: the caller knows that
-        the counts before and after them are as they were when the rank last fitted."""
+class _Line:
+    """One rank's ops in time order (`_KEY`), with the activations held after each.
+
+    A move changes the order only among the ops that start between its new and its old
+    place, so checking and recording it walks just those (`settle`): the counts before
+    them, and after them, stay as they were."""
+
+    def __init__(self, ops: list[_Op]) -> None:
+        self.ops = ops
+        self.starts = [op.start for op in ops]
+        self.held = [(0, 0)]
+        """`held[k]`: the activations held to B and to W after the first k ops."""
         held_b = held_w = 0
-        window = []
-        for op in self.ranks[rank]:
-            if op.start < since:
-                held_b += op.changes[0]
-                held_w += op.changes[1]
-            elif op.start <= until:
-                window.append(op)
-        window.sort(key=_Op.key)
-        cap_b, cap_w = self.caps[rank]
+        for op in ops:
+            held_b += op.changes[0]
+            held_w += op.changes[1]
+            self.held.append((held_b, held_w))
+        self.caps = (max(b for b, _ in self.held), max(w for _, w in self.held))
+        """The most the rank may hold: the plain order's peaks."""
+
+    def copy(self) -> _Line:
+        line = _Line.__new__(_Line)
+        line.ops, line.starts, line.held = self.ops[:], self.starts[:], self.held[:]
+        line.caps = self.caps
+        return line
+
+    def fits(self) -> bool:
+        """Whether the rank's memory is within its bounds all along (once settled)."""
+        cap_b, cap_w = self.caps
+        return all(b <= cap_b and w <= cap_w for b, w in self.held)
+
+    def settle(self, since: float, until: float, check: bool = False) -> bool:
+        """Put the ops that started from `since` to `until`, when last settled, in their
+        current time order and count them again; the ops that moved since then must have
+        started, and start, in that range. With `check`, only if the rank's memory stays
+        within its bounds along the way: else nothing changes, and False."""
+        first, last = self._range(since, until)
+        window = sorted(self.ops[first:last], key=_KEY)
+        cap_b, cap_w = self.caps if check else (math.inf, math.inf)
+        held_b, held_w = self.held[first]
         if held_b > cap_b or held_w > cap_w:
             return False
+        held = []
         for op in window:
             held_b += op.changes[0]
             held_w += op.changes[1]
             if held_b > cap_b or held_w > cap_w:
                 return False
+            held.append((held_b, held_w))
+        self.ops[first:last] = window
+        self.starts[first:last] = [op.start for op in window]
+        self.held[first + 1 : last + 1] = held
         return True
+
+    def _range(self, since: float, until: float) -> tuple[int, int]:
+        return bisect.bisect_left(self.starts, since), bisect.bisect_right(self.starts, until)
 
 
 def squeeze(
@@ -122,139 +162,241 @@ def squeeze(
     rank's ops by slot; `steady` is the closed range of slots of the steady state. A plain
     order that cannot run (an op missing or doubled, a deadlock) comes back as it is, for
     `validate` to report."""
-    plain = [[slots[s] for s in sorted(slots)] for slots in placed]
-    phase = {
-        op: WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
-        for slots in placed
-        for slot, op in slots.items()
-    }
-    inputs = _inputs(layout)
-    ops = _time(plain, inputs, phase, layout)
-    if ops is None:
-        return tuple(tuple(rank) for rank in plain)
-    ranks: dict[int, list[_Op]] = {r: [] for r in range(len(plain))}
-    for op in ops.values():
-        ranks[op.rank].append(op)
-    split = Kind.W in layout.kinds
+    graph = _graph(placed, steady, layout)
+    timed = None if graph is None else _time(*graph)
+    if timed is None:
+        return tuple(tuple(slots[s] for s in sorted(slots)) for slots in placed)
+    lines: list[list[_Op]] = [[] for _ in placed]
+    for op in timed:
+        lines[op.rank].append(op)
+    ranks = [_Line(line) for line in lines]
+    _move_early(ranks)
+    _move_before_ws(timed, ranks)
+    return tuple(tuple(op.action for op in line.ops) for line in ranks)
+
+
+def _graph(
+    placed: Sequence[dict[int, Action]], steady: tuple[int, int], layout: Layout
+) -> tuple[list[list[_Op]], list[_Op]] | None:
+    """Each rank's ops in slot order with their lengths, phases and inputs (their data
+    dependencies and `after` edges), and the ops in `Program.compute_ops` order (then
+    any op of a kind the schedule does not declare that an `after` edge holds back);
+    None when an op is there twice or waits for one that is not there."""
+    kinds = {kind: k for k, kind in enumerate(layout.kinds)}
+    per_mb = layout.num_stages * len(kinds)
+
+    def number(action: Action) -> int | None:
+        """The op's place in `compute_ops`; None if it is not one of them."""
+        k, mb, stage = kinds.get(action.kind), action.mb, action.stage
+        if k is None or mb is None or stage is None or not 0 <= stage < layout.num_stages:
+            return None
+        if not 0 <= mb < len(layout.assignment) or action.pipeline != layout.assignment[mb]:
+            return None
+        return mb * per_mb + stage * len(kinds) + k
+
+    numbered: list[_Op | None] = [None] * (len(layout.assignment) * per_mb)
+    others: dict[Action, _Op] = {}
+    split = Kind.W in kinds
+    lengths: dict[tuple[Kind, int | None], float] = {}
+    ranks: list[list[_Op]] = []
+    for r, slots in enumerate(placed):
+        ranks.append([])
+        for slot in sorted(slots):
+            action = slots[slot]
+            kind, stage = action.kind, action.stage
+            if (kind, stage) not in lengths:
+                lengths[kind, stage] = layout.costs.of(kind.value, stage)
+            phase = WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
+            op = _Op(action, r, 0.0, 0.0, lengths[kind, stage], phase, _changes(kind, split))
+            at = number(action)
+            if at is None:
+                if others.setdefault(action, op) is not op:
+                    return None
+            elif numbered[at] is None:
+                numbered[at] = op
+            else:
+                return None
+            ranks[r].append(op)
+    pattern, consumed = _pattern(layout, kinds)
     transfer = layout.costs.of("C")
-    for op in ops.values():
-        op.changes = _changes(op.action.kind, split)
-        op.inputs = tuple(
-            (ops[dep], transfer if data and ops[dep].rank != op.rank else 0.0)
-            for dep, data in inputs.get(op.action, ())
-        )
-    caps = {r: _peaks(sorted(rank, key=_Op.key)) for r, rank in ranks.items()}
-    consumed = {dep for deps in inputs.values() for dep, _ in deps}
-    context = _Context(ops, ranks, caps, consumed)
-    _move_early(context)
-    _move_before_ws(context)
-    return tuple(tuple(op.action for op in sorted(ranks[r], key=_Op.key)) for r in ranks)
+    for at, consumer in enumerate(numbered):
+        if consumer is None:
+            continue
+        inputs = []
+        for k, stage in pattern[at % per_mb]:
+            dep = None if k is None else numbered[at - at % per_mb + stage * len(kinds) + k]
+            if dep is None:
+                return None
+            inputs.append((dep, transfer if dep.rank != consumer.rank else 0.0))
+        consumer.inputs = tuple(inputs)
+        consumer.consumed = at % per_mb in consumed
+    held_back: list[_Op] = []  # undeclared-kind ops that `after` edges hold back
+    for edge in layout.after:
+        at = number(edge.earlier)
+        earlier = others.get(edge.earlier) if at is None else numbered[at]
+        at = number(edge.later)
+        later = others.get(edge.later) if at is None else numbered[at]
+        if earlier is not None:
+            earlier.consumed = True
+        if later is None:
+            continue
+        if earlier is None:
+            return None
+        if at is None and later not in held_back:
+            held_back.append(later)
+        later.inputs += ((earlier, 0.0),)
+    return ranks, [op for op in numbered if op is not None] + held_back
 
 
-def _inputs(layout: Layout) -> dict[Action, list[Input]]:
-    """Every op's inputs: its data dependencies and its `after` edges."""
+def _pattern(
+    layout: Layout, kinds: dict[Kind, int]
+) -> tuple[list[tuple[tuple[int | None, int], ...]], set[int]]:
+    """The data dependencies of each stage's op of each kind, by place in `compute_ops`
+    (stage, then kind) within its micro-batch: for each, its inputs as (kind number, or
+    None for an undeclared kind; stage), all of the same micro-batch
+    (`Program.inputs_of`); and the places some op waits for."""
+    pattern: list[tuple[tuple[int | None, int], ...]] = []
+    consumed: set[int] = set()
+    if not layout.assignment:
+        return pattern, consumed
     skeleton = Program(
         "", "", (), layout.num_ranks, layout.num_stages, layout.pipelines,
         layout.assignment, layout.kinds, (),
     )  # fmt: skip
-    inputs = {op: [(d, True) for d in skeleton.inputs_of(op)] for op in skeleton.compute_ops()}
-    for dep in layout.after:
-        inputs.setdefault(dep.later, []).append((dep.earlier, False))
-    return inputs
+    pipeline = layout.assignment[0]
+    for stage in range(layout.num_stages):
+        for kind in layout.kinds:
+            deps = skeleton.inputs_of(Action(kind, 0, stage, pipeline))
+            if any(dep.mb != 0 or dep.pipeline != pipeline for dep in deps):
+                raise InternalError(f"`{kind.value}` waits for another micro-batch")
+            pattern.append(tuple((kinds.get(dep.kind), dep.stage or 0) for dep in deps))
+            for dep in deps:
+                if dep.kind in kinds and dep.stage is not None:
+                    consumed.add(dep.stage * len(kinds) + kinds[dep.kind])
+    return pattern, consumed
 
 
-def _time(
-    plain: list[list[Action]],
-    inputs: dict[Action, list[Input]],
-    phase: dict[Action, int],
-    layout: Layout,
-) -> dict[Action, _Op] | None:
-    """The plain order timed as soon as possible, numbered in start order; None when it
-    cannot run to its end or runs an op twice."""
-    rank_of = {op: r for r, rank in enumerate(plain) for op in rank}
-    if len(rank_of) != sum(map(len, plain)):
-        return None
-    waiting: dict[Action, list[int]] = {}
-    for op, deps in inputs.items():
-        for dep, _ in deps:
-            if op in rank_of:
-                waiting.setdefault(dep, []).append(rank_of[op])
-    transfer = layout.costs.of("C")
-    ops: dict[Action, _Op] = {}
-    lengths: dict[tuple[str, int | None], float] = {}
-    position = [0] * len(plain)
-    free_at = [0.0] * len(plain)
-    todo = deque(range(len(plain)))
+def _time(ranks: list[list[_Op]], consumers: list[_Op]) -> list[_Op] | None:
+    """Time each rank's ops as soon as their inputs and their rank allow; the ops in
+    start order, numbered so (`seq`), or None when the order cannot run to its end.
+    `consumers` sets the order in which ranks waiting for an op are looked at again,
+    which orders the ops that start and end at the same time."""
+    waiting: dict[_Op, list[int]] = {}
+    for op in consumers:
+        for dep, _ in op.inputs:
+            waiting.setdefault(dep, []).append(op.rank)
+    timed: list[_Op] = []
+    done: set[_Op] = set()
+    position = [0] * len(ranks)
+    free_at = [0.0] * len(ranks)
+    todo = deque(range(len(ranks)))
     while todo:
         r = todo.popleft()
-        while position[r] < len(plain[r]):
-            action = plain[r][position[r]]
+        rank = ranks[r]
+        while position[r] < len(rank):
+            op = rank[position[r]]
             start = free_at[r]
-            for dep, data in inputs.get(action, ()):
-                if dep not in ops:
+            for dep, delay in op.inputs:
+                if dep not in done:
                     break
-                delay = transfer if data and ops[dep].rank != r else 0.0
-                start = max(start, ops[dep].end + delay)
+                start = max(start, dep.end + delay)
             else:
-                cost = (action.kind.value, action.stage)
-                if cost not in lengths:
-                    lengths[cost] = layout.costs.of(*cost)
-                length = lengths[cost]
-                ops[action] = _Op(action, r, start, length, phase[action])
-                free_at[r] = start + length
+                op.place(start)
+                free_at[r] = op.end
                 position[r] += 1
-                todo.extend(waiting.get(action, ()))
+                done.add(op)
+                timed.append(op)
+                todo.extend(waiting.get(op, ()))
                 continue
             break
-    if len(ops) != len(rank_of):
+    if len(timed) != sum(map(len, ranks)):
         return None
     # Ops were timed in a topological order: a stable sort keeps it among equal times.
-    for seq, timed in enumerate(sorted(ops.values(), key=lambda o: (o.start, o.end))):
-        timed.seq = seq
-    return ops
+    timed.sort(key=attrgetter("start", "end"))
+    for seq, op in enumerate(timed):
+        op.seq = seq
+    return timed
 
 
-def _move_early(context: _Context) -> None:
-    """Step 2: every warm-up and cool-down op to its earliest fit."""
-    busy: dict[int, list[tuple[float, float]]] = {r: [] for r in context.ranks}
-    for op in sorted(context.ops.values(), key=_Op.key):
-        if op.phase != STEADY:
-            _move(context, op, busy[op.rank])
-        bisect.insort(busy[op.rank], (op.start, op.end))
+def _move_early(ranks: list[_Line]) -> None:
+    """Step 2: every warm-up and cool-down op, in start order, to its earliest fit."""
+    orders = [line.ops[:] for line in ranks]
+    _sweep(orders, STEADY, lambda op, busy, _: _move(ranks[op.rank], op, busy))
 
 
-def _move_before_ws(context: _Context) -> None:
+def _move_before_ws(ops: list[_Op], ranks: list[_Line]) -> None:
     """Step 3: the cool-down's other ops squeezed again with its W's taken out, then the
     W's put back; undone if that ends later than step 2."""
-    loose: dict[int, list[_Op]] = {r: [] for r in context.ranks}
-    consumed = context.consumed
-    for op in context.ops.values():
-        if op.phase == COOL_DOWN and op.action.kind is Kind.W and op.action not in consumed:
-            loose[op.rank].append(op)
-    if not any(loose.values()):
+    loose = [
+        [op for op in line.ops if op.phase == COOL_DOWN and op.action.kind is Kind.W]
+        for line in ranks
+    ]
+    loose = [[w for w in ws if not w.consumed] for ws in loose]
+    if not any(loose):
         return
-    before = {action: op.start for action, op in context.ops.items()}
-    span = max(op.end for op in context.ops.values())
-    taken = {id(w) for ws in loose.values() for w in ws}
-    visit = [op for op in sorted(context.ops.values(), key=_Op.key) if id(op) not in taken]
-    rest = {r: deque(op for op in visit if op.rank == r) for r in context.ranks}
-    busy: dict[int, list[tuple[float, float]]] = {r: [] for r in context.ranks}
-    for op in visit:
-        rest[op.rank].popleft()
-        if op.phase == COOL_DOWN:
-            _move(context, op, busy[op.rank], loose[op.rank], rest[op.rank])
-        bisect.insort(busy[op.rank], (op.start, op.end))
-    for rank, ws in loose.items():
-        _put_back(ws, busy[rank])
-    if max(op.end for op in context.ops.values()) > span or not all(
-        context.fits(r) for r in context.ranks
-    ):
-        for action, start in before.items():
-            context.ops[action].start = start
+    before = [(op, op.start) for op in ops]
+    saved = [line.copy() for line in ranks]
+    span = max(op.end for op in ops)
+    taken = {w for ws in loose for w in ws}
+    orders = [[op for op in line.ops if op not in taken] for line in ranks]
+
+    def move(op: _Op, busy: list[tuple[float, float]], at: int) -> None:
+        ws = loose[op.rank]
+        _move(ranks[op.rank], op, busy, ws, orders[op.rank][at + 1 :] if ws else ())
+
+    busy = _sweep(orders, COOL_DOWN, move)
+    for rank, ws in enumerate(loose):
+        if ws:
+            since = min(w.ready() for w in ws)
+            _put_back(ws, busy[rank])
+            ranks[rank].settle(since, math.inf)
+    if max(op.end for op in ops) > span or not all(line.fits() for line in ranks):
+        for op, start in before:
+            op.place(start)
+        ranks[:] = saved
+
+
+def _sweep(
+    orders: list[list[_Op]],
+    phase: int,
+    move: Callable[[_Op, list[tuple[float, float]], int], None],
+) -> list[list[tuple[float, float]]]:
+    """Visit the ops of `phase` (all but the steady state's for STEADY) in time order,
+    each with its rank's `busy` intervals: the rank's ops before it in `orders`, where
+    they are then. `move(op, busy, place in orders)` may move it; then it joins `busy`.
+    The ops not visited join `busy` as the walk passes them. Each rank's `busy` at the
+    end holds all its ops."""
+    visit = [
+        (op, at)
+        for order in orders
+        for at, op in enumerate(order)
+        if (op.phase != STEADY if phase == STEADY else op.phase == phase)
+    ]
+    visit.sort(key=lambda visited: _KEY(visited[0]))
+    busy: list[list[tuple[float, float]]] = [[] for _ in orders]
+    passed = [0] * len(orders)
+    for op, at in visit:
+        _join(busy[op.rank], orders[op.rank][passed[op.rank] : at])
+        move(op, busy[op.rank], at)
+        _join(busy[op.rank], (op,))
+        passed[op.rank] = at + 1
+    for rank, order in enumerate(orders):
+        _join(busy[rank], order[passed[rank] :])
+    return busy
+
+
+def _join(busy: list[tuple[float, float]], ops: Sequence[_Op]) -> None:
+    """Add the intervals of `ops`, in time order, to `busy`, keeping it sorted."""
+    intervals = [(op.start, op.end) for op in ops]
+    if not busy or (intervals and busy[-1] <= intervals[0]):
+        busy.extend(intervals)  # the common case, as insort would leave them
+        return
+    for interval in intervals:
+        bisect.insort(busy, interval)
 
 
 def _move(
-    context: _Context,
+    line: _Line,
     op: _Op,
     busy: list[tuple[float, float]],
     loose: Sequence[_Op] = (),
@@ -262,20 +404,25 @@ def _move(
 ) -> None:
     """Move `op` to the earliest idle stretch before its start, among the `busy` ops
     visited before it, where its rank's memory stays within bounds; with `loose` W's
-    taken out, they are put back first, among `busy`, `op` and the `rest` not visited."""
+    taken out, they are put back first, among `busy`, `op` and the `rest` not visited.
+    The rank's `line` is settled to the result."""
     own = op.start
     # Only a forward moved earlier, or a W put back later, holds more than before.
     check = bool(loose) or op.action.kind is Kind.F
     floor = min((w.ready() for w in loose), default=math.inf)
+    # The ops that move start from `since` on: `op`, and the W's after the first B.
     until = math.inf if loose else own
-    later = [(o.start, o.end) for o in rest] if loose else []
+    later = [(o.start, o.end) for o in rest]
     for start in _idle(busy, op.ready(), op.length, own):
-        op.start = start
-        _put_back(loose, _with(busy, floor, op, later))
-        if not check or context.fits(op.rank, min(start, floor), until):
+        op.place(start)
+        if loose:
+            _put_back(loose, _with(busy, floor, op, later))
+        if line.settle(min(start, floor), until, check):
             return
-    op.start = own
-    _put_back(loose, _with(busy, floor, op, later))
+    op.place(own)
+    if loose:
+        _put_back(loose, _with(busy, floor, op, later))
+        line.settle(min(own, floor), until)
 
 
 def _with(
@@ -283,7 +430,7 @@ def _with(
 ) -> list[tuple[float, float]]:
     """The `busy` intervals that end after `floor`, `op`'s in its place, then the `later`
     ones: what the W's put back may meet."""
-    intervals = busy[bisect.bisect_right(busy, floor, key=lambda interval: interval[1]) :]
+    intervals = busy[bisect.bisect_right(busy, floor, key=_END) :]
     bisect.insort(intervals, (op.start, op.end))
     return intervals + later
 
@@ -296,9 +443,9 @@ def _put_back(ws: Sequence[_Op], busy: list[tuple[float, float]]) -> None:
         return
     ready = sorted((w.ready(), w.seq, w) for w in ws)
     # Nothing that ends before the first W is ready can be in its way.
-    taken = busy[bisect.bisect_right(busy, ready[0][0], key=lambda interval: interval[1]) :]
+    taken = busy[bisect.bisect_right(busy, ready[0][0], key=_END) :]
     for at, _, w in ready:
-        w.start = next(iter(_idle(taken, at, w.length, math.inf)))
+        w.place(_first_idle(taken, at, w.length))
         bisect.insort(taken, (w.start, w.end))
 
 
@@ -309,8 +456,7 @@ def _idle(
     the `busy` intervals that begin at `ready` or later and hold `length`. The last
     stretch runs on after the last busy interval."""
     at = ready
-    # Busy intervals do not overlap, so their ends rise with their starts.
-    first = bisect.bisect_right(busy, ready, key=lambda interval: interval[1])
+    first = bisect.bisect_right(busy, ready, key=_END)
     for begin, end in itertools.islice(busy, first, None):
         if at >= before:
             return
@@ -319,6 +465,17 @@ def _idle(
         at = max(at, end)
     if at < before:
         yield at
+
+
+def _first_idle(busy: list[tuple[float, float]], ready: float, length: float) -> float:
+    """The first start `_idle` gives with no bound: the earliest idle stretch among the
+    `busy` intervals that begins at `ready` or later and holds `length`."""
+    at = ready
+    for begin, end in itertools.islice(busy, bisect.bisect_right(busy, ready, key=_END), None):
+        if begin >= at + length:
+            return at
+        at = max(at, end)
+    return at
 
 
 def _changes(kind: Kind, split: bool) -> tuple[int, int]:
@@ -331,15 +488,3 @@ def _changes(kind: Kind, split: bool) -> tuple[int, int]:
     if kind is Kind.W and split:
         return 0, -1
     return 0, 0
-
-
-def _peaks(ops: Iterable[_Op]) -> tuple[int, int]:
-    """The most activations held along `ops`: from F to B, as `simulate` counts them, and
-    from F to W (`_changes`)."""
-    to_b = to_w = peak_b = peak_w = 0
-    for op in ops:
-        to_b += op.changes[0]
-        to_w += op.changes[1]
-        peak_b = max(peak_b, to_b)
-        peak_w = max(peak_w, to_w)
-    return peak_b, peak_w
