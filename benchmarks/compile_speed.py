@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import subprocess
+import sys
 import time
 import timeit
 
@@ -94,8 +96,28 @@ def main() -> None:
         + ", ".join(f"{name} {t:.3f}" for name, t in best.items())
         + f"; total {sum(best.values()):.3f}"
     )
+    fresh = sorted(_fresh_process(d, n) for _ in range(3))
+    print(
+        f"\nfresh process at D={d}, N={n}, v=2 (one compile each, as `pipelang check` runs it;"
+        f" imports and parsing not counted): {', '.join(f'{t:.3f}' for t in fresh)} s"
+    )
     calibrate = min(timeit.repeat("sum(range(1000))", number=10_000, repeat=5)) / 10_000
     print(f"machine: sum(range(1000)) takes {calibrate * 1e6:.1f} us")
+
+
+def _fresh_process(d: int, n: int) -> float:
+    """Wall time of the passes in a new interpreter: the timings above run in a process
+    whose allocator is already warm (torch's lowering frees a lot before them), which
+    makes large compiles 20-30% faster than a user's first one."""
+    code = (
+        "import time; from pipelang.api import load_file; "
+        "from pipelang.compiler import Options, run_passes; "
+        "f = load_file('interleaved-1f1b'); "
+        f"o = Options({{'D': '{d}', 'N': '{n}', 'v': '2'}}); "
+        "t = time.perf_counter(); run_passes(f, o); print(time.perf_counter() - t)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(done.stdout)
 
 
 if __name__ == "__main__":
