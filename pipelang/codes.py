@@ -300,8 +300,9 @@ CODES: dict[str, Code] = {
             "profile` writes: it is not JSON, lacks the `format: pipelang-profile/1` marker, "
             "or a layer lacks a field (`forward_ms`, `backward_input_ms`, "
             "`backward_weight_ms`, `activation_bytes`, `weight_bytes`, `output_bytes`; "
-            "`backward_ms` is optional) or gives a negative or non-numeric value. Write it "
-            "again with `pipelang profile "
+            "`backward_ms`, `sgd_step_ms`, `adam_step_ms` are optional) or gives a "
+            "negative or non-numeric value, or the optional `runtime` calibration is not "
+            "an object of such numbers. Write it again with `pipelang profile "
             "--model M -o PROFILE.json`; docs/planner.md describes every field.",
         ),
         Code(
@@ -322,6 +323,15 @@ CODES: dict[str, Code] = {
             "cluster allow (more stages than layers, a schedule's `require` failing). The "
             "message lists each candidate's reason. Raise `--max-memory`, give more "
             "devices, or use a smaller micro-batch when profiling.",
+        ),
+        Code(
+            "E0404",
+            "calibration run failed",
+            "`pipelang profile --calibrate BACKEND` runs the model under `pipelang run` "
+            "(1F1B on `--calibrate-ranks` ranks, with `--trace`) to measure what the "
+            "runtime adds per action and per message, and that run failed; the notes show "
+            "the end of its error. Check that `pipelang run` works for this model and "
+            "backend, or profile without `--calibrate`.",
         ),
     )
 }

@@ -18,9 +18,16 @@ import pytest
 from pipelang.api import compile_schedule
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
+from pipelang.planner.calibrate import TraceEvent, runtime_costs
 from pipelang.planner.mapping import map_ranks
 from pipelang.planner.partition import best_partition
-from pipelang.planner.profile import LayerCost, Profile, load_profile, profile_from_dict
+from pipelang.planner.profile import (
+    LayerCost,
+    Profile,
+    RuntimeCosts,
+    load_profile,
+    profile_from_dict,
+)
 from pipelang.planner.search import Candidate, Inputs, Plan, Planner
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
@@ -429,9 +436,183 @@ def test_plan_command_errors_are_clean(
 
 
 def test_explain_knows_the_planner_codes() -> None:
-    for code in ("E0208", "E0401", "E0402", "E0403"):
+    for code in ("E0208", "E0401", "E0402", "E0403", "E0404"):
         proc = pipelang_cmd("explain", code, cwd=Path.cwd())
         assert proc.returncode == 0 and code in proc.stdout
+
+
+# ---- runtime costs: calibration, optimizer step -----------------------------------------------
+
+
+def host(
+    action: float = 0.0, send: float = 0.0, recv: float = 0.0, scale: float = 1.0
+) -> RuntimeCosts:
+    return RuntimeCosts("gloo", 2, action, send, recv, 0.0, 1e5, scale)
+
+
+def with_costs(profile: Profile, runtime: RuntimeCosts | None, step: float = 0.0) -> Profile:
+    from dataclasses import replace
+
+    layers = tuple(replace(c, sgd_step_ms=step, adam_step_ms=2 * step) for c in profile.layers)
+    return replace(profile, layers=layers, runtime=runtime)
+
+
+def predicted(
+    profile: Profile, schedule: str, params: dict[str, int], counts: tuple[int, ...]
+) -> float:
+    ranks = params["D"]
+    planner = Planner(Inputs(profile, uniform_topology(ranks), params["N"], optimizer="sgd"))
+    per_rank = len(counts) // ranks
+    candidate = Candidate(schedule, tuple(params.items()), per_rank)
+    return planner.predict(candidate, counts, tuple(range(ranks)), full=True).time_ms
+
+
+def test_profile_runtime_fields_round_trip_and_old_profiles_load_with_notes() -> None:
+    base = make_profile([1.0, 2.0])
+    costs = RuntimeCosts("gloo", 2, 0.02, 0.2, 0.3, 0.05, 131072.0, 1.25)
+    full = with_costs(base, costs, step=0.1)
+    again = profile_from_dict(json.loads(full.to_json()))
+    assert again == full and again.notes() == []
+    assert again.layers[0].step_ms("sgd") == 0.1 and again.layers[0].step_ms("adam") == 0.2
+    old = json.loads(base.to_json())  # as written before these fields existed
+    assert "runtime" not in old and "sgd_step_ms" in old["layers"][0]
+    for layer in old["layers"]:
+        del layer["sgd_step_ms"], layer["adam_step_ms"]
+    loaded = profile_from_dict(old)
+    assert loaded.runtime is None and loaded.layers[0].step_ms("adam") == 0.0
+    notes = loaded.notes()
+    assert len(notes) == 2 and "optimizer step" in notes[0] and "--calibrate gloo" in notes[1]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"runtime": [1]}, "`runtime` must be an object"),
+        ({"runtime": {"send_ms": -1}}, "`runtime.send_ms` must be a number of at least 0"),
+        ({"runtime": {"compute_scale": 0}}, "`runtime.compute_scale` must be more than 0"),
+        ({"layer": {"adam_step_ms": "fast"}}, "layer 0 `adam_step_ms` must be a number"),
+    ],
+)
+def test_profile_reader_rejects_bad_runtime_fields(change: dict[str, object], message: str) -> None:
+    doc = json.loads(make_profile([1.0]).to_json())
+    if "layer" in change:
+        doc["layers"][0].update(change["layer"])  # type: ignore[arg-type]
+    else:
+        doc.update(change)
+    with pytest.raises(PipelangError) as err:
+        profile_from_dict(doc, "p.json")
+    assert err.value.diagnostics[0].code == "E0401" and message in err.value.diagnostics[0].message
+
+
+def test_per_action_host_cost_follows_the_pipeline_formula() -> None:
+    """Equal stages, no transfer time: 1F1B takes (N + D - 1)(F + B) (the fill-drain
+    count of GPipe/1F1B, reference/papers.md). A host cost `a` per action: every F and
+    B on two ranks is one action and has one transfer action beside it (stage 0's F
+    sends, its B receives; stage 1's F receives, its B sends), so each is 2a longer; the
+    last rank to finish (rank 0, its last B) then runs its step, one more action."""
+    f, a, step, n, d = 1.0, 0.25, 0.125, 6, 2
+    base = make_profile([f] * 4, output=0.0)  # B = 2F per layer; two layers a stage
+    stage_f, stage_b = 2 * f, 4 * f
+    assert predicted(base, "1f1b", {"D": d, "N": n}, (2, 2)) == pytest.approx(
+        (n + d - 1) * (stage_f + stage_b)
+    )
+    costly = with_costs(base, host(action=a), step=step)
+    expected = (n + d - 1) * (stage_f + stage_b + 4 * a) + 2 * step + a
+    assert predicted(costly, "1f1b", {"D": d, "N": n}, (2, 2)) == pytest.approx(expected)
+
+
+def test_schedules_with_more_actions_pay_more_host_time() -> None:
+    """Interleaving (v = 2) has twice the actions of 1F1B: a per-action cost lengthens
+    it more; with sends and receives, a stage boundary that crosses ranks costs too."""
+    base = make_profile([1.0] * 8)
+    costly = with_costs(base, host(action=0.5))
+    plain = {"D": 2, "N": 4}
+    grow_1f1b = predicted(costly, "1f1b", plain, (4, 4)) - predicted(base, "1f1b", plain, (4, 4))
+    inter = {"D": 2, "N": 4, "v": 2}
+    grow_inter = predicted(costly, "interleaved-1f1b", inter, (2,) * 4) - predicted(
+        base, "interleaved-1f1b", inter, (2,) * 4
+    )
+    assert grow_1f1b > 0 and grow_inter > 1.5 * grow_1f1b
+    messages = with_costs(base, host(send=0.5, recv=0.5))
+    assert predicted(messages, "1f1b", plain, (4, 4)) > predicted(base, "1f1b", plain, (4, 4)) + 1
+
+
+def test_compute_scale_scales_the_compute() -> None:
+    base = make_profile([1.0, 3.0, 1.0, 1.0], output=0.0)
+    plain = {"D": 2, "N": 4}
+    slower = with_costs(base, host(scale=1.5))
+    assert predicted(slower, "gpipe", plain, (2, 2)) == pytest.approx(
+        1.5 * predicted(base, "gpipe", plain, (2, 2))
+    )
+
+
+def trace(events: list[tuple[int, str, float, float]], offset: float = 0.0) -> list[TraceEvent]:
+    """Trace events of step 1 (rank, name, start, end); rank 1's clock `offset` ahead."""
+    return [
+        TraceEvent(
+            rank,
+            1,
+            i,
+            name,
+            name.split(":")[0] if ":" in name else name[0],
+            start + offset * rank,
+            end + offset * rank,
+        )
+        for i, (rank, name, start, end) in enumerate(events)
+    ]
+
+
+@pytest.mark.parametrize("offset", [0.0, 7.5])
+def test_calibration_reads_host_costs_from_a_trace(offset: float) -> None:
+    """A hand-made trace of 1F1B on two ranks with known costs: sends take 0.2, a
+    receive whose message is there 0.3, a message arrives 0.1 after its send ends, every
+    gap between actions is 0.05; rank 1's clock may start `offset` later."""
+    profile = make_profile([1.0, 1.0])  # F = 1, B = 2 per stage, one layer per stage
+    events = [
+        (0, "F0@0/main", 0.0, 1.0),
+        (0, "send:F0@0/main>1", 1.05, 1.25),
+        (1, "recv:F0@0/main<0", 0.0, 1.35),  # waits: ends 0.1 after the send
+        (1, "F0@1/main", 1.4, 2.4),
+        (1, "B0@1/main", 2.45, 4.45),
+        (1, "send:B0@1/main>0", 4.5, 4.7),
+        (0, "F1@0/main", 1.3, 2.3),
+        (0, "send:F1@0/main>1", 2.35, 2.55),
+        (0, "recv:B0@1/main<1", 2.6, 4.8),  # waits
+        (0, "B0@0/main", 4.85, 6.85),
+        (1, "recv:F1@0/main<0", 4.75, 5.05),  # the message was there: 0.3
+        (1, "F1@1/main", 5.1, 6.1),
+        (1, "B1@1/main", 6.15, 8.15),
+        (1, "send:B1@1/main>0", 8.2, 8.4),
+        (0, "recv:B1@1/main<1", 9.0, 9.3),  # there: 0.3
+        (0, "B1@0/main", 9.35, 11.35),
+    ]
+    costs = runtime_costs(trace(events, offset), profile, (1, 1), "gloo", 2)
+    assert costs.action_ms == pytest.approx(0.05)
+    assert costs.send_ms == pytest.approx(0.2)
+    assert costs.recv_ms == pytest.approx(0.3)
+    # waited: 0.1 after the send ends, of which the receive's own 0.3 is not message time
+    assert costs.message_ms == 0.0
+    assert costs.compute_scale == pytest.approx(1.0)
+
+
+def test_calibration_message_time_and_compute_scale() -> None:
+    profile = make_profile([1.0, 1.0])
+    events = [
+        (0, "F0@0/main", 0.0, 1.5),
+        (0, "send:F0@0/main>1", 1.5, 1.7),
+        (1, "recv:F0@0/main<0", 0.0, 2.7),  # waited: 1.0 after the send's end
+        (1, "F0@1/main", 2.7, 4.2),
+        (1, "B0@1/main", 4.2, 7.2),
+        (1, "send:B0@1/main>0", 7.2, 7.4),
+        (0, "recv:B0@1/main<1", 1.7, 8.4),  # waited: 1.0
+        (0, "B0@0/main", 8.4, 11.4),
+        (1, "recv:F9@0/main<0", 9.0, 9.5),  # there (its send below ended before): 0.5
+        (0, "send:F9@0/main>1", 8.0, 8.2),
+    ]
+    costs = runtime_costs(trace(events), profile, (1, 1), "gloo", 2)
+    assert costs.recv_ms == pytest.approx(0.5)
+    assert costs.message_ms == pytest.approx(0.5)  # 1.0 less the receive's own 0.5
+    assert costs.compute_scale == pytest.approx(1.5)  # 9 ms of compute for 6 profiled
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -45,6 +45,20 @@ def setup_profile(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_positive, default=5, help="timed runs per layer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--calibrate",
+        choices=("gloo", "nccl"),
+        metavar="BACKEND",
+        help="also run the model under `pipelang run --backend BACKEND --trace` and "
+        "measure what the runtime adds per action and per message (gloo or nccl)",
+    )
+    parser.add_argument(
+        "--calibrate-ranks",
+        type=_positive,
+        default=2,
+        metavar="R",
+        help="ranks of the calibration run (default 2; as many as the plan will use)",
+    )
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -72,12 +86,27 @@ def run_profile(args: argparse.Namespace) -> int:
     except (ModelError, RuntimeError) as error:
         err.print(f"error: {error}", markup=False)
         return 1
+    if args.calibrate:
+        from dataclasses import replace
+
+        from pipelang.planner.calibrate import calibrate
+
+        err.print(f"calibrating: {args.calibrate_ranks} ranks on {args.calibrate}", markup=False)
+        costs = calibrate(profile, options, args.calibrate, args.calibrate_ranks)
+        profile = replace(profile, runtime=costs)
     write_output(args.out, profile.to_json() + "\n")
     total = sum(c.forward_ms + c.full_backward_ms for c in profile.layers)
     print(
         f"wrote {args.out}: {len(profile.layers)} layers of {profile.model} on {profile.device}, "
         f"{total:.3f} ms forward + backward per micro-batch"
     )
+    if profile.runtime is not None:
+        rt = profile.runtime
+        print(
+            f"runtime ({rt.backend}, {rt.ranks} ranks): {rt.action_ms:.3f} ms per action, "
+            f"send {rt.send_ms:.3f} ms, receive {rt.recv_ms:.3f} ms, message "
+            f"{rt.message_ms:.3f} ms, compute x{rt.compute_scale:.2f} beside the other ranks"
+        )
     return 0
 
 
@@ -139,8 +168,12 @@ def run_plan(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--schedules: cannot plan with `{', '.join(unknown)}`; use: {', '.join(FAMILIES)}"
             )
+    profile = load_profile(args.profile)
+    notes = Console(stderr=True, highlight=False, soft_wrap=True)
+    for note in profile.notes():
+        notes.print(f"note: {note}", markup=False)
     inputs = Inputs(
-        load_profile(args.profile),
+        profile,
         load_topology(args.topology),
         args.micro_batches,
         max_memory,

@@ -4,7 +4,8 @@ For every layer of the model (in order, as the runtime cuts it into stages), on 
 micro-batch: the forward time, the whole backward, and the backward split into the input
 gradient (`B`) and the weight gradient (`W`), the bytes the forward saves for the
 backward (activations), the bytes of its parameters, and the bytes of its output (what a
-stage boundary after this layer sends).
+stage boundary after this layer sends), and the time of the optimizer step on its
+parameters (SGD with momentum and Adam, as the runtime's `step` runs them).
 
 How it is measured: the model is built as `pipelang run` builds it, one micro-batch is
 pushed through the layers once to get every layer's input, then each layer is timed on
@@ -15,6 +16,9 @@ weight gradient on that graph (the two cost more than the one pass). The
 last layer's forward and backward include the loss, as the runtime's last stage does.
 Saved activations are the distinct tensor storages autograd packs during the forward
 (`torch.autograd.graph.saved_tensors_hooks`).
+
+What a run adds to the layers' own times, the runtime's host work per action and per
+message, is measured apart by `pipelang.planner.calibrate` and kept as `runtime`.
 """
 
 from __future__ import annotations
@@ -59,6 +63,16 @@ class LayerCost:
     """The whole backward as one pass (input and weight gradients together); split in
     two, as zero-bubble schedules run it, it costs more (the weight pass walks the graph
     again). None in a hand-written profile: then the sum of the two parts."""
+    sgd_step_ms: float | None = None
+    """The optimizer step on this layer's parameters with SGD and momentum (the update,
+    then clearing the gradients); None in a profile that did not measure it (then 0)."""
+    adam_step_ms: float | None = None
+    """The same with Adam."""
+
+    def step_ms(self, optimizer: str) -> float:
+        """The optimizer step's time for `optimizer` (`sgd` or `adam`); 0 if unmeasured."""
+        value = self.sgd_step_ms if optimizer == "sgd" else self.adam_step_ms
+        return value or 0.0
 
     @property
     def full_backward_ms(self) -> float:
@@ -80,11 +94,59 @@ class Profile:
     torch: str = ""
     threads: int = 0
     repeats: int = 0
+    runtime: RuntimeCosts | None = None
+    """What the runtime adds per action and per message, from a calibration run; None
+    when not calibrated (then the planner counts only the layers' own times)."""
 
     def to_json(self) -> str:
         doc = {"format": FORMAT, **asdict(self)}
         doc["layers"] = [asdict(layer) for layer in self.layers]
+        if self.runtime is None:
+            del doc["runtime"]
         return json.dumps(doc, indent=1)
+
+    def notes(self) -> list[str]:
+        """What this profile lacks that the cost model would use (each counted as 0)."""
+        notes = []
+        if any(c.sgd_step_ms is None or c.adam_step_ms is None for c in self.layers):
+            notes.append(
+                "the profile has no optimizer step times (`sgd_step_ms`, `adam_step_ms`): "
+                "the step is counted as 0 ms"
+            )
+        if self.runtime is None:
+            notes.append(
+                "the profile has no `runtime` calibration: the runtime's host work per action "
+                "and per message is counted as 0 (`pipelang profile --calibrate gloo`)"
+            )
+        return notes
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeCosts:
+    """What a run of the runtime adds to the layers' own times, measured from the trace of
+    a short run (`pipelang.planner.calibrate`); times in milliseconds."""
+
+    backend: str
+    """The backend the calibration ran on (`gloo`, `local`, `nccl`)."""
+    ranks: int
+    """Ranks of the calibration run (all on this machine)."""
+    action_ms: float
+    """Host time between two actions of a rank: the generated line's call and the
+    runtime's bookkeeping (the median gap in the trace)."""
+    send_ms: float
+    """Host time of a send on the sender (the median duration of a send action)."""
+    recv_ms: float
+    """Host time of a receive whose message was already sent (median duration)."""
+    message_ms: float
+    """Time from the end of a send until the receiver can have the message, beyond
+    `recv_ms`, measured on receives that waited; the link's own time on this backend
+    and machine, at `message_bytes`."""
+    message_bytes: float
+    """Size of the calibration run's messages."""
+    compute_scale: float
+    """Compute actions' time in the run over the profile's time for the same layers:
+    how much slower a layer runs beside the other ranks (shared cores, memory, the
+    transport's threads, other load on the machine) than alone."""
 
 
 def load_profile(path: Path) -> Profile:
@@ -121,7 +183,39 @@ def profile_from_dict(doc: object, where: str = "the profile") -> Profile:
         torch=str(doc.get("torch", "")),
         threads=_whole(doc.get("threads", 0), where, "threads"),
         repeats=_whole(doc.get("repeats", 0), where, "repeats"),
+        runtime=_runtime(doc.get("runtime"), where),
     )
+
+
+RUNTIME_FIELDS = ("action_ms", "send_ms", "recv_ms", "message_ms", "message_bytes")
+
+
+def _runtime(entry: object, where: str) -> RuntimeCosts | None:
+    """The `runtime` object of a profile (None when absent), every field checked."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise fail("E0401", f"`{where}`: `runtime` must be an object")
+    values = {
+        key: _number(entry.get(key, 0.0), f"`{where}`: `runtime.{key}`") for key in RUNTIME_FIELDS
+    }
+    scale = _number(entry.get("compute_scale", 1.0), f"`{where}`: `runtime.compute_scale`")
+    if scale <= 0:
+        raise fail("E0401", f"`{where}`: `runtime.compute_scale` must be more than 0")
+    return RuntimeCosts(
+        backend=str(entry.get("backend", "?")),
+        ranks=_whole(entry.get("ranks", 0), where, "runtime.ranks"),
+        compute_scale=scale,
+        **values,
+    )
+
+
+def _number(value: object, what: str) -> float:
+    """`value` as a finite number of at least 0, else E0401 naming `what`."""
+    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else -1
+    if not math.isfinite(number) or number < 0:
+        raise fail("E0401", f"{what} must be a number of at least 0, not {value!r}")
+    return number
 
 
 def _whole(value: object, where: str, key: str) -> int:
@@ -151,16 +245,16 @@ def _layer(entry: object, index: int, where: str) -> LayerCost:
                 f"`{where}`: layer {index} `{key}` must be a number of at least 0, not {value!r}",
             )
         values[key] = number
-    full = entry.get("backward_ms")
-    if full is not None and (
-        isinstance(full, bool) or not isinstance(full, int | float) or not 0 <= full < math.inf
-    ):
-        raise fail(
-            "E0401", f"`{where}`: layer {index} `backward_ms` must be a number of at least 0"
-        )
+    optional: dict[str, float | None] = {}
+    for key in ("backward_ms", "sgd_step_ms", "adam_step_ms"):
+        value = entry.get(key)
+        what = f"`{where}`: layer {index} `{key}`"
+        optional[key] = None if value is None else _number(value, what)
     return LayerCost(
         name=str(entry.get("name", f"layer{index}")),
-        backward_ms=None if full is None else float(full),
+        backward_ms=optional["backward_ms"],
+        sgd_step_ms=optional["sgd_step_ms"],
+        adam_step_ms=optional["adam_step_ms"],
         **values,
     )
 
@@ -305,6 +399,7 @@ def _measure_layer(
         full = input_grad = weight_grad = 0.0
     with torch.no_grad():
         out = layer(x_in.detach())
+    sgd_step, adam_step = (_step_ms(params, kind, options, device) for kind in ("sgd", "adam"))
     return LayerCost(
         name=name,
         forward_ms=round(forward, 6),
@@ -314,7 +409,42 @@ def _measure_layer(
         activation_bytes=float(_saved_bytes(fresh, layer)),
         weight_bytes=float(sum(p.numel() * p.element_size() for p in layer.parameters())),
         output_bytes=float(out.numel() * out.element_size()),
+        sgd_step_ms=round(sgd_step, 6),
+        adam_step_ms=round(adam_step, 6),
     )
+
+
+def _step_ms(
+    params: list[torch.nn.Parameter],
+    optimizer: str,
+    options: ProfileOptions,
+    device: torch.device,
+) -> float:
+    """The median time of the runtime's optimizer step on `params` (its own SGD with
+    momentum, or Adam): the update from fresh gradients, then clearing them. It changes
+    the weights (by a learning rate of 1e-6), so it runs after the layer's other
+    measurements."""
+    import torch
+
+    from pipelang.backends.optim import SGD, Adam
+    from pipelang.backends.runtime import SGD_MOMENTUM
+
+    if not params:
+        return 0.0
+    grads = [torch.randn_like(p) for p in params]
+    step = SGD(params, 1e-6, SGD_MOMENTUM) if optimizer == "sgd" else Adam(params, 1e-6)
+    samples = []
+    for i in range(options.warmup + options.repeats):
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()  # the runtime's step finds new gradients each time
+        _sync(device)
+        start = time.perf_counter()
+        step.step()
+        step.zero_grad()
+        _sync(device)
+        if i >= options.warmup:
+            samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
 
 
 def _saved_bytes(forward: Callable[[], Any], layer: torch.nn.Module) -> int:

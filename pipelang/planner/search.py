@@ -179,7 +179,9 @@ class Planner:
         self.time_budget = time_budget
         self._screen_cost: dict[Candidate, list[tuple[float, float]]] = {}
         layers = inputs.profile.layers
-        self.layer_time = [c.forward_ms + c.full_backward_ms for c in layers]
+        self.runtime = inputs.profile.runtime
+        self.scale = self.runtime.compute_scale if self.runtime is not None else 1.0
+        self.layer_time = [self.scale * (c.forward_ms + c.full_backward_ms) for c in layers]
         self._files: dict[str, ast.File] = {}
         self._programs: dict[Candidate, Program] = {}
 
@@ -342,27 +344,59 @@ class Planner:
             transfer_ms=mean,
         )
 
-    def stage_costs(self, counts: Sequence[int], split_w: bool) -> list[tuple[float, float, float]]:
-        """(F, B, W) milliseconds of every stage; without split W, B is the whole backward."""
+    def stage_costs(
+        self, counts: Sequence[int], split_w: bool, crossing: Sequence[bool] | None = None
+    ) -> list[tuple[float, float, float]]:
+        """(F, B, W) milliseconds of every stage; without split W, B is the whole backward.
+
+        With the profile's `runtime` calibration, the layers' times are scaled by its
+        `compute_scale`, every op gets the host time of one action, and an op that sends
+        (F before boundary s, B after it) or receives (F after, B before) across a
+        boundary that `crossing` says joins two ranks (default: every boundary) gets that
+        send's or receive's host time and its action."""
         result, start = [], 0
         layers = self.inputs.profile.layers
-        for count in counts:
+        last = len(counts) - 1
+        cross = list(crossing) if crossing is not None else [True] * last
+        host = self.runtime
+        for stage, count in enumerate(counts):
             part = layers[start : start + count]
-            f = sum(c.forward_ms for c in part)
-            if split_w:
-                b = sum(c.backward_input_ms for c in part)
-                w = sum(c.backward_weight_ms for c in part)
-                result.append((f, b, w))
-            else:
-                result.append((f, sum(c.full_backward_ms for c in part), 0.0))
             start += count
+            f = self.scale * sum(c.forward_ms for c in part)
+            if split_w:
+                b = self.scale * sum(c.backward_input_ms for c in part)
+                w = self.scale * sum(c.backward_weight_ms for c in part)
+            else:
+                b, w = self.scale * sum(c.full_backward_ms for c in part), 0.0
+            if host is not None:
+                send, recv = host.send_ms + host.action_ms, host.recv_ms + host.action_ms
+                after = stage < last and cross[stage]  # this stage's output leaves the rank
+                before = stage > 0 and cross[stage - 1]  # its input comes from another rank
+                f += host.action_ms + (send if after else 0.0) + (recv if before else 0.0)
+                b += host.action_ms + (send if before else 0.0) + (recv if after else 0.0)
+                w += host.action_ms if split_w else 0.0
+            result.append((f, b, w))
         return result
 
-    def cost_model(self, counts: Sequence[int], split_w: bool) -> CostModel:
+    def cost_model(
+        self, counts: Sequence[int], split_w: bool, crossing: Sequence[bool] | None = None
+    ) -> CostModel:
         entries: list[tuple[str, int | None, float]] = [("C", None, 0.0)]
-        for stage, (f, b, w) in enumerate(self.stage_costs(counts, split_w)):
+        for stage, (f, b, w) in enumerate(self.stage_costs(counts, split_w, crossing)):
             entries += [("F", stage, f), ("B", stage, b), ("W", stage, w), ("R", stage, f)]
         return CostModel().merged(CostModel(tuple(entries)))
+
+    def step_ms(self, counts: Sequence[int], program: Program) -> list[float]:
+        """The optimizer step of every rank (ms): the profile's step time of the layers
+        of every stage copy it holds, scaled as compute, plus one action."""
+        per_stage = sums(
+            [c.step_ms(self.inputs.optimizer) for c in self.inputs.profile.layers], counts
+        )
+        action = self.runtime.action_ms if self.runtime is not None else 0.0
+        return [
+            self.scale * sum(per_stage[s] for s, _ in program.stage_copies(rank)) + action
+            for rank in range(program.num_ranks)
+        ]
 
     # ---- helpers ----------------------------------------------------------------------
 
@@ -419,9 +453,16 @@ class Planner:
         topology = self.inputs.topology
         outputs = [c.output_bytes for c in self.inputs.profile.layers]
 
+        host = self.runtime
+        per_message = 0.0
+        if host is not None:
+            per_message = host.message_ms + host.send_ms + host.recv_ms + 2 * host.action_ms
+
         def cut(boundary: int, before: int) -> float:
             a, b = devices[placement[boundary]], devices[placement[boundary + 1]]
-            return 0.0 if a == b else topology.link(a, b).seconds(outputs[before - 1]) * 1e3
+            if a == b:
+                return 0.0
+            return topology.link(a, b).seconds(outputs[before - 1]) * 1e3 + per_message
 
         split = best_partition(self.layer_time, candidate.stages, self.inputs.micro_batches, cut)
         return split.counts
@@ -429,19 +470,24 @@ class Planner:
     def _simulate(
         self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
     ) -> Prediction:
-        costs = self.cost_model(counts, self._split_w(candidate))
-        program = self._program(candidate, costs, reorder)
+        split_w = self._split_w(candidate)
+        program = self._program(candidate, self.cost_model(counts, split_w), reorder)
+        placement = program.pipelines[0].placement
+        crossing = [placement[s] != placement[s + 1] for s in range(len(counts) - 1)]
+        costs = self.cost_model(counts, split_w, crossing)
         topology = self.inputs.topology
         outputs = stage_outputs(self.inputs.profile, counts)
         cache: dict[tuple[Kind, int, int, int], float] = {}
         transfers: list[float] = []
+        message = self.runtime.message_ms if self.runtime is not None else 0.0
 
         def link(op: Action, src: int, dst: int) -> float:
             key = (op.kind, op.stage or 0, src, dst)
             if key not in cache:
                 boundary = op.stage if op.kind is Kind.F else (op.stage or 0) - 1
                 size = outputs[boundary] if boundary is not None and boundary >= 0 else 0.0
-                cache[key] = topology.link(devices[src], devices[dst]).seconds(size) * 1e3
+                seconds = topology.link(devices[src], devices[dst]).seconds(size)
+                cache[key] = seconds * 1e3 + message
                 transfers.append(cache[key])
             return cache[key]
 
@@ -451,7 +497,13 @@ class Planner:
         busy = sum(timeline.busy(r) for r in range(program.num_ranks))
         factor = STATE_FACTOR[self.inputs.optimizer]
         memory = peak_memory(program, self.inputs.profile, counts, factor)
-        return Prediction(max(timeline.makespan, synced), busy, memory, transfers)
+        # Each rank's optimizer step runs after its last op and after the allreduces.
+        ends = [0.0] * program.num_ranks
+        for event in timeline.events:
+            ends[event.rank] = max(ends[event.rank], event.end)
+        steps = self.step_ms(counts, program)
+        end = max(max(e, synced) + t for e, t in zip(ends, steps, strict=True))
+        return Prediction(end, busy, memory, transfers)
 
 
 def _scaled(seen: list[tuple[float, float]], ops: float) -> float:
