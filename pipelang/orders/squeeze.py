@@ -35,28 +35,32 @@ is never longer than the plain one.
 
 The work grows about linearly with the number of micro-batches. Ops are found by
 number, not by hashing (`_graph`). Each rank keeps its ops in time order with the
-activations held after each (`_Line`), and a move only passes over the ops between its
-new and its old start (the W's put back in step 3 land after the earliest of their
-Bs), so a memory check walks those ops alone. The ops that do not move are passed over
-in each rank's order, not visited (`_sweep`). Step 3 puts every loose W of a rank back
-for each cool-down move it tries: about D^3 work in all for D ranks, whatever N.
+activations held after each (`_Line`), and a memory check walks only the ops between
+the earliest and the latest place of an op the move shifts. The ops that do not move
+are passed over in each rank's order, not visited (`_sweep`). In step 3 each rank keeps
+its W's where the last kept move put them (`_Loose`); a move tried re-places only the
+W's it can change (those waiting for the moved op, those it overlaps, those that may
+fit where it was, and so on from each W that moves), a few per move, not all of the
+rank's W's. Each W is searched among all the rank's other ops.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
+import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
+from typing import TypeVar
 
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.orders import Layout
 
 WARM_UP, STEADY, COOL_DOWN = -1, 0, 1
+_T = TypeVar("_T")
 
 _END = itemgetter(1)
 """An interval's end. `busy` lists are sorted by start; their intervals do not overlap,
@@ -116,11 +120,13 @@ class _Line:
             self.held.append((held_b, held_w))
         self.caps = (max(b for b, _ in self.held), max(w for _, w in self.held))
         """The most the rank may hold: the plain order's peaks."""
+        self.over: set[int] = set()
+        """The k where `held[k]` is above `caps` (none at first; only step 3 makes any)."""
 
     def copy(self) -> _Line:
         line = _Line.__new__(_Line)
         line.ops, line.starts, line.held = self.ops[:], self.starts[:], self.held[:]
-        line.caps = self.caps
+        line.caps, line.over = self.caps, set(self.over)
         return line
 
     def fits(self) -> bool:
@@ -128,27 +134,38 @@ class _Line:
         cap_b, cap_w = self.caps
         return all(b <= cap_b and w <= cap_w for b, w in self.held)
 
-    def settle(self, since: float, until: float, check: bool = False) -> bool:
+    def settle(
+        self, since: float, until: float, check: bool = False, checked_from: float = math.inf
+    ) -> bool:
         """Put the ops that started from `since` to `until`, when last settled, in their
         current time order and count them again; the ops that moved since then must have
         started, and start, in that range. With `check`, only if the rank's memory stays
-        within its bounds along the way: else nothing changes, and False."""
+        within its bounds from `since` (or `checked_from`, if earlier) to the end: else
+        nothing changes, and False."""
         first, last = self._range(since, until)
+        cap_b, cap_w = self.caps
+        if check and self.over:
+            lo = min(first, bisect.bisect_left(self.starts, checked_from))
+            if any(k >= lo and not first < k <= last for k in self.over):
+                return False
         window = sorted(self.ops[first:last], key=_KEY)
-        cap_b, cap_w = self.caps if check else (math.inf, math.inf)
         held_b, held_w = self.held[first]
-        if held_b > cap_b or held_w > cap_w:
-            return False
         held = []
-        for op in window:
+        over = []
+        for k, op in enumerate(window, first + 1):
             held_b += op.changes[0]
             held_w += op.changes[1]
             if held_b > cap_b or held_w > cap_w:
-                return False
+                if check:
+                    return False
+                over.append(k)
             held.append((held_b, held_w))
         self.ops[first:last] = window
         self.starts[first:last] = [op.start for op in window]
         self.held[first + 1 : last + 1] = held
+        if self.over:
+            self.over.difference_update(range(first + 1, last + 1))
+        self.over.update(over)
         return True
 
     def _range(self, since: float, until: float) -> tuple[int, int]:
@@ -339,10 +356,20 @@ def _move_before_ws(ops: list[_Op], ranks: list[_Line]) -> None:
     span = max(op.end for op in ops)
     taken = {w for ws in loose for w in ws}
     orders = [[op for op in line.ops if op not in taken] for line in ranks]
+    put = [_Loose(ws, line) if ws else None for ws, line in zip(loose, ranks, strict=True)]
+    waits: dict[_Op, list[tuple[_Loose, int]]] = {}
+    for state in put:
+        if state is not None:
+            for i, w in enumerate(state.ws):
+                for dep, _ in w.inputs:
+                    waits.setdefault(dep, []).append((state, i))
 
-    def move(op: _Op, busy: list[tuple[float, float]], at: int) -> None:
-        ws = loose[op.rank]
-        _move(ranks[op.rank], op, busy, ws, orders[op.rank][at + 1 :] if ws else ())
+    def move(op: _Op, busy: list[tuple[float, float]], _: int) -> None:
+        state = put[op.rank]
+        if state is None:
+            _move(ranks[op.rank], op, busy)
+        else:
+            _move_loose(ranks[op.rank], op, busy, state, waits.get(op, []))
 
     busy = _sweep(orders, COOL_DOWN, move)
     for rank, ws in enumerate(loose):
@@ -354,6 +381,173 @@ def _move_before_ws(ops: list[_Op], ranks: list[_Line]) -> None:
         for op, start in before:
             op.place(start)
         ranks[:] = saved
+
+
+class _Loose:
+    """One rank's loose W's in step 3, kept where `_put_back` would put them among the
+    rank's other ops at their current places; a move re-places only the W's it can reach
+    (`shift`), and is undone in full if it is not kept (`undo`).
+
+    `taken` holds every op of the rank as (start, end, tag), sorted, none overlapping:
+    tag -1 for the other ops, else the W's index in `ws`. `_put_back` places the W's in
+    the order of `keys` (ready, `seq`), each in the earliest stretch after its ready that
+    the ops and the W's placed before it leave; so a W's place depends only on what lies
+    between its ready and its end. When a move adds or frees a stretch, the W's whose place
+    it can change are those it overlaps, or whose ready-to-end span it meets; each one
+    placed again may change others in turn."""
+
+    def __init__(self, ws: list[_Op], line: _Line) -> None:
+        self.ws = ws
+        self.index = {w: i for i, w in enumerate(ws)}
+        self.keys: list[tuple[float, int]] = []
+        self.taken: list[tuple[float, float, int]] = []
+        self.floor = self.slack = 0.0
+        self.stale = False
+        """Whether an op of another rank that a W waits for (by an `after` edge) moved."""
+        self.refresh(line)
+        self._log: list[tuple[bool, tuple[float, float, int]]] = []
+        self._moved: dict[int, float] = {}
+        self._readies: list[tuple[int, tuple[float, int]]] = []
+
+    def refresh(self, line: _Line) -> None:
+        """Put all the W's back, as `_put_back` does, and settle `line` to it."""
+        others = [(op.start, op.end) for op in line.ops if op not in self.index]
+        _put_back(self.ws, others)
+        self.keys = [(w.ready(), w.seq) for w in self.ws]
+        self.taken = sorted(
+            [(start, end, -1) for start, end in others]
+            + [(w.start, w.end, i) for i, w in enumerate(self.ws)]
+        )
+        self.floor = min(ready for ready, _ in self.keys)
+        self.slack = max(w.start - ready for w, (ready, _) in zip(self.ws, self.keys, strict=True))
+        """At least the longest wait of a W from its ready to its start."""
+        self.stale = False
+        line.settle(self.floor, math.inf)
+
+    def shift(self, op: _Op, own: float, waiting: list[int]) -> tuple[float, float]:
+        """Re-place the W's after `op` (not a loose W) moved from `own` to its place:
+        those `waiting` for it (by index), and those the move reaches. Returns the earliest
+        and latest start of the ops that moved, before or after (for `_Line.settle`)."""
+        heap: list[tuple[float, int, int]] = []
+        for i in waiting:
+            key = (self.ws[i].ready(), self.ws[i].seq)
+            if key != self.keys[i]:
+                self._readies.append((i, self.keys[i]))
+                self.keys[i] = key
+                heapq.heappush(heap, (*key, i))
+        self._take((own, own + op.length, -1))
+        self._freed(own, own + op.length, None, heap)
+        out = self._clash(op.start, op.end, None, heap)
+        self._give((op.start, op.end, -1))
+        lo, hi = op.start, own
+        done: set[int] = set()
+        while heap:
+            ready, seq, i = heapq.heappop(heap)
+            if i in done:
+                continue
+            done.add(i)
+            w = self.ws[i]
+            start = w.start
+            if i not in out:
+                self._take((start, w.end, i))
+            at = self._first_free(ready, w.length, (ready, seq))
+            self.slack = max(self.slack, at - ready)
+            if at == start and i not in out:
+                self._give((start, w.end, i))
+                continue
+            self._moved.setdefault(i, start)
+            self._freed(start, w.end, (ready, seq), heap)
+            w.place(at)
+            out |= self._clash(at, w.end, (ready, seq), heap)
+            self._give((at, w.end, i))
+            lo, hi = min(lo, start, at), max(hi, start, at)
+        return lo, hi
+
+    def keep(self, waiting: list[int]) -> None:
+        """Keep what `shift` did."""
+        for i in waiting:
+            self.floor = min(self.floor, self.keys[i][0])
+        self._log.clear()
+        self._moved.clear()
+        self._readies.clear()
+
+    def undo(self) -> None:
+        """Undo what `shift` did (the caller puts the op back)."""
+        for added, entry in reversed(self._log):
+            if added:
+                del self.taken[bisect.bisect_left(self.taken, entry)]
+            else:
+                bisect.insort(self.taken, entry)
+        for i, start in self._moved.items():
+            self.ws[i].place(start)
+        for i, key in reversed(self._readies):
+            self.keys[i] = key
+        self.keep([])
+
+    def _give(self, entry: tuple[float, float, int]) -> None:
+        bisect.insort(self.taken, entry)
+        self._log.append((True, entry))
+
+    def _take(self, entry: tuple[float, float, int]) -> None:
+        at = bisect.bisect_left(self.taken, entry)
+        if self.taken[at] != entry:
+            raise InternalError(f"squeeze lost track of {entry}")
+        del self.taken[at]
+        self._log.append((False, entry))
+
+    def _first_free(self, ready: float, length: float, key: tuple[float, int]) -> float:
+        """`_first_idle` among the other ops and the W's placed before `key`."""
+        at = ready
+        keys = self.keys
+        taken = self.taken
+        for begin, end, i in _tail(taken, bisect.bisect_right(taken, ready, key=_END)):
+            if i >= 0 and keys[i] >= key:
+                continue
+            if begin >= at + length:
+                return at
+            at = max(at, end)
+        return at
+
+    def _freed(
+        self,
+        begin: float,
+        end: float,
+        key: tuple[float, int] | None,
+        heap: list[tuple[float, int, int]],
+    ) -> None:
+        """Queue the W's placed after `key` (all, for None) whose span from ready to end
+        meets the stretch from `begin` to `end`, which is no longer taken."""
+        taken, keys = self.taken, self.keys
+        bound = end + self.slack
+        for at in range(bisect.bisect_right(taken, begin, key=_END), len(taken)):
+            start, _, i = taken[at]
+            if start >= bound:
+                break
+            if i >= 0 and keys[i][0] < end and (key is None or keys[i] > key):
+                heapq.heappush(heap, (*keys[i], i))
+
+    def _clash(
+        self,
+        begin: float,
+        end: float,
+        key: tuple[float, int] | None,
+        heap: list[tuple[float, int, int]],
+    ) -> set[int]:
+        """Take out and queue the W's placed after `key` (all, for None) that overlap the
+        stretch from `begin` to `end`, which is now taken; their indices."""
+        taken, keys = self.taken, self.keys
+        clash = []
+        for at in range(bisect.bisect_right(taken, begin, key=_END), len(taken)):
+            entry = taken[at]
+            if entry[0] >= end:
+                break
+            i = entry[2]
+            if i >= 0 and (key is None or keys[i] > key):
+                clash.append(entry)
+        for entry in clash:
+            self._take(entry)
+            heapq.heappush(heap, (*keys[entry[2]], entry[2]))
+        return {entry[2] for entry in clash}
 
 
 def _sweep(
@@ -395,44 +589,44 @@ def _join(busy: list[tuple[float, float]], ops: Sequence[_Op]) -> None:
         bisect.insort(busy, interval)
 
 
-def _move(
+def _move(line: _Line, op: _Op, busy: list[tuple[float, float]]) -> None:
+    """Move `op` to the earliest idle stretch before its start, among the `busy` ops
+    visited before it, where its rank's memory stays within bounds (only a forward moved
+    earlier holds more than before). The rank's `line` is settled to the result."""
+    own = op.start
+    check = op.action.kind is Kind.F
+    for start in _idle(busy, op.ready(), op.length, own):
+        op.place(start)
+        if line.settle(start, own, check):
+            return
+    op.place(own)
+
+
+def _move_loose(
     line: _Line,
     op: _Op,
     busy: list[tuple[float, float]],
-    loose: Sequence[_Op] = (),
-    rest: Iterable[_Op] = (),
+    loose: _Loose,
+    waiting: list[tuple[_Loose, int]],
 ) -> None:
-    """Move `op` to the earliest idle stretch before its start, among the `busy` ops
-    visited before it, where its rank's memory stays within bounds; with `loose` W's
-    taken out, they are put back first, among `busy`, `op` and the `rest` not visited.
-    The rank's `line` is settled to the result."""
+    """`_move` in step 3, on a rank with loose W's taken out: at each try they are put
+    back (`_Loose.shift`), and a move is kept only if the rank's memory stays within
+    bounds, from its start (or the earliest ready of a W, if earlier) to the end."""
+    if loose.stale:
+        loose.refresh(line)
     own = op.start
-    # Only a forward moved earlier, or a W put back later, holds more than before.
-    check = bool(loose) or op.action.kind is Kind.F
-    floor = min((w.ready() for w in loose), default=math.inf)
-    # The ops that move start from `since` on: `op`, and the W's after the first B.
-    until = math.inf if loose else own
-    later = [(o.start, o.end) for o in rest]
+    mine = [i for state, i in waiting if state is loose]
     for start in _idle(busy, op.ready(), op.length, own):
         op.place(start)
-        if loose:
-            _put_back(loose, _with(busy, floor, op, later))
-        if line.settle(min(start, floor), until, check):
+        lo, hi = loose.shift(op, own, mine)
+        floor = min([loose.floor] + [loose.keys[i][0] for i in mine])
+        if line.settle(lo, hi, True, min(start, floor)):
+            loose.keep(mine)
+            for state, _ in waiting:
+                state.stale = state.stale or state is not loose
             return
-    op.place(own)
-    if loose:
-        _put_back(loose, _with(busy, floor, op, later))
-        line.settle(min(own, floor), until)
-
-
-def _with(
-    busy: list[tuple[float, float]], floor: float, op: _Op, later: list[tuple[float, float]]
-) -> list[tuple[float, float]]:
-    """The `busy` intervals that end after `floor`, `op`'s in its place, then the `later`
-    ones: what the W's put back may meet."""
-    intervals = busy[bisect.bisect_right(busy, floor, key=_END) :]
-    bisect.insort(intervals, (op.start, op.end))
-    return intervals + later
+        loose.undo()
+        op.place(own)
 
 
 def _put_back(ws: Sequence[_Op], busy: list[tuple[float, float]]) -> None:
@@ -457,7 +651,7 @@ def _idle(
     stretch runs on after the last busy interval."""
     at = ready
     first = bisect.bisect_right(busy, ready, key=_END)
-    for begin, end in itertools.islice(busy, first, None):
+    for begin, end in _tail(busy, first):
         if at >= before:
             return
         if begin >= at + length:
@@ -471,11 +665,16 @@ def _first_idle(busy: list[tuple[float, float]], ready: float, length: float) ->
     """The first start `_idle` gives with no bound: the earliest idle stretch among the
     `busy` intervals that begins at `ready` or later and holds `length`."""
     at = ready
-    for begin, end in itertools.islice(busy, bisect.bisect_right(busy, ready, key=_END), None):
+    for begin, end in _tail(busy, bisect.bisect_right(busy, ready, key=_END)):
         if begin >= at + length:
             return at
         at = max(at, end)
     return at
+
+
+def _tail(items: list[_T], first: int) -> Iterator[_T]:
+    """The items from `first` on, without stepping over those before (as `islice` does)."""
+    return map(items.__getitem__, range(first, len(items)))
 
 
 def _changes(kind: Kind, split: bool) -> tuple[int, int]:
