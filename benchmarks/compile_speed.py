@@ -106,9 +106,9 @@ def main() -> None:
 
 
 def _fresh_process(d: int, n: int) -> float:
-    """Wall time of the passes in a new interpreter: the timings above run in a process
-    whose allocator is already warm (torch's lowering frees a lot before them), which
-    makes large compiles 20-30% faster than a user's first one."""
+    """Wall time of the passes, once, in a new interpreter: what a user's `pipelang check`
+    pays. The table's best-of timings run in a process that has compiled the smaller sizes
+    already; a first compile in a process measures 10-30% slower here."""
     code = (
         "import time; from pipelang.api import load_file; "
         "from pipelang.compiler import Options, run_passes; "
