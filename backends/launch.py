@@ -51,15 +51,42 @@ class WorldError(RunError):
     world: a usage error (exit 2)."""
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of `pipelang run` (the global --debug is the CLI's)."""
+def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
+    """The options that pick the model and its inputs, shared by `run` and `profile`;
+    without a `default_model`, `--model` is required."""
     parser.add_argument(
         "--model",
-        default="gpt:tiny",
+        default=default_model,
+        required=default_model is None,
         metavar="MODEL",
-        help="gpt:tiny, gpt:small, gpt:medium, or package.module:callable "
-        "returning an nn.Sequential (default gpt:tiny)",
+        help="gpt:tiny, gpt:small, gpt:medium, or package.module:callable returning an "
+        "nn.Sequential" + (f" (default {default_model})" if default_model else ""),
     )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=positive,
+        default=4,
+        metavar="B",
+        help="sequences per micro-batch (default 4)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=positive,
+        metavar="T",
+        help="tokens per sequence (default: the model's, 32 for gpt:tiny)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default="float32",
+        help="parameter and activation dtype (default float32)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of `pipelang run` (the global --debug is the CLI's)."""
+    add_model_arguments(parser, default_model="gpt:tiny")
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -67,10 +94,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="gloo: a CPU process per rank; nccl: a GPU per rank; local: every "
         "rank in this process (default gloo)",
     )
-    parser.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
+    parser.add_argument("--steps", type=positive, default=3, help="training steps (default 3)")
     parser.add_argument(
         "--dp",
-        type=_positive,
+        type=positive,
         default=1,
         metavar="K",
         help="data parallelism: K copies of the whole pipeline, K x ranks processes, each "
@@ -90,25 +117,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr", type=float, help="learning rate (default 0.05 sgd, 3e-3 adam)")
     parser.add_argument(
-        "--micro-batch-size",
-        type=_positive,
-        default=4,
-        metavar="B",
-        help="sequences per micro-batch (default 4)",
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=_positive,
-        metavar="T",
-        help="tokens per sequence (default: the model's, 32 for gpt:tiny)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPE_NAMES,
-        default="float32",
-        help="parameter and activation dtype (default float32)",
-    )
-    parser.add_argument(
         "--partition",
         type=_partition,
         metavar="L0,L1,...",
@@ -127,7 +135,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OUT.json",
         help="write every action's real start and end as a Chrome trace",
     )
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
 
 
 def config_from_args(
@@ -407,8 +414,12 @@ def _runs_file(env_rank: str, rank: int, num_ranks: int, dp: int) -> bool:
     return int(env_rank) < num_ranks * dp and int(env_rank) % num_ranks == rank
 
 
-def _positive(text: str) -> int:
-    value = int(text)
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from pipelang.backends.launch import add_model_arguments, positive
 from pipelang.cli import UsageError, write_output
 from pipelang.diagnostics import fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
@@ -23,28 +24,19 @@ _console = Console(highlight=False, soft_wrap=True)
 
 
 def setup_profile(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        required=True,
-        metavar="MODEL",
-        help="gpt:tiny, gpt:small, gpt:medium, or package.module:callable (as `pipelang run`)",
-    )
+    add_model_arguments(parser, default_model=None)
     parser.add_argument(
         "-o", dest="out", type=Path, required=True, metavar="PROFILE.json", help="where to write"
     )
-    parser.add_argument("--micro-batch-size", type=_positive, default=4, metavar="B")
-    parser.add_argument("--seq-len", type=_positive, metavar="T", help="default: the model's")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:K")
     parser.add_argument(
         "--threads",
-        type=_positive,
+        type=positive,
         metavar="K",
         help="CPU threads (default torch's; match the threads one rank of a run gets)",
     )
-    parser.add_argument("--repeats", type=_positive, default=5, help="timed runs per layer")
+    parser.add_argument("--repeats", type=positive, default=5, help="timed runs per layer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--calibrate",
         choices=("gloo", "nccl"),
@@ -54,7 +46,7 @@ def setup_profile(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibrate-ranks",
-        type=_positive,
+        type=positive,
         default=2,
         metavar="R",
         help="ranks of the calibration run (default 2; as many as the plan will use)",
@@ -118,7 +110,7 @@ def setup_plan(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--profile", type=Path, required=True, metavar="P.json")
     parser.add_argument("--topology", type=Path, required=True, metavar="T.yaml")
-    parser.add_argument("--micro-batches", type=_positive, required=True, metavar="N")
+    parser.add_argument("--micro-batches", type=positive, required=True, metavar="N")
     parser.add_argument(
         "-o", dest="out", type=Path, required=True, metavar="BEST.pipe", help="the winning plan"
     )
@@ -140,7 +132,7 @@ def setup_plan(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="stop adding candidates that would end the search past this (default 25; 0: none)",
     )
-    parser.add_argument("--top", type=_positive, default=10, help="rows of the table (default 10)")
+    parser.add_argument("--top", type=positive, default=10, help="rows of the table (default 10)")
     parser.add_argument(
         "--all", action="store_true", help="also list every candidate left out, and why"
     )
@@ -286,13 +278,3 @@ def _as_json(result: object) -> dict[str, object]:
             for r in result.rejected
         ],
     }
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
