@@ -110,6 +110,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare weights and losses with single-process training",
     )
     parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="capture each rank's whole iteration as one CUDA graph: not built yet (it "
+        "needs a GPU to be built and tested on), so it is refused",
+    )
+    parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
         default="adam",
@@ -172,6 +178,13 @@ def run_program(program: Program, args: argparse.Namespace) -> int:
 
     config = config_from_args(args, program.partition)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
+    if getattr(args, "graphs", False):
+        err.print(
+            "error: --graphs (one CUDA graph per rank per iteration) is not built yet: it "
+            "needs a GPU to be built and tested on; run without it (eager)",
+            markup=False,
+        )
+        return 2
     try:
         if config.backend != "local" and not under_torchrun():
             from pipelang.backends.processes import forkserver

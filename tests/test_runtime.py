@@ -277,6 +277,15 @@ def test_missing_allreduce_is_an_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "never runs `allreduce@" in capsys.readouterr().err
 
 
+def test_graphs_is_refused_with_a_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--graphs` is in the command line contract but not built: a clear refusal, exit 2,
+    before anything starts."""
+    status = run(stdlib("1f1b", D=2, N=2), "--graphs", "--backend", "local")
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("error: --graphs (one CUDA graph per rank per iteration) is not built")
+
+
 # ---- output ------------------------------------------------------------------------------
 
 
