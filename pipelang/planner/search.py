@@ -364,8 +364,14 @@ class Planner:
             start += count
             f = self.scale * sum(c.forward_ms for c in part)
             if split_w:
-                b = self.scale * sum(c.backward_input_ms for c in part)
-                w = self.scale * sum(c.backward_weight_ms for c in part)
+                # As the runtime splits a stage's backward: B is the input gradient
+                # through every layer, and nothing on the first stage (no stage before
+                # it needs one); W is the gradient of the weights, which walks each
+                # layer's whole backward but the first's (a layer's input gradient is
+                # the way to the weights of the layers before it).
+                inner = sum(c.full_backward_ms for c in part[1:])
+                b = 0.0 if stage == 0 else self.scale * sum(c.backward_input_ms for c in part)
+                w = self.scale * (part[0].backward_weight_ms + inner) if part else 0.0
             else:
                 b, w = self.scale * sum(c.full_backward_ms for c in part), 0.0
             if host is not None:
