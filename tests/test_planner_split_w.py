@@ -12,7 +12,7 @@ same way: exact numbers, so the planner's sums must equal the runtime's counts.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,12 +31,7 @@ MODEL = "pipelang.planner.demo:unbalanced"
 SEQ, MB = 8, 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def flops(action: Callable[[], Any]) -> int:

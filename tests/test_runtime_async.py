@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,7 @@ SCHEDULES = ("pipedream", "pipedream-2bw", "pipemare")
 N = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # the local backend and the references run in this process: one intra-op thread
-    # keeps them quick on a small, shared machine (gloo ranks get their own)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def measured_versions(out: str) -> list[tuple[int, int]]:
