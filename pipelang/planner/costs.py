@@ -103,19 +103,25 @@ def peak_memory(
 ) -> list[float]:
     """Peak bytes of every rank: the weight state of its stage copies (weights x
     `state_factor`) plus the most activations it holds at once along its order (taken
-    at F, freed at B, or at W when W is split: the weight gradient needs the input)."""
+    at F, freed at B, or at W when W is split: the weight gradient needs the input).
+    In a schedule that recomputes (`R` before every B), F keeps only the stage's input
+    and R takes the activations; both are freed together."""
     weights = stage_weights(profile, counts)
     activations = stage_activations(profile, counts)
     frees = Kind.W if Kind.W in program.kinds else Kind.B
+    if Kind.R in program.kinds:
+        inputs = [0.0, *stage_outputs(profile, counts)[:-1]]
+        freed = [-(a + i) for a, i in zip(activations, inputs, strict=True)]
+        change = {Kind.F: inputs, Kind.R: activations, frees: freed}
+    else:
+        change = {Kind.F: activations, frees: [-a for a in activations]}
     peaks = []
     for rank, actions in enumerate(program.ranks):
         state = sum(weights[s] for s, _ in program.stage_copies(rank)) * state_factor
         held = peak = 0.0
         for action in actions:
-            if action.kind is Kind.F:
-                held += activations[action.stage or 0]
+            if action.kind in change:
+                held += change[action.kind][action.stage or 0]
                 peak = max(peak, held)
-            elif action.kind is frees:
-                held -= activations[action.stage or 0]
         peaks.append(state + peak)
     return peaks

@@ -18,6 +18,8 @@ FAMILIES: dict[str, Callable[[int], list[tuple[Params, int]]]] = {
         [((("f", f),), 1) for f in (1, 2, 4) if d % 2 == 0 and (d // 2) % f == 0]
         or [((("f", 1),), 1)]
     ),
+    "chimera-fwd-double": lambda d: [((), 1)],
+    "chimera-bwd-half": lambda d: [((), 1)],
     "gems": lambda d: [((), 1)],
     "v-half": lambda d: [((), 2)],
     "v-min": lambda d: [((), 2)],

@@ -1,0 +1,74 @@
+"""The runtime on a GPU: the CUDA paths that the CPU suite cannot reach.
+
+Every test here is marked `gpu` and skips without CUDA (`pytest -m gpu` runs only these).
+A skip is not evidence: these have to pass on a machine with a GPU before the CUDA
+paths count as working. On one GPU the multi-rank schedules use the `local` backend
+(every rank a thread of one process with its own CUDA stream; a message is a device
+copy ordered by events); `nccl` needs a GPU per rank.
+
+Oracle: `--check`, a single-process training run of the same model on the same
+micro-batches, whose weights and losses the pipelined run must match.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import run, stdlib
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SCHEDULES = {
+    "1f1b-D4-N8": ("1f1b", {"D": 4, "N": 8}),
+    "chimera-D4-N8": ("chimera", {"D": 4, "N": 8}),
+    "zb-h1-D4-N8": ("zb-h1", {"D": 4, "N": 8}),
+    "interleaved-1f1b-D2-N4": ("interleaved-1f1b", {"D": 2, "N": 4, "v": 2}),
+    "dualpipev-D2-N4": ("dualpipev", {"D": 2, "N": 4}),
+    "chimera-fwd-double-D2-N4": ("chimera-fwd-double", {"D": 2, "N": 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEDULES))
+def test_local_on_cuda_matches_one_process(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    name, params = SCHEDULES[case]
+    status = run(stdlib(name, **params), "--backend", "local", "--check", "--steps", "3")
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "check OK" in out
+
+
+def test_local_on_cuda_with_data_parallel_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    program = stdlib("1f1b", D=2, N=4)
+    status = run(program, "--backend", "local", "--dp", "2", "--check", "--optimizer", "adam")
+    assert status == 0, capsys.readouterr().out
+
+
+def test_local_on_cuda_in_bfloat16_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    status = run(stdlib("chimera", D=4, N=4), "--backend", "local", "--dtype", "bfloat16")
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "steps/s" in out
+
+
+def test_trace_on_cuda_has_every_action_in_order(tmp_path: Path) -> None:
+    program = stdlib("1f1b", D=2, N=4)
+    trace = tmp_path / "trace.json"
+    assert run(program, "--backend", "local", "--steps", "2", "--trace", str(trace)) == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank, actions in enumerate(program.ranks):
+        mine = [e for e in events if e["pid"] == rank]
+        assert [e["name"] for e in mine] == [a.text() for a in actions] * 2
+        assert all(e["dur"] >= 0 for e in mine)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl needs a GPU per rank")
+def test_nccl_matches_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    program = stdlib("1f1b", D=2, N=4)
+    assert run(program, "--backend", "nccl", "--check") == 0
+    assert "check OK" in capsys.readouterr().out
