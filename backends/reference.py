@@ -20,7 +20,8 @@ about lr and still fails.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -47,10 +48,12 @@ def tolerance(config: RunConfig) -> tuple[float, float]:
 
 @dataclass(frozen=True, slots=True)
 class Reference:
-    """The reference run: mean loss per step and the final parameters by name."""
+    """The reference run: mean loss per step, the final parameters by name, and the wall
+    time of every step (device work included; empty where the run was not timed)."""
 
     losses: list[float]
     weights: dict[str, torch.Tensor]
+    step_seconds: list[float] = field(default_factory=list)
 
 
 def train_reference(
@@ -76,8 +79,9 @@ def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Re
     params = [p for p in full.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, config)
     scale = 1.0 / num_microbatches
-    losses = []
+    losses, seconds = [], []
     for step in range(config.steps):
+        start = time.perf_counter()
         total = 0.0
         for mb in range(num_microbatches):
             ids, targets = model.batch(step, mb, device)
@@ -86,8 +90,11 @@ def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Re
             total += loss.item()
         optimizer.step()
         optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
         losses.append(total / num_microbatches)
-    return Reference(losses, full_model_names(model))
+    return Reference(losses, full_model_names(model), seconds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,11 @@ from pipelang.planner.search import Inputs, Plan, Planner
 from pipelang.planner.topology import Link, Topology
 from pipelang.planner.write import plan_source
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+try:
+    from benchmarks.results import write_block
+except ImportError:  # run as a script from the repository root
+    from results import write_block  # type: ignore[no-redef]
+
 SECTION = "## Planner"
 MODEL = "pipelang.planner.demo:unbalanced_short"
 MICRO_BATCH_SIZE = 8
@@ -72,24 +76,9 @@ WARMUP, TIMED = 2, 6
 
 
 def replace_block(heading: str, text: str) -> None:
-    """Put `text` (which starts with `heading`, a `###` line) under `## Planner` in
-    RESULTS.md, replacing the block of that heading if there is one."""
-    doc = RESULTS.read_text()
-    if SECTION not in doc:
-        intro = "How well `pipelang plan` predicts, and how fast it searches (issue 8)."
-        doc = doc.rstrip("\n") + f"\n\n{SECTION}\n\n{intro}\n"
-    start = doc.index(SECTION)
-    end = doc.find("\n## ", start + len(SECTION))
-    end = len(doc) if end < 0 else end + 1
-    section = doc[start:end].rstrip("\n") + "\n"
-    if heading in section:
-        a = section.index(heading)
-        b = section.find("\n### ", a + len(heading))
-        section = section[:a] + text + ("" if b < 0 else "\n" + section[b + 1 :])
-    else:
-        section = section + "\n" + text
-    rest = doc[end:]
-    RESULTS.write_text(doc[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else ""))
+    """Put `text` (a `###` block) under `## Planner` in RESULTS.md."""
+    intro = "How well `pipelang plan` predicts, and how fast it searches (issue 8)."
+    write_block(SECTION, intro, heading, text)
 
 
 def two_cores(link: Link) -> Topology:

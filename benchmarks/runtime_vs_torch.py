@@ -71,7 +71,10 @@ from pipelang.backends.transport import DistTransport
 from pipelang.backends.worker import build_rank, run_step
 from pipelang.ir import Program
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+try:
+    from benchmarks.results import RESULTS, write_section
+except ImportError:  # run as a script from the repository root
+    from results import RESULTS, write_section  # type: ignore[no-redef]
 SECTION = "## Runtime: pipelang gloo vs torch.distributed.pipelining"
 WORLD = 4
 MICROBATCHES = 8
@@ -535,18 +538,6 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
-def write_section(text: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (or append it); keep the others."""
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = old.find(SECTION)
-    if start < 0:
-        RESULTS.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    end = old.find("\n## ", start + len(SECTION))
-    rest = old[end + 1 :] if end >= 0 else ""
-    RESULTS.write_text(old[:start] + text + ("\n" + rest if rest else ""))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block")
@@ -579,7 +570,7 @@ def main() -> None:
     text = render(args, rows, machine)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"updated {RESULTS}", file=sys.stderr)
 
 

@@ -158,16 +158,18 @@ class Timeline:
         return render_rows(rows, width_limit)
 
 
-def in_flight(actions: Iterable[Action]) -> Iterable[int]:
+def in_flight(actions: Iterable[Action], frees: Kind = Kind.B) -> Iterable[int]:
     """After each action, how many forwards are waiting for their backward (+1 at F,
     -1 at B; -1 at an eviction `E` and +1 at its load `L`; other actions change
-    nothing)."""
+    nothing). With `frees=Kind.W`, a forward counts until its weight gradient instead:
+    what the runtime holds, since its split backward keeps the stage's whole graph for
+    W (the papers count only the smaller part W needs after B, as 0)."""
     count = 0
     for action in actions:
         kind = action.kind
         if kind is Kind.F or kind is Kind.L:
             count += 1
-        elif kind is Kind.B or kind is Kind.E:
+        elif kind is frees or kind is Kind.E:
             count -= 1
         yield count
 

@@ -1,0 +1,189 @@
+"""The local backend against one process: steps/s, and saved activations per rank against
+the simulator. These are issue 6's measurements for the GPU machine; the script runs on
+the CPU too, where `local` runs its ranks one at a time on one thread.
+
+On the device `local` uses (the GPU when there is one, else the CPU):
+
+1. Speed. Each schedule trains the model for `--warmup` + `--steps` steps with the
+   `local` backend, and the same model, micro-batches and optimizer train in one process
+   without a pipeline (`backends/reference.py`, the `--check` oracle), in `--rounds`
+   rounds that alternate which goes first. Steps/s from the median timed step. On one
+   device a pipeline cannot beat one process (its ranks share the device); the ratio is
+   what running the schedule as per-rank programs costs (actions, stage copies, the
+   hand-over between ranks, on CUDA the streams and events).
+2. Memory. A run with `count_activations` gives each rank's peak bytes of saved
+   activations (backends/stash.py: the tensors autograd saves, not weights, not a
+   stage's output). A GPipe run with N = 1 gives what one micro-batch leaves on each
+   stage; the expectation for a rank is the simulator's `peak_activations` (forwards
+   whose backward has not run) times that. Issue 6's bar is 10%.
+
+On CUDA the memory table also gives the process's `torch.cuda.max_memory_allocated`.
+
+    python benchmarks/local_vs_reference.py             # replaces its RESULTS.md section
+    python benchmarks/local_vs_reference.py --no-write  # print only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import torch
+
+from pipelang.api import load_program
+from pipelang.backends.local import local_device, run_local
+from pipelang.backends.models import plan_stages
+from pipelang.backends.reference import train_reference
+from pipelang.backends.runtime import RunConfig
+from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
+from pipelang.simulate import in_flight, simulate
+
+try:
+    from benchmarks.results import write_section
+except ImportError:  # run as a script from the repository root
+    from results import write_section  # type: ignore[no-redef]
+
+SECTION = "## Local backend against one process"
+SPEED = (
+    ("1f1b", {"D": 4, "N": 8}),
+    ("chimera", {"D": 4, "N": 8}),
+    ("interleaved-1f1b", {"D": 2, "N": 8, "v": 2}),
+    ("zb-h1", {"D": 4, "N": 8}),
+)
+MEMORY = (("gpipe", {"D": 4, "N": 8}), ("1f1b", {"D": 4, "N": 8}), ("zb-h1", {"D": 4, "N": 8}))
+"""One stage per rank, so that one micro-batch's bytes on a rank is one number."""
+
+
+def label(name: str, params: dict[str, int]) -> str:
+    return name + " " + " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def program_of(name: str, params: dict[str, int]) -> Program:
+    return load_program(name, {k: str(v) for k, v in params.items()})
+
+
+def pipelined(program: Program, config: RunConfig) -> tuple[list[float], list[int]]:
+    """Step seconds and each rank's peak saved-activation bytes of one `local` run."""
+    shapes = plan_stages(config.spec, program.num_stages, None).shapes
+    seconds: list[float] = []
+    outcome = run_local(program, config, shapes, lambda _s, _l, t: seconds.append(t))
+    return seconds, [r.peak_activation_bytes for r in outcome.results]
+
+
+def speed(config: RunConfig, warmup: int, rounds: int) -> list[str]:
+    rows = []
+    for name, params in SPEED:
+        program = program_of(name, params)
+        times: dict[str, list[float]] = {"local": [], "alone": []}
+        for round_ in range(rounds):
+            for kind in ("local", "alone") if round_ % 2 == 0 else ("alone", "local"):
+                if kind == "local":
+                    seconds = pipelined(program, config)[0]
+                else:
+                    n = program.num_microbatches
+                    seconds = train_reference(config, n, local_device()).step_seconds
+                times[kind] += seconds[warmup:]
+        a, b = statistics.median(times["local"]), statistics.median(times["alone"])
+        actions = sum(op.kind in COMPUTE_KINDS for rank in program.ranks for op in rank)
+        rows.append(
+            f"| {label(name, params)} | {1 / a:.2f} | {1 / b:.2f} | {b / a:.2f} | "
+            f"{1e3 * (a - b) / actions:.3f} |"
+        )
+    return rows
+
+
+def memory(config: RunConfig) -> list[str]:
+    counting = replace(config, steps=2, count_activations=True)
+    rows = []
+    one = pipelined(program_of("gpipe", {"D": 4, "N": 1}), counting)[1]
+    for name, params in MEMORY:
+        program = program_of(name, params)
+        if local_device().type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        measured = pipelined(program, counting)[1]
+        process = (
+            f"{torch.cuda.max_memory_allocated() / 2**20:.1f}"
+            if local_device().type == "cuda"
+            else "-"
+        )
+        timeline = simulate(program, CostModel())
+        frees = Kind.W if Kind.W in program.kinds else Kind.B
+        for rank, got in enumerate(measured):
+            count = timeline.peak_activations(rank)
+            held = max(in_flight(program.ranks[rank], frees))
+            expected = held * one[rank]
+            rows.append(
+                f"| {label(name, params)} | {rank} | {count} | {held} | "
+                f"{one[rank] / 2**10:.1f} | {expected / 2**10:.1f} | {got / 2**10:.1f} | "
+                f"{100 * (got / expected - 1):+.1f}% | {process if rank == 0 else ''} |"
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--model", default="gpt:small" if cuda else "gpt:tiny")
+    parser.add_argument("--micro-batch-size", type=int, default=8 if cuda else 4)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    if not cuda:
+        torch.set_num_threads(1)
+    began = time.perf_counter()
+    load = os.getloadavg()[0]
+    config = RunConfig(
+        model=args.model,
+        backend="local",
+        steps=args.warmup + args.steps,
+        optimizer="sgd",
+        micro_batch_size=args.micro_batch_size,
+    )
+    speed_rows = speed(config, args.warmup, args.rounds)
+    memory_rows = memory(config)
+    where = torch.cuda.get_device_name() if cuda else f"{os.cpu_count()}-core CPU, 1 thread"
+    text = "\n".join(
+        [
+            SECTION,
+            "",
+            f"- Device: {where} ({platform.machine()}); load average {load:.2f} before, "
+            f"{os.getloadavg()[0]:.2f} after",
+            f"- torch {torch.__version__}, Python {platform.python_version()}",
+            f"- Command: `python benchmarks/local_vs_reference.py` "
+            f"({(time.perf_counter() - began) / 60:.1f} min)",
+            f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+            f"- Model `{args.model}`, micro-batches of {args.micro_batch_size}, SGD, fp32; "
+            f"{args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps, "
+            "alternating which runs first; the median timed step.",
+            "",
+            "| schedule | local steps/s | one process steps/s | local / one process | "
+            "extra ms per compute action |",
+            "|---|---|---|---|---|",
+            *speed_rows,
+            "",
+            "Saved activations per rank (KiB): one micro-batch's from a GPipe run with N = 1; "
+            "the simulator's `peak_activations` counts a forward until its B (as the papers "
+            "do), the runtime holds it until its W where W is split off (the stage's whole "
+            "graph); expected = that count x one micro-batch's bytes.",
+            "",
+            "| schedule | rank | simulator count (to B) | count to W | one micro-batch | "
+            "expected | measured | error | process peak MiB (CUDA) |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *memory_rows,
+            "",
+        ]
+    )
+    print(text)
+    if not args.no_write:
+        write_section(SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
