@@ -209,10 +209,18 @@ def _print_tables(result: object, planner: object, top: int, show_all: bool) -> 
         f"({len(result.plans) + len(result.rejected)} candidates, {result.seconds:.1f} s)",
         title_justify="left",
     )
+    shown = result.plans[:top]
     for column in ("#", "schedule", "partition", "iteration ms", "bubble", "peak memory"):
-        table.add_column(column, justify="left" if column in ("schedule", "partition") else "right")
+        table.add_column(
+            column,
+            justify="left" if column in ("schedule", "partition") else "right",
+            # the parameters may wrap, the schedule's name may not
+            min_width=max(len(p.candidate.schedule) for p in shown)
+            if column == "schedule"
+            else None,
+        )
     best = result.plans[0].time_ms
-    for index, plan in enumerate(result.plans[:top]):
+    for index, plan in enumerate(shown):
         peak, rank = plan.peak()
         parts = ",".join(map(str, plan.partition))
         approx = "" if plan.exact else "~"
