@@ -209,7 +209,7 @@ def main() -> None:
     )
     options = replace(options, warmup=5)
     bare = measure(options)
-    profile = replace(bare, runtime=calibrate(bare, options, "gloo", 2, steps=6))
+    profile = replace(bare, runtime=calibrate(bare, options, "gloo", 2))
     runtime = profile.runtime
     assert runtime is not None
     link = loopback_link()

@@ -18,7 +18,7 @@ import pytest
 from pipelang.api import compile_schedule
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
-from pipelang.planner.calibrate import TraceEvent, runtime_costs
+from pipelang.planner.calibrate import WARMUP_STEPS, TraceEvent, runtime_costs
 from pipelang.planner.mapping import map_ranks
 from pipelang.planner.partition import best_partition
 from pipelang.planner.profile import (
@@ -380,6 +380,26 @@ def test_profile_command_measures_every_layer(tmp_path: Path) -> None:
     assert profile.layers[1].activation_bytes > profile.layers[1].output_bytes
 
 
+def test_profile_calibrate_runs_the_model_and_reads_its_trace(tmp_path: Path) -> None:
+    """`--calibrate gloo` end to end: a real 2-rank run of the model, its trace read back."""
+    out = tmp_path / "p.json"
+    proc = pipelang_cmd(
+        "profile", "--model", "gpt:tiny", "-o", str(out), "--repeats", "2", "--threads", "1",
+        "--calibrate", "gloo", cwd=tmp_path, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "calibrating: 2 ranks on gloo" in proc.stderr
+    profile = load_profile(out)
+    runtime = profile.runtime
+    assert runtime is not None and (runtime.backend, runtime.ranks) == ("gloo", 2)
+    # Host costs of a Python runtime on a CPU: more than nothing, less than a layer's
+    # forward of a model this small would make of them if they were compute.
+    assert 0 < runtime.action_ms < 20 and 0 < runtime.send_ms < 50 and runtime.recv_ms >= 0
+    # Two ranks on two cores: a layer runs at most a few times slower than alone.
+    assert 0.3 < runtime.compute_scale < 5
+    assert runtime.message_bytes == max(c.output_bytes for c in profile.layers[:-1])
+
+
 def test_topology_shorthand_and_units(tmp_path: Path) -> None:
     (tmp_path / "t.yaml").write_text(
         "nodes: 2\ngpus_per_node: 2\nmemory: 80GiB\n"
@@ -588,11 +608,12 @@ def test_compute_scale_scales_the_compute() -> None:
 
 
 def trace(events: list[tuple[int, str, float, float]], offset: float = 0.0) -> list[TraceEvent]:
-    """Trace events of step 1 (rank, name, start, end); rank 1's clock `offset` ahead."""
+    """Trace events of the first step after the calibration's warm-up (rank, name, start,
+    end); rank 1's clock `offset` ahead."""
     return [
         TraceEvent(
             rank,
-            1,
+            WARMUP_STEPS,
             i,
             name,
             name.split(":")[0] if ":" in name else name[0],

@@ -2,8 +2,9 @@
 
 `pipelang profile --calibrate gloo` runs the profiled model with `pipelang run`: 1F1B on
 `ranks` ranks of this machine, N = 4 x ranks micro-batches, the layers split as evenly
-as they go, SGD, `steps` steps, `--trace`. From the trace (the first step left out: it
-warms up) it takes:
+as they go, SGD, `steps` steps, `--trace`. From the trace (the first two steps left
+out: they warm up, a layer running 10-30% slower in them than later on the development
+machine) it takes:
 
     action_ms      the median gap between two consecutive actions of a rank in a step: the
                    generated line's call and the runtime's bookkeeping
@@ -38,6 +39,8 @@ from pathlib import Path
 from pipelang.diagnostics import fail
 from pipelang.planner.profile import Profile, ProfileOptions, RuntimeCosts
 
+WARMUP_STEPS = 2
+"""Steps of the calibration run left out of its statistics."""
 _TRANSFER = re.compile(r"^(send|recv):(.+?)[<>]\d+$")
 _COMPUTE = re.compile(r"^([FBW])\d+@(\d+)/")
 
@@ -66,7 +69,7 @@ def calibrate(
     options: ProfileOptions,
     backend: str = "gloo",
     ranks: int = 2,
-    steps: int = 6,
+    steps: int = 8,
 ) -> RuntimeCosts:
     """Run the profiled model under the runtime and measure what it adds (see the module
     docstring). A run that fails is E0404 with the run's own error."""
@@ -89,7 +92,7 @@ def calibrate(
             "--backend",
             backend,
             "--steps",
-            str(max(2, steps)),
+            str(max(WARMUP_STEPS + 1, steps)),
             "--micro-batch-size",
             str(options.micro_batch_size),
             "--dtype",
@@ -149,8 +152,8 @@ def runtime_costs(
     ranks: int,
 ) -> RuntimeCosts:
     """The costs of the module docstring, from the trace of a run of `profile`'s model
-    cut into stages of `counts` layers (steps after the first only)."""
-    events = [e for e in events if e.step > 0] or list(events)
+    cut into stages of `counts` layers (steps after the warm-up only)."""
+    events = [e for e in events if e.step >= WARMUP_STEPS] or list(events)
     gaps: list[float] = []
     sends: list[float] = []
     delivery: list[float] = []
