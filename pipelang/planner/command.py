@@ -210,15 +210,11 @@ def _print_tables(result: object, planner: object, top: int, show_all: bool) -> 
         title_justify="left",
     )
     shown = result.plans[:top]
+    name_width = max(len(p.candidate.schedule) for p in shown)  # its parameters may wrap
     for column in ("#", "schedule", "partition", "iteration ms", "bubble", "peak memory"):
-        table.add_column(
-            column,
-            justify="left" if column in ("schedule", "partition") else "right",
-            # the parameters may wrap, the schedule's name may not
-            min_width=max(len(p.candidate.schedule) for p in shown)
-            if column == "schedule"
-            else None,
-        )
+        left = column in ("schedule", "partition")
+        width = name_width if column == "schedule" else None
+        table.add_column(column, justify="left" if left else "right", min_width=width)
     best = result.plans[0].time_ms
     for index, plan in enumerate(shown):
         peak, rank = plan.peak()
