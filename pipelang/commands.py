@@ -16,7 +16,7 @@ from pipelang.cli import UsageError, add_param_option, parse_params, write_outpu
 from pipelang.codes import CODES
 from pipelang.compiler import PASS_NAMES, Compilation
 from pipelang.import_torch import run_import_torch, setup_import_torch
-from pipelang.ir import COMPUTE_KINDS, CostModel, Program
+from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
 from pipelang.planner.command import (
     PLAN_HELP,
     PROFILE_HELP,
@@ -235,7 +235,7 @@ def parse_cost(spec: str) -> CostModel:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from pipelang.simulate import simulate
+    from pipelang.simulate import in_flight, simulate
 
     costs = parse_cost(args.cost)
     program = _compile(args).need_program()
@@ -255,6 +255,15 @@ def run_simulate(args: argparse.Namespace) -> int:
     for row in cast(list[dict[str, object]], metrics["ranks"]):
         table.add_row(*(str(row[k]) for k in keys))
     _console.print(table)
+    if Kind.W in program.kinds:
+        held = [max(in_flight(actions, Kind.W), default=0) for actions in program.ranks]
+        if held != [timeline.peak_activations(r) for r in range(program.num_ranks)]:
+            _console.print(
+                "note: peak activations count a forward until its B, as the papers do; "
+                "pipelang's runtime holds it until its W, so a run holds "
+                f"{', '.join(map(str, held))} (docs/runtime.md)",
+                markup=False,
+            )
     if args.grid:
         print(timeline.text_grid())
     return 0

@@ -137,6 +137,16 @@ def _garbage() -> bytes:
     return bytes(rng.randrange(256) for _ in range(300)) + b"\x00\xff\xfe"
 
 
+def test_simulate_says_what_the_runtime_holds_with_a_split_backward() -> None:
+    # ZB-H1 counts 4, 3, 2, 1 forwards to B (the paper's M_B); the runtime keeps each
+    # stage graph until W (tests/test_runtime.py measures it): 4 on every rank.
+    status, out, _ = run_in_process(["simulate", "zb-h1", "-p", "D=4", "-p", "N=8"])
+    assert status == 0
+    assert "runtime holds it until its W, so a run holds 4, 4, 4, 4" in " ".join(out.split())
+    status, out, _ = run_in_process(["simulate", "1f1b", "-p", "D=4", "-p", "N=8"])
+    assert status == 0 and "until its W" not in out
+
+
 BAD_FILES: dict[str, tuple[bytes | str, str, bool]] = {
     # name: (contents, expected code, run in a subprocess)
     "empty": ("", "E0006", False),
