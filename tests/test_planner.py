@@ -467,6 +467,26 @@ def test_plan_command_prints_the_ranking_and_the_reason_gpipe_is_out(tmp_path: P
     assert times[:3] == sorted(times[:3])
 
 
+def test_plan_command_says_when_devices_stay_idle(tmp_path: Path) -> None:
+    _, topology = write_inputs(tmp_path)
+    # Four devices, four layers, 1F1B only, N = 8: over a 1 MB/s link every transfer of
+    # 100 KB costs 100 ms against 1-2 ms of compute, so D = 1 wins and 3 devices idle.
+    topology.write_text(
+        "nodes: 1\ngpus_per_node: 4\nmemory: 1GiB\nintra_node: {bandwidth: 1MB/s}\n"
+    )
+    proc = plan_cmd(tmp_path, "--schedules", "1f1b")
+    assert proc.returncode == 0, proc.stderr  # type: ignore[attr-defined]
+    out = " ".join(proc.stdout.split())  # type: ignore[attr-defined]
+    assert "wrote best.pipe: 1f1b D=1 N=8" in out
+    assert "note: the plan uses 1 of the 4 devices; `pipelang run best.pipe --dp 4` runs 4" in out
+    topology.write_text(
+        "nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nintra_node: {bandwidth: 1TB/s}\n"
+    )
+    proc = plan_cmd(tmp_path, "--schedules", "1f1b")
+    assert "wrote best.pipe: 1f1b D=2" in proc.stdout  # type: ignore[attr-defined]
+    assert "note: the plan uses" not in proc.stdout  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(
     ("setup", "extra", "status", "expected"),
     [

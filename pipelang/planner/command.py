@@ -194,6 +194,15 @@ def run_plan(args: argparse.Namespace) -> int:
         f"{','.join(map(str, best.partition))}, predicted {best.time_ms:.3f} ms per iteration",
         markup=False,
     )
+    ranks, size = best.candidate.ranks, inputs.topology.size
+    if ranks < size:  # D divides the device count (`candidates`)
+        _console.print(
+            f"note: the plan uses {ranks} of the {size} devices; `pipelang run {args.out} "
+            f"--dp {size // ranks}` runs {size // ranks} copies of it (each with its own "
+            "micro-batches) on all of them, a time the planner does not predict "
+            "(docs/planner.md, Limits)",
+            markup=False,
+        )
     return 0
 
 
