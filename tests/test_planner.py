@@ -205,6 +205,47 @@ def test_mapping_keeps_heavy_edges_on_fast_links(tmp_path: Path) -> None:
     assert sum(frozenset((names[a], names[a + 1])) in fast for a in range(3)) == 2
 
 
+def test_data_parallel_copies_add_the_allreduce_over_every_copy() -> None:
+    # Four equal layers (F 1, B 2 ms, 1 MB of weights each), 1F1B, N = 8, four devices
+    # joined by 1 GB/s links without latency; stage outputs of 0 bytes, so only the
+    # gradient allreduce crosses links: 2 (r - 1) / r x bytes / bandwidth over r copies.
+    inputs = Inputs(
+        make_profile([1.0] * 4, output=0.0),
+        uniform_topology(4, link=Link(1e9, 0.0)),
+        8,
+        schedules=("1f1b",),
+        data_parallel=True,
+    )
+    plans = {(p.candidate.ranks, p.candidate.dp): p for p in Planner(inputs).search().plans}
+    # One pipeline over 4 ranks: (N + D - 1) x (F + B) of a one-layer stage.
+    assert plans[(4, 1)].time_ms == pytest.approx(11 * 3)
+    # Two copies of a 2-rank 1F1B, N = 4 each: (4 + 1) x 6, then each stage's 2 MB summed
+    # over the two copies: 2 x 1/2 x 2e6 B / 1e9 B/s = 2 ms.
+    assert plans[(2, 2)].time_ms == pytest.approx(5 * 6 + 2)
+    # Four copies of the whole model, N = 2 each: 2 x 12, then 4 MB over four: 6 ms.
+    assert plans[(1, 4)].time_ms == pytest.approx(2 * 12 + 6)
+    best = Planner(inputs).search().plans[0]
+    assert (best.candidate.ranks, best.candidate.dp) == (1, 4)
+    assert best.candidate.label == "1f1b D=1 N=2 dp=4"
+
+
+def test_written_data_parallel_plan_runs_with_its_dp(tmp_path: Path) -> None:
+    forward = [0.05, 4.0, *[1.0] * 7, 0.3]
+    profile = make_profile(forward, activation=2e5, weight=5e5, output=65536)
+    topology = uniform_topology(2, memory=1e10, link=Link(2e9, 5e-5))
+    inputs = Inputs(profile, topology, 4, schedules=("1f1b",), data_parallel=True)
+    planner = Planner(inputs)
+    plan = next(p for p in planner.search().plans if p.candidate.dp == 2)
+    path = tmp_path / "dp.pipe"
+    path.write_text(plan_source(plan, planner, "p.json", "t.yaml"))
+    assert "run with `pipelang run THIS.pipe --dp 2`" in path.read_text()
+    proc = pipelang_cmd(
+        "run", str(path), "--model", "pipelang.planner.demo:unbalanced", "--backend", "gloo",
+        "--dp", "2", "--steps", "1", "--check", cwd=tmp_path, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
 # ---- memory --------------------------------------------------------------------------------
 
 
@@ -467,7 +508,7 @@ def test_plan_command_prints_the_ranking_and_the_reason_gpipe_is_out(tmp_path: P
     assert times[:3] == sorted(times[:3])
 
 
-def test_plan_command_says_when_devices_stay_idle(tmp_path: Path) -> None:
+def test_plan_command_on_idle_devices_and_data_parallel_copies(tmp_path: Path) -> None:
     _, topology = write_inputs(tmp_path)
     # Four devices, four layers, 1F1B only, N = 8: over a 1 MB/s link every transfer of
     # 100 KB costs 100 ms against 1-2 ms of compute, so D = 1 wins and 3 devices idle.
@@ -478,7 +519,21 @@ def test_plan_command_says_when_devices_stay_idle(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr  # type: ignore[attr-defined]
     out = " ".join(proc.stdout.split())  # type: ignore[attr-defined]
     assert "wrote best.pipe: 1f1b D=1 N=8" in out
-    assert "note: the plan uses 1 of the 4 devices; `pipelang run best.pipe --dp 4` runs 4" in out
+    assert "note: the plan uses 1 of the 4 devices; `--data-parallel` plans copies" in out
+    # Copies of the whole model: 1 MiB of weights per layer take seconds to sum over this
+    # link, so they lose and the note stays; with 1 KB per layer, the one allreduce per
+    # iteration costs less than a transfer per micro-batch and stage boundary: they win.
+    proc = plan_cmd(tmp_path, "--schedules", "1f1b", "--data-parallel")
+    out = " ".join(proc.stdout.split())  # type: ignore[attr-defined]
+    assert "wrote best.pipe: 1f1b D=1 N=8," in out
+    assert "note: the plan uses 1 of the 4 devices; copies on the rest were slower" in out
+    light = make_profile([1.0, 2.0, 1.0, 1.0], weight=1e3)
+    (tmp_path / "p.json").write_text(light.to_json())
+    proc = plan_cmd(tmp_path, "--schedules", "1f1b", "--data-parallel")
+    out = " ".join(proc.stdout.split())  # type: ignore[attr-defined]
+    assert "wrote best.pipe: 1f1b D=1 N=2 dp=4" in out
+    assert "run it with `pipelang run best.pipe --dp 4`: 4 copies of the pipeline" in out
+    assert "note: the plan uses" not in out
     topology.write_text(
         "nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nintra_node: {bandwidth: 1TB/s}\n"
     )

@@ -121,6 +121,12 @@ def setup_plan(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--optimizer", choices=tuple(STATE_FACTOR), default="adam")
     parser.add_argument(
+        "--data-parallel",
+        action="store_true",
+        help="also plan W copies of a pipeline on devices/W devices each, N/W micro-batches "
+        "per copy (run with `pipelang run --dp W`); a longer search",
+    )
+    parser.add_argument(
         "--schedules",
         metavar="A,B,...",
         help="stdlib schedules to try (default all of: " + ", ".join(FAMILIES) + ")",
@@ -171,6 +177,7 @@ def run_plan(args: argparse.Namespace) -> int:
         max_memory,
         args.optimizer,
         schedules,
+        args.data_parallel,
     )
     planner = Planner(inputs, time_budget=args.time_budget or None)
     result = planner.search()
@@ -194,13 +201,25 @@ def run_plan(args: argparse.Namespace) -> int:
         f"{','.join(map(str, best.partition))}, predicted {best.time_ms:.3f} ms per iteration",
         markup=False,
     )
-    ranks, size = best.candidate.ranks, inputs.topology.size
-    if ranks < size:  # D divides the device count (`candidates`)
+    ranks, size, dp = best.candidate.ranks, inputs.topology.size, best.candidate.dp
+    if dp > 1:
         _console.print(
-            f"note: the plan uses {ranks} of the {size} devices; `pipelang run {args.out} "
-            f"--dp {size // ranks}` runs {size // ranks} copies of it (each with its own "
-            "micro-batches) on all of them, a time the planner does not predict "
-            "(docs/planner.md, Limits)",
+            f"run it with `pipelang run {args.out} --dp {dp}`: {dp} copies of the pipeline, "
+            f"each on {ranks} device{'s' if ranks > 1 else ''} with "
+            f"N = {dict(best.candidate.params)['N']} micro-batches",
+            markup=False,
+        )
+    elif ranks < size and args.data_parallel:
+        _console.print(
+            f"note: the plan uses {ranks} of the {size} devices; copies on the rest were "
+            "slower (`--top` shows them as `dp=W`)",
+            markup=False,
+        )
+    elif ranks < size:  # D divides the device count (`candidates`)
+        _console.print(
+            f"note: the plan uses {ranks} of the {size} devices; `--data-parallel` plans "
+            f"copies of a pipeline on the rest (`pipelang run {args.out} --dp {size // ranks}` "
+            "runs such copies, each with its own micro-batches)",
             markup=False,
         )
     return 0
@@ -272,6 +291,7 @@ def _as_json(result: object) -> dict[str, object]:
             {
                 "schedule": p.candidate.schedule,
                 "params": dict(p.candidate.params),
+                "dp": p.candidate.dp,
                 "partition": list(p.partition),
                 "devices": list(p.devices),
                 "iteration_ms": round(p.time_ms, 6),

@@ -73,12 +73,16 @@ def allreduce_end(
     weights: Sequence[float],
     devices: Sequence[int],
     topology: Topology,
+    copies: int = 1,
 ) -> float:
     """When the last replicated stage has summed its gradients (ms): each stage's
     allreduce starts after its last backward on all its replicas (eager sync) and takes
     2 log2(r) alpha + 2 (r-1)/r bytes beta over r replicas (Rabenseifner's algorithm, as
     in Chimera's performance model), alpha the largest latency and 1/beta the smallest
-    bandwidth between them. 0 when no stage is replicated."""
+    bandwidth between them. 0 when no stage is replicated. With `copies` data-parallel
+    copies of the program, copy k runs on `devices` shifted by k x len(devices), and
+    every stage's replicas are those of all copies (they run alike, so one copy's events
+    time them all)."""
     last: dict[int, float] = defaultdict(float)
     for event in events:
         action = event.action
@@ -86,7 +90,9 @@ def allreduce_end(
             last[action.stage] = max(last[action.stage], event.end)
     end = 0.0
     for stage in range(program.num_stages):
-        ring = sorted({devices[r] for r in program.replicas(stage)})
+        ring = sorted(
+            {devices[r] + k * len(devices) for r in program.replicas(stage) for k in range(copies)}
+        )
         if len(ring) < 2:
             continue
         links = [topology.link(a, b) for a, b in itertools.pairwise(ring)]

@@ -63,6 +63,8 @@ class Candidate:
     schedule: str
     params: tuple[tuple[str, int], ...]
     stages_per_rank: int
+    dp: int = 1
+    """Data-parallel copies of the pipeline (`pipelang run --dp`); N is per copy."""
 
     @property
     def ranks(self) -> int:
@@ -74,7 +76,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return " ".join([self.schedule, *(f"{k}={v}" for k, v in self.params)])
+        dp = [f"dp={self.dp}"] if self.dp > 1 else []
+        return " ".join([self.schedule, *(f"{k}={v}" for k, v in self.params), *dp])
 
     def with_n(self, n: int) -> Candidate:
         return replace(self, params=tuple((k, n if k == "N" else v) for k, v in self.params))
@@ -131,23 +134,27 @@ class Inputs:
     max_memory: float | None = None
     optimizer: str = "adam"
     schedules: tuple[str, ...] = tuple(FAMILIES)
+    data_parallel: bool = False
+    """Also plan W copies of a pipeline on devices / W devices each (W > 1 dividing the
+    device count and N), each copy running N / W micro-batches."""
 
     def cap(self, device: int) -> float:
         memory = self.topology.memory[device]
         return memory if self.max_memory is None else min(memory, self.max_memory)
 
 
-def candidates(inputs: Inputs) -> list[Candidate]:
-    """Every (schedule, D, other parameters) to try: D divides the device count."""
+def candidates(inputs: Inputs, dp: int = 1) -> list[Candidate]:
+    """Every (schedule, D, other parameters) to try: D divides the device count; with
+    `dp` copies (on a topology of one copy's devices), D is the device count."""
     found = []
     devices = inputs.topology.size
     for d in range(1, devices + 1):
-        if devices % d:
+        if devices % d or (dp > 1 and d != devices):
             continue
         for name in inputs.schedules:
             for extra, per_rank in FAMILIES[name](d):
                 params = (("D", d), ("N", inputs.micro_batches), *extra)
-                found.append(Candidate(name, params, per_rank))
+                found.append(Candidate(name, params, per_rank, dp))
     return found
 
 
@@ -171,8 +178,14 @@ class Planner:
         refine_steps: int = 24,
         refine_seconds: float = 3.0,
         time_budget: float | None = None,
+        dp: int = 1,
+        world: Topology | None = None,
     ) -> None:
+        """`dp` > 1: plan copies of a pipeline; `inputs` then holds one copy's devices (the
+        first of `world`'s, the whole cluster) and micro-batches."""
         self.inputs = inputs
+        self.dp = dp
+        self.world = world or inputs.topology
         self.exact_top = exact_top
         self.refine_steps = refine_steps
         self.refine_seconds = refine_seconds
@@ -197,7 +210,7 @@ class Planner:
         screened: list[Plan] = []
         rejected: list[Rejected] = []
         costs: dict[tuple[str, Params], list[tuple[float, float]]] = {}
-        for candidate in candidates(self.inputs):
+        for candidate in candidates(self.inputs, self.dp):
             family = (candidate.schedule, candidate.params[2:])
             ops = self._ops(candidate, sum(self._probe_sizes(candidate)))
             estimate = _scaled(costs.get(family, []), ops)
@@ -237,7 +250,43 @@ class Planner:
                 rejected.append(Rejected(exact.candidate, str(self.fits(exact)), memory=True))
         final.sort(key=lambda p: p.time_ms)
         final.extend(fitting[self.exact_top :])
+        if self.inputs.data_parallel:
+            for copies in self._copies(deadline):
+                final.extend(copies.plans)
+                rejected.extend(copies.rejected)
+            final.sort(key=lambda p: p.time_ms)
         return SearchResult(tuple(final), tuple(rejected), time.perf_counter() - started)
+
+    def _copies(self, deadline: float) -> Iterable[SearchResult]:
+        """The searches with W > 1 data-parallel copies: one per W dividing both the
+        device count and N, on the first devices / W devices, N / W micro-batches each.
+        Copy k runs on the next block of devices, mapped as the first."""
+        devices, n = self.inputs.topology.size, self.inputs.micro_batches
+        for copies in range(2, devices + 1):
+            if devices % copies or n % copies:
+                continue
+            inputs = replace(
+                self.inputs,
+                topology=self.inputs.topology.first(devices // copies),
+                micro_batches=n // copies,
+                data_parallel=False,
+            )
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                why = "not searched: the time budget ran out before copies were planned"
+                out = tuple(Rejected(c, why) for c in candidates(inputs, copies))
+                yield SearchResult((), out, 0.0)
+                continue
+            planner = Planner(
+                inputs,
+                self.exact_top,
+                self.refine_steps,
+                self.refine_seconds,
+                None if math.isinf(left) else left,
+                dp=copies,
+                world=self.inputs.topology,
+            )
+            yield planner.search()
 
     def _ops(self, candidate: Candidate, micro_batches: int) -> float:
         return float(micro_batches * candidate.stages * (3 if self._split_w(candidate) else 2))
@@ -499,7 +548,9 @@ class Planner:
 
         timeline = simulate(program, costs, link)
         weights = stage_weights(self.inputs.profile, counts)
-        synced = allreduce_end(program, timeline.events, weights, devices, topology)
+        synced = allreduce_end(
+            program, timeline.events, weights, devices, self.world, copies=self.dp
+        )
         busy = sum(timeline.busy(r) for r in range(program.num_ranks))
         factor = STATE_FACTOR[self.inputs.optimizer]
         memory = peak_memory(program, self.inputs.profile, counts, factor)

@@ -68,6 +68,14 @@ class Topology:
         assert found is not None, (a, b)
         return found
 
+    def first(self, count: int) -> Topology:
+        """The first `count` devices and the links between them."""
+        return Topology(
+            self.names[:count],
+            self.memory[:count],
+            tuple(row[:count] for row in self.links[:count]),
+        )
+
 
 def load_topology(path: Path) -> Topology:
     """Read and check a topology YAML file; every problem is E0402."""

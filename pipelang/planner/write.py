@@ -69,8 +69,21 @@ def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str)
         f"  predicted iteration {plan.time_ms:.3f} ms, bubble ratio {plan.bubble_ratio:.3f}, "
         f"peak memory {format_bytes(peak)} (rank {rank})",
         f"  devices: {devices}",
+        *_copies(plan),
         "  The prediction timed every transfer on its own link; `cost C` below is their",
         "  mean, so `pipelang simulate` on this file can differ slightly.",
         "",
     ]
     return "".join(f"# {line}".rstrip() + "\n" for line in lines)
+
+
+def _copies(plan: Plan) -> list[str]:
+    """How to run a plan of data-parallel copies; nothing for one pipeline."""
+    dp, ranks = plan.candidate.dp, plan.candidate.ranks
+    if dp == 1:
+        return []
+    return [
+        f"  data parallel: run with `pipelang run THIS.pipe --dp {dp}`: {dp} copies, copy k",
+        f"  on the devices above + k x {ranks}, each with N = "
+        f"{dict(plan.candidate.params)['N']} micro-batches ({dp} x N per iteration).",
+    ]
