@@ -506,6 +506,9 @@ def test_plan_command_prints_the_ranking_and_the_reason_gpipe_is_out(tmp_path: P
     doc = json.loads(proc.stdout)  # type: ignore[attr-defined]
     times = [p["iteration_ms"] for p in doc["plans"]]
     assert times[:3] == sorted(times[:3])
+    assert {p["dp"] for p in doc["plans"]} == {1}
+    doc = json.loads(plan_cmd(tmp_path, "--json", "--data-parallel").stdout)  # type: ignore[attr-defined]
+    assert {p["dp"] for p in doc["plans"]} == {1, 2}
 
 
 def test_plan_command_on_idle_devices_and_data_parallel_copies(tmp_path: Path) -> None:
