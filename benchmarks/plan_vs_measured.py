@@ -12,14 +12,16 @@
 2. Measure the loopback link gloo uses between two processes (latency from 4-byte
    messages, bandwidth from 8 MiB ones, the fastest of 20 ping-pongs) and describe the
    2-core machine with it.
-3. `pipelang plan` it with N = 8 micro-batches, SGD, and a 120 MiB memory cap: the cap
-   leaves out GPipe (it holds all N micro-batches' activations), which predicts the
-   same time as 1F1B on two ranks, so the top plans have distinct predictions. Plans
-   on one rank are set aside (they run with both cores' threads, which the cost model
-   does not model).
-4. Run, with `pipelang run --backend gloo` (the written `.pipe` files as they are): the
-   top 3 plans; the planner's 1F1B and 1F1B with the even split of the layers; and the
-   best, a mid-ranked and the worst two-rank plan of the ranked table (predicted far
+3. `pipelang plan --data-parallel` it with N = 8 micro-batches, SGD, and a 120 MiB
+   memory cap: the cap leaves out GPipe (it holds all N micro-batches' activations),
+   which predicts the same time as 1F1B on two ranks, so the top plans have distinct
+   predictions. Plans of two processes are kept: two ranks, or two copies of a
+   one-rank pipeline (`--dp 2`, 4 micro-batches each); a single process is set aside
+   (it runs with both cores' threads, which the cost model does not model).
+4. Run, with `pipelang run --backend gloo` (the written `.pipe` files as they are, with
+   `--dp 2` for copies): the top 3 plans; the planner's 1F1B and 1F1B with the even
+   split of the layers; and the best, a mid-ranked and the worst two-process plan of
+   the ranked table (predicted far
    apart, to test the order beyond the noise). Every plan runs once per round, the
    order reversed every other round; each run does 2 warm-up and 6 timed steps and
    counts as its fastest step (the machine's load drifts over seconds and only adds
@@ -119,8 +121,8 @@ def loopback_link() -> Link:
     return Link((large - small) / max(big - latency, 1e-9), latency)
 
 
-def measure_run(path: Path, workdir: Path) -> list[float]:
-    """Step times (ms) of the timed steps of one `pipelang run` of `path`."""
+def measure_run(path: Path, workdir: Path, dp: int) -> list[float]:
+    """Step times (ms) of the timed steps of one `pipelang run` of `path` (`--dp dp`)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -140,6 +142,8 @@ def measure_run(path: Path, workdir: Path) -> list[float]:
             "sgd",
             "--seq-len",
             str(SEQ_LEN),
+            "--dp",
+            str(dp),
         ],
         cwd=workdir,
         capture_output=True,
@@ -215,13 +219,21 @@ def main() -> None:
     link = loopback_link()
     topology = two_cores(link)
     planner = Planner(
-        Inputs(profile, topology, MICROBATCHES, max_memory=MAX_MEMORY, optimizer="sgd")
+        Inputs(
+            profile,
+            topology,
+            MICROBATCHES,
+            max_memory=MAX_MEMORY,
+            optimizer="sgd",
+            data_parallel=True,
+        )
     )
     result = planner.search()
     gpipe_out = [r.reason for r in result.rejected if r.candidate.label.startswith("gpipe D=2")]
-    # Plans on both cores only: a D = 1 plan runs with both cores' threads, which the cost
-    # model does not model (docs/planner.md, "Cores").
-    table = [p for p in result.plans if p.exact and p.candidate.ranks == 2]
+    # Plans of two processes only, one per core (two ranks, or two copies of one rank): a
+    # single process runs with both cores' threads, which the cost model does not model
+    # (docs/planner.md, "Cores").
+    table = [p for p in result.plans if p.exact and p.candidate.ranks * p.candidate.dp == 2]
     top = table[:3]
     one_f_one_b = next(p for p in table if p.candidate.label.startswith("1f1b D=2"))
     layers = len(profile.layers)
@@ -249,7 +261,9 @@ def main() -> None:
         Inputs(uncalibrated_profile(profile), topology, MICROBATCHES, optimizer="sgd")
     )
     before = {
-        name: uncalibrated.predict(p.candidate, p.partition, p.devices, True).time_ms
+        name: (uncalibrated if p.candidate.dp == 1 else uncalibrated.with_copies(p.candidate.dp))
+        .predict(p.candidate, p.partition, p.devices, True)
+        .time_ms
         for name, p in runs
     }
     measured: dict[str, list[float]] = {name: [] for name, _ in runs}
@@ -262,7 +276,8 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = runs if round_ % 2 == 0 else runs[::-1]
             for name, _ in order:
-                measured[name].append(min(measure_run(files[name], Path(tmp))))
+                dp = plans[name].candidate.dp
+                measured[name].append(min(measure_run(files[name], Path(tmp), dp)))
                 print(name, f"{measured[name][-1]:.1f} ms", flush=True)
     minutes = (time.perf_counter() - began) / 60
     rows = []
@@ -339,7 +354,7 @@ def main() -> None:
         f"- Top 3 ({', '.join(top_names)}): {holds(top_names)}. "
         + "; ".join(order_verdict(top_names, plans, measured))
         + ".",
-        f"- Best, mid-ranked and worst of the {len(table)} two-rank plans "
+        f"- Best, mid-ranked and worst of the {len(table)} two-process plans "
         f"({', '.join(wide_names)}): {holds(wide_names)}. "
         + "; ".join(order_verdict(wide_names, plans, measured))
         + ".",

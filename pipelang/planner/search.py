@@ -258,35 +258,41 @@ class Planner:
         return SearchResult(tuple(final), tuple(rejected), time.perf_counter() - started)
 
     def _copies(self, deadline: float) -> Iterable[SearchResult]:
-        """The searches with W > 1 data-parallel copies: one per W dividing both the
-        device count and N, on the first devices / W devices, N / W micro-batches each.
-        Copy k runs on the next block of devices, mapped as the first."""
+        """The searches with W > 1 data-parallel copies, one per W dividing both the
+        device count and N (see `with_copies`)."""
         devices, n = self.inputs.topology.size, self.inputs.micro_batches
         for copies in range(2, devices + 1):
             if devices % copies or n % copies:
                 continue
-            inputs = replace(
-                self.inputs,
-                topology=self.inputs.topology.first(devices // copies),
-                micro_batches=n // copies,
-                data_parallel=False,
-            )
             left = deadline - time.perf_counter()
+            planner = self.with_copies(copies, None if math.isinf(left) else max(left, 0.0))
             if left <= 0:
                 why = "not searched: the time budget ran out before copies were planned"
-                out = tuple(Rejected(c, why) for c in candidates(inputs, copies))
+                out = tuple(Rejected(c, why) for c in candidates(planner.inputs, copies))
                 yield SearchResult((), out, 0.0)
                 continue
-            planner = Planner(
-                inputs,
-                self.exact_top,
-                self.refine_steps,
-                self.refine_seconds,
-                None if math.isinf(left) else left,
-                dp=copies,
-                world=self.inputs.topology,
-            )
             yield planner.search()
+
+    def with_copies(self, copies: int, time_budget: float | None = None) -> Planner:
+        """A planner of `copies` data-parallel copies of a pipeline: on the first devices /
+        copies devices, N / copies micro-batches each; copy k runs on the k-th block of
+        devices, mapped as the first."""
+        devices, n = self.inputs.topology.size, self.inputs.micro_batches
+        inputs = replace(
+            self.inputs,
+            topology=self.inputs.topology.first(devices // copies),
+            micro_batches=n // copies,
+            data_parallel=False,
+        )
+        return Planner(
+            inputs,
+            self.exact_top,
+            self.refine_steps,
+            self.refine_seconds,
+            time_budget,
+            dp=copies,
+            world=self.inputs.topology,
+        )
 
     def _ops(self, candidate: Candidate, micro_batches: int) -> float:
         return float(micro_batches * candidate.stages * (3 if self._split_w(candidate) else 2))
