@@ -207,6 +207,9 @@ class Planner:
         reason, and a shortlisted one whose simulation at N would is kept extrapolated."""
         started = time.perf_counter()
         deadline = started + (self.time_budget or math.inf)
+        # With copies to plan after the single pipelines, these get half of the budget.
+        share = 0.5 if self.inputs.data_parallel else 1.0
+        screening = started + share * (self.time_budget or math.inf)
         screened: list[Plan] = []
         rejected: list[Rejected] = []
         costs: dict[tuple[str, Params], list[tuple[float, float]]] = {}
@@ -214,7 +217,7 @@ class Planner:
             family = (candidate.schedule, candidate.params[2:])
             ops = self._ops(candidate, sum(self._probe_sizes(candidate)))
             estimate = _scaled(costs.get(family, []), ops)
-            if time.perf_counter() + estimate > deadline:
+            if time.perf_counter() + estimate > screening:
                 why = f"not searched: screening would take about {estimate:.0f} s, past the"
                 rejected.append(Rejected(candidate, why + " time budget"))
                 continue
@@ -259,9 +262,10 @@ class Planner:
 
     def _copies(self, deadline: float) -> Iterable[SearchResult]:
         """The searches with W > 1 data-parallel copies, one per W dividing both the
-        device count and N (see `with_copies`)."""
+        device count and N (see `with_copies`), the most copies (the smallest pipelines,
+        the quickest to search) first."""
         devices, n = self.inputs.topology.size, self.inputs.micro_batches
-        for copies in range(2, devices + 1):
+        for copies in range(devices, 1, -1):
             if devices % copies or n % copies:
                 continue
             left = deadline - time.perf_counter()
