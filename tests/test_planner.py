@@ -229,6 +229,17 @@ def test_data_parallel_copies_add_the_allreduce_over_every_copy() -> None:
     assert best.candidate.label == "1f1b D=1 N=2 dp=4"
 
 
+def test_copies_left_out_by_the_time_budget_are_listed() -> None:
+    inputs = Inputs(
+        make_profile([1.0] * 4), uniform_topology(4), 8, schedules=("1f1b",), data_parallel=True
+    )
+    result = Planner(inputs, time_budget=1e-9).search()
+    assert not result.plans
+    reasons = {r.candidate.label: r.reason for r in result.rejected}
+    assert reasons["1f1b D=2 N=4 dp=2"].startswith("not searched: the time budget ran out")
+    assert reasons["1f1b D=1 N=2 dp=4"].startswith("not searched: the time budget ran out")
+
+
 def test_written_data_parallel_plan_runs_with_its_dp(tmp_path: Path) -> None:
     forward = [0.05, 4.0, *[1.0] * 7, 0.3]
     profile = make_profile(forward, activation=2e5, weight=5e5, output=65536)
