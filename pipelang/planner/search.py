@@ -23,6 +23,11 @@ local search on the partition, each step judged by the simulator, and simulated 
 Under a time budget, candidates whose screening would end past it are left out (the
 cost is judged from the same schedule at a smaller D), and a shortlisted one whose
 simulation at N would is kept extrapolated.
+
+With `Inputs.data_parallel`, each W > 1 dividing the device count and N is also planned
+as W copies of a pipeline over devices / W devices (`Planner.with_copies`: the same
+search on the first block of devices with N / W micro-batches, and every stage's
+allreduce taken over its replicas in all copies).
 """
 
 from __future__ import annotations
