@@ -13,6 +13,7 @@ within 30 s on this 2-core machine.
 
     python benchmarks/plan_speed.py             # replaces the speed part of "Planner" in RESULTS.md
     python benchmarks/plan_speed.py --no-write  # print only
+    python benchmarks/plan_speed.py --data-parallel  # the same with copies planned too
 """
 
 from __future__ import annotations
@@ -67,12 +68,20 @@ def cluster(devices: int) -> Topology:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--data-parallel",
+        action="store_true",
+        help="plan copies of pipelines too (`pipelang plan --data-parallel`); its own block",
+    )
     args = parser.parse_args()
+    flag = " --data-parallel" if args.data_parallel else ""
+    heading = f"### Search speed{' with `--data-parallel`' if args.data_parallel else ''}"
     load_before = os.getloadavg()
     rows = []
     for devices, n in SIZES:
         started = time.perf_counter()
-        planner = Planner(Inputs(synthetic_profile(), cluster(devices), n), time_budget=25.0)
+        inputs = Inputs(synthetic_profile(), cluster(devices), n, data_parallel=args.data_parallel)
+        planner = Planner(inputs, time_budget=25.0)
         result = planner.search()
         seconds = time.perf_counter() - started
         best = result.plans[0]
@@ -85,12 +94,12 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     lines = [
-        "### Search speed",
+        heading,
         "",
         f"- Machine: {os.cpu_count()}-core {platform.machine()} VM shared with other jobs; "
         f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after",
         f"- torch {torch.__version__}, Python {platform.python_version()}",
-        "- Command: `python benchmarks/plan_speed.py`",
+        f"- Command: `python benchmarks/plan_speed.py{flag}`",
         f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "- Synthetic 128-layer profile, clusters of 8-GPU nodes; every candidate screened, "
         "the best 3 refined and simulated at N (`Planner.search` with the CLI's default "
@@ -105,7 +114,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        replace_block("### Search speed", text)
+        replace_block(heading, text)
 
 
 if __name__ == "__main__":
