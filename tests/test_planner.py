@@ -216,7 +216,8 @@ def test_data_parallel_copies_add_the_allreduce_over_every_copy() -> None:
         schedules=("1f1b",),
         data_parallel=True,
     )
-    plans = {(p.candidate.ranks, p.candidate.dp): p for p in Planner(inputs).search().plans}
+    ranked = Planner(inputs).search().plans
+    plans = {(p.candidate.ranks, p.candidate.dp): p for p in ranked}
     # One pipeline over 4 ranks: (N + D - 1) x (F + B) of a one-layer stage.
     assert plans[(4, 1)].time_ms == pytest.approx(11 * 3)
     # Two copies of a 2-rank 1F1B, N = 4 each: (4 + 1) x 6, then each stage's 2 MB summed
@@ -224,7 +225,7 @@ def test_data_parallel_copies_add_the_allreduce_over_every_copy() -> None:
     assert plans[(2, 2)].time_ms == pytest.approx(5 * 6 + 2)
     # Four copies of the whole model, N = 2 each: 2 x 12, then 4 MB over four: 6 ms.
     assert plans[(1, 4)].time_ms == pytest.approx(2 * 12 + 6)
-    best = Planner(inputs).search().plans[0]
+    best = ranked[0]
     assert (best.candidate.ranks, best.candidate.dp) == (1, 4)
     assert best.candidate.label == "1f1b D=1 N=2 dp=4"
 
