@@ -44,9 +44,11 @@ def compile_schedule(
     *,
     max_activations: int | None = None,
     stop_after: str | None = None,
+    dp: int = 1,
 ) -> Compilation:
-    """Run the passes on a schedule (path or stdlib name) with `-p`-style string params."""
-    options = Options(dict(params or {}), max_activations)
+    """Run the passes on a schedule (path or stdlib name) with `-p`-style string params;
+    `dp` is the data-parallel copies a stream program is lowered for."""
+    options = Options(dict(params or {}), max_activations, dp)
     return run_passes(load_file(sched), options, stop_after)
 
 

@@ -333,5 +333,69 @@ CODES: dict[str, Code] = {
             "the end of its error. Check that `pipelang run` works for this model and "
             "backend, or profile without `--calibrate`.",
         ),
+        # 05xx: stream programs (`--dump-after streams`, `pipelang check-streams`)
+        Code(
+            "E0501",
+            "unreadable stream program",
+            "A line of the file given to `pipelang check-streams` is not a stream program "
+            "op. Each op line is `rR.STREAM OP [reads SLOT=VALUE ...] [writes SLOT=VALUE "
+            "...] [updates gS/PIPE ...]`, where STREAM is compute, sendP, recvP or reduceS "
+            "and OP is `record eN`, `wait eN` or an action token (`F0@1/main`, "
+            "`send:F0@1/main>2`, `allreduce@1/main`, `step`); lines starting with `#` are "
+            "comments. `pipelang compile SCHED --dump-after streams` writes this form; "
+            "docs/runtime.md describes it.",
+        ),
+        Code(
+            "E0502",
+            "race on a slot",
+            "Two ops touch the same buffer slot from different streams and nothing orders "
+            "them: a read that may run before the write of the value it expects "
+            "(read-after-write), a write that may run before the previous value's last "
+            "read (write-after-read), or two unordered writes. On a GPU this reads garbage "
+            "or half-written data, silently. Order them with `record eN` after the first "
+            "op on its stream and `wait eN` before the second on the other; the check "
+            "covers two iterations back to back, so a race across the iteration boundary "
+            "counts too.",
+        ),
+        Code(
+            "E0503",
+            "stream program deadlock",
+            "No stream can move: each waits for an event not yet recorded, a channel's "
+            "other end, or the other members of an allreduce, in a cycle. A CUDA graph "
+            "capture of this program would hang on replay (captured NCCL calls have no "
+            "timeout). The labels show where every stream is stuck.",
+        ),
+        Code(
+            "E0504",
+            "channel out of order",
+            "A channel delivers its messages in the order they were sent: the k-th send "
+            "on `rA.sendB` meets the k-th receive on `rB.recvA`. Here the two ops that "
+            "meet name different messages (or a send meets something that is not a "
+            "receive). Reorder the sends or the receives so both ends agree.",
+        ),
+        Code(
+            "E0505",
+            "event used before it is recorded",
+            "`wait eN` holds its stream until `record eN` has run, but only if the record "
+            "was issued first: CUDA treats waiting on an event never recorded as already "
+            "complete, and a capture would miss the edge. Every `wait eN` must come after "
+            "its `record eN` in its process's lines, and every event is recorded once.",
+        ),
+        Code(
+            "E0506",
+            "cannot lower to streams",
+            "The program uses something the `streams` pass does not lower yet: evicted "
+            "activations (`E`, `H`, `L`, BPipe). Run it without --graphs (the eager "
+            "runtime runs evictions on the CPU).",
+        ),
+        Code(
+            "E0507",
+            "stream not forked or joined",
+            "A captured iteration must start every side stream from the compute stream "
+            "(its first op waits for an event of the compute stream, through the "
+            "process's own record/wait pairs) and end with the compute stream waiting "
+            "for every side stream. A chain through another rank does not count: a "
+            "meeting of a send and a receive is not an edge of a CUDA graph.",
+        ),
     )
 }

@@ -12,9 +12,11 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelang import api, ast
+from pipelang.backends.launch import positive
 from pipelang.cli import UsageError, add_param_option, parse_params, write_output
 from pipelang.codes import CODES
 from pipelang.compiler import PASS_NAMES, Compilation
+from pipelang.diagnostics import fail
 from pipelang.import_torch import run_import_torch, setup_import_torch
 from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
 from pipelang.planner.command import (
@@ -46,6 +48,7 @@ def _compile(args: argparse.Namespace, stop_after: str | None = None) -> Compila
         parse_params(args.params),
         max_activations=getattr(args, "max_activations", None),
         stop_after=stop_after,
+        dp=getattr(args, "dp", 1),
     )
 
 
@@ -165,6 +168,13 @@ def setup_compile(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="reject the schedule if a rank ever holds more than K activations",
     )
+    parser.add_argument(
+        "--dp",
+        type=positive,
+        default=1,
+        metavar="K",
+        help="with --dump-after streams: lower for K data-parallel copies (default 1)",
+    )
 
 
 def run_compile(args: argparse.Namespace) -> int:
@@ -195,6 +205,9 @@ def dump(c: Compilation, after: str) -> str:
         return "\n".join(
             f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in c.params.items()
         )
+    if after in ("streams", "check-streams"):
+        assert c.streams is not None
+        return c.streams.dump().rstrip("\n")
     program = c.need_program()
     header = f"# {_describe(program)}\n# after {after}"
     if after == "build-dag" and c.dag is not None:
@@ -332,6 +345,41 @@ def run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- check-streams ------------------------------------------------------------------------
+
+CHECK_STREAMS_HELP = (
+    "check a stream program dump (`compile SCHED --dump-after streams`, perhaps edited): "
+    "no slot race, no wait cycle, channels in order"
+)
+
+
+def setup_check_streams(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dump", metavar="DUMP", type=Path, help="the text of a stream program")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+
+
+def run_check_streams(args: argparse.Namespace) -> int:
+    from pipelang.passes.check_streams import check_streams
+    from pipelang.streams import StreamProgram, StreamSyntaxError
+
+    try:
+        text = args.dump.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise fail("E0003", f"cannot read `{args.dump}`: {err}") from None
+    try:
+        program = StreamProgram.parse(text, str(args.dump))
+    except StreamSyntaxError as err:
+        raise fail("E0501", f"not a stream program line: {err}", err.span) from None
+    check_streams(program)
+    streams = len(program.streams())
+    message = (
+        f"ok: {len(program.ops)} ops on {streams} streams of {program.ranks} processes: "
+        "no slot race, no wait cycle, every channel in order"
+    )
+    print(json.dumps({"ok": True, "diagnostics": []}) if args.format == "json" else message)
+    return 0
+
+
 COMMANDS = {
     "list": ("show the standard-library schedules and their parameters", setup_list, run_list),
     "check": (
@@ -361,6 +409,7 @@ COMMANDS = {
         run_run,
     ),
     "explain": ("explain a diagnostic code", setup_explain, run_explain),
+    "check-streams": (CHECK_STREAMS_HELP, setup_check_streams, run_check_streams),
     "import-torch": (
         "read torch's CSV schedule into a checked .pipe program",
         setup_import_torch,

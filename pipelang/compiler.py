@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pipelang import ast
     from pipelang.ir import Program
     from pipelang.passes.build_dag import OpGraph
+    from pipelang.streams import StreamProgram
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Options:
 
     params: Mapping[str, str] = field(default_factory=dict)
     max_activations: int | None = None
+    dp: int = 1
+    """Data-parallel copies the stream program is lowered for (`streams`)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class Compilation:
     program: Program | None = None
     graph: OpGraph | None = None
     """The dependency DAG with ops numbered, from `build-dag`: what the passes walk."""
+    streams: StreamProgram | None = None
+    """The stream program, from `streams` (run only when asked for: see `run_passes`)."""
 
     @cached_property
     def dag(self) -> nx.DiGraph | None:
@@ -107,6 +112,20 @@ def _insert_sync(c: Compilation) -> Compilation:
     return dataclasses.replace(c, program=insert_sync(c.need_program()))
 
 
+def _streams(c: Compilation) -> Compilation:
+    from pipelang.passes.streams import streams
+
+    return dataclasses.replace(c, streams=streams(c.need_program(), c.options.dp))
+
+
+def _check_streams(c: Compilation) -> Compilation:
+    from pipelang.passes.check_streams import check_streams
+
+    assert c.streams is not None
+    check_streams(c.streams)
+    return c
+
+
 PASSES: tuple[tuple[str, Pass], ...] = (
     ("resolve-params", _resolve_params),
     ("expand-orders", _expand_orders),
@@ -115,17 +134,25 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("insert-holds", _insert_holds),
     ("insert-comms", _insert_comms),
     ("insert-sync", _insert_sync),
+    ("streams", _streams),
+    ("check-streams", _check_streams),
 )
 PASS_NAMES = tuple(name for name, _ in PASSES)
+PROGRAM_DONE = "insert-sync"
+"""The last pass a run by default: the Program every backend's eager path reads. The
+stream program's passes cost time in ranks x ops and serve graph mode and its checks, so
+they run only when `stop_after` names one of them."""
 
 
 @bulk
 def run_passes(file: ast.File, options: Options, stop_after: str | None = None) -> Compilation:
-    """Run the passes in order, up to and including `stop_after` (all by default).
+    """Run the passes in order, up to and including `stop_after` (`PROGRAM_DONE` by
+    default; name `check-streams` to get a checked stream program too).
 
     Raises `PipelangError` with every diagnostic of the first pass that finds any.
     """
     c = Compilation(file, options)
+    stop_after = stop_after or PROGRAM_DONE
     for name, run in PASSES:
         c = run(c)
         if name == stop_after:

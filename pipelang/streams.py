@@ -1,0 +1,251 @@
+"""The stream program: what every rank issues, on which stream, into which buffer slot.
+
+A `StreamProgram` lowers a Program (comms and sync inserted) one level further, to what
+a GPU runs (docs/runtime.md, "Stream programs"). Each process has
+
+- one compute stream, `r0.compute`, for F, B, W, R, U and `step`;
+- one stream per directed channel end: `r0.send1` issues rank 0's sends to rank 1 and
+  `r1.recv0` rank 1's receives from rank 0 (`signal`/`wait` of `after` edges included);
+- one stream per reduce group, `r0.reduce3` for stage 3's gradient allreduce;
+
+and every value an op reads or writes lives in a static slot of its process:
+`d3` holds activations and gradients that cross a stage boundary (data), `s1` what a
+forward saves for its backward, `g2/down` the gradient accumulator of stage 2 of `down`.
+Slots are reused by liveness, so a rank needs as many as it holds values at once.
+
+One line per op, in the order its process issues them; streams order only their own ops,
+and `record eN` / `wait eN` order ops across the streams of one process:
+
+    r1.recv0     recv:F0@0/main<0   writes d0=F0@0/main
+    r1.recv0     record e2
+    r1.compute   wait e2
+    r1.compute   F0@1/main          reads d0=F0@0/main  writes s0=F0@1/main d1=F0@1/main
+
+`slot=value` names the value a read expects or a write leaves: for data, the compute op
+that made it (`F0@0/main` is its output, `B0@2/main` its input gradient); for saved
+slots, the forward (or recompute) whose activations they are. An accumulator is
+`updates g0/main` (read, add, write back). The k-th send on a channel meets the k-th
+receive of the other end; the n-th `allreduce` on `reduce{s}` meets every other member's
+n-th. `StreamProgram.parse(program.dump())` gives the program back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pipelang.ir import Action
+from pipelang.source import SourceFile, Span
+
+RECORD, WAIT = "record", "wait"
+"""The two event ops: `record eN` marks a point of its stream; `wait eN` holds its stream
+until that point is reached."""
+
+
+class Access(NamedTuple):
+    """A slot an op reads or writes, with the value it expects there (or leaves)."""
+
+    slot: str
+    value: str
+
+    def text(self) -> str:
+        return f"{self.slot}={self.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOp:
+    """One line of a stream program: an op issued on one stream of one process."""
+
+    rank: int
+    stream: str
+    """`compute`, `send{peer}`, `recv{peer}` or `reduce{stage}`."""
+    what: str
+    """`record`, `wait`, or the token of the IR action it performs (`F0@1/main`,
+    `send:F0@1/main>2`, `allreduce@1/main`, `step`, ...)."""
+    event: int | None = None
+    reads: tuple[Access, ...] = ()
+    writes: tuple[Access, ...] = ()
+    updates: tuple[str, ...] = ()
+    """Accumulator slots the op reads, adds to and writes back."""
+
+    @property
+    def stream_name(self) -> str:
+        return f"r{self.rank}.{self.stream}"
+
+    @property
+    def is_event(self) -> bool:
+        return self.what in (RECORD, WAIT)
+
+    def action(self) -> Action:
+        """The IR action this op performs; not for `record`/`wait`."""
+        return Action.parse(self.what)
+
+    def text(self, width: int = 0, what_width: int = 0) -> str:
+        """The op's line of the dump (`width`, `what_width`: column widths)."""
+        what = self.what if self.event is None else f"{self.what} e{self.event}"
+        parts = [f"{self.stream_name:<{width}}", f"{what:<{what_width}}"]
+        if self.reads:
+            parts.append("reads " + " ".join(a.text() for a in self.reads))
+        if self.writes:
+            parts.append("writes " + " ".join(a.text() for a in self.writes))
+        if self.updates:
+            parts.append("updates " + " ".join(self.updates))
+        return "  ".join(parts).rstrip()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamProgram:
+    """Every process's ops in issue order (processes `0..ranks-1`, replica-major with
+    `--dp`: the process of program rank r in copy k is `k * R + r`)."""
+
+    name: str
+    ranks: int
+    ops: tuple[StreamOp, ...]
+    """Rank-major; within a rank, in issue order."""
+    spans: tuple[Span, ...] | None = field(default=None, compare=False, repr=False)
+    """Where each op's line is in the text it was read from (`parse`), else None."""
+
+    def by_rank(self, rank: int) -> Iterator[tuple[int, StreamOp]]:
+        """(index, op) of every op of `rank`, in issue order."""
+        for i, op in enumerate(self.ops):
+            if op.rank == rank:
+                yield i, op
+
+    def streams(self) -> list[tuple[int, str]]:
+        """Every (rank, stream) with an op, in order of first use."""
+        return list(dict.fromkeys((op.rank, op.stream) for op in self.ops))
+
+    def slots(self, rank: int) -> dict[str, list[str]]:
+        """Slots of `rank` by class (`data`, `saved`, `grads`), each sorted by number."""
+        names: dict[str, set[str]] = {"data": set(), "saved": set(), "grads": set()}
+        for _, op in self.by_rank(rank):
+            for access in (*op.reads, *op.writes):
+                names[slot_class(access.slot)].add(access.slot)
+            names["grads"].update(op.updates)
+        return {k: sorted(v, key=_slot_order) for k, v in names.items()}
+
+    def dump(self) -> str:
+        """The text form; `StreamProgram.parse` reads it back."""
+        lines = [f"# stream program of {self.name}: {self.ranks} processes"]
+        width = max((len(op.stream_name) for op in self.ops), default=0)
+        what_width = max((len(op.what) for op in self.ops if not op.is_event), default=0)
+        for rank in range(self.ranks):
+            counts = ", ".join(f"{k} {len(v)}" for k, v in self.slots(rank).items())
+            lines.append(f"# rank {rank}: slots {counts}")
+            lines.extend(op.text(width, what_width) for _, op in self.by_rank(rank))
+        return "\n".join(lines) + "\n"
+
+    def span_of(self, index: int) -> Span:
+        """The line of op `index`: where it was read from, or where `dump` puts it."""
+        if self.spans is not None:
+            return self.spans[index]
+        spans = _spans_of(SourceFile.of("<stream program>", self.dump()))
+        object.__setattr__(self, "spans", tuple(spans))
+        return spans[index]
+
+    @staticmethod
+    def parse(text: str, path: str = "<stream program>") -> StreamProgram:
+        """Read `dump()` back. Raises StreamSyntaxError at the first line it cannot read."""
+        source = SourceFile.of(path, text)
+        name, ranks = _header(text)
+        ops = []
+        for number, line in enumerate(text.split("\n"), 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                ops.append(_parse_line(line, source, number))
+        if not ops:
+            raise StreamSyntaxError("no ops: not a stream program", _line_span(source, 1))
+        ranks = max(ranks, 1 + max(op.rank for op in ops))
+        return StreamProgram(name, ranks, tuple(ops), tuple(_spans_of(source)))
+
+
+class StreamSyntaxError(Exception):
+    """A line of a stream program dump that does not read; carries its span."""
+
+    def __init__(self, message: str, span: Span) -> None:
+        super().__init__(message)
+        self.span = span
+
+
+def slot_class(slot: str) -> str:
+    """`data` (d3), `saved` (s1) or `grads` (g2/down)."""
+    return {"d": "data", "s": "saved", "g": "grads"}[slot[0]]
+
+
+def _slot_order(slot: str) -> tuple[int, str]:
+    digits = re.match(r"[dsg](\d+)", slot)
+    return (int(digits.group(1)) if digits else 0, slot)
+
+
+_LINE = re.compile(
+    r"\s*r(?P<rank>\d+)\.(?P<stream>compute|send\d+|recv\d+|reduce\d+)\s+(?P<what>\S+)"
+    r"(?:\s+e(?P<event>\d+))?(?P<rest>.*)"
+)
+_ACCESS = re.compile(r"[ds]\d+=\S+")
+_ACCUMULATOR = re.compile(r"g\d+/[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _header(text: str) -> tuple[str, int]:
+    match = re.match(r"# stream program of (.+): (\d+) processes", text)
+    return (match.group(1), int(match.group(2))) if match else ("<stream program>", 0)
+
+
+def _line_span(source: SourceFile, number: int) -> Span:
+    start = source._line_starts[number - 1]
+    text = source.line_text(number)
+    indent = len(text) - len(text.lstrip())
+    return Span(source, start + indent, start + len(text.rstrip()))
+
+
+def _spans_of(source: SourceFile) -> list[Span]:
+    """The span of every op line of `source`, in order."""
+    return [
+        _line_span(source, n)
+        for n, line in enumerate(source.text.split("\n"), 1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def _parse_line(line: str, source: SourceFile, number: int) -> StreamOp:
+    span = _line_span(source, number)
+    match = _LINE.fullmatch(line.rstrip())
+    if match is None:
+        raise StreamSyntaxError(
+            "expected `rR.STREAM OP [reads ...] [writes ...] [updates ...]`", span
+        )
+    what, event = match["what"], match["event"]
+    if (what in (RECORD, WAIT)) != (event is not None):
+        raise StreamSyntaxError("`record` and `wait` (and only they) take an event `eN`", span)
+    if what not in (RECORD, WAIT):
+        try:
+            Action.parse(what)
+        except ValueError as err:
+            raise StreamSyntaxError(str(err), span) from None
+    groups: dict[str, list[str]] = {"reads": [], "writes": [], "updates": []}
+    current: list[str] | None = None
+    for word in match["rest"].split():
+        if word in groups:
+            current = groups[word]
+            continue
+        pattern = _ACCUMULATOR if current is groups["updates"] else _ACCESS
+        if current is None or not pattern.fullmatch(word):
+            raise StreamSyntaxError(f"cannot read `{word}`", span)
+        current.append(word)
+    return StreamOp(
+        int(match["rank"]),
+        match["stream"],
+        what,
+        None if event is None else int(event),
+        tuple(Access(*w.split("=", 1)) for w in groups["reads"]),
+        tuple(Access(*w.split("=", 1)) for w in groups["writes"]),
+        tuple(groups["updates"]),
+    )
+
+
+def value_key(value: str) -> tuple[str, int, int, str]:
+    """The runtime's key of a data value: `F0@1/main` -> ("F", 0, 1, "main")."""
+    action = Action.parse(value)
+    assert action.mb is not None and action.stage is not None and action.pipeline is not None
+    return (action.kind.value, action.mb, action.stage, action.pipeline)
+
