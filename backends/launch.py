@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipelang.diagnostics import PipelangError
 from pipelang.ir import STASH_KINDS, Kind, Program
 
 if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--help`
@@ -112,8 +113,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--graphs",
         action="store_true",
-        help="capture each rank's whole iteration as one CUDA graph: not built yet (it "
-        "needs a GPU to be built and tested on), so it is refused",
+        help="run the stream program (`compile --dump-after streams`): with --backend "
+        "local on a machine without CUDA, on the CPU executor, streams interleaved in a "
+        "legal order picked by --stream-seed, dead slots filled with NaN (no capture). "
+        "Capturing it as CUDA graphs is not built yet",
+    )
+    parser.add_argument(
+        "--stream-seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="with --graphs on the CPU: the interleaving of step k is seed S + k (default 0)",
     )
     parser.add_argument(
         "--optimizer",
@@ -166,6 +176,7 @@ def config_from_args(
         debug=bool(getattr(args, "debug", False)),
         partition=args.partition or partition,
         dp=args.dp,
+        stream_seed=getattr(args, "stream_seed", 0),
     )
 
 
@@ -179,12 +190,10 @@ def run_program(program: Program, args: argparse.Namespace) -> int:
     config = config_from_args(args, program.partition)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     if getattr(args, "graphs", False):
-        err.print(
-            "error: --graphs (one CUDA graph per rank per iteration) is not built yet: it "
-            "needs a GPU to be built and tested on; run without it (eager)",
-            markup=False,
-        )
-        return 2
+        refusal = graphs_refusal(config)
+        if refusal is not None:
+            err.print(f"error: {refusal}", markup=False)
+            return 2
     try:
         if config.backend != "local" and not under_torchrun():
             from pipelang.backends.processes import forkserver
@@ -193,7 +202,10 @@ def run_program(program: Program, args: argparse.Namespace) -> int:
         shapes = preflight(program, config)
         if under_torchrun():
             return _run_as_torchrun_rank(program, config)
-        outcome = _run_here(program, config, shapes, err)
+        outcome = _run_here(program, config, shapes, err, getattr(args, "graphs", False))
+    except PipelangError as error:
+        err.print(error.render(), markup=False)
+        return 1
     except (RunError, ModelError) as error:
         err.print(f"error: {error}", markup=False)
         return 2 if isinstance(error, WorldError) else 1
@@ -291,18 +303,62 @@ def eviction_refusal(program: Program, config: RunConfig) -> str | None:
     return None
 
 
+def _run_streams(
+    program: Program, config: RunConfig, shapes: Shapes, err: Console, title: str
+) -> Outcome:
+    """Lower to a checked stream program and run it on the CPU executor."""
+    from pipelang.backends.report import StepProgress
+    from pipelang.backends.stream_executor import StreamExecutor
+    from pipelang.passes.check_streams import check_streams
+    from pipelang.passes.streams import streams
+
+    lowered = check_streams(streams(program, config.dp))
+    executor = StreamExecutor(program, lowered, config, shapes, config.stream_seed)
+    held = ", ".join(f"{b / 1024:.1f}" for b in executor.allocated_bytes)
+    err.print(
+        f"no CUDA here: the stream program runs on the CPU executor, its {len(lowered.ops)} "
+        f"ops interleaved by seed {config.stream_seed} + step, dead slots NaN (no capture); "
+        f"data slots per rank {held} KiB",
+        markup=False,
+    )
+    with StepProgress(config.steps, title, err) as progress:
+        return executor.run(progress.step)
+
+
 def under_torchrun() -> bool:
     """Whether this process was started by torchrun (or by hand as one rank)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _run_here(program: Program, config: RunConfig, shapes: Shapes, err: Console) -> Outcome:
+def graphs_refusal(config: RunConfig) -> str | None:
+    """Why `--graphs` cannot run with `config` here; None when the CPU executor runs it."""
+    import torch
+
+    if config.backend != "local":
+        return (
+            "--graphs runs with --backend local for now: capturing a rank's iteration as a "
+            "CUDA graph over NCCL is not built yet; run without --graphs (eager)"
+        )
+    if torch.cuda.is_available():
+        return (
+            "--graphs on a GPU (CUDA graph capture of the stream program) is not built "
+            "yet; run without --graphs, or on a machine without CUDA to run the stream "
+            "program on the CPU executor"
+        )
+    return None
+
+
+def _run_here(
+    program: Program, config: RunConfig, shapes: Shapes, err: Console, graphs: bool = False
+) -> Outcome:
     from pipelang.backends.report import StepProgress
 
     ranks = f"{program.num_ranks} ranks"
     if config.dp > 1:
         ranks = f"{config.dp} x {ranks}"
     title = f"{program.name} on {config.model} ({config.backend}, {ranks})"
+    if graphs:
+        return _run_streams(program, config, shapes, err, title)
     with StepProgress(config.steps, title, err) as progress:
         if config.backend == "local":
             from pipelang.backends.local import run_local

@@ -72,6 +72,8 @@ class RunConfig:
     """Data-parallel copies of the whole pipeline (`--dp K`): K x ranks processes."""
     count_activations: bool = False
     """Count the bytes of saved activations per rank (always on with evictions)."""
+    stream_seed: int = 0
+    """`--graphs` on the CPU: the executor's interleaving of step k is this seed + k."""
 
     @property
     def spec(self) -> ModelSpec:
@@ -642,10 +644,7 @@ class RankRuntime:
         self._start_allreduce(self.copies[(stage, pipeline)])
 
     def _start_allreduce(self, copy: StageCopy) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in copy.params]
-        flat = _flatten_dense_tensors(grads)
-        if flat.device.type == "cpu" and flat.dtype in (torch.float16, torch.bfloat16):
-            flat = flat.float()
+        flat, grads = copy_grads(copy)
         try:
             handle = self.transport.allreduce(copy.stage, flat)
         except RuntimeError as err:
@@ -665,13 +664,32 @@ class RankRuntime:
                 handle.wait()
             except RuntimeError as err:
                 raise PeerFailure(str(err)) from err
-            for param, grad in zip(copy.params, _unflatten_dense_tensors(flat, grads), strict=True):
-                param.grad = grad.to(param.dtype)
+            set_grads(copy, flat, grads)
         self.reducing.clear()
+        self.update_copies()
+
+    def update_copies(self) -> None:
+        """The optimizer step of every copy, gradients summed already; then clear them."""
         for copy in self.copies.values():
             copy.optimizer.step()
             copy.optimizer.zero_grad()
         self.stepped = True
+
+
+def copy_grads(copy: StageCopy) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A copy's gradients as one flat tensor (zeros where a parameter has none; float32
+    for half dtypes on the CPU, whose collectives lack them), and the list it came from."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in copy.params]
+    flat = _flatten_dense_tensors(grads)
+    if flat.device.type == "cpu" and flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    return flat, grads
+
+
+def set_grads(copy: StageCopy, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    """Give a copy's parameters the gradients in `flat` (laid out as `copy_grads` made it)."""
+    for param, grad in zip(copy.params, _unflatten_dense_tensors(flat, grads), strict=True):
+        param.grad = grad.to(param.dtype)
 
 
 def _evicts(program: Program) -> bool:

@@ -248,4 +248,3 @@ def value_key(value: str) -> tuple[str, int, int, str]:
     action = Action.parse(value)
     assert action.mb is not None and action.stage is not None and action.pipeline is not None
     return (action.kind.value, action.mb, action.stage, action.pipeline)
-

@@ -184,10 +184,20 @@ class Interleaving:
         )
 
 
-def random_choice(seed: int) -> Callable[[list[Step]], int]:
-    """A `choose` for `Interleaving.run` that picks uniformly, reproducibly by `seed`."""
+def random_choice(seed: int, order: Interleaving) -> Callable[[list[Step]], int]:
+    """A `choose` for `order.run` that is adversarial and reproducible by `seed`: every
+    stream gets a random priority, and the step of the highest-priority stream that can
+    move runs, except one time in four, a uniformly random step. Starving some streams
+    while others race ahead is what exposes a missing wait; uniform choice rarely does."""
     rng = random.Random(seed)
-    return lambda steps: rng.randrange(len(steps))
+    priority = [rng.random() for _ in order.names]
+
+    def choose(steps: list[Step]) -> int:
+        if rng.random() < 0.25:
+            return rng.randrange(len(steps))
+        return max(range(len(steps)), key=lambda k: priority[order.stream_of[steps[k][0]]])
+
+    return choose
 
 
 def check_streams(program: StreamProgram) -> StreamProgram:

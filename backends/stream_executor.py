@@ -1,0 +1,254 @@
+"""Run a stream program on the CPU, in an adversarial but legal order.
+
+What `pipelang run --backend local --graphs` does on a machine without CUDA: every
+process's `RankRuntime` lives in this process, and the stream program (pipelang/streams.py)
+decides what runs. Each iteration, `Interleaving` picks the next op among all the streams
+that can move, at random by a seed: any order the record/wait events, the channels and
+the allreduces allow, and nothing more. A GPU may run any of these orders; a program that
+is right for all of them is right on the GPU.
+
+Values live where the program says:
+
+- a data slot is a static buffer, allocated once with the bytes the plan gives it
+  (`slot_bytes`); a value crossing streams is copied in and out of it, and a slot is
+  filled with NaN as soon as its value is dead (after its last read, and before the first
+  write). A read that runs before its write, or after the slot was reused, reads NaN or
+  another value, and `--check` fails;
+- a saved slot stands for what a forward keeps for its backward; the runtime keeps the
+  tensors (autograd's graph), the executor checks that every read finds the forward it
+  names (else `StreamRace`) and counts the slots held;
+- a transfer copies from the sender's slot to the receiver's when both ends run (a send
+  and its receive run together, as NCCL's do); an allreduce sums its members' gradients
+  when all of them run, in process order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pipelang.backends.models import Shapes
+from pipelang.backends.report import Outcome
+from pipelang.backends.runtime import RankRuntime, RunConfig, copy_grads, set_grads
+from pipelang.diagnostics import InternalError
+from pipelang.ir import Action, Kind, Program
+from pipelang.passes.check_streams import Interleaving, random_choice
+from pipelang.streams import StreamOp, StreamProgram, value_key
+
+OnStep = Callable[[int, float, float], None]
+
+
+class StreamRace(RuntimeError):
+    """A read found another value in its slot than the one it names."""
+
+
+class _NoTransport:
+    """The executor moves every message itself; the runtime never calls this."""
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        raise InternalError("the stream executor moves messages itself")
+
+    recv = allreduce = send  # type: ignore[assignment]
+
+    def end_step(self) -> None:
+        pass
+
+
+def value_shape(value: str, shapes: Shapes) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of a data value: `F3@1/p` is stage 1's output, `B3@1/p` the
+    gradient of stage 1's input (stage 0's output)."""
+    kind, _, stage, _ = value_key(value)
+    return shapes[stage if kind == "F" else stage - 1]
+
+
+def slot_bytes(program: StreamProgram, rank: int, shapes: Shapes) -> dict[str, int]:
+    """Bytes of every data slot of `rank`: the largest value it ever holds."""
+    sizes: dict[str, int] = {}
+    for _, op in program.by_rank(rank):
+        for access in op.writes:
+            if access.slot.startswith("d"):
+                shape, dtype = value_shape(access.value, shapes)
+                nbytes = math.prod(shape) * dtype.itemsize
+                sizes[access.slot] = max(sizes.get(access.slot, 0), nbytes)
+    return sizes
+
+
+@dataclass
+class _Process:
+    """One process's runtime, slots and what its slots hold now."""
+
+    runtime: RankRuntime
+    buffers: dict[str, torch.Tensor]
+    holds: dict[str, str | None] = field(default_factory=dict)
+    reads_left: Counter[tuple[str, str]] = field(default_factory=Counter)
+    peak_saved: int = 0
+    """The most forwards whose activations the runtime kept at once (its `saved`)."""
+
+
+class StreamExecutor:
+    """The processes of one run and the stream program they execute; see the module
+    docstring. `seed` picks the interleaving of the first step (then seed + step)."""
+
+    def __init__(
+        self,
+        program: Program,
+        streams: StreamProgram,
+        config: RunConfig,
+        shapes: Shapes,
+        seed: int,
+    ) -> None:
+        self.program = program
+        self.streams = streams
+        self.config = config
+        self.shapes = shapes
+        self.seed = seed
+        self.reads = [
+            Counter((a.slot, a.value) for _, op in streams.by_rank(r) for a in op.reads)
+            for r in range(streams.ranks)
+        ]
+        self.processes: list[_Process] = []
+        device = torch.device("cpu")
+        world = program.num_ranks
+        for process in range(streams.ranks):
+            rank, replica = process % world, process // world
+            runtime = RankRuntime(
+                program, rank, config, _NoTransport(), device, None, shapes, replica
+            )
+            buffers = {
+                slot: torch.empty(nbytes, dtype=torch.uint8)
+                for slot, nbytes in slot_bytes(streams, process, shapes).items()
+            }
+            self.processes.append(_Process(runtime, buffers))
+
+    @property
+    def peak_saved(self) -> list[int]:
+        """Per process, the most forwards the runtime kept activations of at once."""
+        return [p.peak_saved for p in self.processes]
+
+    @property
+    def allocated_bytes(self) -> list[int]:
+        """The data slots' bytes held by each process (what `slot_bytes` planned)."""
+        return [sum(b.numel() for b in p.buffers.values()) for p in self.processes]
+
+    def run(self, on_step: OnStep) -> Outcome:
+        """Train `config.steps` steps; the same report as any backend's."""
+        losses: list[float] = []
+        start = time.perf_counter_ns()
+        for p in self.processes:
+            p.runtime.start_clock(start)
+        for step in range(self.config.steps):
+            began = time.perf_counter()
+            for p in self.processes:
+                p.runtime.begin_step(step)
+                p.reads_left = Counter(self.reads[p.runtime.world_rank])
+                for slot in p.buffers:
+                    self._poison(p, slot)
+                p.holds = dict.fromkeys(p.holds)
+            self.iteration(self.seed + step)
+            merged: dict[int, float] = {}
+            for p in self.processes:
+                merged.update(p.runtime.end_step())
+            n = self.program.num_microbatches * self.config.dp
+            losses.append(sum(merged.get(mb, float("nan")) for mb in range(n)) / n)
+            on_step(step, losses[-1], time.perf_counter() - began)
+        results = [p.runtime.result(self.config.check) for p in self.processes]
+        return Outcome(results, losses)
+
+    def iteration(self, seed: int) -> None:
+        """Run every op of the stream program once, in the order `seed` picks."""
+        order = Interleaving(self.streams, clocks=False)
+        for step in order.run(random_choice(seed, order)):
+            ops = [self.streams.ops[i] for i in step]
+            if ops[0].is_event or ops[0].what.startswith(("signal", "wait")):
+                continue  # ordering only: the interleaving obeyed it
+            if ops[0].stream.startswith("send"):
+                self._transfer(*ops)
+            elif ops[0].stream.startswith("reduce"):
+                self._allreduce(ops)
+            else:
+                self._compute(ops[0])
+
+    # ---- ops -------------------------------------------------------------------------------
+
+    def _compute(self, op: StreamOp) -> None:
+        p = self.processes[op.rank]
+        rt = p.runtime
+        for access in op.reads:
+            if access.slot.startswith("d"):
+                view = self._view(p, access.slot, access.value)
+                rt.values[value_key(access.value)] = view.clone()
+            elif p.holds.get(access.slot) != access.value:
+                raise StreamRace(
+                    f"`{op.what}` on {op.stream_name} reads saved slot {access.slot} for "
+                    f"{access.value}, but it holds {p.holds.get(access.slot) or 'nothing'}"
+                )
+            self._read_done(p, access.slot, access.value)
+        if op.what == "step":
+            rt.update_copies()
+        else:
+            _run_action(rt, op.action())
+        for access in op.writes:
+            if access.slot.startswith("d"):
+                value = rt.values.pop(value_key(access.value))
+                self._view(p, access.slot, access.value).copy_(value)
+            p.holds[access.slot] = access.value
+        p.peak_saved = max(p.peak_saved, len(rt.saved))
+
+    def _transfer(self, send: StreamOp, recv: StreamOp) -> None:
+        src, dst = self.processes[send.rank], self.processes[recv.rank]
+        (read,), (write,) = send.reads, recv.writes
+        self._view(dst, write.slot, write.value).copy_(self._view(src, read.slot, read.value))
+        dst.holds[write.slot] = write.value
+        self._read_done(src, read.slot, read.value)
+
+    def _allreduce(self, ops: list[StreamOp]) -> None:
+        members = sorted(ops, key=lambda op: op.rank)
+        copies = []
+        for op in members:
+            action = op.action()
+            copies.append(self.processes[op.rank].runtime.copies[(action.stage, action.pipeline)])  # type: ignore[index]
+        parts = [copy_grads(copy) for copy in copies]
+        total = parts[0][0].clone()
+        for flat, _ in parts[1:]:
+            total += flat
+        for copy, (_, grads) in zip(copies, parts, strict=True):
+            set_grads(copy, total.clone(), grads)
+
+    # ---- slots -----------------------------------------------------------------------------
+
+    def _view(self, p: _Process, slot: str, value: str) -> torch.Tensor:
+        shape, dtype = value_shape(value, self.shapes)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return p.buffers[slot][:nbytes].view(dtype).view(shape)
+
+    def _read_done(self, p: _Process, slot: str, value: str) -> None:
+        p.reads_left[(slot, value)] -= 1
+        if p.reads_left[(slot, value)] == 0 and p.holds.get(slot) == value:
+            p.holds[slot] = None
+            if slot in p.buffers:
+                self._poison(p, slot)
+
+    def _poison(self, p: _Process, slot: str) -> None:
+        """Fill a dead data slot with NaN (as float32, or the slot's largest dtype)."""
+        buffer = p.buffers[slot]
+        whole = buffer.numel() - buffer.numel() % 4
+        buffer[:whole].view(torch.float32).fill_(math.nan)
+
+
+def _run_action(rt: RankRuntime, action: Action) -> None:
+    where = {"stage": action.stage, "pipeline": action.pipeline}
+    if action.kind is Kind.U:
+        rt.update(version=(action.mb or 0) + 1, **where)  # type: ignore[arg-type]
+        return
+    method = {
+        Kind.F: rt.forward,
+        Kind.B: rt.backward,
+        Kind.W: rt.weight_grad,
+        Kind.R: rt.recompute,
+    }[action.kind]
+    method(mb=action.mb, **where)  # type: ignore[arg-type]
