@@ -176,6 +176,7 @@ def config_from_args(
         debug=bool(getattr(args, "debug", False)),
         partition=args.partition or partition,
         dp=args.dp,
+        graphs=bool(getattr(args, "graphs", False)),
         stream_seed=getattr(args, "stream_seed", 0),
     )
 

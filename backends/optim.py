@@ -93,4 +93,51 @@ class Adam:
             param.grad = None
 
 
+class CapturableSGD(SGD):
+    """`SGD` that a CUDA graph can capture: the momentum buffers exist (zeros) from the
+    start, so the first step takes no host branch (0 * momentum + g is g, bit for bit,
+    so the updates equal torch.optim.SGD's)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], lr: float, momentum: float) -> None:
+        super().__init__(params, lr, momentum)
+        self.buffers = [torch.zeros_like(p) for p in self.params] if momentum else self.buffers
+
+
+class CapturableAdam(Adam):
+    """`torch.optim.Adam(..., capturable=True)`: the step count is a tensor on the
+    parameters' device and the bias corrections are tensor ops, so a step reads nothing
+    back to the host and a CUDA graph can replay it. Its formula is torch's capturable
+    one (tests/test_optim.py checks it bit for bit over 10 steps)."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__(params, lr, betas, eps)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.step_count = torch.zeros((), dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        """One Adam step of `params` from `grads` (see `SGD.apply`), on the device."""
+        self.step_count += 1
+        correction1 = 1 - self.beta1**self.step_count
+        correction2_sqrt = (1 - self.beta2**self.step_count).sqrt()
+        step_size_neg = (self.lr / correction1).neg()
+        moments = zip(params, grads, self.exp_avg, self.exp_avg_sq, strict=True)
+        for param, grad, avg, avg_sq in moments:
+            if grad is None:
+                continue
+            avg.lerp_(grad, 1 - self.beta1)
+            avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+            denom = (avg_sq.sqrt() / (correction2_sqrt * step_size_neg)).add_(
+                self.eps / step_size_neg
+            )
+            param.addcdiv_(avg, denom)
+
+
 Optimizer = SGD | Adam
+"""Either optimizer; the capturable ones are subclasses."""

@@ -38,7 +38,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
-from pipelang.backends.optim import SGD, Adam, Optimizer
+from pipelang.backends.optim import SGD, Adam, CapturableAdam, CapturableSGD, Optimizer
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import Handle, PeerFailure, Transport
 from pipelang.backends.versions import CopyVersions, installed
@@ -72,6 +72,8 @@ class RunConfig:
     """Data-parallel copies of the whole pipeline (`--dp K`): K x ranks processes."""
     count_activations: bool = False
     """Count the bytes of saved activations per rank (always on with evictions)."""
+    graphs: bool = False
+    """`--graphs`: run the stream program, with optimizers a CUDA graph can capture."""
     stream_seed: int = 0
     """`--graphs` on the CPU: the executor's interleaving of step k is this seed + k."""
 
@@ -85,11 +87,14 @@ class RunConfig:
 
 
 def make_optimizer(params: Sequence[nn.Parameter], config: RunConfig) -> Optimizer:
-    """The optimizer of one stage copy, and of the `--check` reference: same settings."""
+    """The optimizer of one stage copy, and of the `--check` reference: same settings
+    (under `--graphs`, the capturable ones, which equal torch's `capturable=True`)."""
     if config.optimizer == "sgd":
-        return SGD(params, config.learning_rate, SGD_MOMENTUM)
+        sgd = CapturableSGD if config.graphs else SGD
+        return sgd(params, config.learning_rate, SGD_MOMENTUM)
     if config.optimizer == "adam":
-        return Adam(params, config.learning_rate)
+        adam = CapturableAdam if config.graphs else Adam
+        return adam(params, config.learning_rate)
     raise InternalError(f"unknown optimizer {config.optimizer!r}")
 
 

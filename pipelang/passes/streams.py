@@ -11,9 +11,10 @@ the number of data-parallel copies `dp`. Guarantees: a `StreamProgram`
 - every value lives in a slot, and a slot is reused once its value is dead; a receive
   that reuses a slot waits until the compute stream has read the slot's previous value
   (write-after-read); other slots are reused only where that order already holds;
-- at the start every stream waits for the compute stream, and at the end the compute
-  stream waits for every stream, so iterations never overlap (and a CUDA capture forks
-  from and joins its capture stream).
+- every stream starts by waiting for the compute stream (its first op is a wait; the
+  start event `e0` where it would not otherwise be), and at the end the compute stream
+  waits for every stream, so iterations never overlap and a CUDA capture forks from and
+  joins its capture stream.
 
 It is built in three steps: lower with one slot per value; compute the happens-before
 order of that program (`check_streams.Interleaving`); then allocate slots per rank by
@@ -24,16 +25,18 @@ Before (rank 1 of 1F1B, D=2, N=2, after insert-sync):
 
     recv:F0@0/main<0 F0@1/main B0@1/main send:B0@1/main>0 recv:F1@0/main<0 ... step
 
-After (the first ops of rank 1):
+After (the first ops of rank 1; `pipelang compile 1f1b -p D=2 -p N=2 --dump-after streams`):
 
     r1.compute  record e0
-    r1.send0    wait e0
     r1.recv0    wait e0
-    r1.recv0    recv:F0@0/main<0   writes d0=F0@0/main
+    r1.recv0    recv:F0@0/main<0  writes d0=F0@0/main
     r1.recv0    record e1
     r1.compute  wait e1
-    r1.compute  F0@1/main          reads d0=F0@0/main  writes s0=F0@1/main
-    r1.compute  B0@1/main          reads s0=F0@1/main  writes d0=B0@1/main  updates g1/main
+    r1.compute  F0@1/main         reads d0=F0@0/main  writes s0=F0@1/main
+    r1.compute  B0@1/main         reads s0=F0@1/main  writes d0=B0@1/main  updates g1/main
+    r1.compute  record e2
+    r1.send0    wait e2
+    r1.send0    send:B0@1/main>0  reads d0=B0@1/main
 """
 
 from __future__ import annotations
