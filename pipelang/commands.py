@@ -230,6 +230,12 @@ def setup_simulate(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     parser.add_argument("--grid", action="store_true", help="also print the rank x time grid")
+    parser.add_argument(
+        "--slots",
+        action="store_true",
+        help="also lower to the stream program and give each rank's static buffer slots "
+        "(data, saved, grads; docs/runtime.md); its cost grows with ranks x ops",
+    )
 
 
 def parse_cost(spec: str) -> CostModel:
@@ -251,9 +257,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     from pipelang.simulate import in_flight, simulate
 
     costs = parse_cost(args.cost)
-    program = _compile(args).need_program()
+    compiled = _compile(args, "check-streams" if args.slots else None)
+    program = compiled.need_program()
     timeline = simulate(program, program.costs.merged(costs))
     metrics = timeline.metrics()
+    if compiled.streams is not None:
+        for rank, row in enumerate(cast(list[dict[str, object]], metrics["ranks"])):
+            slots = compiled.streams.slots(rank).items()
+            row["slots"] = {cls: len(names) for cls, names in slots}
     if args.json:
         print(json.dumps(metrics))
         return 0
@@ -265,8 +276,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         keys += ["peak_weight_versions", "weight_delay"]
     for key in keys:
         table.add_column(key.replace("_", " ").replace("peak weight", "weight"), justify="right")
+    if compiled.streams is not None:
+        keys.append("slots")
+        table.add_column("slots (data, saved, grads)", justify="right")
     for row in cast(list[dict[str, object]], metrics["ranks"]):
-        table.add_row(*(str(row[k]) for k in keys))
+        cells = [str(row[k]) for k in keys if k != "slots"]
+        if "slots" in row:
+            cells.append(", ".join(map(str, cast(dict[str, int], row["slots"]).values())))
+        table.add_row(*cells)
     _console.print(table)
     if Kind.W in program.kinds:
         held = [max(in_flight(actions, Kind.W), default=0) for actions in program.ranks]

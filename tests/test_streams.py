@@ -160,3 +160,15 @@ def test_evictions_are_refused_with_a_position() -> None:
         lowered("bpipe")
     diagnostic = caught.value.diagnostics[0]
     assert diagnostic.code == "E0506" and diagnostic.span is not None
+
+
+def test_simulate_reports_the_slots(tmp_path: Path) -> None:
+    """`simulate --json --slots`: each rank's slots by class, the saved ones equal to its
+    peak activations (Chimera has no split backward)."""
+    import json
+
+    out = pipelang_cmd("simulate", "chimera", "--json", "--slots", cwd=tmp_path)
+    assert out.returncode == 0
+    ranks = json.loads(out.stdout)["ranks"]
+    assert [r["slots"]["saved"] for r in ranks] == [r["peak_activations"] for r in ranks]
+    assert ranks[0]["slots"] == {"data": 2, "saved": 3, "grads": 2}
