@@ -30,6 +30,7 @@ import jinja2
 from pipelang import __version__
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
+from pipelang.streams import StreamOp, StreamProgram
 
 _METHODS = {Kind.F: "forward", Kind.B: "backward", Kind.W: "weight_grad", Kind.R: "recompute"}
 """The runtime method of each compute kind."""
@@ -93,20 +94,102 @@ def render_rank_program(program: Program, rank: int) -> str:
         f"{c:<{width}}  # {i:>3}  {a.text()}"
         for i, (c, a) in enumerate(zip(calls, actions, strict=True))
     ]
-    params = ", ".join(
-        f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in program.params
-    )
-    copies = ", ".join(f"stage {s} of `{p}`" for s, p in program.stage_copies(rank)) or "none"
     return _ENV.get_template("rank.py.j2").render(
         version=__version__,
         source=program.source,
         name=program.name,
-        params=f" ({params})" if params else "",
+        params=_params(program),
         rank=rank,
         num_ranks=program.num_ranks,
-        copies=copies,
+        copies=_copies(program, rank),
         lines=lines or ["pass  # this rank runs no action"],
     )
+
+
+def stream_op_call(op: StreamOp, world: int) -> str:
+    """The runtime call that issues one stream op, peers as program ranks (`world` of
+    them; a --dp copy's process k*R + r runs rank r's file)."""
+    if op.is_event:
+        return f'rt.{op.what}_event({op.event}, on="{op.stream}")'
+    if op.what == "step":
+        return "rt.step()"
+    action = Action.parse(op.what)
+    kind = action.kind
+    where = f'stage={action.stage}, pipeline="{action.pipeline}"'
+    if kind is Kind.ALLREDUCE:
+        return f"rt.allreduce({where})"
+    if kind is Kind.U:
+        return f"rt.update({where}, version={(action.mb or 0) + 1})"
+    slots = {a.slot for a in (*op.reads, *op.writes) if a.slot.startswith("d")}
+    if kind.is_compute:
+        data = [(a, False) for a in op.reads] + [(a, True) for a in op.writes]
+        named = "".join(
+            f', {_ROLE[(kind, out)]}="{a.slot}"' for a, out in data if a.slot.startswith("d")
+        )
+        return f"rt.{_METHODS[kind]}(mb={action.mb}, {where}{named})"
+    assert action.peer is not None
+    peer = action.peer % world
+    if kind is Kind.SIGNAL:
+        return f"rt.signal(to={peer})"
+    if kind is Kind.WAIT:
+        return f"rt.wait_signal(src={peer})"
+    (slot,) = slots
+    value = action.op().text()
+    if kind is Kind.SEND:
+        return f'rt.send(to={peer}, slot="{slot}", value="{value}")'
+    return f'rt.recv(src={peer}, slot="{slot}", value="{value}")'
+
+
+_ROLE = {
+    (Kind.F, False): "x",
+    (Kind.F, True): "y",
+    (Kind.B, False): "dy",
+    (Kind.B, True): "dx",
+}
+"""The keyword naming a compute op's data slot: F reads x, writes y; B reads dy, writes dx."""
+
+
+def render_stream_rank(program: Program, streams: StreamProgram, rank: int) -> str:
+    """The source text of rank `rank`'s stream program (`--graphs`): one call per op of
+    process `rank` (the first data-parallel copy; every copy runs the same file)."""
+    ops = [op for _, op in streams.by_rank(rank)]
+    calls = [stream_op_call(op, program.num_ranks) for op in ops]
+    width = max((len(c) for c in calls), default=0)
+    lines = [
+        f"{c:<{width}}  # {op.stream:<8} {op.what if op.event is None else f'e{op.event}'}"
+        for c, op in zip(calls, ops, strict=True)
+    ]
+    tenants: dict[str, set[int]] = {}
+    for op in ops:
+        for a in op.writes:
+            if a.slot.startswith("d"):
+                stage = Action.parse(a.value).stage
+                assert stage is not None
+                boundary = stage if a.value.startswith("F") else stage - 1
+                tenants.setdefault(a.slot, set()).add(boundary)
+    slots = "{" + ", ".join(f'"{s}": {tuple(sorted(b))}' for s, b in tenants.items()) + "}"
+    return _ENV.get_template("rank_streams.py.j2").render(
+        version=__version__,
+        source=program.source,
+        name=program.name,
+        params=_params(program),
+        rank=rank,
+        num_ranks=program.num_ranks,
+        copies=_copies(program, rank),
+        slots=slots,
+        lines=lines or ["pass  # this rank runs no op"],
+    )
+
+
+def _params(program: Program) -> str:
+    params = ", ".join(
+        f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in program.params
+    )
+    return f" ({params})" if params else ""
+
+
+def _copies(program: Program, rank: int) -> str:
+    return ", ".join(f"stage {s} of `{p}`" for s, p in program.stage_copies(rank)) or "none"
 
 
 def write_rank_programs(program: Program, out_dir: Path) -> list[Path]:

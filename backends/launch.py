@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--
     from pipelang.backends.models import Shapes
     from pipelang.backends.report import Outcome
     from pipelang.backends.runtime import RunConfig
+    from pipelang.streams import StreamProgram
 
 BACKENDS = ("gloo", "nccl", "local")
 OPTIMIZERS = ("sgd", "adam")
@@ -203,7 +204,12 @@ def run_program(program: Program, args: argparse.Namespace) -> int:
         shapes = preflight(program, config)
         if under_torchrun():
             return _run_as_torchrun_rank(program, config)
-        outcome = _run_here(program, config, shapes, err, getattr(args, "graphs", False))
+        streams = None
+        if config.graphs:
+            from pipelang.backends.worker import lower_streams
+
+            streams = lower_streams(program, config.dp)
+        outcome = _run_here(program, config, shapes, err, streams)
     except PipelangError as error:
         err.print(error.render(), markup=False)
         return 1
@@ -305,15 +311,17 @@ def eviction_refusal(program: Program, config: RunConfig) -> str | None:
 
 
 def _run_streams(
-    program: Program, config: RunConfig, shapes: Shapes, err: Console, title: str
+    program: Program,
+    config: RunConfig,
+    shapes: Shapes,
+    err: Console,
+    title: str,
+    lowered: StreamProgram,
 ) -> Outcome:
-    """Lower to a checked stream program and run it on the CPU executor."""
+    """Run a checked stream program on the CPU executor (`local` without CUDA)."""
     from pipelang.backends.report import StepProgress
     from pipelang.backends.stream_executor import StreamExecutor
-    from pipelang.passes.check_streams import check_streams
-    from pipelang.passes.streams import streams
 
-    lowered = check_streams(streams(program, config.dp))
     executor = StreamExecutor(program, lowered, config, shapes, config.stream_seed)
     held = ", ".join(f"{b / 1024:.1f}" for b in executor.allocated_bytes)
     err.print(
@@ -332,25 +340,27 @@ def under_torchrun() -> bool:
 
 
 def graphs_refusal(config: RunConfig) -> str | None:
-    """Why `--graphs` cannot run with `config` here; None when the CPU executor runs it."""
+    """Why `--graphs` cannot run with `config` here; None when it runs: on the CPU
+    executor (`local` without CUDA) or eagerly over gloo, stream by stream."""
     import torch
 
-    if config.backend != "local":
-        return (
-            "--graphs runs with --backend local for now: capturing a rank's iteration as a "
-            "CUDA graph over NCCL is not built yet; run without --graphs (eager)"
-        )
-    if torch.cuda.is_available():
+    if config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available()):
         return (
             "--graphs on a GPU (CUDA graph capture of the stream program) is not built "
-            "yet; run without --graphs, or on a machine without CUDA to run the stream "
-            "program on the CPU executor"
+            "yet; run without --graphs, or with --backend gloo or on a machine without "
+            "CUDA to run the stream program on the CPU"
         )
+    if config.trace:
+        return "--trace does not record a stream program yet; run --graphs without --trace"
     return None
 
 
 def _run_here(
-    program: Program, config: RunConfig, shapes: Shapes, err: Console, graphs: bool = False
+    program: Program,
+    config: RunConfig,
+    shapes: Shapes,
+    err: Console,
+    streams: StreamProgram | None = None,
 ) -> Outcome:
     from pipelang.backends.report import StepProgress
 
@@ -358,8 +368,8 @@ def _run_here(
     if config.dp > 1:
         ranks = f"{config.dp} x {ranks}"
     title = f"{program.name} on {config.model} ({config.backend}, {ranks})"
-    if graphs:
-        return _run_streams(program, config, shapes, err, title)
+    if streams is not None and config.backend == "local":
+        return _run_streams(program, config, shapes, err, title, streams)
     with StepProgress(config.steps, title, err) as progress:
         if config.backend == "local":
             from pipelang.backends.local import run_local
@@ -367,7 +377,7 @@ def _run_here(
             return run_local(program, config, shapes, progress.step)
         from pipelang.backends.processes import launch
 
-        return launch(program, config, shapes, progress.step)
+        return launch(program, config, shapes, progress.step, streams)
 
 
 def _run_as_torchrun_rank(

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from pipelang.backends.models import Shapes
-from pipelang.backends.processes import RunFailure, where
+from pipelang.backends.processes import RunFailure, action_labels, where
 from pipelang.backends.report import Outcome
 from pipelang.backends.runtime import RankResult, RunConfig
 from pipelang.backends.transport import Aborted, LocalHub, LocalTransport, PeerFailure
@@ -57,6 +57,7 @@ class LocalRun:
         self.device = local_device()
         self.world = program.num_ranks * config.dp
         self.hub = LocalHub(program, self.device, config.dp)
+        self.labels = action_labels(program)
         self.status = [0] * (3 * self.world)
         self.lock = threading.Lock()
         self.results: dict[int, RankResult] = {}
@@ -83,7 +84,7 @@ class LocalRun:
         self._watch(threads)
         if self.failure is None and self.hub.failure is not None:
             waiting = [
-                f"rank {r} {where(self.program, r, *self.status[3 * r : 3 * r + 3])}"
+                f"rank {r} {where(self.labels, r, *self.status[3 * r : 3 * r + 3])}"
                 for r in range(self.world)
                 if self.status[3 * r] == PHASE_FAILED
             ]
@@ -91,7 +92,7 @@ class LocalRun:
         if self.failure is not None:
             rank, what, trace = self.failure
             phase, step, action = self.status[3 * rank : 3 * rank + 3]
-            place = where(self.program, rank, phase, step, action)
+            place = where(self.labels, rank, phase, step, action)
             if not trace:  # the watchdog's verdict, not an exception
                 raise RunFailure(f"rank {rank} stopped responding {place}: {what}")
             raise RunFailure(f"rank {rank} failed {place}: {what}", trace)

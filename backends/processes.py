@@ -19,7 +19,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipelang.backends.codegen import write_rank_programs
+from pipelang.backends.codegen import render_stream_rank, write_rank_programs
 from pipelang.backends.models import Shapes
 from pipelang.backends.report import Outcome
 from pipelang.backends.runtime import RankResult, RunConfig
@@ -38,10 +38,12 @@ from pipelang.backends.worker import (
     PHASE_STARTING,
     Job,
     from_bytes,
+    lower_streams,
     rank_threads,
     worker_main,
 )
 from pipelang.ir import Program
+from pipelang.streams import StreamProgram
 
 OnStep = Callable[[int, float, float], None]
 GRACE_SECONDS = 0.5
@@ -72,29 +74,53 @@ class RunFailure(Exception):
         self.details = details
 
 
-def where(program: Program, rank: int, phase: int, step: int, action: int) -> str:
+def where(labels: Sequence[Sequence[str]], rank: int, phase: int, step: int, action: int) -> str:
     """`at step 1, action 7 (recv:B0@2/main<3)`, or `during setup`.
 
-    `rank` is the process's rank; with `--dp` it runs program rank `rank % R`."""
+    `labels[r]` names the generated lines of program rank r (`action_labels`); `rank` is
+    the process's rank, and with `--dp` it runs program rank `rank % R`."""
     if phase in (PHASE_STARTING, PHASE_SETUP) or step < 0:
         return "during setup"
-    actions = program.ranks[rank % program.num_ranks]
-    if phase == PHASE_DONE or action >= len(actions):
+    lines = labels[rank % len(labels)]
+    if phase == PHASE_DONE or action >= len(lines):
         return f"after step {step}"
-    return f"at step {step}, action {action} `{actions[action].text()}`"
+    return f"at step {step}, action {action} `{lines[action]}`"
+
+
+def action_labels(program: Program, streams: StreamProgram | None = None) -> list[list[str]]:
+    """What each generated line of each program rank does: its action's token, or with a
+    stream program (`--graphs`) its op (`r1.recv0 recv:F0@0/main<0`)."""
+    if streams is None:
+        return [[a.text() for a in actions] for actions in program.ranks]
+    return [
+        [
+            f"{op.stream_name} {op.what if op.event is None else f'{op.what} e{op.event}'}"
+            for _, op in streams.by_rank(r)
+        ]
+        for r in range(program.num_ranks)
+    ]
 
 
 class Launcher:
     """Runs the ranks of one Program as processes; `run()` returns or raises RunFailure."""
 
     def __init__(
-        self, program: Program, config: RunConfig, shapes: Shapes, on_step: OnStep
+        self,
+        program: Program,
+        config: RunConfig,
+        shapes: Shapes,
+        on_step: OnStep,
+        streams: StreamProgram | None = None,
     ) -> None:
         self.program = program
         self.config = config
         self.shapes = shapes
         self.on_step = on_step
         self.world = program.num_ranks * config.dp
+        if config.graphs and streams is None:
+            streams = lower_streams(program, config.dp)
+        self.streams = streams
+        self.labels = action_labels(program, self.streams)
         self.ctx = forkserver()
         self.status: Any = self.ctx.Array("q", 3 * self.world, lock=False)
         self.queue: Any = self.ctx.Queue()
@@ -108,7 +134,7 @@ class Launcher:
     def run(self) -> Outcome:
         with tempfile.TemporaryDirectory(prefix="pipelang-run-") as run_dir:
             self.run_dir = Path(run_dir)
-            write_rank_programs(self.program, self.run_dir)
+            self._write_programs()
             store = dist.TCPStore(
                 "127.0.0.1",
                 0,
@@ -147,6 +173,16 @@ class Launcher:
             if self.failures:
                 raise self._failure_report()
         return Outcome([self.results[r] for r in range(self.world)], self.losses)
+
+    def _write_programs(self) -> None:
+        """rank{r}.py for every rank: its actions, or its stream program (`--graphs`)."""
+        if not self.config.graphs:
+            write_rank_programs(self.program, self.run_dir)
+            return
+        for rank in range(self.program.num_ranks):
+            assert self.streams is not None
+            text = render_stream_rank(self.program, self.streams, rank)
+            (self.run_dir / f"rank{rank}.py").write_text(text)
 
     def _watch(self) -> None:
         last_seen: tuple[int, ...] = tuple(self.status)
@@ -242,14 +278,14 @@ class Launcher:
             return self._silent_rank_report()
         if all(f.what.startswith("no progress") for f in self.failures):
             lines = [
-                f"rank {f.rank} {where(self.program, f.rank, f.phase, f.step, f.action)}"
+                f"rank {f.rank} {where(self.labels, f.rank, f.phase, f.step, f.action)}"
                 for f in self.failures
             ]
             return RunFailure(
                 "the run hung: no rank made progress for "
                 f"{self.config.timeout:g} s (--timeout); waiting:\n  " + "\n  ".join(lines)
             )
-        place = where(self.program, primary.rank, primary.phase, primary.step, primary.action)
+        place = where(self.labels, primary.rank, primary.phase, primary.step, primary.action)
         others = [r for r in range(self.world) if r != primary.rank]
         message = f"rank {primary.rank} failed {place}: {primary.what}"
         if others:
@@ -267,12 +303,12 @@ class Launcher:
             if rank not in failed and phase not in (PHASE_DONE, PHASE_FAILED):
                 quiet.append(
                     f"rank {rank} stopped responding "
-                    f"{where(self.program, rank, phase, step, action)}"
+                    f"{where(self.labels, rank, phase, step, action)}"
                 )
         first = self.failures[0]
         if not quiet:
             lines = [
-                f"rank {f.rank} {where(self.program, f.rank, f.phase, f.step, f.action)}: {f.what}"
+                f"rank {f.rank} {where(self.labels, f.rank, f.phase, f.step, f.action)}: {f.what}"
                 for f in sorted(self.failures, key=lambda f: f.rank)
             ]
             return RunFailure(
@@ -354,6 +390,13 @@ def forkserver() -> Any:
     return ctx
 
 
-def launch(program: Program, config: RunConfig, shapes: Shapes, on_step: OnStep) -> Outcome:
-    """Run `program` with one process per rank on this machine."""
-    return Launcher(program, config, shapes, on_step).run()
+def launch(
+    program: Program,
+    config: RunConfig,
+    shapes: Shapes,
+    on_step: OnStep,
+    streams: StreamProgram | None = None,
+) -> Outcome:
+    """Run `program` with one process per rank on this machine (with `--graphs`, each
+    rank's part of `streams`, lowered here if not given)."""
+    return Launcher(program, config, shapes, on_step, streams).run()

@@ -28,7 +28,9 @@ from pipelang.backends.codegen import load_iteration, render_rank_program
 from pipelang.backends.models import Shapes
 from pipelang.backends.runtime import RankResult, RankRuntime, RunConfig
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport
+from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
+from pipelang.streams import StreamProgram
 
 PHASE_STARTING, PHASE_SETUP, PHASE_RUNNING, PHASE_DONE, PHASE_FAILED = range(5)
 """The first entry of a rank's (phase, step, action) status."""
@@ -77,11 +79,39 @@ def build_rank(
     replica: int = 0,
 ) -> tuple[RankRuntime, Iteration]:
     """The runtime of program rank `rank` in data-parallel copy `replica`, and its
-    generated `iteration` (rendered unless `source` given)."""
-    runtime = RankRuntime(program, rank, config, transport, device, status, shapes, replica)
-    text = source if source is not None else render_rank_program(program, rank)
+    generated `iteration` (rendered unless `source` given): the action list, or with
+    `--graphs` the rank's stream program (backends/stream_runtime.py)."""
+    text = source if source is not None else render(program, config, rank)
     iteration = load_iteration(text, filename or f"<pipelang rank{rank}.py>")
-    return runtime, iteration
+    if not config.graphs:
+        runtime = RankRuntime(program, rank, config, transport, device, status, shapes, replica)
+        return runtime, iteration
+    from pipelang.backends.stream_runtime import StreamRankRuntime
+
+    if not isinstance(transport, DistTransport):
+        raise InternalError("a stream program runs over torch.distributed channels")
+    slots = iteration.__globals__["SLOTS"]
+    stream_rt = StreamRankRuntime(
+        program, rank, config, transport, device, slots, status, shapes, replica
+    )
+    return stream_rt, iteration
+
+
+def render(program: Program, config: RunConfig, rank: int) -> str:
+    """The generated program of `rank`: its actions, or its stream program (`--graphs`)."""
+    if not config.graphs:
+        return render_rank_program(program, rank)
+    from pipelang.backends.codegen import render_stream_rank
+
+    return render_stream_rank(program, lower_streams(program, config.dp), rank)
+
+
+def lower_streams(program: Program, dp: int) -> StreamProgram:
+    """The checked stream program of `program` run as `dp` copies (PipelangError if not)."""
+    from pipelang.passes.check_streams import check_streams
+    from pipelang.passes.streams import streams
+
+    return check_streams(streams(program, dp))
 
 
 def run_step(

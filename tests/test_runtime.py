@@ -278,18 +278,14 @@ def test_missing_allreduce_is_an_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "never runs `allreduce@" in capsys.readouterr().err
 
 
-def test_graphs_is_refused_where_it_is_not_built(capsys: pytest.CaptureFixture[str]) -> None:
-    """`--graphs` runs on the CPU executor with `--backend local` (tests/test_stream_executor.py);
-    over gloo (CUDA graphs over NCCL, not built) it is a clear refusal, exit 2, before
-    anything starts; a program the streams pass cannot lower is a diagnostic, exit 1."""
-    status = run(stdlib("1f1b", D=2, N=2), "--graphs", "--backend", "gloo")
-    err = capsys.readouterr().err
-    assert status == 2
-    assert err.startswith("error: --graphs runs with --backend local for now")
-    status = run(stdlib("bpipe", D=4, N=8), "--graphs", "--backend", "local")
-    err = capsys.readouterr().err
-    assert status == 1
-    assert err.startswith("error[E0506]: `bpipe` evicts activations")
+def test_graphs_refuses_a_program_it_cannot_lower(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--graphs` runs the stream program (tests/test_stream_runtime.py); a program the
+    streams pass cannot lower (evictions) is a diagnostic, exit 1, before any rank starts."""
+    for backend in ("local", "gloo"):
+        status = run(stdlib("bpipe", D=4, N=8), "--graphs", "--backend", backend)
+        err = capsys.readouterr().err
+        assert status == 1
+        assert err.startswith("error[E0506]: `bpipe` evicts activations")
 
 
 # ---- output ------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def streams(program: Program, dp: int = 1) -> StreamProgram:
     ops: list[StreamOp] = []
     start = 0
     for process_ops in first:
-        ops.extend(_allocate(virtual, order, start, len(process_ops)))
+        ops.extend(_post_early(_allocate(virtual, order, start, len(process_ops))))
         start += len(process_ops)
     return StreamProgram(_title(program, dp), program.num_ranks * dp, tuple(ops))
 
@@ -355,6 +355,28 @@ def _choose(
             if ops[candidate.reader].stream == "compute":
                 return candidate
     return None
+
+
+def _post_early(ops: list[StreamOp]) -> list[StreamOp]:
+    """Issue every op of a receive stream as early as its process can: right after the
+    op before it on its stream, or after the `record` its `wait` needs, whichever comes
+    later. Receives are then posted as soon as their slot is free, not just before their
+    consumer; nothing else moves, and no happens-before edge changes."""
+    keys: list[tuple[int, int, int]] = []
+    last: dict[str, tuple[int, int, int]] = {}
+    recorded: dict[int | None, tuple[int, int, int]] = {}
+    counter = itertools.count()
+    for i, op in enumerate(ops):
+        key = (i, 0, 0)
+        if op.stream.startswith("recv"):
+            anchor = max(last.get(op.stream, (-1, 0, 0)), recorded.get(op.event, (-1, 0, 0)))
+            key = (anchor[0], 1, next(counter)) if op.what == WAIT or op.stream in last else key
+        if op.what == RECORD:
+            recorded[op.event] = key
+        last[op.stream] = key
+        keys.append(key)
+    order = sorted(range(len(ops)), key=keys.__getitem__)
+    return [ops[i] for i in order]
 
 
 def _rewrite(

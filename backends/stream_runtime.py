@@ -1,0 +1,181 @@
+"""`StreamRankRuntime`: what a rank's stream program (`--graphs`) calls, on CPU processes.
+
+A generated `rank{r}.py` for `--graphs` (codegen `render_stream_rank`) issues its rank's
+ops of the stream program in order. On the CPU there is one real stream, the host: a
+compute op runs when it is issued. A channel or reduce stream is the list of
+torch.distributed works issued on it and not yet waited:
+
+- `recv` posts an `irecv` into its slot and returns; `send` starts an `isend` of its slot;
+  `allreduce` starts an asynchronous allreduce of the copy's gradients;
+- `record_event(e, on=S)` remembers the works issued on S so far (on `compute`, none:
+  the host has done them);
+- `wait_event(e, on="compute")` waits for those works: this is where a receive's data is
+  needed, or a sent slot is reused; on another stream it needs nothing, since the host
+  issues its ops after the compute ops it waits for have run.
+
+So receives are posted as early as the program allows (the `streams` pass issues them
+so) and complete while the host computes. Values live in static slots (`d0`, ...; their
+bytes from the model's shapes): a forward's input and a backward's incoming gradient
+are copied out of their slot (autograd keeps them, and the slot will hold other values),
+a result is copied into its slot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, MutableSequence
+from typing import Any
+
+import torch
+
+from pipelang.backends.models import Shapes
+from pipelang.backends.runtime import RankRuntime, RunConfig, StageCopy, _action
+from pipelang.backends.transport import DistTransport, PeerFailure
+from pipelang.ir import Program
+from pipelang.streams import value_key
+
+Slots = Mapping[str, tuple[int, ...]]
+"""Slot name -> the stage boundaries whose values it holds (b: the output of stage b)."""
+
+
+class StreamRankRuntime(RankRuntime):
+    """The `rt` of a generated stream program; see the module docstring."""
+
+    def __init__(
+        self,
+        program: Program,
+        rank: int,
+        config: RunConfig,
+        transport: DistTransport,
+        device: torch.device,
+        slots: Slots,
+        status: MutableSequence[int] | None = None,
+        shapes: Shapes | None = None,
+        replica: int = 0,
+    ) -> None:
+        super().__init__(program, rank, config, transport, device, status, shapes, replica)
+        self.channels = transport
+        self.reduced_at_step: list[StageCopy] = []  # the stream program reduces them itself
+        self.slots = {
+            name: torch.empty(max(_nbytes(self.shapes[b]) for b in bounds), dtype=torch.uint8)
+            for name, bounds in slots.items()
+        }
+        self.issued: dict[str, list[Any]] = {}
+        """Per stream: the works issued on it this iteration."""
+        self.marks: dict[int, list[Any]] = {}
+        """Per event: the works its stream had issued when it was recorded."""
+        self.kept: list[torch.Tensor] = []
+        """Signal messages, alive until the iteration's works are done."""
+        self.waited: set[int] = set()
+        """The works waited for already (by id; the works stay alive in `issued`)."""
+
+    @property
+    def slot_bytes(self) -> int:
+        """The bytes of this rank's data slots."""
+        return sum(b.numel() for b in self.slots.values())
+
+    def _view(self, slot: str, value: str) -> torch.Tensor:
+        kind, _, stage, _ = value_key(value)
+        shape, dtype = self.shapes[stage if kind == "F" else stage - 1]
+        return self.slots[slot][: _nbytes((shape, dtype))].view(dtype).view(shape)
+
+    # ---- events ----------------------------------------------------------------------------
+
+    @_action
+    def record_event(self, event: int, on: str) -> None:
+        """Mark what stream `on` has issued so far."""
+        self.marks[event] = list(self.issued.get(on, ()))
+
+    @_action
+    def wait_event(self, event: int, on: str) -> None:
+        """Make stream `on` wait for the event; only the host (compute) ever blocks."""
+        if on != "compute":
+            return
+        try:
+            for work in self.marks.get(event, ()):
+                if id(work) not in self.waited:  # a gloo work's wait is not idempotent:
+                    work.wait()  # a second wait on a receive waits for another message
+                    self.waited.add(id(work))
+        except RuntimeError as err:
+            raise PeerFailure(str(err)) from err
+
+    def _issue(self, stream: str, work: Any) -> None:
+        self.issued.setdefault(stream, []).append(work)
+
+    # ---- transfers -------------------------------------------------------------------------
+
+    @_action
+    def send(self, to: int, slot: str, value: str) -> None:
+        """Start sending the value in `slot` to rank `to` (on stream `send{to}`)."""
+        group, peer = self.channels.out[to]
+        try:
+            self._issue(f"send{to}", group.send([self._view(slot, value)], peer, 0))
+        except RuntimeError as err:
+            raise PeerFailure(str(err)) from err
+
+    @_action
+    def recv(self, src: int, slot: str, value: str) -> None:
+        """Post the receive of `value` from rank `src` into `slot` (on stream `recv{src}`)."""
+        group, peer = self.channels.into[src]
+        try:
+            self._issue(f"recv{src}", group.recv([self._view(slot, value)], peer, 0))
+        except RuntimeError as err:
+            raise PeerFailure(str(err)) from err
+
+    @_action
+    def signal(self, to: int) -> None:  # type: ignore[override]
+        """Tell rank `to` an op finished (an `after` dependency): a one-element message."""
+        group, peer = self.channels.out[to]
+        self.kept.append(torch.ones(1))
+        self._issue(f"send{to}", group.send([self.kept[-1]], peer, 0))
+
+    @_action
+    def wait_signal(self, src: int) -> None:
+        """Post the receive of rank `src`'s signal; the compute stream waits for it."""
+        group, peer = self.channels.into[src]
+        self.kept.append(torch.empty(1))
+        self._issue(f"recv{src}", group.recv([self.kept[-1]], peer, 0))
+
+    @_action
+    def allreduce(self, stage: int, pipeline: str) -> None:
+        """Start summing this copy's gradients over the stage's replicas (`reduce{stage}`)."""
+        if self.group_sizes[stage] < 2:
+            return
+        self._start_allreduce(self.copies[(stage, pipeline)])
+        self._issue(f"reduce{stage}", self.reducing[-1][3])
+
+    # ---- compute: slots in, slots out --------------------------------------------------------
+
+    def forward(  # type: ignore[override]
+        self, mb: int, stage: int, pipeline: str, x: str | None = None, y: str | None = None
+    ) -> None:
+        if x is not None:
+            value = f"F{mb}@{stage - 1}/{pipeline}"
+            self.values[value_key(value)] = self._view(x, value).clone()
+        super().forward(mb=mb, stage=stage, pipeline=pipeline)
+        if y is not None:
+            value = f"F{mb}@{stage}/{pipeline}"
+            self._view(y, value).copy_(self.values.pop(value_key(value)))
+
+    def backward(  # type: ignore[override]
+        self, mb: int, stage: int, pipeline: str, dy: str | None = None, dx: str | None = None
+    ) -> None:
+        if dy is not None:
+            value = f"B{mb}@{stage + 1}/{pipeline}"
+            self.values[value_key(value)] = self._view(dy, value).clone()
+        super().backward(mb=mb, stage=stage, pipeline=pipeline)
+        if dx is not None:
+            value = f"B{mb}@{stage}/{pipeline}"
+            self._view(dx, value).copy_(self.values.pop(value_key(value)))
+
+    def end_step(self) -> dict[int, float]:
+        self.issued.clear()
+        self.marks.clear()
+        self.kept.clear()
+        self.waited.clear()
+        return super().end_step()
+
+
+def _nbytes(shape_dtype: tuple[tuple[int, ...], torch.dtype]) -> int:
+    shape, dtype = shape_dtype
+    return math.prod(shape) * dtype.itemsize

@@ -1,0 +1,78 @@
+"""Stream programs run eagerly over gloo (`run --backend gloo --graphs`).
+
+Each rank runs its generated stream program: receives posted early as `irecv`s, sends
+as `isend`s, the compute stream waiting for exactly the works its events name. Oracle:
+the single-process reference (`--check`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelang.backends.codegen import render_stream_rank
+from pipelang.backends.worker import lower_streams
+from tests.runtime_helpers import run, stdlib
+
+GRAPHS = ("--backend", "gloo", "--graphs", "--steps", "2", "--check")
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("1f1b", {"D": 2, "N": 4}),
+        ("chimera", {"D": 4, "N": 4}),
+        ("interleaved-1f1b", {"D": 2, "N": 4}),
+        ("zbv", {"D": 2, "N": 4}),
+        ("pipedream", {"D": 2, "N": 4}),
+    ],
+)
+def test_stream_programs_train_like_one_process_over_gloo(
+    name: str, params: dict[str, int]
+) -> None:
+    assert run(stdlib(name, **params), *GRAPHS) == 0
+
+
+def test_data_parallel_copies_over_gloo() -> None:
+    assert run(stdlib("1f1b", D=2, N=2), *GRAPHS, "--dp", "2") == 0
+
+
+def test_the_generated_stream_program_reads_as_its_dump() -> None:
+    """One call per op of the rank's stream program, its stream and op in the comment,
+    its slots' stage boundaries in SLOTS; receives come first (posted early)."""
+    program = stdlib("1f1b", D=2, N=2)
+    streams = lower_streams(program, 1)
+    text = render_stream_rank(program, streams, 1)
+    body = text.split("def iteration(rt):\n")[1].split("\n\n")[0].splitlines()
+    assert len(body) == len(list(streams.by_rank(1)))
+    assert 'SLOTS = {"d0": (0,), "d1": (0,)}' in text
+    assert body[0].split("#")[1].split() == ["compute", "e0"]
+    first_recv = next(i for i, line in enumerate(body) if "rt.recv(" in line)
+    first_compute = next(i for i, line in enumerate(body) if "rt.forward(" in line)
+    assert first_recv < first_compute
+    assert 'rt.forward(mb=0, stage=1, pipeline="main", x="d0")' in text
+
+
+def test_a_failure_names_the_stream_op(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program = stdlib("1f1b", D=2, N=2)
+    labels = [op for _, op in lower_streams(program, 1).by_rank(1)]
+    index = next(i for i, op in enumerate(labels) if op.what == "F0@1/main")
+    monkeypatch.setenv("PIPELANG_FAULT", f"1:0:{index}:raise")
+    assert run(program, "--backend", "gloo", "--graphs", "--timeout", "20") == 1
+    err = capsys.readouterr().err
+    assert f"error: rank 1 failed at step 0, action {index} `r1.compute F0@1/main`" in err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--backend", "nccl"), "error: --graphs on a GPU (CUDA graph capture"),
+        (("--backend", "gloo", "--trace", "t.json"), "error: --trace does not record"),
+    ],
+)
+def test_graphs_refusals(
+    options: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(stdlib("1f1b", D=2, N=2), "--graphs", *options) == 2
+    assert capsys.readouterr().err.startswith(message)
