@@ -150,9 +150,10 @@ _ROLE = {
 
 
 def render_stream_rank(program: Program, streams: StreamProgram, rank: int) -> str:
-    """The source text of rank `rank`'s stream program (`--graphs`): one call per op of
-    process `rank` (the first data-parallel copy; every copy runs the same file)."""
-    ops = [op for _, op in streams.by_rank(rank)]
+    """The source text of rank `rank`'s stream program (`--graphs`) for a CPU process: one
+    call per op of process `rank` that the host must issue (`StreamProgram.host_ops`; the
+    first data-parallel copy's, and every copy runs the same file)."""
+    ops = [op for _, op in streams.host_ops(rank)]
     calls = [stream_op_call(op, program.num_ranks) for op in ops]
     width = max((len(c) for c in calls), default=0)
     lines = [

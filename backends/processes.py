@@ -95,7 +95,7 @@ def action_labels(program: Program, streams: StreamProgram | None = None) -> lis
     return [
         [
             f"{op.stream_name} {op.what if op.event is None else f'{op.what} e{op.event}'}"
-            for _, op in streams.by_rank(r)
+            for _, op in streams.host_ops(r)
         ]
         for r in range(program.num_ranks)
     ]

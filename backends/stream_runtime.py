@@ -7,11 +7,13 @@ torch.distributed works issued on it and not yet waited:
 
 - `recv` posts an `irecv` into its slot and returns; `send` starts an `isend` of its slot;
   `allreduce` starts an asynchronous allreduce of the copy's gradients;
-- `record_event(e, on=S)` remembers the works issued on S so far (on `compute`, none:
-  the host has done them);
+- `record_event(e, on=S)` remembers how many works S has issued;
 - `wait_event(e, on="compute")` waits for those works: this is where a receive's data is
-  needed, or a sent slot is reused; on another stream it needs nothing, since the host
-  issues its ops after the compute ops it waits for have run.
+  needed, or a sent slot is reused.
+
+A record on the compute stream and a wait on any other stream need nothing here (the
+host has run every compute op it issued), so the CPU's generated program leaves them out
+(`host_ops`).
 
 So receives are posted as early as the program allows (the `streams` pass issues them
 so) and complete while the host computes. Values live in static slots (`d0`, ...; their
@@ -62,42 +64,49 @@ class StreamRankRuntime(RankRuntime):
         }
         self.issued: dict[str, list[Any]] = {}
         """Per stream: the works issued on it this iteration."""
-        self.marks: dict[int, list[Any]] = {}
-        """Per event: the works its stream had issued when it was recorded."""
+        self.marks: dict[int, tuple[str, int]] = {}
+        """Per event: its stream and how many works that stream had issued then."""
         self.kept: list[torch.Tensor] = []
         """Signal messages, alive until the iteration's works are done."""
-        self.waited: set[int] = set()
-        """The works waited for already (by id; the works stay alive in `issued`)."""
+        self.waited: dict[str, int] = {}
+        """Per stream: how many of its works (from the first) are waited for."""
 
     @property
     def slot_bytes(self) -> int:
         """The bytes of this rank's data slots."""
         return sum(b.numel() for b in self.slots.values())
 
-    def _view(self, slot: str, value: str) -> torch.Tensor:
-        kind, _, stage, _ = value_key(value)
-        shape, dtype = self.shapes[stage if kind == "F" else stage - 1]
+    def _view(self, slot: str, boundary: int) -> torch.Tensor:
+        """`slot` as a tensor of the output of stage `boundary` (shape and dtype)."""
+        shape, dtype = self.shapes[boundary]
         return self.slots[slot][: _nbytes((shape, dtype))].view(dtype).view(shape)
+
+    def _value_view(self, slot: str, value: str) -> torch.Tensor:
+        kind, _, stage, _ = value_key(value)
+        return self._view(slot, stage if kind == "F" else stage - 1)
 
     # ---- events ----------------------------------------------------------------------------
 
     @_action
     def record_event(self, event: int, on: str) -> None:
         """Mark what stream `on` has issued so far."""
-        self.marks[event] = list(self.issued.get(on, ()))
+        self.marks[event] = (on, len(self.issued.get(on, ())))
 
     @_action
     def wait_event(self, event: int, on: str) -> None:
-        """Make stream `on` wait for the event; only the host (compute) ever blocks."""
-        if on != "compute":
+        """Make stream `on` wait for the event; only the host (compute) ever blocks. A
+        stream's works are waited once each, in order (a gloo receive's `wait` is not
+        idempotent: a second one waits for another message)."""
+        if on != "compute" or event not in self.marks:
             return
+        stream, upto = self.marks[event]
+        start = self.waited.get(stream, 0)
         try:
-            for work in self.marks.get(event, ()):
-                if id(work) not in self.waited:  # a gloo work's wait is not idempotent:
-                    work.wait()  # a second wait on a receive waits for another message
-                    self.waited.add(id(work))
+            for work in self.issued[stream][start:upto]:
+                work.wait()
         except RuntimeError as err:
             raise PeerFailure(str(err)) from err
+        self.waited[stream] = max(start, upto)
 
     def _issue(self, stream: str, work: Any) -> None:
         self.issued.setdefault(stream, []).append(work)
@@ -109,7 +118,7 @@ class StreamRankRuntime(RankRuntime):
         """Start sending the value in `slot` to rank `to` (on stream `send{to}`)."""
         group, peer = self.channels.out[to]
         try:
-            self._issue(f"send{to}", group.send([self._view(slot, value)], peer, 0))
+            self._issue(f"send{to}", group.send([self._value_view(slot, value)], peer, 0))
         except RuntimeError as err:
             raise PeerFailure(str(err)) from err
 
@@ -118,7 +127,7 @@ class StreamRankRuntime(RankRuntime):
         """Post the receive of `value` from rank `src` into `slot` (on stream `recv{src}`)."""
         group, peer = self.channels.into[src]
         try:
-            self._issue(f"recv{src}", group.recv([self._view(slot, value)], peer, 0))
+            self._issue(f"recv{src}", group.recv([self._value_view(slot, value)], peer, 0))
         except RuntimeError as err:
             raise PeerFailure(str(err)) from err
 
@@ -150,23 +159,23 @@ class StreamRankRuntime(RankRuntime):
         self, mb: int, stage: int, pipeline: str, x: str | None = None, y: str | None = None
     ) -> None:
         if x is not None:
-            value = f"F{mb}@{stage - 1}/{pipeline}"
-            self.values[value_key(value)] = self._view(x, value).clone()
+            self.values[("F", mb, stage - 1, pipeline)] = self._view(x, stage - 1).clone()
         super().forward(mb=mb, stage=stage, pipeline=pipeline)
         if y is not None:
-            value = f"F{mb}@{stage}/{pipeline}"
-            self._view(y, value).copy_(self.values.pop(value_key(value)))
+            self._view(y, stage).copy_(self.values.pop(("F", mb, stage, pipeline)))
 
     def backward(  # type: ignore[override]
         self, mb: int, stage: int, pipeline: str, dy: str | None = None, dx: str | None = None
     ) -> None:
         if dy is not None:
-            value = f"B{mb}@{stage + 1}/{pipeline}"
-            self.values[value_key(value)] = self._view(dy, value).clone()
+            incoming = self._view(dy, stage)
+            # a split backward keeps dy until W, when the slot may hold another value
+            self.values[("B", mb, stage + 1, pipeline)] = (
+                incoming.clone() if self.split_backward else incoming
+            )
         super().backward(mb=mb, stage=stage, pipeline=pipeline)
         if dx is not None:
-            value = f"B{mb}@{stage}/{pipeline}"
-            self._view(dx, value).copy_(self.values.pop(value_key(value)))
+            self._view(dx, stage - 1).copy_(self.values.pop(("B", mb, stage, pipeline)))
 
     def end_step(self) -> dict[int, float]:
         self.issued.clear()

@@ -31,6 +31,7 @@ n-th. `StreamProgram.parse(program.dump())` gives the program back.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -112,6 +113,16 @@ class StreamProgram:
         for i, op in enumerate(self.ops):
             if op.rank == rank:
                 yield i, op
+
+    def host_ops(self, rank: int) -> Iterator[tuple[int, StreamOp]]:
+        """`by_rank` less what is a no-op where the host itself is the compute stream (a
+        CPU process): a `record` on compute, and a `wait` on any other stream."""
+        for i, op in self.by_rank(rank):
+            if op.what == RECORD and op.stream == "compute":
+                continue
+            if op.what == WAIT and op.stream != "compute":
+                continue
+            yield i, op
 
     def streams(self) -> list[tuple[int, str]]:
         """Every (rank, stream) with an op, in order of first use."""
@@ -243,6 +254,7 @@ def _parse_line(line: str, source: SourceFile, number: int) -> StreamOp:
     )
 
 
+@functools.cache
 def value_key(value: str) -> tuple[str, int, int, str]:
     """The runtime's key of a data value: `F0@1/main` -> ("F", 0, 1, "main")."""
     action = Action.parse(value)
