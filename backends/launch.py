@@ -114,10 +114,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--graphs",
         action="store_true",
-        help="run the stream program (`compile --dump-after streams`): with --backend "
-        "local on a machine without CUDA, on the CPU executor, streams interleaved in a "
-        "legal order picked by --stream-seed, dead slots filled with NaN (no capture). "
-        "Capturing it as CUDA graphs is not built yet",
+        help="run each rank's stream program (`compile --dump-after streams`) instead of "
+        "its action list: over gloo eagerly, receives posted early; with --backend local "
+        "on a machine without CUDA on the CPU executor, streams interleaved as "
+        "--stream-seed picks, dead slots NaN. Capture as CUDA graphs is not built yet",
     )
     parser.add_argument(
         "--stream-seed",
