@@ -106,6 +106,11 @@ def render_rank_program(program: Program, rank: int) -> str:
     )
 
 
+GRAPH_WARMUP = 3
+"""Eager steps before a capture: NCCL connects peers on first use and autograd and the
+optimizer allocate their state then; torch's docs and Megatron warm up 3 times."""
+
+
 def stream_op_call(op: StreamOp, world: int) -> str:
     """The runtime call that issues one stream op, peers as program ranks (`world` of
     them; a --dp copy's process k*R + r runs rank r's file)."""
@@ -178,6 +183,7 @@ def render_stream_rank(program: Program, streams: StreamProgram, rank: int) -> s
         num_ranks=program.num_ranks,
         copies=_copies(program, rank),
         slots=slots,
+        warmup=GRAPH_WARMUP,
         lines=lines or ["pass  # this rank runs no op"],
     )
 

@@ -479,6 +479,13 @@ def run_generated(rank: int, file: str) -> int:
         )
         return 2
     config = config_from_args(args, program.partition)
+    if config.graphs:
+        print(
+            f"error: {Path(file).name} runs its rank's action list; --graphs runs stream "
+            "programs, which `pipelang run ... --graphs` writes and starts itself",
+            file=sys.stderr,
+        )
+        return 2
     try:
         preflight(program, config)
     except (RunError, ModelError) as error:

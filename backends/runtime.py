@@ -274,6 +274,8 @@ class RankRuntime:
         self.values: dict[tuple[str, int, int, str], torch.Tensor] = {}
         self.reducing: list[tuple[StageCopy, torch.Tensor, list[torch.Tensor], Handle]] = []
         self.losses: list[tuple[int, torch.Tensor]] = []
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Static ids and targets per micro-batch (`load_inputs`); empty: made per use."""
         self.events: list[tuple[int, int, int, int]] = []
         self.timed = config.trace is not None
         """Time every action for the trace (CUDA: always, with events)."""
@@ -373,6 +375,9 @@ class RankRuntime:
             self.span_ns = (self.span_ns[0], perf_counter_ns() - self.t0)
         return losses
 
+    def close(self) -> None:
+        """Release what must go before the process groups (a captured graph)."""
+
     def result(self, with_weights: bool) -> RankResult:
         """The report of this rank after the last step."""
         if self.gpu_events is not None and self.t0_event is not None:
@@ -403,18 +408,37 @@ class RankRuntime:
 
     # ---- compute --------------------------------------------------------------------------
 
+    def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ids and targets of micro-batch `mb`: from the static buffers when a
+        driver loads them (`load_inputs`, graph mode), else made now."""
+        if self.inputs:
+            return self.inputs[mb]
+        return self.model.batch(self.step_index, self.first_mb + mb, self.device)
+
+    def load_inputs(self, step: int) -> None:
+        """Copy step `step`'s ids and targets into static buffers, one pair per
+        micro-batch, allocated once: a captured iteration reads its inputs from fixed
+        addresses, and only this copy changes between replays."""
+        if not any(c.first or c.last for c in self.copies.values()):
+            return
+        for mb in range(self.program.num_microbatches):
+            ids, targets = self.model.batch(step, self.first_mb + mb, self.device)
+            if mb not in self.inputs:
+                self.inputs[mb] = (ids.clone(), targets.clone())
+            else:
+                self.inputs[mb][0].copy_(ids)
+                self.inputs[mb][1].copy_(targets)
+
     def _stage_input(self, mb: int, copy: StageCopy) -> torch.Tensor:
         if copy.first:
-            ids, _ = self.model.batch(self.step_index, self.first_mb + mb, self.device)
-            return ids
+            return self._batch(mb)[0]
         value = self.values.pop(("F", mb, copy.stage - 1, copy.pipeline))
         return value.detach().requires_grad_(True)
 
     def _scaled_loss(self, mb: int, logits: torch.Tensor, record: bool) -> torch.Tensor:
         """The loss of one micro-batch scaled by 1/(N*K) (K = `--dp`): the one place the
         loss is scaled. The allreduce then sums the K data-parallel copies' gradients."""
-        _, targets = self.model.batch(self.step_index, self.first_mb + mb, self.device)
-        loss = self.model.loss(logits, targets)
+        loss = self.model.loss(logits, self._batch(mb)[1])
         if record:
             self.losses.append((self.first_mb + mb, loss.detach()))
         return loss * self.scale

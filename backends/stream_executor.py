@@ -145,6 +145,7 @@ class StreamExecutor:
             began = time.perf_counter()
             for p in self.processes:
                 p.runtime.begin_step(step)
+                p.runtime.load_inputs(step)
                 p.reads_left = Counter(self.reads[p.runtime.world_rank])
                 for slot in p.buffers:
                     self._poison(p, slot)

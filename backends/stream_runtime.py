@@ -25,7 +25,7 @@ a result is copied into its slot.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, MutableSequence
+from collections.abc import Callable, Mapping, MutableSequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ import torch
 from pipelang.backends.models import Shapes
 from pipelang.backends.runtime import RankRuntime, RunConfig, StageCopy, _action
 from pipelang.backends.transport import DistTransport, PeerFailure
+from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
 from pipelang.streams import value_key
 
@@ -68,8 +69,30 @@ class StreamRankRuntime(RankRuntime):
         """Per event: its stream and how many works that stream had issued then."""
         self.kept: list[torch.Tensor] = []
         """Signal messages, alive until the iteration's works are done."""
+        self.graph: Callable[[RankRuntime], None] | None = None
+        """The captured iteration (`capture`)."""
         self.waited: dict[str, int] = {}
         """Per stream: how many of its works (from the first) are waited for."""
+
+    # ---- the driver: eager steps, one capture, replays -------------------------------------
+
+    def run_eager(self, iteration: Callable[[RankRuntime], None]) -> None:
+        """A warm-up step: the iteration as it is."""
+        iteration(self)
+
+    def capture(self, iteration: Callable[[RankRuntime], None]) -> None:
+        """Capture the iteration for `replay`. On a CPU nothing is captured (there is no
+        graph to capture into): the iteration is kept and every replay runs it."""
+        self.graph = iteration
+
+    def replay(self) -> None:
+        """Run the captured iteration once."""
+        if self.graph is None:
+            raise InternalError("replay before capture")
+        self.graph(self)
+
+    def close(self) -> None:
+        self.graph = None
 
     @property
     def slot_bytes(self) -> int:

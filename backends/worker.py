@@ -120,7 +120,11 @@ def run_step(
     """One training iteration; returns the losses this rank computed and its duration."""
     start = time.perf_counter()
     runtime.begin_step(step)
-    iteration(runtime)
+    driver = iteration.__globals__.get("train_step")  # a stream program's (--graphs)
+    if driver is None:
+        iteration(runtime)
+    else:
+        driver(runtime, step)
     losses = runtime.end_step()
     return losses, time.perf_counter() - start
 
@@ -149,6 +153,7 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
         result = runtime.result(job.config.check)
         status[slot] = PHASE_DONE
         queue.put(("done", job.rank, _to_bytes(result)))
+        runtime.close()  # a captured graph goes before the process groups it uses
         dist.destroy_process_group()
     except BaseException as err:
         status[slot] = PHASE_FAILED
@@ -242,6 +247,7 @@ def run_torchrun_rank(
         result = runtime.result(config.check)
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
+        runtime.close()  # a captured graph goes before the process groups it uses
         return gathered if rank == 0 else None  # type: ignore[return-value]
     finally:
         dist.destroy_process_group()

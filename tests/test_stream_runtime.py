@@ -36,6 +36,13 @@ def test_data_parallel_copies_over_gloo() -> None:
     assert run(stdlib("1f1b", D=2, N=2), *GRAPHS, "--dp", "2") == 0
 
 
+def test_warm_up_capture_and_replays_train_like_one_process() -> None:
+    """Past the WARMUP eager steps the driver captures once and replays (on a CPU a replay
+    runs the kept iteration); inputs come from static buffers loaded before each step."""
+    options = ["--backend", "gloo", "--graphs", "--check", "--steps", "6"]
+    assert run(stdlib("chimera", D=4, N=4), *options) == 0
+
+
 def test_the_generated_stream_program_reads_as_its_dump() -> None:
     """One call per op of the rank's stream program that a CPU host must issue (no
     record on compute, no wait on another stream), its stream and op in the comment, its
@@ -53,6 +60,9 @@ def test_the_generated_stream_program_reads_as_its_dump() -> None:
     first_compute = next(i for i, line in enumerate(body) if "rt.forward(" in line)
     assert first_recv < first_compute
     assert 'rt.forward(mb=0, stage=1, pipeline="main", x="d0")' in text
+    driver = text.split("def train_step(rt, step):")[1]
+    assert "rt.load_inputs(step)" in driver and "rt.capture(iteration)" in driver
+    assert "WARMUP = 3" in text
 
 
 def test_a_failure_names_the_stream_op(
