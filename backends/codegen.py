@@ -154,11 +154,13 @@ _ROLE = {
 """The keyword naming a compute op's data slot: F reads x, writes y; B reads dy, writes dx."""
 
 
-def render_stream_rank(program: Program, streams: StreamProgram, rank: int) -> str:
-    """The source text of rank `rank`'s stream program (`--graphs`) for a CPU process: one
-    call per op of process `rank` that the host must issue (`StreamProgram.host_ops`; the
-    first data-parallel copy's, and every copy runs the same file)."""
-    ops = [op for _, op in streams.host_ops(rank)]
+def render_stream_rank(
+    program: Program, streams: StreamProgram, rank: int, cuda: bool = False
+) -> str:
+    """The source text of rank `rank`'s stream program (`--graphs`): one call per op of
+    process `rank` (the first data-parallel copy's; every copy runs the same file); for
+    a CPU process only those the host must issue (`StreamProgram.host_ops`)."""
+    ops = [op for _, op in (streams.by_rank(rank) if cuda else streams.host_ops(rank))]
     calls = [stream_op_call(op, program.num_ranks) for op in ops]
     width = max((len(c) for c in calls), default=0)
     lines = [

@@ -117,7 +117,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="run each rank's stream program (`compile --dump-after streams`) instead of "
         "its action list: over gloo eagerly, receives posted early; with --backend local "
         "on a machine without CUDA on the CPU executor, streams interleaved as "
-        "--stream-seed picks, dead slots NaN. Capture as CUDA graphs is not built yet",
+        "--stream-seed picks, dead slots NaN; with nccl captured as one CUDA graph per rank "
+        "after 3 eager steps (not yet run on a GPU)",
     )
     parser.add_argument(
         "--stream-seed",
@@ -340,15 +341,15 @@ def under_torchrun() -> bool:
 
 
 def graphs_refusal(config: RunConfig) -> str | None:
-    """Why `--graphs` cannot run with `config` here; None when it runs: on the CPU
-    executor (`local` without CUDA) or eagerly over gloo, stream by stream."""
+    """Why `--graphs` cannot run with `config` here; None when it runs: over gloo or nccl
+    (one process per rank), or on the CPU executor (`local` without CUDA)."""
     import torch
 
-    if config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available()):
+    if config.backend == "local" and torch.cuda.is_available():
         return (
-            "--graphs on a GPU (CUDA graph capture of the stream program) is not built "
-            "yet; run without --graphs, or with --backend gloo or on a machine without "
-            "CUDA to run the stream program on the CPU"
+            "--graphs with --backend local on a GPU (every rank's streams in one process, "
+            "one graph) is not built yet; use --backend nccl with a GPU per rank, or run "
+            "without --graphs"
         )
     if config.trace:
         return "--trace does not record a stream program yet; run --graphs without --trace"

@@ -87,9 +87,12 @@ def where(labels: Sequence[Sequence[str]], rank: int, phase: int, step: int, act
     return f"at step {step}, action {action} `{lines[action]}`"
 
 
-def action_labels(program: Program, streams: StreamProgram | None = None) -> list[list[str]]:
+def action_labels(
+    program: Program, streams: StreamProgram | None = None, cuda: bool = False
+) -> list[list[str]]:
     """What each generated line of each program rank does: its action's token, or with a
-    stream program (`--graphs`) its op (`r1.recv0 recv:F0@0/main<0`)."""
+    stream program (`--graphs`) its op (`r1.recv0 recv:F0@0/main<0`): every op on a GPU,
+    those the host issues on a CPU (as `render_stream_rank` writes them)."""
     if streams is None:
         return [[a.text() for a in actions] for actions in program.ranks]
     return [
@@ -120,7 +123,8 @@ class Launcher:
         if config.graphs and streams is None:
             streams = lower_streams(program, config.dp)
         self.streams = streams
-        self.labels = action_labels(program, self.streams)
+        self.cuda = config.backend == "nccl"
+        self.labels = action_labels(program, self.streams, self.cuda)
         self.ctx = forkserver()
         self.status: Any = self.ctx.Array("q", 3 * self.world, lock=False)
         self.queue: Any = self.ctx.Queue()
@@ -181,7 +185,7 @@ class Launcher:
             return
         for rank in range(self.program.num_ranks):
             assert self.streams is not None
-            text = render_stream_rank(self.program, self.streams, rank)
+            text = render_stream_rank(self.program, self.streams, rank, self.cuda)
             (self.run_dir / f"rank{rank}.py").write_text(text)
 
     def _watch(self) -> None:

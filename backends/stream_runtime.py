@@ -15,6 +15,15 @@ A record on the compute stream and a wait on any other stream need nothing here 
 host has run every compute op it issued), so the CPU's generated program leaves them out
 (`host_ops`).
 
+On a GPU (nccl, one process per GPU) every stream is a CUDA stream, created on first use
+and kept, so warm-up and capture use the same streams; `record_event`/`wait_event` are
+CUDA events; a transfer or allreduce runs on its stream and makes that stream wait for
+it (`Work.wait` inside the stream). The driver in the generated file warms up, captures
+the whole iteration once (`torch.cuda.graph`, `thread_local` capture mode, optimizer
+included) and replays it, under its own timeout: captured NCCL calls have none. This
+CUDA path is written to the rules of ../shared/reference/cuda_graphs_nccl.md but has not
+run on a GPU yet (tests/test_gpu.py holds its tests).
+
 So receives are posted as early as the program allows (the `streams` pass issues them
 so) and complete while the host computes. Values live in static slots (`d0`, ...; their
 bytes from the model's shapes): a forward's input and a backward's incoming gradient
@@ -25,6 +34,7 @@ a result is copied into its slot.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, MutableSequence
 from typing import Any
 
@@ -67,32 +77,94 @@ class StreamRankRuntime(RankRuntime):
         """Per stream: the works issued on it this iteration."""
         self.marks: dict[int, tuple[str, int]] = {}
         """Per event: its stream and how many works that stream had issued then."""
-        self.kept: list[torch.Tensor] = []
-        """Signal messages, alive until the iteration's works are done."""
-        self.graph: Callable[[RankRuntime], None] | None = None
-        """The captured iteration (`capture`)."""
+        self.graph: Any = None
+        """The captured iteration: a torch.cuda.CUDAGraph, or on a CPU the function."""
+        self.cuda = device.type == "cuda"
+        self.streams: dict[str, torch.cuda.Stream] = {}
+        self.cuda_events: dict[int, torch.cuda.Event] = {}
+        self.captured_losses: list[tuple[int, torch.Tensor]] = []
+        self.messages: dict[tuple[str, int], torch.Tensor] = {}
+        """One-element signal buffers, one per direction and peer, kept for replays."""
         self.waited: dict[str, int] = {}
         """Per stream: how many of its works (from the first) are waited for."""
 
     # ---- the driver: eager steps, one capture, replays -------------------------------------
 
     def run_eager(self, iteration: Callable[[RankRuntime], None]) -> None:
-        """A warm-up step: the iteration as it is."""
-        iteration(self)
+        """A warm-up step: the iteration as it is (on a GPU, on the compute stream the
+        capture will use)."""
+        if not self.cuda:
+            iteration(self)
+            return
+        compute = self._stream("compute")
+        compute.wait_stream(torch.cuda.current_stream(self.device))  # the inputs' copies
+        with torch.cuda.stream(compute):
+            iteration(self)
+        torch.cuda.current_stream(self.device).wait_stream(compute)
 
     def capture(self, iteration: Callable[[RankRuntime], None]) -> None:
         """Capture the iteration for `replay`. On a CPU nothing is captured (there is no
         graph to capture into): the iteration is kept and every replay runs it."""
-        self.graph = iteration
+        if not self.cuda:
+            self.graph = iteration
+            return
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(
+            graph, stream=self._stream("compute"), capture_error_mode="thread_local"
+        ):
+            iteration(self)
+        self.captured_losses = list(self.losses)
+        self.losses.clear()
+        self.graph = graph
 
     def replay(self) -> None:
-        """Run the captured iteration once."""
+        """Run the captured iteration once; on a GPU, wait for it under `--timeout`."""
         if self.graph is None:
             raise InternalError("replay before capture")
-        self.graph(self)
+        if not self.cuda:
+            self.graph(self)
+            return
+        self.graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.config.timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise PeerFailure(
+                    f"a replay of the captured iteration did not finish in "
+                    f"{self.config.timeout:g} s (--timeout); captured NCCL calls have no "
+                    "timeout of their own, so a peer that stopped shows here"
+                )
+            time.sleep(1e-4)
+        self.losses = list(self.captured_losses)  # the graph rewrote these tensors
 
     def close(self) -> None:
+        if self.cuda and self.graph is not None:
+            torch.cuda.synchronize(self.device)
         self.graph = None
+
+    def start_clock(self, t0: int | None = None, t0_event: torch.cuda.Event | None = None) -> None:
+        super().start_clock(t0, t0_event)
+        if self.cuda:  # a timing event per action cannot go into a captured graph
+            self.timed, self.gpu_events = False, None
+
+    def _stream(self, name: str) -> torch.cuda.Stream:
+        if name not in self.streams:
+            self.streams[name] = torch.cuda.Stream(self.device)
+        return self.streams[name]
+
+    def _on(self, stream: str, issue: Callable[[], Any]) -> None:
+        """Issue a communication on `stream`: on a GPU, that stream waits for it; on a
+        CPU, the work joins the stream's list for `wait_event`."""
+        try:
+            if not self.cuda:
+                self._issue(stream, issue())
+                return
+            with torch.cuda.stream(self._stream(stream)):
+                issue().wait()
+        except RuntimeError as err:
+            raise PeerFailure(str(err)) from err
 
     @property
     def slot_bytes(self) -> int:
@@ -113,13 +185,19 @@ class StreamRankRuntime(RankRuntime):
     @_action
     def record_event(self, event: int, on: str) -> None:
         """Mark what stream `on` has issued so far."""
+        if self.cuda:
+            self.cuda_events.setdefault(event, torch.cuda.Event()).record(self._stream(on))
+            return
         self.marks[event] = (on, len(self.issued.get(on, ())))
 
     @_action
     def wait_event(self, event: int, on: str) -> None:
-        """Make stream `on` wait for the event; only the host (compute) ever blocks. A
-        stream's works are waited once each, in order (a gloo receive's `wait` is not
-        idempotent: a second one waits for another message)."""
+        """Make stream `on` wait for the event. On a CPU only the host (compute) blocks,
+        and a stream's works are waited once each, in order (a gloo receive's `wait` is
+        not idempotent: a second one waits for another message)."""
+        if self.cuda:
+            self._stream(on).wait_event(self.cuda_events[event])
+            return
         if on != "compute" or event not in self.marks:
             return
         stream, upto = self.marks[event]
@@ -140,41 +218,49 @@ class StreamRankRuntime(RankRuntime):
     def send(self, to: int, slot: str, value: str) -> None:
         """Start sending the value in `slot` to rank `to` (on stream `send{to}`)."""
         group, peer = self.channels.out[to]
-        try:
-            self._issue(f"send{to}", group.send([self._value_view(slot, value)], peer, 0))
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        view = self._value_view(slot, value)
+        self._on(f"send{to}", lambda: group.send([view], peer, 0))
 
     @_action
     def recv(self, src: int, slot: str, value: str) -> None:
         """Post the receive of `value` from rank `src` into `slot` (on stream `recv{src}`)."""
         group, peer = self.channels.into[src]
-        try:
-            self._issue(f"recv{src}", group.recv([self._value_view(slot, value)], peer, 0))
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        view = self._value_view(slot, value)
+        self._on(f"recv{src}", lambda: group.recv([view], peer, 0))
 
     @_action
     def signal(self, to: int) -> None:  # type: ignore[override]
         """Tell rank `to` an op finished (an `after` dependency): a one-element message."""
         group, peer = self.channels.out[to]
-        self.kept.append(torch.ones(1))
-        self._issue(f"send{to}", group.send([self.kept[-1]], peer, 0))
+        message = self._message("to", to)
+        self._on(f"send{to}", lambda: group.send([message], peer, 0))
 
     @_action
     def wait_signal(self, src: int) -> None:
         """Post the receive of rank `src`'s signal; the compute stream waits for it."""
         group, peer = self.channels.into[src]
-        self.kept.append(torch.empty(1))
-        self._issue(f"recv{src}", group.recv([self.kept[-1]], peer, 0))
+        message = self._message("from", src)
+        self._on(f"recv{src}", lambda: group.recv([message], peer, 0))
+
+    def _message(self, direction: str, peer: int) -> torch.Tensor:
+        key = (direction, peer)
+        if key not in self.messages:
+            self.messages[key] = torch.ones(1, device=self.device)
+        return self.messages[key]
 
     @_action
     def allreduce(self, stage: int, pipeline: str) -> None:
         """Start summing this copy's gradients over the stage's replicas (`reduce{stage}`)."""
         if self.group_sizes[stage] < 2:
             return
-        self._start_allreduce(self.copies[(stage, pipeline)])
-        self._issue(f"reduce{stage}", self.reducing[-1][3])
+        copy = self.copies[(stage, pipeline)]
+        if not self.cuda:
+            self._start_allreduce(copy)
+            self._issue(f"reduce{stage}", self.reducing[-1][3])
+            return
+        with torch.cuda.stream(self._stream(f"reduce{stage}")):
+            self._start_allreduce(copy)
+            self.reducing[-1][3].wait()
 
     # ---- compute: slots in, slots out --------------------------------------------------------
 
@@ -203,7 +289,6 @@ class StreamRankRuntime(RankRuntime):
     def end_step(self) -> dict[int, float]:
         self.issued.clear()
         self.marks.clear()
-        self.kept.clear()
         self.waited.clear()
         return super().end_step()
 

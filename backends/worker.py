@@ -103,7 +103,8 @@ def render(program: Program, config: RunConfig, rank: int) -> str:
         return render_rank_program(program, rank)
     from pipelang.backends.codegen import render_stream_rank
 
-    return render_stream_rank(program, lower_streams(program, config.dp), rank)
+    streams = lower_streams(program, config.dp)
+    return render_stream_rank(program, streams, rank, cuda=config.backend == "nccl")
 
 
 def lower_streams(program: Program, dp: int) -> StreamProgram:

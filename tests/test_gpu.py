@@ -72,3 +72,22 @@ def test_nccl_matches_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     program = stdlib("1f1b", D=2, N=4)
     assert run(program, "--backend", "nccl", "--check") == 0
     assert "check OK" in capsys.readouterr().out
+
+
+def test_nccl_graphs_capture_a_one_rank_iteration(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--graphs` over nccl on one GPU: a one-rank program (NCCL refuses two ranks on one
+    GPU), 3 eager steps, one capture of the whole iteration with the capturable Adam,
+    replays; the weights match one process."""
+    program = stdlib("1f1b", D=1, N=4)
+    status = run(program, "--backend", "nccl", "--graphs", "--check", "--steps", "6")
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "check OK" in out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_graphs_capture_sends_and_receives(capsys: pytest.CaptureFixture[str]) -> None:
+    status = run(
+        stdlib("1f1b", D=2, N=4), "--backend", "nccl", "--graphs", "--check", "--steps", "6"
+    )
+    assert status == 0, capsys.readouterr().out

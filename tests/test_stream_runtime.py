@@ -80,7 +80,6 @@ def test_a_failure_names_the_stream_op(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (("--backend", "nccl"), "error: --graphs on a GPU (CUDA graph capture"),
         (("--backend", "gloo", "--trace", "t.json"), "error: --trace does not record"),
     ],
 )
