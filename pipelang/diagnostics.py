@@ -42,6 +42,21 @@ class Diagnostic:
     help: str | None = None
     severity: str = "error"
 
+    @property
+    def file(self) -> str | None:
+        """The file the diagnostic points into (None for one with no position)."""
+        return None if self.span is None else self.span.source.path
+
+    @property
+    def line(self) -> int | None:
+        """Its 1-based line."""
+        return None if self.span is None else self.span.line
+
+    @property
+    def column(self) -> int | None:
+        """Its 1-based column."""
+        return None if self.span is None else self.span.column
+
     def sort_key(self) -> tuple[str, int, str]:
         if self.span is None:
             return ("", -1, self.code)

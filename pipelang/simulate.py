@@ -34,6 +34,16 @@ from pipelang.passes.validate import validate
 from pipelang.weights import WeightVersions, weight_versions
 
 
+class RankStats(NamedTuple):
+    """One rank's share of a Timeline (`Timeline.ranks[r]`)."""
+
+    rank: int
+    busy: float
+    idle: float
+    peak_activations: int
+    weight_copies: int
+
+
 class Event(NamedTuple):
     """One op run: on `rank`, from `start` to `end`. (A NamedTuple: there is one per op
     of the schedule, and they are cheap to make.)"""
@@ -75,6 +85,16 @@ class Timeline:
         if total <= 0:
             return 0.0
         return 1.0 - sum(self.busy(r) for r in range(self.program.num_ranks)) / total
+
+    @property
+    def ranks(self) -> list[RankStats]:
+        """Per rank: busy and idle time, peak activations, weight copies."""
+        return [
+            RankStats(
+                r, self.busy(r), self.idle(r), self.peak_activations(r), self.weight_copies(r)
+            )
+            for r in range(self.program.num_ranks)
+        ]
 
     def busy(self, rank: int) -> float:
         """Time `rank` spends running ops (a compound counts once)."""

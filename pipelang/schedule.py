@@ -1,0 +1,129 @@
+"""`Schedule`: a compiled schedule as the public Python API hands it out (docs/api.md).
+
+`pipelang.load("chimera", D=4, N=4)` returns one. It wraps the IR `Program` (fully
+compiled: comms and sync inserted) and offers what the CLI's commands do, as values:
+its sizes, each rank's ops, a simulated timeline, exports and drawings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from pipelang.ir import Action, CostModel, Program
+from pipelang.simulate import Timeline, simulate
+
+COST_KINDS = ("F", "B", "W", "R", "C", "FB", "E", "L")
+"""The keys a cost model takes: op kinds, a transfer (C), an overlapped pair (FB), and an
+evicted activation's trips (E, L); see `pipelang simulate --help`."""
+
+Costs = Mapping[str, float | Sequence[float]]
+"""`{"F": 1, "B": 2}`, or per stage `{"F": [1, 2, 1, 1]}` (one time per stage)."""
+
+
+class Schedule:
+    """A compiled schedule: sizes, each rank's ops, simulation, export and drawing."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        """The IR: every rank's actions, sends, receives and sync included."""
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.program.params)
+        return (
+            f"<Schedule {self.program.name}({params}): {self.ranks} ranks, "
+            f"{self.stages} stages, {self.microbatches} micro-batches>"
+        )
+
+    @property
+    def name(self) -> str:
+        return self.program.name
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks (workers) the schedule uses."""
+        return self.program.num_ranks
+
+    @property
+    def stages(self) -> int:
+        """How many stages the model is split into."""
+        return self.program.num_stages
+
+    @property
+    def microbatches(self) -> int:
+        """How many micro-batches one iteration runs."""
+        return self.program.num_microbatches
+
+    def ops(self, rank: int) -> list[Action]:
+        """Rank `rank`'s compute ops (F, B, W, R) in order; each has `.kind`, `.mb`,
+        `.stage`, `.pipeline`, and `.fused` when it starts together with the op before."""
+        if not 0 <= rank < self.ranks:
+            raise IndexError(f"rank {rank} is not one of the schedule's 0..{self.ranks - 1}")
+        return [a for a in self.program.ranks[rank] if a.kind.is_compute]
+
+    def simulate(self, costs: Costs | None = None) -> Timeline:
+        """Replay the schedule in time: `costs` on top of the schedule's own `cost` line
+        (unit times and free transfers by default). The Timeline has `makespan`,
+        `bubble_ratio`, and per rank `ranks[r].busy`, `.idle`, `.peak_activations`."""
+        return simulate(self.program, self.program.costs.merged(cost_model(costs)))
+
+    def export(self, format: str) -> str | dict[str, object]:
+        """`"json"`: a dict of every rank's compute ops (what `pipelang export --format
+        json` prints); `"torch-csv"`: torch.distributed.pipelining's CSV schedule text."""
+        from pipelang.export import to_json, to_torch_csv
+
+        if format == "json":
+            doc: dict[str, object] = json.loads(to_json(self.program))
+            return doc
+        if format == "torch-csv":
+            return to_torch_csv(self.program)
+        raise ValueError(f"no export format {format!r}; use 'json' or 'torch-csv'")
+
+    def draw(self, path: str | Path, costs: Costs | None = None) -> Path:
+        """Draw the simulated timeline to `path`, in the format its suffix names (any
+        `pipelang viz` writes: .svg, .html, .png, .json for Perfetto, .txt)."""
+        from pipelang.visualize import FORMATS, render
+        from pipelang.visualize.panel import simulated
+
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in FORMATS:
+            raise ValueError(f"cannot draw to {path}: give a name ending in {', '.join(FORMATS)}")
+        data = render([simulated(self.simulate(costs))], suffix)
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data)
+        return path
+
+
+def cost_model(costs: Costs | None) -> CostModel | None:
+    """A CostModel from `{"F": 1, "B": [2, 2, 3, 2]}`; raises ValueError on a key it
+    does not know or a time that is not a non-negative number."""
+    if costs is None:
+        return None
+    entries: list[tuple[str, int | None, float]] = []
+    for kind, value in costs.items():
+        if kind not in COST_KINDS:
+            raise ValueError(f"no cost {kind!r}; costs are {', '.join(COST_KINDS)}")
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            entries.extend((kind, stage, _time(kind, t)) for stage, t in enumerate(value))
+        else:
+            entries.append((kind, None, _time(kind, value)))
+    return CostModel(tuple(entries))
+
+
+def _time(kind: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"cost {kind}: {value!r} is not a non-negative number")
+    return float(value)
+
+
+def load(sched: str | Path, **params: int | bool) -> Schedule:
+    """Compile a schedule: a stdlib name (`pipelang list`) or a path to a `.pipe` file,
+    its parameters as keywords. Raises PipelangError with every problem found."""
+    from pipelang.api import compile_schedule
+
+    text = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in params.items()}
+    return Schedule(compile_schedule(str(sched), text).need_program())

@@ -1,0 +1,66 @@
+"""The public Python API (`pipelang.load`, `Schedule`): docs/api.md is its contract and
+runs here as a doctest; the tests below cover what the page does not show."""
+
+from __future__ import annotations
+
+import doctest
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipelang
+from pipelang.simulate import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_api_page_runs_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # its examples name files relative to the repository
+    result = doctest.testfile(
+        str(ROOT / "docs" / "api.md"), module_relative=False, optionflags=doctest.ELLIPSIS
+    )
+    assert result.attempted > 10 and result.failed == 0
+
+
+def test_the_api_simulates_as_the_cli_does() -> None:
+    """`Schedule.simulate` is the CLI's simulation: the same timeline as the simulator on
+    the compiled Program with the CLI's cost parser."""
+    from pipelang.commands import parse_cost
+
+    prog = pipelang.load("zb-h1", D=4, N=8)
+    ours = prog.simulate({"F": 1, "B": 1, "W": 1, "C": 0.5})
+    theirs = simulate(prog.program, prog.program.costs.merged(parse_cost("F=1,B=1,W=1,C=0.5")))
+    assert ours.events == theirs.events
+
+
+def test_params_take_ints_and_bools() -> None:
+    assert pipelang.load("interleaved-1f1b", D=2, N=4, v=2).stages == 4
+    with pytest.raises(pipelang.PipelangError) as caught:
+        pipelang.load("1f1b", D=True)
+    assert caught.value.diagnostics[0].code == "E0203"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda p: p.ops(7), "rank 7 is not one of the schedule's 0..3"),
+        (lambda p: p.export("yaml"), "no export format 'yaml'"),
+        (lambda p: p.draw("out.pdf"), "cannot draw to out.pdf"),
+        (lambda p: p.simulate({"F": -1}), "cost F: -1 is not a non-negative number"),
+        (lambda p: p.simulate({"B": [1, "x"]}), "cost B: 'x' is not a non-negative number"),
+        (lambda p: p.export("torch-csv"), "torch's CSV format holds one pipeline"),
+    ],
+)
+def test_bad_arguments_are_value_errors(call: object, message: str) -> None:
+    prog = pipelang.load("chimera", D=4, N=4)
+    with pytest.raises((ValueError, IndexError), match=message.replace("(", r"\(")):
+        call(prog)  # type: ignore[operator]
+
+
+def test_importing_pipelang_does_not_import_torch() -> None:
+    """The compiler's API is light: torch loads only for runs."""
+    code = "import sys, pipelang; pipelang.load('1f1b'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
