@@ -1,0 +1,278 @@
+"""`PipelineSchedule`: run a compiled schedule inside your own torch training loop.
+
+    from pipelang.torch import PipelineSchedule
+    sched = PipelineSchedule(prog, build_stage=make_stage, loss_fn=loss_fn)
+    opt = torch.optim.SGD(sched.parameters(), lr=0.1)
+    loss = sched.step(x, target=y)      # x, y: the whole batch
+    opt.step(); opt.zero_grad()
+
+Every process of an initialised process group (torchrun, gloo or nccl) builds one;
+`dist.get_rank()` says which rank of the schedule it runs (with `--dp`-style copies,
+process `k * R + r` runs rank r of copy k, on its own batch). It builds every stage copy
+the rank holds by calling `build_stage(stage)` (Chimera's replicas included) and makes
+the replicas of a stage equal by broadcasting the first one's parameters.
+
+`step` splits the batch into the schedule's micro-batches, runs this rank's actions in
+the compiled order (forwards, backwards, split weight gradients, recomputes; sends and
+receives on one process group per directed rank pair), and sums each stage's gradients
+over its replicas (and copies). The gradients are those of the mean of the micro-batch
+losses over the whole batch of every copy, as torch's schedules give with
+`scale_grads=True`: after `opt.step()` the parameters equal single-process training on
+the whole batch. Asynchronous schedules and evicted activations are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from pipelang.backends.transport import DistTransport, Handle, reduce_ranks
+from pipelang.ir import STASH_KINDS, Action, Kind
+from pipelang.schedule import Schedule
+
+HEADER = 10
+"""Length of the int64 header that precedes the first message of each kind and stage on a
+channel: [dims, dtype, *shape] (later ones reuse the shape it announced)."""
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+
+
+class PipelineSchedule:
+    """One rank's part of a compiled schedule, run on the caller's models and data."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        build_stage: Callable[[int], nn.Module],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        timeout: float = 300.0,
+    ) -> None:
+        program = schedule.program
+        if program.weights is not None:
+            raise ValueError(
+                f"`{program.name}` is asynchronous; PipelineSchedule runs "
+                "synchronous schedules only"
+            )
+        evicts = [a for acts in program.ranks for a in acts if a.kind in STASH_KINDS]
+        if evicts:
+            raise ValueError(
+                f"`{program.name}` evicts activations (`{evicts[0]}`); "
+                "PipelineSchedule does not move them yet"
+            )
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "PipelineSchedule needs an initialised process group "
+                "(torch.distributed.init_process_group, or torchrun)"
+            )
+        world = dist.get_world_size()
+        if world % program.num_ranks:
+            raise ValueError(
+                f"`{program.name}` has {program.num_ranks} ranks, but the process "
+                f"group has {world} processes (a multiple is needed)"
+            )
+        self.program = program
+        self.copies_count = world // program.num_ranks
+        self.replica, self.rank = divmod(dist.get_rank(), program.num_ranks)
+        self.loss_fn = loss_fn
+        self.stages: dict[tuple[int, str], nn.Module] = {
+            (s, p): build_stage(s) for s, p in program.stage_copies(self.rank)
+        }
+        self.device = next(
+            (t.device for m in self.stages.values() for t in m.parameters()), torch.device("cpu")
+        )
+        self.transport = DistTransport(
+            program, self.rank, self.device, timeout, self.replica, self.copies_count
+        )
+        self._make_replicas_equal(timeout)
+        self.split = Kind.W in program.kinds
+        self.recomputes = Kind.R in program.kinds
+        self.announced: set[tuple[str, int, int]] = set()
+        self.shapes: dict[tuple[str, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of every stage copy this rank holds, for its optimizer."""
+        for module in self.stages.values():
+            yield from module.parameters()
+
+    def _make_replicas_equal(self, timeout: float) -> None:
+        """Every copy of a stage takes the parameters of the first process holding one
+        (every process joins every group's creation, in the same order)."""
+        me = dist.get_rank()
+        for stage in range(self.program.num_stages):
+            ranks = reduce_ranks(self.program, stage, self.copies_count)
+            if len(ranks) < 2:
+                continue
+            group = self.transport.reduce_groups.get(stage)
+            copies = [m for (s, _), m in self.stages.items() if s == stage]
+            if me in ranks and group is not None and copies:
+                for param in copies[0].parameters():
+                    dist.broadcast(param.data, src=ranks[0], group=group)
+                for other in copies[1:]:
+                    for a, b in zip(other.parameters(), copies[0].parameters(), strict=True):
+                        a.data.copy_(b.data)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of the whole batch `x` (split along dim 0 into the
+        schedule's micro-batches); afterwards every parameter's `.grad` holds its share
+        of the gradient of the mean loss. Returns the mean loss of the micro-batches whose
+        last stage ran on this rank, or None if none did."""
+        n = self.program.num_microbatches
+        inputs, targets = x.chunk(n), target.chunk(n)
+        if len(inputs) != n or len({len(c) for c in inputs}) != 1 or len(targets) != n:
+            raise ValueError(f"a batch of {len(x)} does not split into {n} equal micro-batches")
+        self.inputs, self.targets = inputs, targets
+        self.scale = 1.0 / (n * self.copies_count)
+        self.values: dict[tuple[str, int, int, str], torch.Tensor] = {}
+        self.saved: dict[tuple[int, int, str], list[torch.Tensor | None]] = {}
+        self.losses: list[torch.Tensor] = []
+        self.reducing: list[tuple[nn.Module, torch.Tensor, list[torch.Tensor], Handle]] = []
+        for action in self.program.ranks[self.rank]:
+            self._run(action)
+        self.transport.end_step()
+        return torch.stack(self.losses).mean() if self.losses else None
+
+    def _run(self, a: Action) -> None:
+        handler = _HANDLERS.get(a.kind)
+        if handler is not None:
+            handler(self, a)
+
+    def _signal(self, a: Action) -> None:
+        if a.peer is not None:
+            self.transport.send(torch.ones(1, device=self.device), a.peer)
+
+    def _wait(self, a: Action) -> None:
+        if a.peer is not None:
+            self.transport.recv((1,), torch.float32, a.peer)
+
+    def _allreduce_action(self, a: Action) -> None:
+        if a.stage is not None:
+            self._allreduce(a.stage)
+
+    def _stage_output(self, a: Action, x: torch.Tensor) -> torch.Tensor:
+        mb, stage, pipe = _where(a)
+        y = self.stages[(stage, pipe)](x)
+        if stage < self.program.num_stages - 1:
+            return y
+        loss = self.loss_fn(y, self.targets[mb])
+        if a.kind is Kind.F:
+            self.losses.append(loss.detach())
+        return loss * self.scale
+
+    def _forward(self, a: Action) -> None:
+        mb, stage, pipe = _where(a)
+        if stage == 0:
+            x = self.inputs[mb]
+        else:
+            x = self.values.pop(("F", mb, stage - 1, pipe)).detach().requires_grad_(True)
+        if self.recomputes:
+            with torch.no_grad():
+                y = self._stage_output(a, x)
+            self.saved[(mb, stage, pipe)] = [x, None, None]
+        else:
+            y = self._stage_output(a, x)
+            self.saved[(mb, stage, pipe)] = [x, y, None]
+        if stage < self.program.num_stages - 1:
+            self.values[("F", mb, stage, pipe)] = y.detach()
+
+    def _recompute(self, a: Action) -> None:
+        saved = self.saved[_where(a)]
+        assert saved[0] is not None
+        saved[1] = self._stage_output(a, saved[0])
+
+    def _backward(self, a: Action) -> None:
+        mb, stage, pipe = key = _where(a)
+        x, y, _ = self.saved[key]
+        assert y is not None and x is not None
+        last = stage == self.program.num_stages - 1
+        dy = None if last else self.values.pop(("B", mb, stage + 1, pipe))
+        if self.split:
+            if stage > 0:
+                (dx,) = torch.autograd.grad(y, [x], dy, retain_graph=True)
+                self.values[("B", mb, stage, pipe)] = dx
+            self.saved[key][2] = dy
+            return
+        torch.autograd.backward(y, dy)
+        del self.saved[key]
+        if stage > 0:
+            assert x.grad is not None
+            self.values[("B", mb, stage, pipe)] = x.grad
+
+    def _weight_grad(self, a: Action) -> None:
+        _, stage, pipe = key = _where(a)
+        _, y, dy = self.saved.pop(key)
+        assert y is not None
+        torch.autograd.backward(y, dy, inputs=list(self.stages[(stage, pipe)].parameters()))
+
+    # ---- messages: the first of each kind and stage on a channel announces its shape --------
+
+    def _send(self, a: Action) -> None:
+        mb, stage, pipe = _where(a)
+        assert a.of is not None and a.peer is not None
+        tensor = self.values.pop((a.of.value, mb, stage, pipe))
+        channel = (a.of.value, stage, a.peer)
+        if channel not in self.announced:
+            header = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+            header += [0] * (HEADER - len(header))
+            self.transport.send(torch.tensor(header, dtype=torch.int64, device=self.device), a.peer)
+            self.announced.add(channel)
+        self.transport.send(tensor, a.peer)
+
+    def _recv(self, a: Action) -> None:
+        mb, stage, pipe = _where(a)
+        assert a.of is not None and a.peer is not None
+        channel = (a.of.value, stage, a.peer)
+        if channel not in self.shapes:
+            header = self.transport.recv((HEADER,), torch.int64, a.peer).tolist()
+            self.shapes[channel] = (tuple(header[2 : 2 + header[0]]), _DTYPES[header[1]])
+        shape, dtype = self.shapes[channel]
+        self.values[(a.of.value, mb, stage, pipe)] = self.transport.recv(shape, dtype, a.peer)
+
+    # ---- replicas --------------------------------------------------------------------------
+
+    def _allreduce(self, stage: int) -> None:
+        if len(reduce_ranks(self.program, stage, self.copies_count)) < 2:
+            return
+        module = next(m for (s, _), m in self.stages.items() if s == stage)
+        params = list(module.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        self.reducing.append((module, flat, grads, self.transport.allreduce(stage, flat)))
+
+    def _finish(self) -> None:
+        """At `step`: stages with no allreduce of their own (no replica in the schedule,
+        but `--dp`-style copies) are summed now; then every sum is written back."""
+        reduced = {id(m) for m, *_ in self.reducing}
+        for (stage, _), module in self.stages.items():
+            if id(module) not in reduced:
+                self._allreduce(stage)
+        for module, flat, grads, handle in self.reducing:
+            handle.wait()
+            for param, grad in zip(
+                module.parameters(), _unflatten_dense_tensors(flat, grads), strict=True
+            ):
+                param.grad = grad
+
+
+def _where(a: Action) -> tuple[int, int, str]:
+    """(micro-batch, stage, pipeline) of an action about a compute op."""
+    assert a.mb is not None and a.stage is not None and a.pipeline is not None
+    return a.mb, a.stage, a.pipeline
+
+
+_HANDLERS: dict[Kind, Callable[[PipelineSchedule, Action], None]] = {
+    Kind.F: PipelineSchedule._forward,
+    Kind.R: PipelineSchedule._recompute,
+    Kind.B: PipelineSchedule._backward,
+    Kind.W: PipelineSchedule._weight_grad,
+    Kind.SEND: PipelineSchedule._send,
+    Kind.RECV: PipelineSchedule._recv,
+    Kind.SIGNAL: PipelineSchedule._signal,
+    Kind.WAIT: PipelineSchedule._wait,
+    Kind.ALLREDUCE: PipelineSchedule._allreduce_action,
+    Kind.STEP: lambda self, a: self._finish(),
+}
