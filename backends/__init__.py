@@ -8,4 +8,10 @@
 - `transport`: how ranks move tensors: torch.distributed (gloo, nccl) or in one process.
 - `launch`: `pipelang run`: checks, launches the ranks, watches them, reports.
 - `reference`: the single-process training `--check` compares with.
+
+The run's choices live here, where the CLI reads them without importing torch.
 """
+
+BACKENDS = ("gloo", "nccl", "local")
+OPTIMIZERS = ("sgd", "adam")
+DTYPES = ("float32", "bfloat16", "float16")

@@ -1,8 +1,7 @@
 """`pipelang run`: check that a Program fits the model, run it, report, compare.
 
-    add_run_arguments(parser)     the run options, for the CLI's `run` subcommand
-    run_program(program, args)    run a compiled Program; returns the exit status
-    run_generated(rank, file)     the `__main__` of a generated rank{r}.py
+    run_program(program, config)     run a compiled Program; returns the exit status
+    run_rank_file(rank, file, config)  a generated rank{r}.py started by hand
 
 Backends: `gloo` (one CPU process per rank, started here), `nccl` (one GPU per rank),
 `local` (every rank in this process). Started by torchrun (RANK and WORLD_SIZE in the
@@ -20,10 +19,10 @@ processes do not fit the machine or torchrun's world (a usage error).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,10 +38,6 @@ if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--
     from pipelang.backends.runtime import RunConfig
     from pipelang.streams import StreamProgram
 
-BACKENDS = ("gloo", "nccl", "local")
-OPTIMIZERS = ("sgd", "adam")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
 
 class RunError(Exception):
     """A run that cannot start: the program does not fit the model or the machine."""
@@ -53,146 +48,18 @@ class WorldError(RunError):
     world: a usage error (exit 2)."""
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
-    """The options that pick the model and its inputs, shared by `run` and `profile`;
-    without a `default_model`, `--model` is required."""
-    parser.add_argument(
-        "--model",
-        default=default_model,
-        required=default_model is None,
-        metavar="MODEL",
-        help="gpt:tiny, gpt:small, gpt:medium, or package.module:callable returning an "
-        "nn.Sequential" + (f" (default {default_model})" if default_model else ""),
-    )
-    parser.add_argument(
-        "--micro-batch-size",
-        type=positive,
-        default=4,
-        metavar="B",
-        help="sequences per micro-batch (default 4)",
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=positive,
-        metavar="T",
-        help="tokens per sequence (default: the model's, 32 for gpt:tiny)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPE_NAMES,
-        default="float32",
-        help="parameter and activation dtype (default float32)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of `pipelang run` (the global --debug is the CLI's)."""
-    add_model_arguments(parser, default_model="gpt:tiny")
-    parser.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="gloo",
-        help="gloo: a CPU process per rank; nccl: a GPU per rank; local: every "
-        "rank in this process (default gloo)",
-    )
-    parser.add_argument("--steps", type=positive, default=3, help="training steps (default 3)")
-    parser.add_argument(
-        "--dp",
-        type=positive,
-        default=1,
-        metavar="K",
-        help="data parallelism: K copies of the whole pipeline, K x ranks processes, each "
-        "copy on its own N micro-batches of a K x N step, gradients averaged over the "
-        "copies (default 1)",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="compare weights and losses with single-process training",
-    )
-    parser.add_argument(
-        "--graphs",
-        action="store_true",
-        help="run each rank's stream program (`compile --dump-after streams`) instead of "
-        "its action list: over gloo eagerly, receives posted early; with --backend local "
-        "on a machine without CUDA on the CPU executor, streams interleaved as "
-        "--stream-seed picks, dead slots NaN; with nccl captured as one CUDA graph per rank "
-        "after 3 eager steps (not yet run on a GPU)",
-    )
-    parser.add_argument(
-        "--stream-seed",
-        type=int,
-        default=0,
-        metavar="S",
-        help="with --graphs on the CPU: the interleaving of step k is seed S + k (default 0)",
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default="adam",
-        help="adam, or sgd with momentum 0.9 (default adam)",
-    )
-    parser.add_argument("--lr", type=float, help="learning rate (default 0.05 sgd, 3e-3 adam)")
-    parser.add_argument(
-        "--partition",
-        type=_partition,
-        metavar="L0,L1,...",
-        help="layers per stage (default: as even as possible)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="stop every rank if one fails or none moves for this long (default 60)",
-    )
-    parser.add_argument(
-        "--trace",
-        type=Path,
-        metavar="OUT.json",
-        help="write every action's real start and end as a Chrome trace",
-    )
-
-
-def config_from_args(
-    args: argparse.Namespace, partition: tuple[int, ...] | None = None
-) -> RunConfig:
-    """The RunConfig that the parsed options describe; `partition` (the schedule's own
-    `partition` line) applies when `--partition` is not given."""
-    from pipelang.backends.runtime import RunConfig
-
-    return RunConfig(
-        model=args.model,
-        backend=args.backend,
-        steps=args.steps,
-        check=args.check,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.seq_len,
-        dtype=args.dtype,
-        timeout=args.timeout,
-        trace=str(args.trace) if args.trace else None,
-        seed=args.seed,
-        debug=bool(getattr(args, "debug", False)),
-        partition=args.partition or partition,
-        dp=args.dp,
-        graphs=bool(getattr(args, "graphs", False)),
-        stream_seed=getattr(args, "stream_seed", 0),
-    )
-
-
-def run_program(program: Program, args: argparse.Namespace) -> int:
-    """Run a compiled Program as `args` say; returns the exit status."""
+def run_program(program: Program, config: RunConfig) -> int:
+    """Run a compiled Program as `config` says; returns the exit status. Without a
+    partition of its own, the config takes the schedule's `partition` line."""
     from rich.console import Console
 
     from pipelang.backends.models import ModelError
     from pipelang.backends.processes import RunFailure
 
-    config = config_from_args(args, program.partition)
+    if config.partition is None:
+        config = replace(config, partition=program.partition)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    if getattr(args, "graphs", False):
+    if config.graphs:
         refusal = graphs_refusal(config)
         if refusal is not None:
             err.print(f"error: {refusal}", markup=False)
@@ -453,18 +320,10 @@ def outcome_device(config: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def run_generated(rank: int, file: str) -> int:
-    """Run a generated `rank{r}.py` by hand: its folder holds schedule.json; the
+def run_rank_file(rank: int, file: str, config: RunConfig) -> int:
+    """Run a generated `rank{r}.py` started by hand: its folder holds schedule.json; the
     environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
-    parser = argparse.ArgumentParser(
-        prog=Path(file).name,
-        description=f"Rank {rank} of a compiled pipelang schedule. Start every rank's file at "
-        "once with WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.",
-    )
-    add_run_arguments(parser)
-    parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
-    args = parser.parse_args()
-    if args.dp == 1:
+    if config.dp == 1:
         os.environ.setdefault("RANK", str(rank))
     missing = [
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
@@ -472,14 +331,15 @@ def run_generated(rank: int, file: str) -> int:
     from pipelang.backends.models import ModelError
 
     program = Program.from_json((Path(file).parent / "schedule.json").read_text())
-    if missing or not _runs_file(os.environ["RANK"], rank, program.num_ranks, args.dp):
-        need = f"RANK = copy x {program.num_ranks} + {rank}" if args.dp > 1 else f"RANK={rank}"
+    if missing or not _runs_file(os.environ["RANK"], rank, program.num_ranks, config.dp):
+        need = f"RANK = copy x {program.num_ranks} + {rank}" if config.dp > 1 else f"RANK={rank}"
         print(
             f"error: set {', '.join(missing) or 'RANK'} (this file is rank {rank}; {need})",
             file=sys.stderr,
         )
         return 2
-    config = config_from_args(args, program.partition)
+    if config.partition is None:
+        config = replace(config, partition=program.partition)
     if config.graphs:
         print(
             f"error: {Path(file).name} runs its rank's action list; --graphs runs stream "
@@ -500,23 +360,3 @@ def _runs_file(env_rank: str, rank: int, num_ranks: int, dp: int) -> bool:
     if not env_rank.isdigit():
         return False
     return int(env_rank) < num_ranks * dp and int(env_rank) % num_ranks == rank
-
-
-def positive(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def _partition(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected layer counts like 3,3,2, not {text!r}"
-        ) from None

@@ -45,7 +45,6 @@ from pipelang.backends.versions import CopyVersions, installed
 from pipelang.diagnostics import InternalError
 from pipelang.ir import STASH_KINDS, Kind, Program
 
-OPTIMIZERS = ("sgd", "adam")
 DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
 SGD_MOMENTUM = 0.9
 

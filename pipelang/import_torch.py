@@ -22,13 +22,11 @@ dropped: pipelang inserts its own transfers and gradient sync. An overlapped pai
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipelang import ast
-from pipelang.cli import UsageError, write_output
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import fail
 from pipelang.parser import parse_text, read_source
@@ -272,41 +270,3 @@ def check_pipe(text: str, display: str) -> Compilation:
     source = SourceFile.of(display, text)
     schedule = next(i for i in parse_text(source) if isinstance(i, ast.Schedule))
     return run_passes(ast.File(source, schedule, {}), Options(), "validate")
-
-
-# ---- the subcommand ---------------------------------------------------------------------
-
-
-def setup_import_torch(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "csv",
-        metavar="FILE.csv",
-        type=Path,
-        help="torch's compute-only CSV (schedule._dump_csv(FILE, 'compute_only'))",
-    )
-    parser.add_argument(
-        "-o",
-        dest="out",
-        type=Path,
-        metavar="OUT.pipe",
-        help="write the .pipe file here instead of standard output",
-    )
-    parser.add_argument("--name", help="the schedule's name (default: from the file name)")
-
-
-def run_import_torch(args: argparse.Namespace) -> int:
-    if args.name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.name):
-        raise UsageError(f"`--name {args.name}` is not an identifier")
-    text = import_torch(args.csv, args.name)
-    if args.out is None:
-        check_pipe(text, f"<import-torch {args.csv.name}>")
-        print(text, end="")
-        return 0
-    # Written before the check, so that a schedule that fails it can be read and fixed.
-    write_output(args.out, text)
-    program = check_pipe(text, str(args.out)).need_program()
-    print(
-        f"wrote {args.out}: {program.num_ranks} ranks, {program.num_stages} stages, "
-        f"{program.num_microbatches} micro-batches; check ok"
-    )
-    return 0

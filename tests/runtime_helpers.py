@@ -15,7 +15,8 @@ import dataclasses
 from collections import deque
 
 from pipelang.api import load_program
-from pipelang.backends.launch import add_run_arguments, run_program
+from pipelang.backends.launch import run_program
+from pipelang.cli.args import add_run_arguments, config_from_args
 from pipelang.ir import Action, Kind, Program
 
 
@@ -24,7 +25,7 @@ def run(program: Program, *options: str) -> int:
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true")
-    return run_program(program, parser.parse_args(list(options)))
+    return run_program(program, config_from_args(parser.parse_args(list(options))))
 
 
 def stdlib(name: str, **params: int) -> Program:

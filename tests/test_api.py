@@ -27,7 +27,7 @@ def test_the_api_page_runs_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_api_simulates_as_the_cli_does() -> None:
     """`Schedule.simulate` is the CLI's simulation: the same timeline as the simulator on
     the compiled Program with the CLI's cost parser."""
-    from pipelang.commands import parse_cost
+    from pipelang.cli.args import parse_cost
 
     prog = pipelang.load("zb-h1", D=4, N=8)
     ours = prog.simulate({"F": 1, "B": 1, "W": 1, "C": 0.5})

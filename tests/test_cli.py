@@ -26,8 +26,8 @@ import pytest
 import pipelang
 from pipelang import api
 from pipelang.cli import main
+from pipelang.cli.app import COMMANDS
 from pipelang.codes import CODES
-from pipelang.commands import COMMANDS
 from pipelang.parser import stdlib_dir
 
 PACKAGE = str(Path(pipelang.__file__).resolve().parent)

@@ -16,7 +16,7 @@ import pytest
 from helpers import CHIMERA_4, gpipe, one_f_one_b
 
 from pipelang import api
-from pipelang.cli import UsageError, parse_params
+from pipelang.cli.args import UsageError, parse_params
 from pipelang.codes import CODES
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.ir import Action, Kind, Program

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipelang import api
-from pipelang.commands import parse_cost
+from pipelang.cli.args import parse_cost
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
 from pipelang.lowered import check_lowered

@@ -27,7 +27,8 @@ import sys
 import pytest
 
 from pipelang import api, ast
-from pipelang.backends.launch import add_run_arguments, run_program
+from pipelang.backends.launch import run_program
+from pipelang.cli.args import add_run_arguments, config_from_args
 from pipelang.compiler import Options, run_passes
 from pipelang.ir import Action, CostModel, Kind, Program
 from pipelang.simulate import Timeline, simulate
@@ -308,7 +309,7 @@ def run(prog: Program, *options: str) -> int:
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true")
-    return run_program(prog, parser.parse_args(list(options)))
+    return run_program(prog, config_from_args(parser.parse_args(list(options))))
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The `pipelang` command: list, check, compile, simulate, export, explain, run.
+"""`main()`: parse the command line, run the command, turn every failure into an exit status.
 
 Every user error is a diagnostic on stderr and exit status 1; a usage error is exit
 status 2; a Python traceback is shown only under `--debug`.
@@ -9,11 +9,41 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 from pipelang import __version__
+from pipelang.cli import (
+    check,
+    check_streams,
+    explain,
+    export,
+    import_torch,
+    plan,
+    profile,
+    simulate,
+    viz,
+)
+from pipelang.cli import compile as compile_command
+from pipelang.cli import list as list_command
+from pipelang.cli import run as run_command
+from pipelang.cli.args import UsageError
 from pipelang.diagnostics import InternalError, PipelangError
+
+# name -> module with HELP, setup(parser) and run(args); `pipelang --help` lists them so
+COMMANDS = {
+    "list": list_command,
+    "check": check,
+    "compile": compile_command,
+    "simulate": simulate,
+    "viz": viz,
+    "export": export,
+    "run": run_command,
+    "explain": explain,
+    "check-streams": check_streams,
+    "import-torch": import_torch,
+    "profile": profile,
+    "plan": plan,
+}
 
 EXAMPLES = """\
 examples:
@@ -25,19 +55,15 @@ examples:
 """
 
 
-class UsageError(Exception):
-    """A bad command line (exit status 2)."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pipelang` console script."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
-        return int(args.handler(args))
+        return int(COMMANDS[args.command].run(args))
     except UsageError as err:
         print(f"pipelang {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -63,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: global options and one subparser per command."""
     parser = argparse.ArgumentParser(
         prog="pipelang",
         description="Write pipeline-parallel training schedules as .pipe files; check, "
@@ -76,53 +103,13 @@ def _parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="show Python tracebacks for internal errors"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from pipelang import commands
-
-    for name, (helptext, setup, handler) in commands.COMMANDS.items():
-        command = sub.add_parser(name, help=helptext, description=helptext)
+    for name, module in COMMANDS.items():
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         command.add_argument(
             "--debug",
             action="store_true",
             default=argparse.SUPPRESS,
             help="show Python tracebacks for internal errors",
         )
-        setup(command)
-        command.set_defaults(handler=handler)
+        module.setup(command)
     return parser
-
-
-def add_param_option(parser: argparse.ArgumentParser, help: str) -> None:
-    """`-p NAME=VALUE`, repeatable, into `args.params` (read with `parse_params`)."""
-    parser.add_argument(
-        "-p", dest="params", action="append", default=[], metavar="NAME=VALUE", help=help
-    )
-
-
-def parse_params(pairs: Sequence[str]) -> dict[str, str]:
-    """`-p K=V` strings into a dict; a malformed one is a usage error."""
-    params: dict[str, str] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name.strip():
-            raise UsageError(f"`-p {pair}`: expected NAME=VALUE, e.g. `-p D=4`")
-        params[name.strip()] = value
-    return params
-
-
-def write_output(path: Path, text: str) -> None:
-    """Write a file the user asked for, creating its folder; failures are usage errors."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError as err:
-        raise UsageError(f"cannot write `{path}`: {err.strerror}") from None
-
-
-Handler = Callable[[argparse.Namespace], int]
-
-if __name__ == "__main__":
-    # `python -m pipelang.cli` runs this file as `__main__`, a second copy of the module;
-    # use the real `pipelang.cli`, whose `UsageError` is the one `commands` raises.
-    from pipelang.cli import main as _main
-
-    sys.exit(_main())

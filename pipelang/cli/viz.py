@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pipelang import api
-from pipelang.cli import UsageError, add_param_option, parse_params, write_output
+from pipelang.cli.args import UsageError, add_param_option, parse_cost, parse_params, write_output
 from pipelang.ir import CostModel, Program
 from pipelang.simulate import Event, Timeline
 from pipelang.visualize import FORMATS, render
@@ -23,7 +23,7 @@ from pipelang.visualize.png import MissingMatplotlib
 HELP = "draw a schedule's timeline (svg, html, png, Chrome trace json, text), or a run's"
 
 
-def setup_viz(parser: argparse.ArgumentParser) -> None:
+def setup(parser: argparse.ArgumentParser) -> None:
     """The options of `pipelang viz`."""
     parser.add_argument(
         "scheds",
@@ -70,7 +70,7 @@ def setup_viz(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_viz(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Build the panels, render them in the format OUT's suffix names, write or print."""
     suffix = _suffix(args.out)
     panels = _measured_panels(args) if args.trace else _simulated_panels(args)
@@ -81,7 +81,7 @@ def run_viz(args: argparse.Namespace) -> int:
     if args.out in (None, "-"):
         sys.stdout.write(str(data))
         return 0
-    _write(Path(args.out), data)
+    write_output(Path(args.out), data)
     names = ", ".join(p.name for p in panels)
     print(f"wrote {args.out}: {names}")
     return 0
@@ -101,7 +101,6 @@ def _suffix(out: str | None) -> str:
 
 
 def _simulated_panels(args: argparse.Namespace) -> list[Panel]:
-    from pipelang.commands import parse_cost
     from pipelang.simulate import simulate
 
     if not args.scheds:
@@ -120,7 +119,6 @@ def _simulated_panels(args: argparse.Namespace) -> list[Panel]:
 
 
 def _measured_panels(args: argparse.Namespace) -> list[Panel]:
-    from pipelang.commands import parse_cost
     from pipelang.simulate import simulate
     from pipelang.visualize.measured import TraceError, fitted_costs, read_trace
 
@@ -151,14 +149,3 @@ def _aligned(model: Timeline, measured: Timeline) -> Timeline:
 
 def _program(sched: str, args: argparse.Namespace) -> Program:
     return api.compile_schedule(sched, parse_params(args.params)).need_program()
-
-
-def _write(path: Path, data: str | bytes) -> None:
-    if isinstance(data, str):
-        write_output(path, data)
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-    except OSError as err:
-        raise UsageError(f"cannot write `{path}`: {err.strerror}") from None

@@ -1,0 +1,14 @@
+"""The `pipelang` command, a thin shell over the public API (`pipelang`, `pipelang.api`).
+
+- `app`: `main()`, the parser, exit statuses, the error handling every command shares;
+- `args`: the argument definitions and types several commands share (the leaf);
+- one module per command (`check`, `compile`, `simulate`, ...), each with `HELP`,
+  `setup(parser)` that adds its options and `run(args)` that does it and prints;
+- `rank`: the command line of a generated `rank{r}.py` and of `python -m pipelang.backends`.
+
+argparse is used only in this package.
+"""
+
+from pipelang.cli.app import main
+
+__all__ = ["main"]

@@ -1,0 +1,273 @@
+"""What several commands share: argument definitions, argument types, reading them back.
+
+The leaf of the CLI package: it imports no command module. Torch is imported only when
+a run's configuration is built (`config_from_args`), not for `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipelang import api
+from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
+from pipelang.compiler import Compilation
+from pipelang.ir import COMPUTE_KINDS, CostModel, Program
+
+if TYPE_CHECKING:
+    from pipelang.backends.runtime import RunConfig
+
+
+class UsageError(Exception):
+    """A bad command line (exit status 2)."""
+
+
+# ---- argument types -------------------------------------------------------------------------
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    """An argparse type: `3,3,2`, layers per stage."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected layer counts like 3,3,2, not {text!r}"
+        ) from None
+
+
+# ---- schedules ------------------------------------------------------------------------------
+
+
+def add_param_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """`-p NAME=VALUE`, repeatable, into `args.params` (read with `parse_params`)."""
+    parser.add_argument(
+        "-p", dest="params", action="append", default=[], metavar="NAME=VALUE", help=help
+    )
+
+
+def parse_params(pairs: Sequence[str]) -> dict[str, str]:
+    """`-p K=V` strings into a dict; a malformed one is a usage error."""
+    params: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise UsageError(f"`-p {pair}`: expected NAME=VALUE, e.g. `-p D=4`")
+        params[name.strip()] = value
+    return params
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """SCHED and its `-p` parameters."""
+    parser.add_argument(
+        "sched",
+        metavar="SCHED",
+        help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)",
+    )
+    add_param_option(parser, "set a schedule parameter; repeat for several (-p D=4 -p N=8)")
+
+
+def add_max_activations(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-activations",
+        type=int,
+        metavar="K",
+        help="reject the schedule if a rank ever holds more than K activations",
+    )
+
+
+def compile_args(args: argparse.Namespace, stop_after: str | None = None) -> Compilation:
+    """Compile the schedule the parsed options name (SCHED, -p, and where the command has
+    them --max-activations and --dp), through pass `stop_after` (default: all)."""
+    return api.compile_schedule(
+        args.sched,
+        parse_params(args.params),
+        max_activations=getattr(args, "max_activations", None),
+        stop_after=stop_after,
+        dp=getattr(args, "dp", 1),
+    )
+
+
+def describe(program: Program) -> str:
+    """One line: the schedule, its parameters and sizes."""
+    params = ", ".join(f"{k}={v}" for k, v in program.params)
+    ops = sum(1 for actions in program.ranks for a in actions if a.kind in COMPUTE_KINDS)
+    return (
+        f"{program.name}({params}): {program.num_ranks} ranks, {program.num_stages} stages, "
+        f"{len(program.pipelines)} pipeline(s), {program.num_microbatches} micro-batches, "
+        f"{ops} compute ops"
+    )
+
+
+def parse_cost(spec: str) -> CostModel:
+    """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
+    entries: list[tuple[str, int | None, float]] = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        match = re.fullmatch(r"(FB|[FBWRCEL])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
+        if match is None:
+            raise UsageError(
+                f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
+                "F=1,B=2,W=1,C=0,FB=2 or F[3]=2 for stage 3"
+            )
+        kind, stage, value = match.groups()
+        entries.append((kind, None if stage is None else int(stage), float(value)))
+    return CostModel(tuple(entries))
+
+
+# ---- files ----------------------------------------------------------------------------------
+
+
+def write_output(path: Path, data: str | bytes) -> None:
+    """Write a file the user asked for, creating its folder; failures are usage errors."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, str):
+            path.write_text(data)
+        else:
+            path.write_bytes(data)
+    except OSError as err:
+        raise UsageError(f"cannot write `{path}`: {err.strerror}") from None
+
+
+# ---- runs -----------------------------------------------------------------------------------
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
+    """The options that pick the model and its inputs, shared by `run` and `profile`;
+    without a `default_model`, `--model` is required."""
+    parser.add_argument(
+        "--model",
+        default=default_model,
+        required=default_model is None,
+        metavar="MODEL",
+        help="gpt:tiny, gpt:small, gpt:medium, or package.module:callable returning an "
+        "nn.Sequential" + (f" (default {default_model})" if default_model else ""),
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=positive,
+        default=4,
+        metavar="B",
+        help="sequences per micro-batch (default 4)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=positive,
+        metavar="T",
+        help="tokens per sequence (default: the model's, 32 for gpt:tiny)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="parameter and activation dtype (default float32)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pipelang run`, also read by a generated rank program (the global
+    --debug is the CLI's)."""
+    add_model_arguments(parser, default_model="gpt:tiny")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="gloo",
+        help="gloo: a CPU process per rank; nccl: a GPU per rank; local: every "
+        "rank in this process (default gloo)",
+    )
+    parser.add_argument("--steps", type=positive, default=3, help="training steps (default 3)")
+    parser.add_argument(
+        "--dp",
+        type=positive,
+        default=1,
+        metavar="K",
+        help="data parallelism: K copies of the whole pipeline, K x ranks processes, each "
+        "copy on its own N micro-batches of a K x N step, gradients averaged over the "
+        "copies (default 1)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare weights and losses with single-process training",
+    )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="run each rank's stream program (`compile --dump-after streams`) instead of "
+        "its action list: over gloo eagerly, receives posted early; with --backend local "
+        "on a machine without CUDA on the CPU executor, streams interleaved as "
+        "--stream-seed picks, dead slots NaN; with nccl captured as one CUDA graph per rank "
+        "after 3 eager steps (not yet run on a GPU)",
+    )
+    parser.add_argument(
+        "--stream-seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="with --graphs on the CPU: the interleaving of step k is seed S + k (default 0)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adam",
+        help="adam, or sgd with momentum 0.9 (default adam)",
+    )
+    parser.add_argument("--lr", type=float, help="learning rate (default 0.05 sgd, 3e-3 adam)")
+    parser.add_argument(
+        "--partition",
+        type=layer_counts,
+        metavar="L0,L1,...",
+        help="layers per stage (default: as even as possible)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="stop every rank if one fails or none moves for this long (default 60)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="OUT.json",
+        help="write every action's real start and end as a Chrome trace",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig that the options of `add_run_arguments` describe."""
+    from pipelang.backends.runtime import RunConfig
+
+    return RunConfig(
+        model=args.model,
+        backend=args.backend,
+        steps=args.steps,
+        check=args.check,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        timeout=args.timeout,
+        trace=str(args.trace) if args.trace else None,
+        seed=args.seed,
+        debug=bool(getattr(args, "debug", False)),
+        partition=args.partition,
+        dp=args.dp,
+        graphs=args.graphs,
+        stream_seed=args.stream_seed,
+    )

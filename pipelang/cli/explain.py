@@ -1,0 +1,22 @@
+"""`pipelang explain CODE`: what a diagnostic code means and how to fix it."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipelang.cli.args import UsageError
+from pipelang.codes import CODES
+
+HELP = "explain a diagnostic code"
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("code", metavar="CODE", help="a diagnostic code such as E0306")
+
+
+def run(args: argparse.Namespace) -> int:
+    code = CODES.get(args.code.upper())
+    if code is None:
+        raise UsageError(f"no diagnostic code `{args.code}`; codes are {min(CODES)}..{max(CODES)}")
+    print(f"{code.code}: {code.title}\n\n{code.explanation}")
+    return 0

@@ -1,0 +1,91 @@
+"""`pipelang profile`: measure a model's layers (and the runtime) into a profile JSON."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from pipelang.cli.args import add_model_arguments, positive, write_output
+
+HELP = "measure a model's per-layer times and memory into a profile JSON"
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, default_model=None)
+    parser.add_argument(
+        "-o", dest="out", type=Path, required=True, metavar="PROFILE.json", help="where to write"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:K")
+    parser.add_argument(
+        "--threads",
+        type=positive,
+        metavar="K",
+        help="CPU threads (default torch's; match the threads one rank of a run gets)",
+    )
+    parser.add_argument("--repeats", type=positive, default=5, help="timed runs per layer")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    parser.add_argument(
+        "--calibrate",
+        choices=("gloo", "nccl"),
+        metavar="BACKEND",
+        help="also run the model under `pipelang run --backend BACKEND --trace` and "
+        "measure what the runtime adds per action and per message (gloo or nccl)",
+    )
+    parser.add_argument(
+        "--calibrate-ranks",
+        type=positive,
+        default=2,
+        metavar="R",
+        help="ranks of the calibration run (default 2; as many as the plan will use)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelang.backends.models import ModelError
+    from pipelang.planner.profile import ProfileOptions, measure
+
+    options = ProfileOptions(
+        model=args.model,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        repeats=args.repeats,
+        warmup=max(0, args.warmup),
+        seed=args.seed,
+    )
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def progress(index: int, total: int, name: str) -> None:
+        err.print(f"layer {index + 1}/{total}: {name}", markup=False)
+
+    try:
+        profile = measure(options, progress)
+    except (ModelError, RuntimeError) as error:
+        err.print(f"error: {error}", markup=False)
+        return 1
+    if args.calibrate:
+        from dataclasses import replace
+
+        from pipelang.planner.calibrate import calibrate
+
+        err.print(f"calibrating: {args.calibrate_ranks} ranks on {args.calibrate}", markup=False)
+        costs = calibrate(profile, options, args.calibrate, args.calibrate_ranks)
+        profile = replace(profile, runtime=costs)
+    write_output(args.out, profile.to_json() + "\n")
+    total = sum(c.forward_ms + c.full_backward_ms for c in profile.layers)
+    print(
+        f"wrote {args.out}: {len(profile.layers)} layers of {profile.model} on {profile.device}, "
+        f"{total:.3f} ms forward + backward per micro-batch"
+    )
+    if profile.runtime is not None:
+        rt = profile.runtime
+        print(
+            f"runtime ({rt.backend}, {rt.ranks} ranks): {rt.action_ms:.3f} ms per action, "
+            f"send {rt.send_ms:.3f} ms, receive {rt.recv_ms:.3f} ms, message "
+            f"{rt.message_ms:.3f} ms, compute x{rt.compute_scale:.2f} beside the other ranks"
+        )
+    return 0

@@ -1,0 +1,46 @@
+"""The command lines of a compiled program: a generated `rank{r}.py` started by hand, and
+`python -m pipelang.backends SCHEDULE.json` (both take the options of `pipelang run`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipelang.cli.args import add_run_arguments, config_from_args
+
+
+def rank_file_main(rank: int, file: str) -> int:
+    """The `__main__` of a generated `rank{r}.py`: its folder holds schedule.json; the
+    environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
+    from pipelang.backends.launch import run_rank_file
+
+    parser = argparse.ArgumentParser(
+        prog=Path(file).name,
+        description=f"Rank {rank} of a compiled pipelang schedule. Start every rank's file at "
+        "once with WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.",
+    )
+    add_run_arguments(parser)
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    return run_rank_file(rank, file, config_from_args(parser.parse_args()))
+
+
+def compiled_main() -> int:
+    """`python -m pipelang.backends SCHEDULE.json [run options]`: run what `pipelang
+    compile -o DIR` wrote (DIR/schedule.json)."""
+    from pipelang.backends.launch import run_program
+    from pipelang.ir import Program
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelang.backends", description="Run a compiled pipelang program."
+    )
+    parser.add_argument("schedule", type=Path, metavar="SCHEDULE.json")
+    add_run_arguments(parser)
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    args = parser.parse_args()
+    try:
+        program = Program.from_json(args.schedule.read_text())
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: cannot read {args.schedule}: {err}", file=sys.stderr)
+        return 2
+    return run_program(program, config_from_args(args))

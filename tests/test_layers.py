@@ -1,0 +1,102 @@
+"""The layer rules of docs/architecture.md, read from the source: no import cycles in the
+package, argparse only in the CLI package, and the CLI reaches the rest through imports
+of the package's public modules."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Collection
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"pipelang": ROOT / "pipelang", "pipelang.backends": ROOT / "backends"}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for file in folder.rglob("*.py"):
+            parts = [p for p in file.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            if parts[-1:] != ["__main__"]:  # run as a script, imported by nothing
+                modules[".".join([package, *parts])] = file
+    return modules
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, modules: Collection[str] = ()) -> list[str]:
+    """Every module an import statement names, at any depth (a lazy import inside a
+    function is a dependency too), except those only for type checkers. `from a import
+    b` names `a.b` when that is one of `modules`, else `a`."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.append(child if child in modules else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    """Module -> the modules of the package it imports."""
+    modules = _modules()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, file in modules.items():
+        for target in _imports(ast.parse(file.read_text()), modules):
+            if target in modules and target != name:
+                graph.add_edge(name, target)
+    return graph
+
+
+def test_the_import_graph_finds_the_package_and_its_layers() -> None:
+    graph = import_graph()
+    assert graph.has_edge("pipelang.cli.app", "pipelang.cli.check")
+    assert graph.has_edge("pipelang.cli.check", "pipelang.cli.args")
+    assert "pipelang.backends.runtime" in graph
+    assert graph.number_of_edges() > 200
+
+
+def test_no_import_cycles() -> None:
+    cycles = list(nx.simple_cycles(import_graph()))
+    shown = [" -> ".join([*c, c[0]]) for c in sorted(cycles, key=len)[:10]]
+    assert cycles == [], "import cycles:\n" + "\n".join(shown)
+
+
+def test_argparse_only_in_the_cli_package() -> None:
+    cli = ROOT / "pipelang" / "cli"
+    users = [
+        str(file.relative_to(ROOT))
+        for file in _modules().values()
+        if "argparse" in _imports(ast.parse(file.read_text())) and cli not in file.parents
+    ]
+    assert users == []
+
+
+def test_the_cli_args_module_is_a_leaf_of_the_cli_package() -> None:
+    graph = import_graph()
+    cli = [m for m in graph.successors("pipelang.cli.args") if m.startswith("pipelang.cli")]
+    assert cli == []
+    # no command imports another command
+    commands = [m for m in graph if m.startswith("pipelang.cli.") and m != "pipelang.cli.app"]
+    for module in commands:
+        others = set(graph.successors(module)) & set(commands)
+        assert others <= {"pipelang.cli.args"}, (module, others)
