@@ -40,8 +40,9 @@ from pipelang.backends.local import local_device, run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.reference import train_reference
 from pipelang.backends.runtime import RunConfig
-from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
-from pipelang.simulate import in_flight, simulate
+from pipelang.ir import COMPUTE_KINDS, CostModel, Program
+from pipelang.memory import frees, peak
+from pipelang.simulate import simulate
 
 try:
     from benchmarks.results import write_section
@@ -112,10 +113,9 @@ def memory(config: RunConfig) -> list[str]:
             else "-"
         )
         timeline = simulate(program, CostModel())
-        frees = Kind.W if Kind.W in program.kinds else Kind.B
         for rank, got in enumerate(measured):
             count = timeline.peak_activations(rank)
-            held = max(in_flight(program.ranks[rank], frees))
+            held = peak(program.ranks[rank], frees(program))
             expected = held * one[rank]
             rows.append(
                 f"| {label(name, params)} | {rank} | {count} | {held} | "

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pipelang import memory
 from pipelang.diagnostics import Diagnostic, Label, label, merged
 from pipelang.ir import Action, Kind, Program
 from pipelang.source import Span
@@ -265,7 +266,7 @@ def peak_activations(program: Program, events: Sequence[Event]) -> list[int] | N
     partner keeps them from the end of the `E` to the end of the `L` (until they are back).
     At one instant, what the partner hands back goes first, then the rank's own actions
     in order, then what it receives. Without evictions this is the count along the
-    order, `simulate.in_flight`.
+    order, `memory.peak`.
     """
     if len(events) == program.num_microbatches * program.num_stages * len(program.kinds):
         return None  # a valid program with no stash actions (the usual case)
@@ -274,12 +275,10 @@ def peak_activations(program: Program, events: Sequence[Event]) -> list[int] | N
     evicted = False
     for seq, event in enumerate(events):
         kind, rows = event.action.kind, changes[event.rank]
-        if kind is Kind.F or kind is Kind.L:
-            rows.append((event.start, 1, seq, 1))
-        elif kind is Kind.B:
-            rows.append((event.end, 1, seq, -1))
-        elif kind is Kind.E:
-            rows.append((event.end, 1, seq, -1))
+        delta = memory.change(kind)
+        if delta:  # taken as the op starts, freed (or handed over) once it ends
+            rows.append((event.start if delta > 0 else event.end, 1, seq, delta))
+        if kind is Kind.E:
             load, peer = loads.get(event.action[1:4]), event.action.peer
             if load is not None and peer is not None and 0 <= peer < len(changes):
                 changes[peer].append((event.end, 2, seq, 1))

@@ -19,11 +19,12 @@ instead. One pass in topological order, linear in the number of ops and dependen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from pipelang import memory
 from pipelang.bulk import bulk
 from pipelang.diagnostics import PipelangError
 from pipelang.evictions import peak_activations as stash_peaks
@@ -110,7 +111,7 @@ class Timeline:
         (`evictions.peak_activations`)."""
         if self._stash_peaks is not None:
             return self._stash_peaks[rank]
-        return max(in_flight(self.program.ranks[rank]), default=0)
+        return memory.peak(self.program.ranks[rank])
 
     @cached_property
     def _stash_peaks(self) -> list[int] | None:
@@ -176,22 +177,6 @@ class Timeline:
                     cells[cell] = label(rank, event.action) if cell == first else "-"
             rows.append((f"rank {rank}", cells))
         return render_rows(rows, width_limit)
-
-
-def in_flight(actions: Iterable[Action], frees: Kind = Kind.B) -> Iterable[int]:
-    """After each action, how many forwards are waiting for their backward (+1 at F,
-    -1 at B; -1 at an eviction `E` and +1 at its load `L`; other actions change
-    nothing). With `frees=Kind.W`, a forward counts until its weight gradient instead:
-    what the runtime holds, since its split backward keeps the stage's whole graph for
-    W (the papers count only the smaller part W needs after B, as 0)."""
-    count = 0
-    for action in actions:
-        kind = action.kind
-        if kind is Kind.F or kind is Kind.L:
-            count += 1
-        elif kind is frees or kind is Kind.E:
-            count -= 1
-        yield count
 
 
 def _number(value: float) -> int | float:

@@ -23,13 +23,13 @@ import torch
 from helpers import one_f_one_b, program_from_dump
 from runtime_helpers import run, stdlib, with_comms
 
+from pipelang import memory
 from pipelang.backends import codegen
 from pipelang.backends.local import run_local
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.runtime import RankRuntime, RunConfig
 from pipelang.ir import Action, Kind, Program
-from pipelang.simulate import in_flight
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "codegen_1f1b_D2_N2_rank0.expected"
@@ -336,8 +336,7 @@ def test_saved_activations_follow_the_order(name: str, one_torch_thread: None) -
 
     one = peaks(stdlib("gpipe", D=4, N=1))
     program = stdlib(name, D=4, N=8)
-    frees = Kind.W if Kind.W in program.kinds else Kind.B
-    held = [max(in_flight(actions, frees)) for actions in program.ranks]
+    held = [memory.peak(actions, memory.frees(program)) for actions in program.ranks]
     assert held == ([4, 3, 2, 1] if name == "1f1b" else [4, 4, 4, 4])
     assert peaks(program) == [h * b for h, b in zip(held, one, strict=True)]
     assert len(set(one)) > 1  # the stages differ (embedding, blocks, head): a real check

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelang import api
+from pipelang import api, memory
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
-from pipelang.ir import Kind
 from pipelang.passes.check_streams import check_streams
-from pipelang.simulate import in_flight
 from pipelang.streams import StreamProgram
 from tests.test_cli import pipelang_cmd
 
@@ -42,8 +40,7 @@ def test_saved_slots_are_the_activations_a_rank_holds(name: str) -> None:
     backward is split, as the runtime holds them): slots reused as tightly as possible."""
     c = lowered(name)
     assert c.streams is not None and c.program is not None
-    frees = Kind.W if Kind.W in c.program.kinds else Kind.B
-    held = [max(in_flight(actions, frees), default=0) for actions in c.program.ranks]
+    held = [memory.peak(actions, memory.frees(c.program)) for actions in c.program.ranks]
     assert [len(c.streams.slots(r)["saved"]) for r in range(c.streams.ranks)] == held
 
 

@@ -9,6 +9,7 @@ from typing import cast
 from rich.console import Console
 from rich.table import Table
 
+from pipelang import memory
 from pipelang.cli.args import add_schedule_arguments, compile_args, describe, parse_cost
 from pipelang.ir import Kind
 
@@ -36,7 +37,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelang.simulate import in_flight, simulate
+    from pipelang.simulate import simulate
 
     costs = parse_cost(args.cost)
     compiled = compile_args(args, "check-streams" if args.slots else None)
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*cells)
     console.print(table)
     if Kind.W in program.kinds:
-        held = [max(in_flight(actions, Kind.W), default=0) for actions in program.ranks]
+        held = [memory.peak(actions, Kind.W) for actions in program.ranks]
         if held != [timeline.peak_activations(r) for r in range(program.num_ranks)]:
             console.print(
                 "note: peak activations count a forward until its B, as the papers do; "

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import TypeVar
 
+from pipelang import memory
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.orders import Layout
@@ -78,7 +79,7 @@ class _Op:
     length: float
     phase: int
     changes: tuple[int, int]
-    """How it changes its rank's activations held to B, and held to W (`_changes`)."""
+    """How it changes its rank's activations held to B, and held to W (`memory.change`)."""
     inputs: tuple[tuple[_Op, float], ...] = ()
     """The ops it waits for, each with the delay from its end (a transfer, or none)."""
     consumed: bool = False
@@ -213,7 +214,7 @@ def _graph(
 
     numbered: list[_Op | None] = [None] * (len(layout.assignment) * per_mb)
     others: dict[Action, _Op] = {}
-    split = Kind.W in kinds
+    freed_by = Kind.W if Kind.W in kinds else Kind.B
     lengths: dict[tuple[Kind, int | None], float] = {}
     ranks: list[list[_Op]] = []
     for r, slots in enumerate(placed):
@@ -224,7 +225,15 @@ def _graph(
             if (kind, stage) not in lengths:
                 lengths[kind, stage] = layout.costs.of(kind.value, stage)
             phase = WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
-            op = _Op(action, r, 0.0, 0.0, lengths[kind, stage], phase, _changes(kind, split))
+            op = _Op(
+                action,
+                r,
+                0.0,
+                0.0,
+                lengths[kind, stage],
+                phase,
+                (memory.change(kind), memory.change(kind, freed_by)),
+            )
             at = number(action)
             if at is None:
                 if others.setdefault(action, op) is not op:
@@ -675,15 +684,3 @@ def _first_idle(busy: list[tuple[float, float]], ready: float, length: float) ->
 def _tail(items: list[_T], first: int) -> Iterator[_T]:
     """The items from `first` on, without stepping over those before (as `islice` does)."""
     return map(items.__getitem__, range(first, len(items)))
-
-
-def _changes(kind: Kind, split: bool) -> tuple[int, int]:
-    """How an op changes the activations held to B, and those held to W when `split`
-    (else to B as well): +1 at F; -1 at B, or at W."""
-    if kind is Kind.F:
-        return 1, 1
-    if kind is Kind.B:
-        return -1, 0 if split else -1
-    if kind is Kind.W and split:
-        return 0, -1
-    return 0, 0

@@ -29,6 +29,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pipelang import memory
 from pipelang.deadlock import describe_cycle, find_cycle
 from pipelang.diagnostics import Diagnostic, Label, label, listing, merged
 from pipelang.evictions import check_evictions
@@ -356,14 +357,10 @@ def _memory(program: Program, cap: int) -> list[Diagnostic]:
     """E0308: per rank, the first op after which more than `cap` forwards await their B."""
     diagnostics = []
     for rank, actions in enumerate(program.ranks):
-        in_flight: dict[tuple[int | None, int | None, str | None], Action] = {}
-        for action in actions:
-            if action.kind is Kind.F or action.kind is Kind.L:
-                in_flight[(action.mb, action.stage, action.pipeline)] = action
-            elif action.kind is Kind.B or action.kind is Kind.E:  # E: evicted to a partner
-                in_flight.pop((action.mb, action.stage, action.pipeline), None)
-            if len(in_flight) > cap:
-                diagnostics.append(_too_many(rank, action, list(in_flight.values()), cap))
+        for at, count in enumerate(memory.held(actions)):
+            if count > cap:
+                held = memory.holding(actions[: at + 1])
+                diagnostics.append(_too_many(rank, actions[at], held, cap))
                 break
     return diagnostics
 

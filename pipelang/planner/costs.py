@@ -9,6 +9,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from pipelang import memory
 from pipelang.ir import Kind, Program
 from pipelang.planner.mapping import Traffic
 from pipelang.planner.profile import Profile
@@ -114,20 +115,12 @@ def peak_memory(
     and R takes the activations; both are freed together."""
     weights = stage_weights(profile, counts)
     activations = stage_activations(profile, counts)
-    frees = Kind.W if Kind.W in program.kinds else Kind.B
+    kept, recomputed = activations, None
     if Kind.R in program.kinds:
-        inputs = [0.0, *stage_outputs(profile, counts)[:-1]]
-        freed = [-(a + i) for a, i in zip(activations, inputs, strict=True)]
-        change = {Kind.F: inputs, Kind.R: activations, frees: freed}
-    else:
-        change = {Kind.F: activations, frees: [-a for a in activations]}
+        kept, recomputed = [0.0, *stage_outputs(profile, counts)[:-1]], activations
+    freed_by = memory.frees(program)
     peaks = []
     for rank, actions in enumerate(program.ranks):
         state = sum(weights[s] for s, _ in program.stage_copies(rank)) * state_factor
-        held = peak = 0.0
-        for action in actions:
-            if action.kind in change:
-                held += change[action.kind][action.stage or 0]
-                peak = max(peak, held)
-        peaks.append(state + peak)
+        peaks.append(state + memory.peak_bytes(actions, freed_by, kept, recomputed))
     return peaks

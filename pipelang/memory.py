@@ -1,0 +1,87 @@
+"""Held activations: the one rule for what a rank keeps between a forward and its backward.
+
+A forward `F` takes its activations; they are freed by the op that last needs them: its
+`B`, or its `W` where the runtime keeps the stage's graph for the weight gradient (the
+papers count a forward only until its B). An eviction `E` hands them to a partner and
+its load `L` brings them back. A recompute `R` rebuilds what its F dropped: counted in
+forwards it changes nothing (the F is still held); counted in bytes it adds the stage's
+activations over the stage input the F kept.
+
+Everything that counts activations asks here: `simulate` (peak activations), `validate`
+(`--max-activations`, E0308), `evictions` (the partner's side, over time), the squeeze
+orders (their memory bound) and the planner (peak bytes).
+
+    held([F0, F1, B0, F2, B1, B2])  ->  1 2 1 2 1 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from pipelang.ir import Action, Kind, Program
+
+
+def frees(program: Program) -> Kind:
+    """The op that frees a forward's activations in `program`'s runtime: W when the
+    backward is split, else B."""
+    return Kind.W if Kind.W in program.kinds else Kind.B
+
+
+def change(kind: Kind, freed_by: Kind = Kind.B) -> int:
+    """How an op of `kind` changes the forwards its rank holds: +1 at F and at a load L,
+    -1 at `freed_by` and at an eviction E, 0 otherwise."""
+    if kind is Kind.F or kind is Kind.L:
+        return 1
+    if kind is freed_by or kind is Kind.E:
+        return -1
+    return 0
+
+
+def held(actions: Iterable[Action], freed_by: Kind = Kind.B) -> Iterator[int]:
+    """After each action, how many forwards the rank holds."""
+    count = 0
+    for action in actions:
+        count += change(action.kind, freed_by)
+        yield count
+
+
+def peak(actions: Iterable[Action], freed_by: Kind = Kind.B) -> int:
+    """The most forwards the rank holds at once along `actions`."""
+    return max(held(actions, freed_by), default=0)
+
+
+def holding(actions: Iterable[Action], freed_by: Kind = Kind.B) -> list[Action]:
+    """The forwards (or loads) still held after the last of `actions`, oldest first: who
+    makes up the count `held` gives, for messages."""
+    kept: dict[tuple[int | None, int | None, str | None], Action] = {}
+    for action in actions:
+        delta = change(action.kind, freed_by)
+        key = (action.mb, action.stage, action.pipeline)
+        if delta > 0:
+            kept[key] = action
+        elif delta < 0:
+            kept.pop(key, None)
+    return list(kept.values())
+
+
+def peak_bytes(
+    actions: Iterable[Action],
+    freed_by: Kind,
+    kept: Sequence[float],
+    recomputed: Sequence[float] | None = None,
+) -> float:
+    """The most bytes of activations held at once along `actions`: `kept[stage]` from a
+    forward to the op that frees it, and with recomputation also `recomputed[stage]`
+    from the R to that op."""
+    total = top = 0.0
+    for action in actions:
+        stage = action.stage or 0
+        delta = change(action.kind, freed_by)
+        if recomputed is not None:
+            if action.kind is Kind.R:
+                total += recomputed[stage]
+            elif action.kind is freed_by:
+                total -= recomputed[stage]
+        total += delta * kept[stage]
+        top = max(top, total)
+    return top
