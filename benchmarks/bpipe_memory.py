@@ -9,7 +9,7 @@ table ("BPipe evictions (CPU)").
 
 from __future__ import annotations
 
-from pipelang.api import load_program
+from pipelang.api import compile_schedule
 from pipelang.backends.models import plan_stages
 from pipelang.backends.processes import launch
 from pipelang.backends.runtime import RunConfig
@@ -19,12 +19,14 @@ from pipelang.simulate import CostModel, simulate
 def main() -> None:
     for d, n in ((4, 8), (8, 16)):
         for name in ("1f1b", "bpipe"):
-            program = load_program(name, {"D": str(d), "N": str(n)})
+            compiled = compile_schedule(name, {"D": str(d), "N": str(n)})
+            program, graph = compiled.need_program(), compiled.graph
+            assert graph is not None
             config = RunConfig(backend="gloo", steps=2, count_activations=True)
             shapes = plan_stages(config.spec, program.num_stages, None).shapes
             outcome = launch(program, config, shapes, lambda *_: None)
             kib = [round(r.peak_activation_bytes / 1024) for r in outcome.results]
-            timeline = simulate(program, CostModel())
+            timeline = simulate(program, graph, CostModel())
             counts = [timeline.peak_activations(r) for r in range(program.num_ranks)]
             print(f"{name} D={d} N={n}: KiB {kib}  simulator {counts}")
 

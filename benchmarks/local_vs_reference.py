@@ -40,9 +40,8 @@ from pipelang.backends.local import local_device, run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.reference import train_reference
 from pipelang.backends.runtime import RunConfig
-from pipelang.ir import COMPUTE_KINDS, CostModel, Program
+from pipelang.ir import COMPUTE_KINDS, Program
 from pipelang.memory import frees, peak
-from pipelang.simulate import simulate
 
 try:
     from benchmarks.results import write_section
@@ -112,9 +111,8 @@ def memory(config: RunConfig) -> list[str]:
             if local_device().type == "cuda"
             else "-"
         )
-        timeline = simulate(program, CostModel())
         for rank, got in enumerate(measured):
-            count = timeline.peak_activations(rank)
+            count = peak(program.ranks[rank])
             held = peak(program.ranks[rank], frees(program))
             expected = held * one[rank]
             rows.append(

@@ -32,13 +32,15 @@ def row(name: str, params: dict[str, str], costs: CostModel) -> list[str]:
     """One table row: simulate the schedule, and say whether it passes `check`."""
     file = load_file(name)
     given = {k: v for k, v in params.items() if any(p.name == k for p in file.schedule.params)}
-    program = run_passes(file, Options(given), "expand-orders").need_program()
+    expanded = run_passes(file, Options(given), "build-dag")
+    program, graph = expanded.need_program(), expanded.graph
+    assert graph is not None
     try:
         run_passes(file, Options(given))
         status = "ok"
     except PipelangError as err:
         status = ", ".join(sorted({d.code for d in err.diagnostics}))
-    timeline = simulate(program, program.costs.merged(costs))
+    timeline = simulate(program, graph, program.costs.merged(costs))
     ranks = range(program.num_ranks)
     shown = ", ".join(f"{k}={v}" for k, v in program.params)
     return [

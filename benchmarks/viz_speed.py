@@ -15,8 +15,7 @@ import datetime
 import platform
 import time
 
-from pipelang.api import load_program
-from pipelang.simulate import simulate
+from pipelang.api import compile_schedule
 from pipelang.visualize import render
 from pipelang.visualize.panel import simulated
 
@@ -58,11 +57,11 @@ def main() -> None:
         params = {"D": str(args.D), "N": str(args.N), **extra}
         start = time.perf_counter()
         try:
-            program = load_program(sched, params)
+            compiled = compile_schedule(sched, params)
         except Exception as err:
             print(f"| {sched} | - | does not compile: {str(err).splitlines()[0][:60]} | | | | |")
             continue
-        panel = simulated(simulate(program, program.costs))
+        panel = simulated(compiled.timeline())
         prepare = time.perf_counter() - start
         ops = len(panel.timeline.events)
         for suffix, comms in formats:

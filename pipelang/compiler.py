@@ -15,14 +15,15 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from pipelang.bulk import bulk
-from pipelang.diagnostics import PipelangError
+from pipelang.diagnostics import InternalError, PipelangError
 
 if TYPE_CHECKING:
     import networkx as nx
 
     from pipelang import ast
-    from pipelang.ir import Program
+    from pipelang.ir import CostModel, Program
     from pipelang.passes.build_dag import OpGraph
+    from pipelang.simulate import Link, Timeline
     from pipelang.streams import StreamProgram
 
 
@@ -45,7 +46,9 @@ class Compilation:
     params: Mapping[str, int | bool] | None = None
     program: Program | None = None
     graph: OpGraph | None = None
-    """The dependency DAG with ops numbered, from `build-dag`: what the passes walk."""
+    """The dependency DAG of the compute ops with ops numbered, built once by `build-dag`
+    (again by `insert-holds` only when it adds holds) and handed on: what the later
+    passes and the simulator walk. Comms and sync actions are not in it."""
     streams: StreamProgram | None = None
     """The stream program, from `streams` (run only when asked for: see `run_passes`)."""
 
@@ -54,10 +57,18 @@ class Compilation:
         """`graph` as a networkx DiGraph, built when first asked for (see `build-dag`)."""
         return None if self.graph is None else self.graph.to_networkx()
 
+    def timeline(self, costs: CostModel | None = None, link: Link | None = None) -> Timeline:
+        """The simulated timeline of the program under its own `cost` line with `costs`
+        over it (needs `validate` to have run)."""
+        from pipelang.simulate import simulate
+
+        program = self.need_program()
+        if self.graph is None:
+            raise InternalError("simulating before `build-dag`")
+        return simulate(program, self.graph, program.costs.merged(costs), link)
+
     def need_program(self) -> Program:
         if self.program is None:
-            from pipelang.diagnostics import InternalError
-
             raise InternalError("a pass ran before `expand-orders`")
         return self.program
 
@@ -97,13 +108,16 @@ def _validate(c: Compilation) -> Compilation:
 def _insert_holds(c: Compilation) -> Compilation:
     from pipelang.passes.insert_holds import insert_holds
 
-    return dataclasses.replace(c, program=insert_holds(c.need_program()))
+    assert c.graph is not None
+    program, graph = insert_holds(c.need_program(), c.graph)
+    return dataclasses.replace(c, program=program, graph=graph)
 
 
 def _insert_comms(c: Compilation) -> Compilation:
     from pipelang.passes.insert_comms import insert_comms
 
-    return dataclasses.replace(c, program=insert_comms(c.need_program()))
+    assert c.graph is not None
+    return dataclasses.replace(c, program=insert_comms(c.need_program(), c.graph))
 
 
 def _insert_sync(c: Compilation) -> Compilation:

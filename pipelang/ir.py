@@ -311,6 +311,13 @@ class CostModel:
                 return found
         return self._table.get((kind, None), 0.0)
 
+    def time(self, op: Action) -> float:
+        """How long one op runs: its kind's time on its stage. Stash ops (E, L, H) take
+        none here: moving evicted activations is timed on the transfers, like `C`. (A
+        compound's time, `FB` or the sum of its ops, is the simulator's.)"""
+        kind = op.kind
+        return 0.0 if kind in STASH_KINDS else self.of(kind.value, op.stage)
+
     def gives(self, kind: str) -> bool:
         """Whether any entry sets `kind` (`FB` has no default)."""
         return any(name == kind for name, _, _ in self.entries)

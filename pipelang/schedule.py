@@ -1,8 +1,9 @@
 """`Schedule`: a compiled schedule as the public Python API hands it out (docs/api.md).
 
-`pipelang.load("chimera", D=4, N=4)` returns one. It wraps the IR `Program` (fully
-compiled: comms and sync inserted) and offers what the CLI's commands do, as values:
-its sizes, each rank's ops, a simulated timeline, exports and drawings.
+`pipelang.load("chimera", D=4, N=4)` returns one. It wraps a `Compilation`: the IR
+`Program` (fully compiled: comms and sync inserted) and its op graph. It offers what
+the CLI's commands do, as values: its sizes, each rank's ops, a simulated timeline,
+exports and drawings.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pipelang.ir import Action, CostModel, Program
-from pipelang.simulate import Timeline, simulate
+from pipelang.compiler import Compilation
+from pipelang.ir import Action, CostModel
+from pipelang.simulate import Timeline
 
 COST_KINDS = ("F", "B", "W", "R", "C", "FB", "E", "L")
 """The keys a cost model takes: op kinds, a transfer (C), an overlapped pair (FB), and an
@@ -25,8 +27,10 @@ Costs = Mapping[str, float | Sequence[float]]
 class Schedule:
     """A compiled schedule: sizes, each rank's ops, simulation, export and drawing."""
 
-    def __init__(self, program: Program) -> None:
-        self.program = program
+    def __init__(self, compilation: Compilation) -> None:
+        self.compilation = compilation
+        """What the compiler made: the Program and its op graph."""
+        self.program = compilation.need_program()
         """The IR: every rank's actions, sends, receives and sync included."""
 
     def __repr__(self) -> str:
@@ -66,7 +70,7 @@ class Schedule:
         """Replay the schedule in time: `costs` on top of the schedule's own `cost` line
         (unit times and free transfers by default). The Timeline has `makespan`,
         `bubble_ratio`, and per rank `ranks[r].busy`, `.idle`, `.peak_activations`."""
-        return simulate(self.program, self.program.costs.merged(cost_model(costs)))
+        return self.compilation.timeline(cost_model(costs))
 
     def export(self, format: str) -> str | dict[str, object]:
         """`"json"`: a dict of every rank's compute ops (what `pipelang export --format
@@ -126,4 +130,4 @@ def load(sched: str | Path, **params: int | bool) -> Schedule:
     from pipelang.api import compile_schedule
 
     text = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in params.items()}
-    return Schedule(compile_schedule(str(sched), text).need_program())
+    return Schedule(compile_schedule(str(sched), text))

@@ -26,12 +26,11 @@ from typing import NamedTuple
 
 from pipelang import memory
 from pipelang.bulk import bulk
-from pipelang.diagnostics import PipelangError
+from pipelang.diagnostics import InternalError
 from pipelang.evictions import peak_activations as stash_peaks
 from pipelang.grid import op_labeler, render_rows
-from pipelang.ir import STASH_KINDS, Action, CostModel, Kind, Program
-from pipelang.passes.build_dag import OpGraph, op_graph
-from pipelang.passes.validate import validate
+from pipelang.ir import Action, CostModel, Kind, Program
+from pipelang.passes.build_dag import OpGraph
 from pipelang.weights import WeightVersions, weight_versions
 
 
@@ -190,19 +189,19 @@ Link = Callable[[Action, int, int], float]
 
 
 @bulk
-def simulate(program: Program, costs: CostModel, link: Link | None = None) -> Timeline:
-    """Replay `program`'s compute ops under `costs` (see the module docstring).
+def simulate(
+    program: Program, graph: OpGraph, costs: CostModel, link: Link | None = None
+) -> Timeline:
+    """Replay `program`'s compute ops under `costs` (see the module docstring); `graph`
+    is its op graph, validated (`Compilation.timeline` hands both on).
 
     `link`, when given, times each transfer instead of the single `C` (the planner gives
     every stage boundary the time of the link between its two ranks' devices).
-    Raises PipelangError with `validate`'s diagnostics when the order cannot run (a
-    deadlock, a duplicated op).
     """
-    graph = op_graph(program)
     times = _durations(graph, costs)
     start = _start_times(graph, times, costs.of("C"), stash_link(program, graph, costs, link))
     if len(start) < graph.listed:
-        raise PipelangError(validate(program, graph, None))
+        raise InternalError("simulated an op graph with a cycle: `validate` did not run")
     # Ops are numbered in rank order, then in each rank's order; none is listed twice.
     ends = [s + t for s, t in zip(start, times, strict=True)]
     heads = graph.heads
@@ -238,14 +237,7 @@ def stash_link(
 def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
     """The time of every op; a compound's whole time goes to its first op and its fused
     ops take none, so that whatever follows any of them waits for the whole compound."""
-    cache: dict[tuple[str, int | None], float] = {}
-    times = []
-    for op in graph.ops:
-        key = (op.kind.value, op.stage)
-        if key not in cache:
-            # E, L, H move activations beside the compute: their time is on the hops
-            cache[key] = 0.0 if op.kind in STASH_KINDS else costs.of(*key)
-        times.append(cache[key])
+    times = [costs.time(op) for op in graph.ops]
     members: dict[int, list[int]] = {}
     for node, head in enumerate(graph.heads):
         if head != node:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from pipelang.diagnostics import PipelangError
 from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program
+from pipelang.passes.build_dag import op_graph
+from pipelang.passes.insert_comms import insert_comms
+from pipelang.passes.validate import validate
+from pipelang.simulate import Timeline, simulate
 from pipelang.source import SourceFile, Span
 
 
@@ -135,3 +140,18 @@ def chimera_4(costs: CostModel | None = None) -> Program:
 def costs(**values: float) -> CostModel:
     """A CostModel from keyword times: `costs(F=1, B=2)`."""
     return CostModel().merged(CostModel(tuple((k, None, float(v)) for k, v in values.items())))
+
+
+def replay(program: Program, model: CostModel) -> Timeline:
+    """Simulate a Program made outside the compiler (a dump, a hand-built order): build
+    its op graph and validate it first, as the compiler does (raises PipelangError)."""
+    graph = op_graph(program)
+    problems = validate(program, graph, None)
+    if problems:
+        raise PipelangError(problems)
+    return simulate(program, graph, model)
+
+
+def with_comms(program: Program) -> Program:
+    """Pass `insert-comms` on a Program made outside the compiler."""
+    return insert_comms(program, op_graph(program))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import pipelang
-from pipelang.simulate import simulate
+from tests.helpers import replay
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def test_the_api_simulates_as_the_cli_does() -> None:
 
     prog = pipelang.load("zb-h1", D=4, N=8)
     ours = prog.simulate({"F": 1, "B": 1, "W": 1, "C": 0.5})
-    theirs = simulate(prog.program, prog.program.costs.merged(parse_cost("F=1,B=1,W=1,C=0.5")))
+    theirs = replay(prog.program, prog.program.costs.merged(parse_cost("F=1,B=1,W=1,C=0.5")))
     assert ours.events == theirs.events
 
 

@@ -13,10 +13,9 @@ from pipelang.ir import Action, Kind, Program
 from pipelang.lowered import check_lowered
 from pipelang.passes import insert_comms as insert_comms_module
 from pipelang.passes.build_dag import build_dag, op_graph
-from pipelang.passes.insert_comms import insert_comms
 from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
-from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_from_dump
+from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_from_dump, with_comms
 
 # ---- build-dag -----------------------------------------------------------------------------
 
@@ -103,12 +102,12 @@ B1@1/main send:B1@1/main>0"""
 
 
 def test_insert_comms_1f1b_d2_n2_golden() -> None:
-    assert insert_comms(program_from_dump(one_f_one_b(2, 2))).dump() == GOLDEN_1F1B_D2_N2
+    assert with_comms(program_from_dump(one_f_one_b(2, 2))).dump() == GOLDEN_1F1B_D2_N2
 
 
 def test_insert_comms_keeps_spans() -> None:
     program = program_from_dump(one_f_one_b(2, 2))
-    out = insert_comms(program)
+    out = with_comms(program)
     send = out.ranks[0][1]
     recv = out.ranks[1][0]
     assert send.text() == "send:F0@0/main>1" and send.span == program.ranks[0][0].span
@@ -139,7 +138,7 @@ CASES = {
 
 @pytest.mark.parametrize("program", CASES.values(), ids=CASES.keys())
 def test_insert_comms_channels_are_fifo(program: Program) -> None:
-    traffic = channel_traffic(insert_comms(program))
+    traffic = channel_traffic(with_comms(program))
     channels = {(src, dst) for src, dst, _ in traffic}
     assert channels
     for src, dst in channels:
@@ -148,7 +147,7 @@ def test_insert_comms_channels_are_fifo(program: Program) -> None:
 
 @pytest.mark.parametrize("program", CASES.values(), ids=CASES.keys())
 def test_insert_comms_moves_every_cross_rank_input(program: Program) -> None:
-    out = insert_comms(program)
+    out = with_comms(program)
     for rank, actions in enumerate(out.ranks):
         received: set[str] = set()
         for i, a in enumerate(actions):
@@ -166,7 +165,7 @@ def test_insert_comms_moves_every_cross_rank_input(program: Program) -> None:
 
 def test_insert_comms_after_dependency_becomes_signal_and_wait() -> None:
     program = program_from_dump(one_f_one_b(2, 2), after=[("B0@0/main", "F1@1/main")])
-    out = insert_comms(program).dump().splitlines()
+    out = with_comms(program).dump().splitlines()
     assert "B0@0/main signal:B0@0/main>1 recv:B1@1/main<1" in out[0]
     # Both transfers from rank 0 feed F1@1: they are received in channel order.
     assert "recv:F1@0/main<0 wait:B0@0/main<0 F1@1/main" in out[1]
@@ -177,7 +176,7 @@ def test_insert_comms_sends_once_per_receiving_rank() -> None:
     program = program_from_dump(
         one_f_one_b(2, 1), after=[("F0@0/main", "B0@1/main")]
     )  # F0@1 and B0@1 both wait for F0@0
-    out = insert_comms(program)
+    out = with_comms(program)
     assert [a.text() for a in out.ranks[0]].count("send:F0@0/main>1") == 1
     assert [a.text() for a in out.ranks[0] if a.kind is Kind.SIGNAL] == []
     assert out.ranks[1][0].text() == "recv:F0@0/main<0"
@@ -187,11 +186,11 @@ def test_insert_comms_same_rank_dependencies_get_nothing() -> None:
     program = program_from_dump(
         ["F0@0/main F0@1/main B0@1/main B0@0/main"], pipelines={"main": (0, 0)}
     )
-    assert insert_comms(program).ranks == program.ranks
+    assert with_comms(program).ranks == program.ranks
 
 
 def test_insert_comms_output_parses_back() -> None:
-    out = insert_comms(chimera_4())
+    out = with_comms(chimera_4())
     for actions in out.ranks:
         assert tuple(Action.parse(a.text()) for a in actions) == actions
 
@@ -206,7 +205,7 @@ def test_insert_comms_receives_in_send_order() -> None:
     """The recv of message k goes before the first consumer of k or of any later message:
     rank 1 needs F1 first, so F0 is received before F1@1 too; rank 0 needs B2 last but
     it is sent first, so it is received before B0@0."""
-    out = insert_comms(program_from_dump(RECEIVED_OUT_OF_ORDER)).dump().splitlines()
+    out = with_comms(program_from_dump(RECEIVED_OUT_OF_ORDER)).dump().splitlines()
     assert out == [
         "rank 0: F0@0/main send:F0@0/main>1 F1@0/main send:F1@0/main>1 F2@0/main "
         "send:F2@0/main>1 recv:B2@1/main<1 recv:B0@1/main<1 B0@0/main recv:B1@1/main<1 "
@@ -221,13 +220,13 @@ def test_receiving_before_each_consumer_would_cross(monkeypatch: pytest.MonkeyPa
     """Receiving right before each consumer would cross; `check_lowered` catches it, and
     the real placement passes it."""
     program = program_from_dump(RECEIVED_OUT_OF_ORDER)
-    assert check_lowered(insert_comms(program)) == []
+    assert check_lowered(with_comms(program)) == []
     monkeypatch.setattr(
         insert_comms_module,
         "_receive_steps",
         lambda graph, sent: [graph.steps[m.consumer] for m in sent],
     )
-    mismatches = check_lowered(insert_comms(program))
+    mismatches = check_lowered(with_comms(program))
     assert mismatches and {m.code for m in mismatches} == {"E0307"}
     assert any(m.message.startswith("transfers from rank 1 to rank 0 ") for m in mismatches)
 
@@ -236,7 +235,7 @@ def test_receiving_before_each_consumer_would_cross(monkeypatch: pytest.MonkeyPa
 
 
 def test_insert_sync_chimera_eager_allreduce_for_every_replicated_copy() -> None:
-    out = insert_sync(insert_comms(chimera_4())).dump().splitlines()
+    out = insert_sync(with_comms(chimera_4())).dump().splitlines()
     # Rank 0 holds stage 0 of `down` and stage 3 of `up`: stage 3 finishes first (after
     # B3u) and syncs there, stage 0 at the end (Chimera Fig. 4b).
     assert " B3@3/up send:B3@3/up>1 allreduce@3/up recv:B0@1/down<1 " in out[0]
@@ -251,7 +250,7 @@ def test_insert_sync_chimera_eager_allreduce_for_every_replicated_copy() -> None
 
 
 def test_insert_sync_single_pipeline_gets_only_a_step() -> None:
-    program = insert_comms(program_from_dump(one_f_one_b(3, 4)))
+    program = with_comms(program_from_dump(one_f_one_b(3, 4)))
     out = insert_sync(program)
     for before, after in zip(program.ranks, out.ranks, strict=True):
         assert after == (*before, Action(Kind.STEP))
@@ -270,7 +269,7 @@ def test_insert_sync_makes_conflicting_orders_agree() -> None:
         assignment=("a", "b"),
     )
     assert validate(program, op_graph(program), None) == []
-    out = insert_sync(insert_comms(program))
+    out = insert_sync(with_comms(program))
     assert allreduce_stages(out, 0) == allreduce_stages(out, 1) == [1, 0]
     assert not _deadlocks(out.ranks)
 

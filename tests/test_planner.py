@@ -32,7 +32,7 @@ from pipelang.planner.search import Candidate, Inputs, Plan, Planner
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
 from pipelang.planner.write import plan_source
-from pipelang.simulate import simulate
+from tests.helpers import replay
 from tests.test_cli import pipelang_cmd
 
 MiB = 2**20
@@ -122,7 +122,7 @@ def makespan(
         entries.append(("F", stage, sum(forward[start : start + count])))
         entries.append(("B", stage, sum(backward[start : start + count])))
         start += count
-    return simulate(program, CostModel(tuple(entries))).makespan
+    return replay(program, CostModel(tuple(entries))).makespan
 
 
 def test_planned_partition_is_the_simulators_optimum_on_small_cases() -> None:
@@ -324,7 +324,7 @@ def plan_for_demo(tmp_path: Path, schedules: tuple[str, ...] = ("1f1b", "zb-h1")
     assert Program.from_json(program.to_json()).partition == plan.partition
     # One link kind and one activation size: the file's `cost C` is every transfer's time,
     # so simulating the written file gives the plan's prediction (costs rounded to 1e-4).
-    timeline = simulate(program, program.costs)
+    timeline = replay(program, program.costs)
     assert timeline.makespan == pytest.approx(plan.time_ms, abs=1e-3 * len(plan.partition) * 8)
     return path
 

@@ -19,7 +19,8 @@ from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.runtime import RunConfig
 from pipelang.ir import Kind, Program
-from pipelang.simulate import CostModel, simulate
+from pipelang.simulate import CostModel
+from tests.helpers import replay
 
 BPIPE = stdlib("bpipe", D=4, N=8)
 
@@ -44,7 +45,7 @@ def _peak_bytes(program: Program) -> list[int]:
 
 
 def _peak_counts(program: Program) -> list[int]:
-    timeline = simulate(program, CostModel())
+    timeline = replay(program, CostModel())
     return [timeline.peak_activations(r) for r in range(program.num_ranks)]
 
 

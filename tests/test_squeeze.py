@@ -19,7 +19,8 @@ from pipelang.compiler import Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Kind, Program
 from pipelang.parser import stdlib_dir
-from pipelang.simulate import Timeline, simulate
+from pipelang.simulate import Timeline
+from tests.helpers import replay
 
 UNIT = CostModel((("F", None, 1.0), ("B", None, 1.0), ("W", None, 1.0), ("C", None, 0.0)))
 REPEAT = re.compile(r"(order repeat \w+(?: every [^{]+?)?) (squeeze )?\{")
@@ -72,7 +73,7 @@ def test_v_half_matches_the_papers_span(D: int, N: int, paper_span: int) -> None
     """Reference section 4, V schedules: with F = B = W = 1, V-Half's per-stage span is
     53 (D = 4, N = 8) and 113 (D = 8, N = 16), at peaks of 6 and 10 chunk activations.
     Without squeeze the same block takes 60 and 122."""
-    timeline = simulate(compiled("v-half", D=D, N=N), UNIT)
+    timeline = replay(compiled("v-half", D=D, N=N), UNIT)
     assert span(timeline) == paper_span
     assert max(timeline.peak_activations(r) for r in range(D)) == D + 2 - D % 2
 
@@ -82,7 +83,7 @@ def test_v_half_extra_time_does_not_grow_with_n(D: int, extra: int) -> None:
     """Reference section 4: V-Half's time beyond the work (6N with unit costs: F, B and W
     of two chunks per micro-batch) is 5 at D = 4 and 17 at D = 8, whatever N."""
     for N in (2 * D, 4 * D, 8 * D):
-        assert span(simulate(compiled("v-half", D=D, N=N), UNIT)) - 6 * N == extra
+        assert span(replay(compiled("v-half", D=D, N=N), UNIT)) - 6 * N == extra
 
 
 @pytest.mark.parametrize("D", [4, 6, 8, 12, 16])
@@ -92,7 +93,7 @@ def test_v_half_peak_stays_half_of_1f1b(D: int) -> None:
     the count to W (the authors' own) is no higher."""
     for N in (D, 2 * D, 4 * D):
         prog = compiled("v-half", D=D, N=N)
-        timeline = simulate(prog, UNIT)
+        timeline = replay(prog, UNIT)
         peaks = [timeline.peak_activations(r) for r in range(D)]
         assert max((p + 1) // 2 for p in peaks) == (D + 2) // 2
         assert max(held_to_w(rank) for rank in prog.ranks) <= 2 * ((D + 2) // 2)
@@ -101,7 +102,7 @@ def test_v_half_peak_stays_half_of_1f1b(D: int) -> None:
 def test_v_half_without_squeeze_is_slower(tmp_path: Path) -> None:
     """The plain block is the baseline the docs quote: 60 at D = 4, N = 8."""
     plain = variant(tmp_path, "v-half", squeeze=False)
-    assert span(simulate(compiled(plain, D=4, N=8), UNIT)) == 60
+    assert span(replay(compiled(plain, D=4, N=8), UNIT)) == 60
 
 
 # ---- squeeze never breaks a schedule nor raises its peak ------------------------------
@@ -130,7 +131,7 @@ def test_squeeze_is_safe(tmp_path: Path, name: str, cases: list[dict[str, int]],
         for before, after in zip(plain.ranks, squeezed.ranks, strict=True):
             assert sorted(map(str, before)) == sorted(map(str, after))
             assert held_to_w(after) <= held_to_w(before)
-        slow, fast = simulate(plain, plain.costs), simulate(squeezed, squeezed.costs)
+        slow, fast = replay(plain, plain.costs), replay(squeezed, squeezed.costs)
         for rank in range(plain.num_ranks):
             assert fast.peak_activations(rank) <= slow.peak_activations(rank)
         assert fast.makespan <= slow.makespan

@@ -16,7 +16,7 @@ from pipelang import api
 from pipelang.compiler import Options, run_passes
 from pipelang.orders import squeeze as sq
 from pipelang.parser import stdlib_dir
-from pipelang.simulate import simulate
+from tests.helpers import replay
 
 REPEAT = re.compile(r"(order repeat \w+(?: every [^{]+?)?) (squeeze )?\{")
 
@@ -108,5 +108,5 @@ def test_each_move_puts_the_ws_where_the_plain_greedy_does(
     plain_path = variant(tmp_path, name, False, extra)
     plain = run_passes(api.load_file(str(plain_path)), options, "validate").need_program()
     program = squeezed.need_program()
-    slow, fast = simulate(plain, plain.costs), simulate(program, program.costs)
+    slow, fast = replay(plain, plain.costs), replay(program, program.costs)
     assert fast.makespan <= slow.makespan

@@ -33,7 +33,8 @@ from pipelang.diagnostics import PipelangError
 from pipelang.export import to_torch_csv
 from pipelang.import_torch import check_pipe, import_torch
 from pipelang.ir import CostModel, Program
-from pipelang.simulate import Timeline, simulate
+from pipelang.simulate import Timeline
+from tests.helpers import replay
 
 torch_pipelining = pytest.importorskip("torch.distributed.pipelining")
 from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E402
@@ -57,7 +58,7 @@ def program(name: str, *, validate: bool = True, **params: int) -> Program:
 def run(prog: Program, F: float = 1, B: float = 1, W: float = 1) -> Timeline:
     """Simulate with the given op times and free transfers."""
     costs = CostModel((("F", None, F), ("B", None, B), ("W", None, W), ("C", None, 0.0)))
-    return simulate(prog, prog.costs.merged(costs))
+    return replay(prog, prog.costs.merged(costs))
 
 
 def span_idle(timeline: Timeline, rank: int) -> float:
@@ -323,7 +324,7 @@ def test_dualpipev_makespan_and_peak() -> None:
     prog = program("dualpipev", D=4, N=8)
     for pair, makespan in ((None, 54), (3, 54), (2, 44)):
         extra = () if pair is None else (("FB", None, float(pair)),)
-        timeline = simulate(prog, CostModel((*CostModel().entries, *extra)))
+        timeline = replay(prog, CostModel((*CostModel().entries, *extra)))
         assert timeline.makespan == makespan
     assert [timeline.peak_activations(r) for r in range(4)] == [9] * 4
 

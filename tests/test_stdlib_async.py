@@ -24,8 +24,9 @@ from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.export import ExportError, to_json, to_torch_csv
 from pipelang.import_torch import check_pipe
 from pipelang.ir import Action, CostModel, Kind, Program
-from pipelang.simulate import Timeline, simulate
+from pipelang.simulate import Timeline
 from pipelang.weights import weight_versions
+from tests.helpers import replay
 
 UNIT = CostModel((("F", None, 1.0), ("B", None, 1.0), ("C", None, 0.0)))
 
@@ -37,7 +38,7 @@ def program(name: str, stop: str | None = None, **params: int) -> Program:
 
 def timeline(name: str, **params: int) -> Timeline:
     prog = program(name, **params)
-    return simulate(prog, prog.costs.merged(UNIT))
+    return replay(prog, prog.costs.merged(UNIT))
 
 
 def errors(text: str) -> list[Diagnostic]:
@@ -167,7 +168,7 @@ def test_no_flush_and_bubble_vanishes(name: str) -> None:
     t = timeline(name, D=D, N=K * D)
     assert t.bubble_ratio < 0.05
     # K synchronous iterations of D micro-batches each flush the pipeline K times.
-    flushed = simulate(program("1f1b", D=D, N=D), UNIT).makespan * K
+    flushed = replay(program("1f1b", D=D, N=D), UNIT).makespan * K
     assert t.makespan == 2 * (K * D + D - 1) < flushed
     compiled = program(name, D=D, N=K * D)
     kinds = {a.kind for actions in compiled.ranks for a in actions}

@@ -19,7 +19,8 @@ from pipelang.cli.args import parse_cost
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
 from pipelang.lowered import check_lowered
-from pipelang.simulate import Timeline, simulate
+from pipelang.simulate import Timeline
+from tests.helpers import replay
 
 SIZES = [(D, N) for D in (4, 6, 8) for N in (D, D + 1, 2 * D, 3 * D + 1)]
 
@@ -29,7 +30,7 @@ def compiled(name: str, **params: int) -> Program:
 
 
 def run(prog: Program, spec: str = "") -> Timeline:
-    return simulate(prog, prog.costs.merged(parse_cost(spec)))
+    return replay(prog, prog.costs.merged(parse_cost(spec)))
 
 
 def keep(D: int) -> int:

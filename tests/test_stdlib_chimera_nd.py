@@ -31,7 +31,8 @@ from pipelang.backends.launch import run_program
 from pipelang.cli.args import add_run_arguments, config_from_args
 from pipelang.compiler import Options, run_passes
 from pipelang.ir import Action, CostModel, Kind, Program
-from pipelang.simulate import Timeline, simulate
+from pipelang.simulate import Timeline
+from tests.helpers import replay
 
 NAMES = ("chimera-fwd-double", "chimera-bwd-half")
 
@@ -52,7 +53,7 @@ def program(name: str, **params: int) -> Program:
 
 def timeline(prog: Program, F: float = 1, B: float = 2, R: float = 0) -> Timeline:
     costs = CostModel((("F", None, F), ("B", None, B), ("R", None, R), ("C", None, 0.0)))
-    return simulate(prog, prog.costs.merged(costs))
+    return replay(prog, prog.costs.merged(costs))
 
 
 def sizes(Ds: tuple[int, ...], units: tuple[int, ...]) -> list[tuple[int, int]]:

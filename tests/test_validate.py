@@ -12,10 +12,9 @@ from pipelang.grid import step_grid
 from pipelang.ir import Program
 from pipelang.lowered import check_lowered
 from pipelang.passes.build_dag import op_graph
-from pipelang.passes.insert_comms import insert_comms
 from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
-from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_from_dump
+from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_from_dump, with_comms
 
 
 def check(program: Program, max_activations: int | None = None) -> list[Diagnostic]:
@@ -138,7 +137,7 @@ B1@1/main send:B1@1/main>0"""
 def test_consuming_out_of_send_order_compiles_with_the_recv_hoisted() -> None:
     program = program_from_dump(CROSSING)
     assert check(program) == []
-    lowered = insert_comms(program)
+    lowered = with_comms(program)
     assert lowered.dump() == CROSSING_LOWERED
     assert check_lowered(lowered) == []
     assert not _deadlocks(insert_sync(lowered).ranks)

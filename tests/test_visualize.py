@@ -21,13 +21,14 @@ import pytest
 
 from pipelang.api import load_program
 from pipelang.ir import Kind
-from pipelang.simulate import Timeline, simulate
+from pipelang.simulate import Timeline
 from pipelang.visualize import render
 from pipelang.visualize.chrome import SIM_UNIT_US
 from pipelang.visualize.measured import TraceError, fitted_costs, read_trace
 from pipelang.visualize.panel import Panel, simulated, transfers
 from pipelang.visualize.style import KIND_NAME, palette
 from pipelang.visualize.svg import LEFT, scale_for
+from tests.helpers import replay
 from tests.test_golden import run_cli
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -47,7 +48,7 @@ SCHEDULES = [
 
 def timeline_of(sched: str, params: dict[str, str]) -> Timeline:
     program = load_program(sched, params)
-    return simulate(program, program.costs)
+    return replay(program, program.costs)
 
 
 def ops(timeline: Timeline) -> int:

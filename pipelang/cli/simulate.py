@@ -37,12 +37,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelang.simulate import simulate
-
     costs = parse_cost(args.cost)
     compiled = compile_args(args, "check-streams" if args.slots else None)
     program = compiled.need_program()
-    timeline = simulate(program, program.costs.merged(costs))
+    timeline = compiled.timeline(costs)
     metrics = timeline.metrics()
     if compiled.streams is not None:
         for rank, row in enumerate(cast(list[dict[str, object]], metrics["ranks"])):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from pipelang import api
 from pipelang.cli.args import UsageError, add_param_option, parse_cost, parse_params, write_output
+from pipelang.compiler import Compilation
+from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
 from pipelang.simulate import Event, Timeline
 from pipelang.visualize import FORMATS, render
@@ -101,8 +103,6 @@ def _suffix(out: str | None) -> str:
 
 
 def _simulated_panels(args: argparse.Namespace) -> list[Panel]:
-    from pipelang.simulate import simulate
-
     if not args.scheds:
         raise UsageError(
             "give a schedule to draw (`pipelang viz 1f1b -p D=4`), or --trace RUN.json"
@@ -113,20 +113,18 @@ def _simulated_panels(args: argparse.Namespace) -> list[Panel]:
     costs = parse_cost(args.cost)
     panels = []
     for sched in args.scheds:
-        program = _program(sched, args)
-        panels.append(simulated(simulate(program, program.costs.merged(costs))))
+        panels.append(simulated(_compile(sched, args).timeline(costs)))
     return panels
 
 
 def _measured_panels(args: argparse.Namespace) -> list[Panel]:
-    from pipelang.simulate import simulate
     from pipelang.visualize.measured import TraceError, fitted_costs, read_trace
 
     if len(args.scheds) > 1:
         raise UsageError("--trace draws one run: give at most one SCHED (the one it ran)")
     if args.params and not args.scheds:
         raise UsageError("-p sets the parameters of a SCHED; give the schedule the trace ran")
-    program = _program(args.scheds[0], args) if args.scheds else None
+    program = _compile(args.scheds[0], args).need_program() if args.scheds else None
     try:
         measured = read_trace(args.trace, program, args.step)
     except TraceError as err:
@@ -135,7 +133,7 @@ def _measured_panels(args: argparse.Namespace) -> list[Panel]:
     if args.overlay:
         timeline = measured.timeline
         costs: CostModel = fitted_costs(timeline).merged(parse_cost(args.cost))
-        overlay = _aligned(simulate(timeline.program, costs), timeline)
+        overlay = _aligned(_replay(timeline.program, costs), timeline)
     return [measured.panel(overlay)]
 
 
@@ -147,5 +145,18 @@ def _aligned(model: Timeline, measured: Timeline) -> Timeline:
     return Timeline(model.program, model.costs, events)
 
 
-def _program(sched: str, args: argparse.Namespace) -> Program:
-    return api.compile_schedule(sched, parse_params(args.params)).need_program()
+def _compile(sched: str, args: argparse.Namespace) -> Compilation:
+    return api.compile_schedule(sched, parse_params(args.params))
+
+
+def _replay(program: Program, costs: CostModel) -> Timeline:
+    """The order a run ran (the trace's, or SCHED's), simulated under `costs` alone."""
+    from pipelang.passes.build_dag import op_graph
+    from pipelang.passes.validate import validate
+    from pipelang.simulate import simulate
+
+    graph = op_graph(program)
+    problems = validate(program, graph, None)
+    if problems:
+        raise PipelangError(problems)
+    return simulate(program, graph, costs)

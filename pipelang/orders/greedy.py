@@ -93,7 +93,7 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
         if chosen is None:
             continue
         op = chosen
-        end = time + layout.costs.of(op.kind.value, op.stage)
+        end = time + layout.costs.time(op)
         rank.free_at = end
         rank.order.append(Action(op.kind, op.mb, op.stage, op.pipeline, span=order.span))
         heapq.heappush(events, (end, 0, rank.index, op))

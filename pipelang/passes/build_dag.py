@@ -198,22 +198,8 @@ def build_dag(program: Program) -> nx.DiGraph:
     return op_graph(program).to_networkx()
 
 
-_RECENT: list[tuple[Program, OpGraph]] = []
-"""The last two graphs made, by program identity: passes in a row that need the graph
-of one (immutable) Program build it once."""
-
-
 def op_graph(program: Program) -> OpGraph:
     """Number the compute ops of `program` and collect the edges between them."""
-    for seen, graph in _RECENT:
-        if seen is program:
-            return graph
-    graph = _number(program)
-    _RECENT[:] = [(program, graph), *_RECENT[:1]]
-    return graph
-
-
-def _number(program: Program) -> OpGraph:
     ops: list[Action] = []
     ranks: list[int] = []
     steps: list[int] = []

@@ -34,12 +34,12 @@ from collections import defaultdict
 
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
-from pipelang.passes.build_dag import Message, OpGraph, op_graph
+from pipelang.passes.build_dag import Message, OpGraph
 
 
-def insert_comms(program: Program) -> Program:
-    """`program` with its transfers made explicit (see the module docstring)."""
-    graph = op_graph(program)
+def insert_comms(program: Program, graph: OpGraph) -> Program:
+    """`program` with its transfers made explicit (see the module docstring); `graph` is
+    its op graph."""
     listed = sum(map(len, program.ranks))
     if program.weights is not None:  # an asynchronous program's `U`s are not graph ops
         listed -= sum(a.kind is Kind.U for actions in program.ranks for a in actions)

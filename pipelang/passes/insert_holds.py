@@ -31,15 +31,15 @@ from pipelang.ir import Action, Kind, Program
 from pipelang.passes.build_dag import OpGraph, op_graph
 
 
-def insert_holds(program: Program) -> Program:
-    """`program` with a hold on the partner of every eviction (module docstring)."""
-    graph = op_graph(program)
+def insert_holds(program: Program, graph: OpGraph) -> tuple[Program, OpGraph]:
+    """`program` with a hold on the partner of every eviction (module docstring), and
+    its op graph: `graph` (the graph of `program`) when nothing changed."""
     required = program.num_microbatches * program.num_stages * len(program.kinds)
     if len(graph.ops) == required:  # validated: every required op once, nothing else
-        return program
+        return program, graph
     evictions = [v for v, op in enumerate(graph.ops) if op.kind is Kind.E]
     if not evictions:
-        return program
+        return program, graph
     partners = sorted({p for v in evictions if (p := graph.ops[v].peer) is not None})
     first = {p: _first_descendant(graph, p) for p in partners}
     holds: list[dict[int, list[Action]]] = [defaultdict(list) for _ in program.ranks]
@@ -55,7 +55,8 @@ def insert_holds(program: Program) -> Program:
         hold = Action(Kind.H, evict.mb, evict.stage, evict.pipeline, span=evict.span)
         holds[partner][at].append(hold)
     ranks = tuple(_splice(actions, at) for actions, at in zip(program.ranks, holds, strict=True))
-    return dataclasses.replace(program, ranks=ranks)
+    held = dataclasses.replace(program, ranks=ranks)
+    return held, op_graph(held)
 
 
 def _first_descendant(graph: OpGraph, rank: int) -> list[int]:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pipelang import api, ast
-from pipelang.compiler import Options, run_passes
+from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import Action, CostModel, Kind, Program
 from pipelang.planner.costs import (
@@ -201,7 +201,7 @@ class Planner:
         self.scale = self.runtime.compute_scale if self.runtime is not None else 1.0
         self.layer_time = [self.scale * (c.forward_ms + c.full_backward_ms) for c in layers]
         self._files: dict[str, ast.File] = {}
-        self._programs: dict[Candidate, Program] = {}
+        self._compiled: dict[Candidate, Compilation] = {}
 
     # ---- the whole search -------------------------------------------------------------
 
@@ -338,7 +338,7 @@ class Planner:
             ).counts
             n = self._probe_sizes(candidate)[-1]
             costs = self.cost_model(counts, self._split_w(candidate))
-            probe = self._program(candidate.with_n(n), costs, True)
+            probe = self._compile(candidate.with_n(n), costs, True).need_program()
             traffic = program_traffic(probe, self.inputs.profile, counts, self.inputs.micro_batches)
             devices = map_ranks(traffic, candidate.ranks, self.inputs.topology)
             counts = self._cut(candidate, probe, devices)
@@ -498,21 +498,22 @@ class Planner:
                 return [base, 2 * base]
         return [big_n]
 
-    def _program(
+    def _compile(
         self, candidate: Candidate, costs: CostModel | None = None, reorder: bool = False
-    ) -> Program:
-        """The schedule expanded at these parameters, kept for reuse. A greedy order
-        depends on the costs: with `reorder` it is expanded again under `costs` (the
-        local search reuses the order found for the DP's partition)."""
+    ) -> Compilation:
+        """The schedule expanded and validated at these parameters (its program and op
+        graph), kept for reuse. A greedy order depends on the costs: with `reorder` it is
+        expanded again under `costs` (the local search reuses the order found for the
+        DP's partition)."""
         file = self._file(candidate.schedule)
         greedy = any(isinstance(d, ast.OrderGreedy) for d in file.schedule.body)
-        if candidate in self._programs and not (greedy and reorder):
-            return self._programs[candidate]
+        if candidate in self._compiled and not (greedy and reorder):
+            return self._compiled[candidate]
         if greedy and costs is not None:
             file = _with_costs(file, costs)
-        program = run_passes(file, _options(candidate), "expand-orders").need_program()
-        self._programs[candidate] = program
-        return program
+        compiled = run_passes(file, _options(candidate), "validate")
+        self._compiled[candidate] = compiled
+        return compiled
 
     def _cut(
         self, candidate: Candidate, program: Program, devices: Sequence[int]
@@ -541,7 +542,9 @@ class Planner:
         self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
     ) -> Prediction:
         split_w = self._split_w(candidate)
-        program = self._program(candidate, self.cost_model(counts, split_w), reorder)
+        compiled = self._compile(candidate, self.cost_model(counts, split_w), reorder)
+        program, graph = compiled.need_program(), compiled.graph
+        assert graph is not None
         placement = program.pipelines[0].placement
         crossing = [placement[s] != placement[s + 1] for s in range(len(counts) - 1)]
         costs = self.cost_model(counts, split_w, crossing)
@@ -561,7 +564,7 @@ class Planner:
                 transfers.append(cache[key])
             return cache[key]
 
-        timeline = simulate(program, costs, link)
+        timeline = simulate(program, graph, costs, link)
         weights = stage_weights(self.inputs.profile, counts)
         synced = allreduce_end(
             program, timeline.events, weights, devices, self.world, copies=self.dp
