@@ -31,7 +31,7 @@ from collections.abc import Callable, MutableSequence, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from time import perf_counter_ns
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
 from pipelang.backends.optim import SGD, Adam, CapturableAdam, CapturableSGD, Optimizer
 from pipelang.backends.stash import Stash
-from pipelang.backends.transport import Handle, PeerFailure, Transport
+from pipelang.backends.transport import Handle, Transport, peer_failures
 from pipelang.backends.versions import CopyVersions, installed
 from pipelang.diagnostics import InternalError
 from pipelang.ir import STASH_KINDS, Kind, Program
@@ -188,6 +188,18 @@ def _action(method: T) -> T:
 def _compute(method: T) -> T:
     """`_action`, and add the action's time to the rank's busy time even without a trace."""
     return _wrapped(method, busy=True)
+
+
+def _comm(method: T) -> T:
+    """`_action` for an action that talks to other ranks: the transport's RuntimeError
+    (a peer that stopped, a closed connection) becomes PeerFailure, a consequence."""
+
+    @functools.wraps(method)
+    def talk(*args: Any, **kwargs: Any) -> None:
+        with peer_failures():
+            method(*args, **kwargs)
+
+    return _wrapped(cast(T, talk), busy=False)
 
 
 def _wrapped(method: T, busy: bool) -> T:
@@ -354,10 +366,8 @@ class RankRuntime:
 
     def end_step(self) -> dict[int, float]:
         """Finish the iteration: wait for sends, check nothing is left; losses by mb."""
-        try:
+        with peer_failures():
             self.transport.end_step()
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
         left = [f"{k[0]}{k[1]}@{k[2]}/{k[3]}" for k in self.values] + [
             f"F{mb}@{s}/{p}" for mb, s, p in self.saved
         ]
@@ -534,53 +544,41 @@ class RankRuntime:
 
     def _send(self, key: tuple[str, int, int, str], peer: int) -> None:
         tensor = self.values.pop(key)
-        try:
-            self.transport.send(tensor, peer)
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        self.transport.send(tensor, peer)
 
     def _recv(self, key: tuple[str, int, int, str], stage_output: int, peer: int) -> None:
         shape, dtype = self._shape(stage_output)
-        try:
-            self.values[key] = self.transport.recv(shape, dtype, peer)
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        self.values[key] = self.transport.recv(shape, dtype, peer)
 
-    @_action
+    @_comm
     def send_activation(self, mb: int, stage: int, pipeline: str, to: int) -> None:
         """send:F: send the output of F(mb, stage) to the rank of stage + 1."""
         self._send(("F", mb, stage, pipeline), to)
 
-    @_action
+    @_comm
     def recv_activation(self, mb: int, stage: int, pipeline: str, src: int) -> None:
         """recv:F: receive the output of F(mb, stage), the input of stage + 1."""
         self._recv(("F", mb, stage, pipeline), stage, src)
 
-    @_action
+    @_comm
     def send_grad(self, mb: int, stage: int, pipeline: str, to: int) -> None:
         """send:B: send the input gradient B(mb, stage) made to the rank of stage - 1."""
         self._send(("B", mb, stage, pipeline), to)
 
-    @_action
+    @_comm
     def recv_grad(self, mb: int, stage: int, pipeline: str, src: int) -> None:
         """recv:B: receive the gradient of stage - 1's output, made by B(mb, stage)."""
         self._recv(("B", mb, stage, pipeline), stage - 1, src)
 
-    @_action
+    @_comm
     def signal(self, op: str, mb: int, stage: int, pipeline: str, to: int) -> None:
         """signal: tell rank `to` that an op finished (an `after` dependency); no data."""
-        try:
-            self.transport.send(torch.ones(1, device=self.device), to)
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        self.transport.send(torch.ones(1, device=self.device), to)
 
-    @_action
+    @_comm
     def wait(self, op: str, mb: int, stage: int, pipeline: str, src: int) -> None:
         """wait: block until rank `src` signals that an op finished."""
-        try:
-            self.transport.recv((1,), torch.float32, src)
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        self.transport.recv((1,), torch.float32, src)
 
     # ---- evicted activations (BPipe; backends/stash.py) -------------------------------------
 
@@ -607,18 +605,12 @@ class RankRuntime:
     def _send_bytes(self, buffer: torch.Tensor, peer: int) -> None:
         """An eviction's bytes go as two messages: their count (int64), then the bytes."""
         size = torch.tensor([buffer.numel()], dtype=torch.int64, device=self.device)
-        try:
-            self.transport.send(size, peer)
-            self.transport.send(buffer, peer)
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        self.transport.send(size, peer)
+        self.transport.send(buffer, peer)
 
     def _recv_bytes(self, peer: int) -> torch.Tensor:
-        try:
-            size = self.transport.recv((1,), torch.int64, peer)
-            return self.transport.recv((int(size.item()),), torch.uint8, peer)
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        size = self.transport.recv((1,), torch.int64, peer)
+        return self.transport.recv((int(size.item()),), torch.uint8, peer)
 
     @_action
     def evict(self, mb: int, stage: int, pipeline: str, to: int) -> None:
@@ -628,12 +620,12 @@ class RankRuntime:
         keep = None if self.copies[(stage, pipeline)].last else saved.y
         self.values[("E", *key)] = self._stash().evict(key, keep)
 
-    @_action
+    @_comm
     def send_evicted(self, mb: int, stage: int, pipeline: str, to: int) -> None:
         """send:E: send the evicted activations to the partner."""
         self._send_bytes(self.values.pop(("E", mb, stage, pipeline)), to)
 
-    @_action
+    @_comm
     def recv_evicted(self, mb: int, stage: int, pipeline: str, src: int) -> None:
         """recv:E: on the partner, receive activations another rank evicts."""
         self.values[("E", mb, stage, pipeline)] = self._recv_bytes(src)
@@ -645,12 +637,12 @@ class RankRuntime:
         stash.held[(mb, stage, pipeline)] = self.values.pop(("E", mb, stage, pipeline))
         self._measure()
 
-    @_action
+    @_comm
     def send_held(self, mb: int, stage: int, pipeline: str, to: int) -> None:
         """send:H: send the held activations back to their owner; stop holding them."""
         self._send_bytes(self._stash().held.pop((mb, stage, pipeline)), to)
 
-    @_action
+    @_comm
     def recv_held(self, mb: int, stage: int, pipeline: str, src: int) -> None:
         """recv:H: on the owner, receive its activations back from the partner."""
         self.values[("H", mb, stage, pipeline)] = self._recv_bytes(src)
@@ -664,7 +656,7 @@ class RankRuntime:
 
     # ---- synchronisation ------------------------------------------------------------------
 
-    @_action
+    @_comm
     def allreduce(self, stage: int, pipeline: str) -> None:
         """allreduce: start summing this copy's gradients with the stage's other replicas."""
         if self.group_sizes[stage] < 2:
@@ -673,10 +665,7 @@ class RankRuntime:
 
     def _start_allreduce(self, copy: StageCopy) -> None:
         flat, grads = copy_grads(copy)
-        try:
-            handle = self.transport.allreduce(copy.stage, flat)
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
+        handle = self.transport.allreduce(copy.stage, flat)
         self.reducing.append((copy, flat, grads, handle))
 
     @_action
@@ -685,14 +674,12 @@ class RankRuntime:
 
         With `--dp K`, a copy whose stage has no replica in the schedule (so no
         `allreduce` action) sums its gradients with the other K - 1 copies here."""
-        for copy in self.reduced_at_step:
-            self._start_allreduce(copy)
-        for copy, flat, grads, handle in self.reducing:
-            try:
+        with peer_failures():
+            for copy in self.reduced_at_step:
+                self._start_allreduce(copy)
+            for copy, flat, grads, handle in self.reducing:
                 handle.wait()
-            except RuntimeError as err:
-                raise PeerFailure(str(err)) from err
-            set_grads(copy, flat, grads)
+                set_grads(copy, flat, grads)
         self.reducing.clear()
         self.update_copies()
 

@@ -42,7 +42,7 @@ import torch
 
 from pipelang.backends.models import Shapes
 from pipelang.backends.runtime import RankRuntime, RunConfig, StageCopy, _action
-from pipelang.backends.transport import DistTransport, PeerFailure
+from pipelang.backends.transport import DistTransport, PeerFailure, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
 from pipelang.streams import value_key
@@ -157,14 +157,12 @@ class StreamRankRuntime(RankRuntime):
     def _on(self, stream: str, issue: Callable[[], Any]) -> None:
         """Issue a communication on `stream`: on a GPU, that stream waits for it; on a
         CPU, the work joins the stream's list for `wait_event`."""
-        try:
+        with peer_failures():
             if not self.cuda:
                 self._issue(stream, issue())
                 return
             with torch.cuda.stream(self._stream(stream)):
                 issue().wait()
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
 
     @property
     def slot_bytes(self) -> int:
@@ -202,11 +200,9 @@ class StreamRankRuntime(RankRuntime):
             return
         stream, upto = self.marks[event]
         start = self.waited.get(stream, 0)
-        try:
+        with peer_failures():
             for work in self.issued[stream][start:upto]:
                 work.wait()
-        except RuntimeError as err:
-            raise PeerFailure(str(err)) from err
         self.waited[stream] = max(start, upto)
 
     def _issue(self, stream: str, work: Any) -> None:

@@ -19,9 +19,10 @@ ordered by events.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Protocol
 
@@ -33,6 +34,17 @@ from pipelang.ir import COMM_KINDS, Program
 
 class PeerFailure(Exception):
     """Communication failed because another rank stopped (a consequence, not the cause)."""
+
+
+@contextlib.contextmanager
+def peer_failures() -> Iterator[None]:
+    """Around calls into torch.distributed: their RuntimeError (a peer that stopped, a
+    closed connection) becomes PeerFailure, so that the report names the rank that
+    failed first and not the ones it left waiting."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise PeerFailure(str(err)) from err
 
 
 class Handle(Protocol):
