@@ -129,7 +129,7 @@ def test_split_stage_costs_equal_the_runtimes_work(
     link = Link(1e12, 0.0)
     topology = Topology(("a", "b"), (1e12, 1e12), ((None, link), (link, None)))
     planner = Planner(Inputs(flop_profile(), topology, 4))
-    costs = planner.stage_costs(partition, split_w=True)
+    costs = planner.costs.stage_costs(partition, split_w=True)
     for stage, (_, b, w) in enumerate(costs):
         assert counted[("B", stage)] == {b}, f"B of stage {stage}"
         assert counted[("W", stage)] == {w}, f"W of stage {stage}"

@@ -1,6 +1,7 @@
-"""What a plan costs besides compute: traffic between ranks, the gradient allreduce of
-replicated stages, and each rank's peak memory. Sizes come from the profile, summed
-over the layers of each stage."""
+"""The planner's cost model, apart from its search: what each stage's ops and each rank's
+optimizer step take (`OpCosts`), traffic between ranks, the gradient allreduce of
+replicated stages, and each rank's peak memory. Sizes and times come from the profile,
+summed over the layers of each stage."""
 
 from __future__ import annotations
 
@@ -10,11 +11,86 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from pipelang import memory
-from pipelang.ir import Kind, Program
+from pipelang.ir import CostModel, Kind, Program
 from pipelang.planner.mapping import Traffic
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
 from pipelang.simulate import Event
+
+
+class OpCosts:
+    """The planner's cost model: how long each stage's ops and each rank's optimizer
+    step take under a partition of the layers, from the profile and its runtime
+    calibration. The search (planner/search.py) asks it and the written plan quotes it;
+    it knows nothing of the search."""
+
+    def __init__(self, profile: Profile, optimizer: str) -> None:
+        self.profile = profile
+        self.optimizer = optimizer
+        self.runtime = profile.runtime
+        """What the runtime adds per action and message (`profile --calibrate`), if known."""
+        self.scale = self.runtime.compute_scale if self.runtime is not None else 1.0
+        """Compute time beside the other ranks, over the profile's time alone."""
+        self.layer_time = [self.scale * (c.forward_ms + c.full_backward_ms) for c in profile.layers]
+        """Forward and backward of each layer, ms: what the partition balances."""
+
+    def stage_costs(
+        self, counts: Sequence[int], split_w: bool, crossing: Sequence[bool] | None = None
+    ) -> list[tuple[float, float, float]]:
+        """(F, B, W) milliseconds of every stage; without split W, B is the whole backward.
+
+        With the profile's `runtime` calibration, the layers' times are scaled by its
+        `compute_scale`, every op gets the host time of one action, and an op that sends
+        (F before boundary s, B after it) or receives (F after, B before) across a
+        boundary that `crossing` says joins two ranks (default: every boundary) gets that
+        send's or receive's host time and its action."""
+        result, start = [], 0
+        layers = self.profile.layers
+        last = len(counts) - 1
+        cross = list(crossing) if crossing is not None else [True] * last
+        host = self.runtime
+        for stage, count in enumerate(counts):
+            part = layers[start : start + count]
+            start += count
+            f = self.scale * sum(c.forward_ms for c in part)
+            if split_w:
+                # As the runtime splits a stage's backward: B is the input gradient
+                # through every layer, and nothing on the first stage (no stage before
+                # it needs one); W is the gradient of the weights, which walks each
+                # layer's whole backward but the first's (a layer's input gradient is
+                # the way to the weights of the layers before it).
+                inner = sum(c.full_backward_ms for c in part[1:])
+                b = 0.0 if stage == 0 else self.scale * sum(c.backward_input_ms for c in part)
+                w = self.scale * (part[0].backward_weight_ms + inner) if part else 0.0
+            else:
+                b, w = self.scale * sum(c.full_backward_ms for c in part), 0.0
+            if host is not None:
+                send, recv = host.send_ms + host.action_ms, host.recv_ms + host.action_ms
+                after = stage < last and cross[stage]  # this stage's output leaves the rank
+                before = stage > 0 and cross[stage - 1]  # its input comes from another rank
+                f += host.action_ms + (send if after else 0.0) + (recv if before else 0.0)
+                b += host.action_ms + (send if before else 0.0) + (recv if after else 0.0)
+                w += host.action_ms if split_w else 0.0
+            result.append((f, b, w))
+        return result
+
+    def cost_model(
+        self, counts: Sequence[int], split_w: bool, crossing: Sequence[bool] | None = None
+    ) -> CostModel:
+        entries: list[tuple[str, int | None, float]] = [("C", None, 0.0)]
+        for stage, (f, b, w) in enumerate(self.stage_costs(counts, split_w, crossing)):
+            entries += [("F", stage, f), ("B", stage, b), ("W", stage, w), ("R", stage, f)]
+        return CostModel().merged(CostModel(tuple(entries)))
+
+    def step_ms(self, counts: Sequence[int], program: Program) -> list[float]:
+        """The optimizer step of every rank (ms): the profile's step time of the layers
+        of every stage copy it holds, scaled as compute, plus one action."""
+        per_stage = sums([c.step_ms(self.optimizer) for c in self.profile.layers], counts)
+        action = self.runtime.action_ms if self.runtime is not None else 0.0
+        return [
+            self.scale * sum(per_stage[s] for s, _ in program.stage_copies(rank)) + action
+            for rank in range(program.num_ranks)
+        ]
 
 
 def sums(values: Sequence[float], counts: Sequence[int]) -> list[float]:

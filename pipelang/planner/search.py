@@ -42,6 +42,7 @@ from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import Action, CostModel, Kind, Program
 from pipelang.planner.costs import (
+    OpCosts,
     allreduce_end,
     peak_memory,
     program_traffic,
@@ -196,10 +197,8 @@ class Planner:
         self.refine_seconds = refine_seconds
         self.time_budget = time_budget
         self._screen_cost: dict[Candidate, list[tuple[float, float]]] = {}
-        layers = inputs.profile.layers
-        self.runtime = inputs.profile.runtime
-        self.scale = self.runtime.compute_scale if self.runtime is not None else 1.0
-        self.layer_time = [self.scale * (c.forward_ms + c.full_backward_ms) for c in layers]
+        self.costs = OpCosts(inputs.profile, inputs.optimizer)
+        """The cost model the search asks (planner/costs.py)."""
         self._files: dict[str, ast.File] = {}
         self._compiled: dict[Candidate, Compilation] = {}
 
@@ -322,7 +321,7 @@ class Planner:
 
     def screen(self, candidate: Candidate) -> Plan | Rejected:
         """Partition, mapping and a first prediction; or why the candidate is out."""
-        layers = len(self.layer_time)
+        layers = len(self.costs.layer_time)
         if candidate.stages > layers:
             return Rejected(
                 candidate, f"{candidate.stages} stages but the model has only {layers} layers"
@@ -334,10 +333,10 @@ class Planner:
             # Cut without transfers first: a greedy order needs costs to be expanded, and
             # the mapping needs the expanded program's traffic.
             counts = best_partition(
-                self.layer_time, candidate.stages, self.inputs.micro_batches
+                self.costs.layer_time, candidate.stages, self.inputs.micro_batches
             ).counts
             n = self._probe_sizes(candidate)[-1]
-            costs = self.cost_model(counts, self._split_w(candidate))
+            costs = self.costs.cost_model(counts, self._split_w(candidate))
             probe = self._compile(candidate.with_n(n), costs, True).need_program()
             traffic = program_traffic(probe, self.inputs.profile, counts, self.inputs.micro_batches)
             devices = map_ranks(traffic, candidate.ranks, self.inputs.topology)
@@ -354,7 +353,7 @@ class Planner:
         improved = True
         while improved and tries < self.refine_steps:
             improved = False
-            loads = sums(self.layer_time, best.partition)
+            loads = sums(self.costs.layer_time, best.partition)
             for moved in _neighbours(best.partition, loads):
                 if tries >= self.refine_steps or time.perf_counter() > deadline:
                     return best
@@ -407,66 +406,6 @@ class Planner:
             split_w=self._split_w(candidate),
             transfer_ms=mean,
         )
-
-    def stage_costs(
-        self, counts: Sequence[int], split_w: bool, crossing: Sequence[bool] | None = None
-    ) -> list[tuple[float, float, float]]:
-        """(F, B, W) milliseconds of every stage; without split W, B is the whole backward.
-
-        With the profile's `runtime` calibration, the layers' times are scaled by its
-        `compute_scale`, every op gets the host time of one action, and an op that sends
-        (F before boundary s, B after it) or receives (F after, B before) across a
-        boundary that `crossing` says joins two ranks (default: every boundary) gets that
-        send's or receive's host time and its action."""
-        result, start = [], 0
-        layers = self.inputs.profile.layers
-        last = len(counts) - 1
-        cross = list(crossing) if crossing is not None else [True] * last
-        host = self.runtime
-        for stage, count in enumerate(counts):
-            part = layers[start : start + count]
-            start += count
-            f = self.scale * sum(c.forward_ms for c in part)
-            if split_w:
-                # As the runtime splits a stage's backward: B is the input gradient
-                # through every layer, and nothing on the first stage (no stage before
-                # it needs one); W is the gradient of the weights, which walks each
-                # layer's whole backward but the first's (a layer's input gradient is
-                # the way to the weights of the layers before it).
-                inner = sum(c.full_backward_ms for c in part[1:])
-                b = 0.0 if stage == 0 else self.scale * sum(c.backward_input_ms for c in part)
-                w = self.scale * (part[0].backward_weight_ms + inner) if part else 0.0
-            else:
-                b, w = self.scale * sum(c.full_backward_ms for c in part), 0.0
-            if host is not None:
-                send, recv = host.send_ms + host.action_ms, host.recv_ms + host.action_ms
-                after = stage < last and cross[stage]  # this stage's output leaves the rank
-                before = stage > 0 and cross[stage - 1]  # its input comes from another rank
-                f += host.action_ms + (send if after else 0.0) + (recv if before else 0.0)
-                b += host.action_ms + (send if before else 0.0) + (recv if after else 0.0)
-                w += host.action_ms if split_w else 0.0
-            result.append((f, b, w))
-        return result
-
-    def cost_model(
-        self, counts: Sequence[int], split_w: bool, crossing: Sequence[bool] | None = None
-    ) -> CostModel:
-        entries: list[tuple[str, int | None, float]] = [("C", None, 0.0)]
-        for stage, (f, b, w) in enumerate(self.stage_costs(counts, split_w, crossing)):
-            entries += [("F", stage, f), ("B", stage, b), ("W", stage, w), ("R", stage, f)]
-        return CostModel().merged(CostModel(tuple(entries)))
-
-    def step_ms(self, counts: Sequence[int], program: Program) -> list[float]:
-        """The optimizer step of every rank (ms): the profile's step time of the layers
-        of every stage copy it holds, scaled as compute, plus one action."""
-        per_stage = sums(
-            [c.step_ms(self.inputs.optimizer) for c in self.inputs.profile.layers], counts
-        )
-        action = self.runtime.action_ms if self.runtime is not None else 0.0
-        return [
-            self.scale * sum(per_stage[s] for s, _ in program.stage_copies(rank)) + action
-            for rank in range(program.num_ranks)
-        ]
 
     # ---- helpers ----------------------------------------------------------------------
 
@@ -524,7 +463,7 @@ class Planner:
         topology = self.inputs.topology
         outputs = [c.output_bytes for c in self.inputs.profile.layers]
 
-        host = self.runtime
+        host = self.costs.runtime
         per_message = 0.0
         if host is not None:
             per_message = host.message_ms + host.send_ms + host.recv_ms + 2 * host.action_ms
@@ -535,24 +474,26 @@ class Planner:
                 return 0.0
             return topology.link(a, b).seconds(outputs[before - 1]) * 1e3 + per_message
 
-        split = best_partition(self.layer_time, candidate.stages, self.inputs.micro_batches, cut)
+        split = best_partition(
+            self.costs.layer_time, candidate.stages, self.inputs.micro_batches, cut
+        )
         return split.counts
 
     def _simulate(
         self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
     ) -> Prediction:
         split_w = self._split_w(candidate)
-        compiled = self._compile(candidate, self.cost_model(counts, split_w), reorder)
+        compiled = self._compile(candidate, self.costs.cost_model(counts, split_w), reorder)
         program, graph = compiled.need_program(), compiled.graph
         assert graph is not None
         placement = program.pipelines[0].placement
         crossing = [placement[s] != placement[s + 1] for s in range(len(counts) - 1)]
-        costs = self.cost_model(counts, split_w, crossing)
+        costs = self.costs.cost_model(counts, split_w, crossing)
         topology = self.inputs.topology
         outputs = stage_outputs(self.inputs.profile, counts)
         cache: dict[tuple[Kind, int, int, int], float] = {}
         transfers: list[float] = []
-        message = self.runtime.message_ms if self.runtime is not None else 0.0
+        message = self.costs.runtime.message_ms if self.costs.runtime is not None else 0.0
 
         def link(op: Action, src: int, dst: int) -> float:
             key = (op.kind, op.stage or 0, src, dst)
@@ -576,7 +517,7 @@ class Planner:
         ends = [0.0] * program.num_ranks
         for event in timeline.events:
             ends[event.rank] = max(ends[event.rank], event.end)
-        steps = self.step_ms(counts, program)
+        steps = self.costs.step_ms(counts, program)
         end = max(max(e, synced) + t for e, t in zip(ends, steps, strict=True))
         return Prediction(end, busy, memory, transfers)
 

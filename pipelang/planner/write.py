@@ -40,7 +40,7 @@ def _body_lines(plan: Plan, planner: Planner) -> list[str]:
         "# Planned by `pipelang plan`: layers per stage, and each stage's costs in ms.",
         "partition " + ", ".join(map(str, plan.partition)),
     ]
-    for stage, (f, b, w) in enumerate(planner.stage_costs(plan.partition, plan.split_w)):
+    for stage, (f, b, w) in enumerate(planner.costs.stage_costs(plan.partition, plan.split_w)):
         items = [f"F[{stage}] = {_ms(f)}", f"B[{stage}] = {_ms(b)}"]
         if plan.split_w:
             items.append(f"W[{stage}] = {_ms(w)}")
