@@ -411,8 +411,8 @@ class Program:
         raise InternalError(f"{op} is not a compute op")
 
     def dump(self) -> str:
-        """The text dump: one line per rank, actions as tokens. `Program.parse_dump` inverts
-        the per-rank part."""
+        """The text dump: one line per rank, actions as tokens (`Action.parse` reads each
+        token back)."""
         width = len(str(self.num_ranks - 1))
         return "\n".join(
             f"rank {r:>{width}}: " + " ".join(a.text() for a in actions)

@@ -125,7 +125,7 @@ class _Line:
         """The k where `held[k]` is above `caps` (none at first; only step 3 makes any)."""
 
     def copy(self) -> _Line:
-        line = _Line.__new__(_Line)
+        line = _Line.__new__(_Line)  # no __init__: a copy per tried move, not a recount
         line.ops, line.starts, line.held = self.ops[:], self.starts[:], self.held[:]
         line.caps, line.over = self.caps, set(self.over)
         return line
