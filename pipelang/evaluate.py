@@ -8,6 +8,7 @@ only does arithmetic; the single run-time error is division by zero. Nothing fro
 
 from __future__ import annotations
 
+import difflib
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -264,7 +265,6 @@ def _call(expr: ast.Call, scope: Scope, calling: _Calls) -> tuple[str, Evaluator
 
 
 def _unknown(node: ast.Node, name: str, scope: Scope, function: bool = False) -> Exception:
-    import difflib
 
     known = [*scope.fns, "min", "max"] if function else list(scope.names)
     close = difflib.get_close_matches(name, known, n=1)

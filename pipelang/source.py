@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -25,7 +26,6 @@ class SourceFile:
 
     def line_col(self, offset: int) -> tuple[int, int]:
         """1-based (line, column) of a character offset."""
-        import bisect
 
         index = bisect.bisect_right(self._line_starts, offset) - 1
         return index + 1, offset - self._line_starts[index] + 1
