@@ -166,6 +166,14 @@ CODES: dict[str, Code] = {
             "(Whether the counts add up to the model's layers is checked when `pipelang "
             "run` builds the model.) `pipelang plan` writes this line for you.",
         ),
+        Code(
+            "E0209",
+            "bad cost",
+            "A `cost` entry sets the time of an op kind, for every stage (`F = 2`) or for "
+            "one (`F[3] = 2`). The stage must be one of the schedule's, 0 up to its stages "
+            "less one, and a time at most 10^15 (so that sums of times stay finite); an "
+            "entry that could not take effect is an error rather than ignored.",
+        ),
         # 03xx: the order
         Code(
             "E0301",

@@ -94,11 +94,15 @@ class Diagnostic:
                 "end_column": end_col,
             }
 
+        location = where(self.span) if self.span else None
         return {
             "severity": self.severity,
             "code": self.code,
             "message": self.message,
-            "location": where(self.span) if self.span else None,
+            "file": location["file"] if location else None,
+            "line": location["line"] if location else None,
+            "column": location["column"] if location else None,
+            "location": location,
             "labels": [{"message": lb.message, "location": where(lb.span)} for lb in self.labels],
             "notes": list(self.notes),
             "help": self.help,
@@ -142,7 +146,9 @@ class PipelangError(Exception):
         return "\n\n".join(d.render() for d in self.diagnostics)
 
     def to_json(self) -> str:
-        return json.dumps({"diagnostics": [d.to_json() for d in self.diagnostics]}, indent=2)
+        """`{"ok": false, "diagnostics": [...]}`: what `--json` / `--format json` print."""
+        doc = {"ok": False, "diagnostics": [d.to_json() for d in self.diagnostics]}
+        return json.dumps(doc, indent=2)
 
 
 class InternalError(Exception):

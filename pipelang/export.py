@@ -19,7 +19,9 @@ def to_json(program: Program) -> str:
     An asynchronous schedule's weight updates are in the list too, as
     `{"op": "U", "update": k, "stage", "pipeline"}` (the copy's k-th update, from 0), and
     evictions as `{"op": "E", "mb", "stage", "pipeline", "to": p}` and `{"op": "L", ...}`
-    (the partner's holds are the compiler's, and left out)."""
+    (the partner's holds are the compiler's, and left out). An op that starts together
+    with the one before it (the W of a fused `BW`, either op of an overlapped `F & B`
+    after the first) has `"fused": true`: the order replays exactly from this."""
     ranks = [
         {
             "rank": r,
@@ -47,6 +49,8 @@ def _json_op(a: Action) -> dict[str, object]:
     }
     if a.kind is Kind.E:
         op["to"] = a.peer
+    if a.fused:  # starts with the op before it: a fused `BW`, an overlapped `F & B`
+        op["fused"] = True
     return op
 
 

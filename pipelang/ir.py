@@ -276,6 +276,10 @@ class Dependency:
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
 
 
+MAX_TIME = 1e15
+"""The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """Time of each op kind (`F`, `B`, `W`, `R`), of one transfer (`C`), and of an
@@ -317,6 +321,10 @@ class CostModel:
         compound's time, `FB` or the sum of its ops, is the simulator's.)"""
         kind = op.kind
         return 0.0 if kind in STASH_KINDS else self.of(kind.value, op.stage)
+
+    def stages(self) -> set[int]:
+        """The stages that per-stage entries name."""
+        return {stage for _, stage, _ in self.entries if stage is not None}
 
     def gives(self, kind: str) -> bool:
         """Whether any entry sets `kind` (`FB` has no default)."""

@@ -7,7 +7,6 @@ token. Imports are resolved here, so the rest of the compiler sees one `ast.File
 from __future__ import annotations
 
 import functools
-import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from lark.tree import Meta
 from pipelang import ast
 from pipelang.diagnostics import Diagnostic, Label, PipelangError, fail
 from pipelang.evaluate import MAX_DIGITS
+from pipelang.ir import MAX_TIME
 from pipelang.source import SourceFile, Span
 
 MAX_DEPTH = 100
@@ -340,8 +340,12 @@ class _Build(Transformer[Token, Any]):
         return ast.Cost(span, items)
 
     def _cost_item(self, span: Span, kind: Token, stage: Any, value: Token) -> ast.CostItem:
-        if not math.isfinite(float(value)):
-            raise fail("E0106", f"the cost of `{kind}` is too large", self._tok(value))
+        if not float(value) <= MAX_TIME:
+            raise fail(
+                "E0209",
+                f"the cost of `{kind}` is too large: a time is at most 10^15",
+                self._tok(value),
+            )
         return ast.CostItem(span, str(kind), stage, float(value))
 
     def _pipeline_decl(

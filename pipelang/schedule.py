@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pipelang.compiler import Compilation
-from pipelang.ir import Action, CostModel
+from pipelang.ir import MAX_TIME, Action, CostModel
 from pipelang.simulate import Timeline
 
 COST_KINDS = ("F", "B", "W", "R", "C", "FB", "E", "L")
@@ -70,7 +70,13 @@ class Schedule:
         """Replay the schedule in time: `costs` on top of the schedule's own `cost` line
         (unit times and free transfers by default). The Timeline has `makespan`,
         `bubble_ratio`, and per rank `ranks[r].busy`, `.idle`, `.peak_activations`."""
-        return self.compilation.timeline(cost_model(costs))
+        model = cost_model(costs)
+        extra = sorted(s for s in model.stages() if s >= self.stages) if model else []
+        if extra:
+            raise ValueError(
+                f"costs for stage {extra[0]}, but the schedule's stages are 0..{self.stages - 1}"
+            )
+        return self.compilation.timeline(model)
 
     def export(self, format: str) -> str | dict[str, object]:
         """`"json"`: a dict of every rank's compute ops (what `pipelang export --format
@@ -119,8 +125,10 @@ def cost_model(costs: Costs | None) -> CostModel | None:
 
 
 def _time(kind: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ValueError(f"cost {kind}: {value!r} is not a non-negative number")
+    if not value <= MAX_TIME:
+        raise ValueError(f"cost {kind}: {value!r} is too large; a time is at most 1e15")
     return float(value)
 
 

@@ -117,7 +117,12 @@ def run_in_process(args: list[str]) -> tuple[int, str, str]:
         (["simulate", "good.pipe", "--cost", "F[" + "9" * 30 + "]=1"], 2, "cannot read", False),
         (["check", "good.pipe", "--format", "xml"], 2, "invalid choice: 'xml'", False),
         (["compile", "good.pipe", "--dump-after", "nope"], 2, "invalid choice: 'nope'", False),
-        (["check", "good.pipe", "--max-activations", "many"], 2, "invalid int value", False),
+        (
+            ["check", "good.pipe", "--max-activations", "many"],
+            2,
+            "expected a whole number, not 'many'",
+            False,
+        ),
         (["explain", "E9999"], 2, "no diagnostic code `E9999`", True),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,

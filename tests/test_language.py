@@ -878,7 +878,7 @@ def test_ops_and_cost_lines(tmp_path: Path) -> None:
         ("ops F, B, X", "E0001"),
         ("cost X = 1", "E0001"),
         ("cost F = -1", "E0001"),
-        ("cost F = " + "9" * 400, "E0106"),
+        ("cost F = " + "9" * 400, "E0209"),
     ],
 )
 def test_ops_and_cost_errors(tmp_path: Path, decl: str, code: str) -> None:

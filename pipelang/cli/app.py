@@ -7,9 +7,11 @@ status 2; a Python traceback is shown only under `--debug`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from pipelang import __version__
 from pipelang.cli import (
@@ -46,6 +48,10 @@ COMMANDS = {
 }
 
 EXAMPLES = """\
+exit status: 0 success; 1 the schedule (or the run) has errors, shown as diagnostics;
+2 a bad command line. With --json or --format json, errors are also a JSON object on
+standard output.
+
 examples:
   pipelang list
   pipelang check chimera -p D=8 -p N=8
@@ -57,21 +63,25 @@ examples:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pipelang` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _BadArguments as err:
+        err.parser.print_usage(sys.stderr)
+        return _usage_error(f"{err.parser.prog}: error: {err}", _wants_json(argv))
     if args.command is None:
         parser.print_help()
         return 2
+    as_json = _wants_json(argv)
     try:
         return int(COMMANDS[args.command].run(args))
     except UsageError as err:
-        print(f"pipelang {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _usage_error(f"pipelang {args.command}: error: {err}", as_json)
     except PipelangError as err:
-        if getattr(args, "format", None) == "json":
+        print(err.render(), file=sys.stderr)
+        if as_json:
             print(err.to_json())
-        else:
-            print(err.render(), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -89,9 +99,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether the command line asks for JSON (`--json`, `--format json`): its errors
+    then also go to stdout as a JSON object."""
+    pairs = zip(argv, [*argv[1:], ""], strict=True)
+    return "--json" in argv or "--format=json" in argv or ("--format", "json") in pairs
+
+
+def _usage_error(message: str, as_json: bool) -> int:
+    """A bad command line: the message on stderr (and as JSON on stdout); exit 2."""
+    print(message, file=sys.stderr)
+    if as_json:
+        diagnostic = {"severity": "error", "code": "usage", "message": message}
+        where = {"file": None, "line": None, "column": None, "location": None}
+        print(json.dumps({"ok": False, "diagnostics": [{**diagnostic, **where}]}, indent=2))
+    return 2
+
+
+class _BadArguments(Exception):
+    """argparse found the command line wrong (exit 2)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, raising instead of exiting, so that `main` answers usage errors
+    in one place (and in JSON when asked); subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _BadArguments(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: global options and one subparser per command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pipelang",
         description="Write pipeline-parallel training schedules as .pipe files; check, "
         "simulate, and compile them to one torch program per rank.",

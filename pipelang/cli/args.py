@@ -7,6 +7,7 @@ a run's configuration is built (`config_from_args`), not for `--help`.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 from pipelang import api
 from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
 from pipelang.compiler import Compilation
-from pipelang.ir import COMPUTE_KINDS, CostModel, Program
+from pipelang.ir import COMPUTE_KINDS, MAX_TIME, CostModel, Program
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RunConfig
@@ -37,6 +38,45 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def at_least_zero(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a time in seconds, more than 0."""
+    value = seconds_or_zero(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
+
+
+def seconds_or_zero(text: str) -> float:
+    """An argparse type: a time in seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, not {text}")
+    return value
+
+
+def schedule_name(text: str) -> str:
+    """An argparse type: SCHED, a path or a stdlib name; not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "the schedule name is empty: give a .pipe file or a stdlib name (`pipelang list`)"
+        )
+    return text
 
 
 def layer_counts(text: str) -> tuple[int, ...]:
@@ -74,6 +114,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """SCHED and its `-p` parameters."""
     parser.add_argument(
         "sched",
+        type=schedule_name,
         metavar="SCHED",
         help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)",
     )
@@ -83,7 +124,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 def add_max_activations(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-activations",
-        type=int,
+        type=positive,
         metavar="K",
         help="reject the schedule if a rank ever holds more than K activations",
     )
@@ -123,8 +164,21 @@ def parse_cost(spec: str) -> CostModel:
                 "F=1,B=2,W=1,C=0,FB=2 or F[3]=2 for stage 3"
             )
         kind, stage, value = match.groups()
+        if not float(value) <= MAX_TIME:
+            raise UsageError(f"`--cost {spec}`: `{item}` is too large; a time is at most 1e15")
         entries.append((kind, None if stage is None else int(stage), float(value)))
     return CostModel(tuple(entries))
+
+
+def check_cost_stages(costs: CostModel, spec: str, program: Program) -> None:
+    """A `--cost` entry for a stage the schedule does not have is a usage error, not
+    ignored."""
+    extra = sorted(s for s in costs.stages() if s >= program.num_stages)
+    if extra:
+        raise UsageError(
+            f"`--cost {spec}`: {program.name} has no stage {extra[0]} "
+            f"(its stages are 0..{program.num_stages - 1})"
+        )
 
 
 # ---- files ----------------------------------------------------------------------------------
@@ -235,7 +289,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=60.0,
         metavar="SECONDS",
         help="stop every rank if one fails or none moves for this long (default 60)",

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pipelang.cli.args import UsageError, positive, write_output
+from pipelang.cli.args import UsageError, positive, seconds_or_zero, write_output
 from pipelang.diagnostics import fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
 
@@ -47,7 +47,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--time-budget",
-        type=float,
+        type=seconds_or_zero,
         default=25.0,
         metavar="SECONDS",
         help="stop adding candidates that would end the search past this (default 25; 0: none)",
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     best = result.plans[0]
     write_output(args.out, plan_source(best, planner, args.profile.name, args.topology.name))
     if args.json:
-        print(json.dumps(_as_json(result), indent=1))
+        print(json.dumps(_as_json(result), indent=1, allow_nan=False))
         return 0
     _print_tables(result, planner, args.top, args.all)
     _console.print(

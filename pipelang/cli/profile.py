@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipelang.cli.args import add_model_arguments, positive, write_output
+from pipelang.cli.args import add_model_arguments, at_least_zero, positive, write_output
 
 HELP = "measure a model's per-layer times and memory into a profile JSON"
 
@@ -25,7 +25,9 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="CPU threads (default torch's; match the threads one rank of a run gets)",
     )
     parser.add_argument("--repeats", type=positive, default=5, help="timed runs per layer")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    parser.add_argument(
+        "--warmup", type=at_least_zero, default=2, help="untimed runs first (default 2)"
+    )
     parser.add_argument(
         "--calibrate",
         choices=("gloo", "nccl"),
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         repeats=args.repeats,
-        warmup=max(0, args.warmup),
+        warmup=args.warmup,
         seed=args.seed,
     )
     err = Console(stderr=True, highlight=False, soft_wrap=True)

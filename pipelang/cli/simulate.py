@@ -10,7 +10,13 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelang import memory
-from pipelang.cli.args import add_schedule_arguments, compile_args, describe, parse_cost
+from pipelang.cli.args import (
+    add_schedule_arguments,
+    check_cost_stages,
+    compile_args,
+    describe,
+    parse_cost,
+)
 from pipelang.ir import Kind
 
 HELP = "replay a schedule with a cost model: makespan, bubbles, memory"
@@ -40,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     costs = parse_cost(args.cost)
     compiled = compile_args(args, "check-streams" if args.slots else None)
     program = compiled.need_program()
+    check_cost_stages(costs, args.cost, program)
     timeline = compiled.timeline(costs)
     metrics = timeline.metrics()
     if compiled.streams is not None:
@@ -47,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             slots = compiled.streams.slots(rank).items()
             row["slots"] = {cls: len(names) for cls, names in slots}
     if args.json:
-        print(json.dumps(metrics))
+        print(json.dumps(metrics, allow_nan=False))  # strict JSON: costs are bounded
         return 0
     console = Console(highlight=False, soft_wrap=True)
     console.print(f"{describe(program)}")

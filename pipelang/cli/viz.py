@@ -13,7 +13,16 @@ import sys
 from pathlib import Path
 
 from pipelang import api
-from pipelang.cli.args import UsageError, add_param_option, parse_cost, parse_params, write_output
+from pipelang.cli.args import (
+    UsageError,
+    add_param_option,
+    at_least_zero,
+    check_cost_stages,
+    parse_cost,
+    parse_params,
+    schedule_name,
+    write_output,
+)
 from pipelang.compiler import Compilation
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
@@ -30,6 +39,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "scheds",
         nargs="*",
+        type=schedule_name,
         metavar="SCHED",
         help="a .pipe file or a stdlib name; several are drawn one under another on one time scale",
     )
@@ -61,7 +71,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step",
-        type=int,
+        type=at_least_zero,
         metavar="K",
         help="with --trace: the training step to draw (default: the last)",
     )
@@ -113,7 +123,9 @@ def _simulated_panels(args: argparse.Namespace) -> list[Panel]:
     costs = parse_cost(args.cost)
     panels = []
     for sched in args.scheds:
-        panels.append(simulated(_compile(sched, args).timeline(costs)))
+        compiled = _compile(sched, args)
+        check_cost_stages(costs, args.cost, compiled.need_program())
+        panels.append(simulated(compiled.timeline(costs)))
     return panels
 
 
@@ -132,7 +144,9 @@ def _measured_panels(args: argparse.Namespace) -> list[Panel]:
     overlay = None
     if args.overlay:
         timeline = measured.timeline
-        costs: CostModel = fitted_costs(timeline).merged(parse_cost(args.cost))
+        given = parse_cost(args.cost)
+        check_cost_stages(given, args.cost, timeline.program)
+        costs: CostModel = fitted_costs(timeline).merged(given)
         overlay = _aligned(_replay(timeline.program, costs), timeline)
     return [measured.panel(overlay)]
 

@@ -51,9 +51,9 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     env: Env = dict(bindings)
     scope = constant_scope(env, file.fns)
     kinds = _kinds(schedule)
-    costs = _costs(schedule, scope, env)
     pipelines = _pipelines(_declared(schedule, ast.PipelineDecl, "pipeline"), scope, env)
     num_stages = len(pipelines[0].placement)
+    costs = _costs(schedule, scope, env, num_stages)
     num_ranks = _check_ranks(schedule, pipelines)
     assignment = _assignment(
         _single(schedule, ast.Microbatches, "microbatches"), pipelines, scope, env
@@ -180,12 +180,19 @@ def _weights(schedule: ast.Schedule, scope: Scope, env: Env) -> WeightPolicy | N
     return WeightPolicy(decl.policy, count, decl.span)
 
 
-def _costs(schedule: ast.Schedule, scope: Scope, env: Env) -> CostModel:
+def _costs(schedule: ast.Schedule, scope: Scope, env: Env, num_stages: int) -> CostModel:
     entries: list[tuple[str, int | None, float]] = []
     for decl in schedule.body:
         if isinstance(decl, ast.Cost):
             for item in decl.items:
                 stage = None if item.stage is None else compile_int(item.stage, scope)(env)
+                if stage is not None and not 0 <= stage < num_stages:
+                    raise fail(
+                        "E0209",
+                        f"`cost {item.kind}[{stage}]`: the schedule has no stage {stage} "
+                        f"(its stages are 0..{num_stages - 1})",
+                        item.span,
+                    )
                 entries.append((item.kind, stage, item.value))
     return CostModel().merged(CostModel(tuple(entries)))
 

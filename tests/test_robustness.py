@@ -1,0 +1,157 @@
+"""Every input gets a clear answer (issue 16): exit statuses, strict JSON with errors too,
+costs that cannot take effect, and an export that replays exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelang.api import compile_schedule, stdlib_names
+from pipelang.export import to_json
+from pipelang.ir import Action, Kind, Program
+from pipelang.passes.build_dag import op_graph
+from pipelang.simulate import simulate
+from tests.test_cli import GOOD, run_in_process
+
+
+def strict(text: str) -> object:
+    """JSON as the standard has it: no NaN, no Infinity."""
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# ---- exit statuses ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "1f1b", "--max-activations", "-5"],
+        ["check", "1f1b", "--max-activations", "0"],
+        ["check", ""],
+        ["simulate", " ", "--json"],
+        ["viz", ""],
+        ["run", "1f1b", "--timeout", "0"],
+        ["run", "1f1b", "--timeout", "nan"],
+        ["viz", "1f1b", "--trace", "x.json", "--step", "-1"],
+        [
+            "plan",
+            "--profile",
+            "p",
+            "--topology",
+            "t",
+            "--micro-batches",
+            "4",
+            "-o",
+            "x",
+            "--time-budget",
+            "-1",
+        ],
+        ["simulate", "1f1b", "--cost", "F=" + "9" * 400],
+        ["simulate", "1f1b", "--cost", "F[99]=5"],
+        ["viz", "1f1b", "--cost", "B[4]=1"],
+    ],
+)
+def test_a_bad_command_line_value_exits_2(argv: list[str]) -> None:
+    status, _, err = run_in_process(argv)
+    assert status == 2, err
+    assert "error" in err
+
+
+def test_a_cost_for_a_missing_stage_says_which() -> None:
+    status, _, err = run_in_process(["simulate", "1f1b", "-p", "D=4", "--cost", "F[99]=5"])
+    assert status == 2
+    assert "no stage 99 (its stages are 0..3)" in err
+
+
+def test_a_cost_line_for_a_missing_stage_is_an_error_at_its_position(tmp_path: Path) -> None:
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("{\n", "{\n  cost F[99] = 2\n", 1))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1
+    assert "error[E0209]" in err and "no stage 99" in err
+    assert f"{path}:2:" in err
+
+
+def test_a_huge_cost_line_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("{\n", "{\n  cost F = 1" + "0" * 30 + "\n", 1))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1 and "error[E0209]" in err
+
+
+# ---- JSON ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "code"),
+    [
+        (["simulate", "nope", "--json"], 1, "E0003"),
+        (["check", "1f1b", "-p", "D=x", "--format", "json"], 1, "E0203"),
+        (["simulate", "1f1b", "--json", "--cost", "F[9]=1"], 2, "usage"),
+        (["simulate", "1f1b", "--json", "--bogus"], 2, "usage"),
+        (["export", "1f1b", "--format", "json", "-p", "Q=1"], 1, "E0202"),
+    ],
+)
+def test_an_error_under_json_is_a_json_object_as_well_as_text(
+    argv: list[str], status: int, code: str
+) -> None:
+    got, out, err = run_in_process(argv)
+    assert got == status
+    doc = strict(out)
+    assert isinstance(doc, dict) and doc["ok"] is False
+    (first, *_) = doc["diagnostics"]
+    assert first["code"] == code and first["message"]
+    assert {"file", "line", "column"} <= first.keys()
+    assert err.strip()  # the usual text too
+
+
+def test_a_json_diagnostic_names_file_line_and_column() -> None:
+    _, out, _ = run_in_process(["check", "1f1b", "-p", "D=x", "--format", "json"])
+    (diag,) = strict(out)["diagnostics"]  # type: ignore[index]
+    assert diag["file"] == "<stdlib>/1f1b.pipe"
+    assert (diag["line"], diag["column"]) == (diag["location"]["line"], diag["location"]["column"])
+
+
+def test_simulate_json_is_strict_at_the_largest_costs() -> None:
+    status, out, _ = run_in_process(
+        ["simulate", "chimera", "--json", "--cost", "F=1000000000000000,B=1000000000000000"]
+    )
+    assert status == 0
+    assert strict(out)["makespan"] > 1e15  # type: ignore[index]
+
+
+# ---- export replays ---------------------------------------------------------------------
+
+
+def replayed(program: Program, text: str) -> Program:
+    """`program` with its ranks' orders read back from `export --format json`."""
+    ranks = []
+    for entry in json.loads(text)["ranks"]:
+        actions = []
+        for op in entry["ops"]:
+            kind = Kind(op["op"])
+            mb = op["update"] if kind is Kind.U else op["mb"]
+            fused = op.get("fused", False)
+            actions.append(Action(kind, mb, op["stage"], op["pipeline"], op.get("to"), fused=fused))
+        ranks.append(tuple(actions))
+    return dataclasses.replace(program, ranks=tuple(ranks))
+
+
+@pytest.mark.parametrize("name", stdlib_names())
+def test_a_replay_of_the_export_equals_simulate(name: str) -> None:
+    compiled = compile_schedule(name, stop_after="validate")
+    program = compiled.need_program()
+    expected = compiled.timeline()
+    again = replayed(program, to_json(program))
+    got = simulate(again, op_graph(again), program.costs)
+    assert got.makespan == expected.makespan
+    assert [(e.rank, e.action, e.start, e.end) for e in got.events] == [
+        (e.rank, e.action, e.start, e.end) for e in expected.events
+    ]
