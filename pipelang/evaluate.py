@@ -59,13 +59,28 @@ class Scope:
     fns: Mapping[str, ast.FnDecl]
     constants: Mapping[str, Value] = field(default_factory=dict)
 
-    def with_name(self, name: str, type_: str = INT) -> Scope:
-        constants = {k: v for k, v in self.constants.items() if k != name}
-        return Scope({**self.names, name: type_}, self.fns, constants)
+    def with_name(
+        self, name: str, span: Span | None, type_: str = INT, why: str | None = None
+    ) -> Scope:
+        """The scope with a new name bound at `span`; a name never shadows another
+        (E0102), and `why` says where an implicit one comes from."""
+        self._check_new(name, span, why)
+        return Scope({**self.names, name: type_}, self.fns, self.constants)
 
-    def with_constant(self, name: str, value: Value) -> Scope:
+    def with_constant(self, name: str, value: Value, span: Span | None) -> Scope:
+        """The scope with a new name whose value is known (folded where it is used)."""
+        self._check_new(name, span, None)
         type_ = BOOL if isinstance(value, bool) else INT
         return Scope({**self.names, name: type_}, self.fns, {**self.constants, name: value})
+
+    def _check_new(self, name: str, span: Span | None, why: str | None) -> None:
+        if name in self.names:
+            raise fail(
+                "E0102",
+                f"`{name}` would shadow the `{name}` already defined" + (f": {why}" if why else ""),
+                span,
+                help="pick another name; a name cannot be shadowed",
+            )
 
 
 class Const:

@@ -20,13 +20,16 @@ class SourceFile:
 
     @staticmethod
     def of(path: str, text: str) -> SourceFile:
+        """The file as the compiler reads it: a UTF-8 byte-order mark dropped, and CRLF
+        and CR-only line endings made `\n`, so that lines and columns are the ones an
+        editor shows whatever the file's endings."""
+        text = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
         starts = [0]
         starts.extend(i + 1 for i, ch in enumerate(text) if ch == "\n")
         return SourceFile(path, text, tuple(starts))
 
     def line_col(self, offset: int) -> tuple[int, int]:
         """1-based (line, column) of a character offset."""
-
         index = bisect.bisect_right(self._line_starts, offset) - 1
         return index + 1, offset - self._line_starts[index] + 1
 

@@ -155,3 +155,82 @@ def test_a_replay_of_the_export_equals_simulate(name: str) -> None:
     assert [(e.rank, e.action, e.start, e.end) for e in got.events] == [
         (e.rank, e.action, e.start, e.end) for e in expected.events
     ]
+
+
+# ---- text --------------------------------------------------------------------------------
+
+BAD_LINE_4 = GOOD.replace("0..N {", "0..M {")  # `M` unknown, line 4 column 32
+
+
+@pytest.mark.parametrize(
+    ("name", "encode"),
+    [
+        ("bom", lambda text: "\ufeff" + text),
+        ("crlf", lambda text: text.replace("\n", "\r\n")),
+        ("cr", lambda text: text.replace("\n", "\r")),
+        ("bom-crlf", lambda text: "\ufeff" + text.replace("\n", "\r\n")),
+    ],
+)
+def test_a_bom_and_any_line_ending_read_alike(name: str, encode: object, tmp_path: Path) -> None:
+    good, bad = tmp_path / "good.pipe", tmp_path / "bad.pipe"
+    good.write_bytes(encode(GOOD).encode())  # type: ignore[operator]
+    bad.write_bytes(encode(BAD_LINE_4).encode())  # type: ignore[operator]
+    assert run_in_process(["check", str(good)])[0] == 0
+    status, _, err = run_in_process(["check", str(bad)])
+    assert status == 1
+    assert f"{bad}:4:32" in err
+    assert "4 |     order rank r { for i in 0..M { F(i) B(i) } }" in err
+
+
+# ---- nothing silently ignored -----------------------------------------------------------
+
+GREEDY = """\
+schedule g(D: int = 2, N: int = 4) {
+    pipeline main: stage s in 0..D -> rank s
+    microbatches 0..N -> main
+    AFTER
+    order greedy { prefer B, F priority mb }
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        "F(mb=m + 1, stage=0) after W(mb=m, stage=0) for m in 0..N - 1",
+        "W(mb=m + 1, stage=0) after B(mb=m, stage=0) for m in 0..N - 1",
+        "F(mb=m + 1, stage=0) after R(mb=m, stage=0) for m in 0..0",  # an empty range too
+    ],
+)
+def test_an_after_naming_an_undeclared_kind_is_an_error_at_it(after: str, tmp_path: Path) -> None:
+    path = tmp_path / "g.pipe"
+    path.write_text(GREEDY.replace("AFTER", after))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1, err
+    assert "error[E0309]: an `after` names" in err
+    assert f"{path}:4:" in err
+
+
+@pytest.mark.parametrize(
+    "decl",
+    [
+        "let mb = 1",  # `priority mb` means the op's micro-batch
+        "let rank = 0",
+    ],
+)
+def test_a_name_a_greedy_order_binds_cannot_be_defined_before(decl: str, tmp_path: Path) -> None:
+    path = tmp_path / "g.pipe"
+    path.write_text(GREEDY.replace("AFTER", decl))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1, err
+    assert "error[E0102]" in err and "would shadow" in err and "greedy" in err
+
+
+def test_a_loop_variable_that_shadows_a_parameter_is_reported_as_shadowing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("for i in 0..N", "for N in 0..2"))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1
+    assert "error[E0102]: `N` would shadow the `N` already defined" in err

@@ -33,16 +33,6 @@ class Layout:
     local_stages: dict[tuple[str, int], tuple[int, ...]]
     """(pipeline, rank) -> the stages of that pipeline the rank holds, ascending."""
 
-    def check_fresh(self, order: ast.OrderRank | ast.OrderRepeat, example: str) -> None:
-        """The order's own variable must not hide a parameter or `let` (E0102)."""
-        if order.var in self.scope.names:
-            raise fail(
-                "E0102",
-                f"`{order.var}` is already defined",
-                order.span,
-                help=f"name the order's variable something else, e.g. `{example}`",
-            )
-
     def op(
         self,
         call: ast.OpCall,

@@ -148,7 +148,10 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
         if order.prefer.count(kind) > 1:
             raise fail("E0102", f"`{kind}` is listed twice in `prefer`", order.span)
     prefer = order.prefer + tuple(k for k in _DEFAULT_PREFER if k not in order.prefer)
-    scope = layout.scope.with_name("mb").with_name("stage").with_name("rank")
+    why = "in a greedy `priority`, `mb`, `stage` and `rank` are the op's"
+    scope = layout.scope
+    for name in ("mb", "stage", "rank"):
+        scope = scope.with_name(name, order.span, why=why)
     keys = [compile_int(expr, scope) for expr in order.priority]
     rank_of: dict[tuple[str | None, int | None], int] = {
         (p.name, s): r for p in layout.pipelines for s, r in enumerate(p.placement)
@@ -167,7 +170,8 @@ def _cap(order: ast.OrderGreedy, layout: Layout, rank: int) -> int:
         return len(layout.assignment) * layout.num_stages
     env: Env = dict(layout.env)
     env["rank"] = rank
-    cap = compile_int(order.cap, layout.scope.with_name("rank"))(env)
+    why = "in a greedy `cap`, `rank` is the rank the cap is for"
+    cap = compile_int(order.cap, layout.scope.with_name("rank", order.span, why=why))(env)
     if cap < 1:
         raise fail(
             "E0311",

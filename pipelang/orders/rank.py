@@ -19,12 +19,13 @@ from pipelang.orders.statements import Budget, compile_block
 
 def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Action, ...], ...]:
     """Run the body once per rank with the rank variable bound."""
-    layout.check_fresh(order, "order rank r")
     budget = Budget()
     ranks = []
     for rank in range(layout.num_ranks):
         # Compiled once per rank so that everything that depends only on the rank folds.
-        body = compile_block(order.body, layout.scope.with_constant(order.var, rank), budget)
+        body = compile_block(
+            order.body, layout.scope.with_constant(order.var, rank, order.span), budget
+        )
         actions: list[Action] = []
         updates: dict[tuple[int, str], int] = {}  # stage copy -> its updates so far
 

@@ -24,8 +24,7 @@ from pipelang.orders.statements import Budget, compile_block
 
 def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[Action, ...], ...]:
     """Place every op at its slot, then sort each rank by slot (two in one slot: E0310)."""
-    layout.check_fresh(order, "order repeat k")
-    scope = layout.scope.with_name(order.var)
+    scope = layout.scope.with_name(order.var, order.span)
     body = compile_block(order.body, scope, Budget())
     every = 0 if order.every is None else compile_int(order.every, layout.scope)(layout.env)
     placed: list[dict[int, Action]] = [{} for _ in range(layout.num_ranks)]

@@ -39,13 +39,12 @@ def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> 
     steps: list[Block] = []
     for stmt in stmts:
         if isinstance(stmt, ast.Let):
-            _check_new(stmt.name, stmt, scope)
             type_, value = infer(stmt.value, scope)
             if isinstance(value, Const):
-                scope = scope.with_constant(stmt.name, value.value)
+                scope = scope.with_constant(stmt.name, value.value, stmt.span)
                 continue
             steps.append(_let(stmt.name, value))
-            scope = scope.with_name(stmt.name, type_)
+            scope = scope.with_name(stmt.name, stmt.span, type_)
         elif isinstance(stmt, ast.For):
             steps.append(_for(stmt, scope, budget))
         elif isinstance(stmt, ast.If):
@@ -68,16 +67,6 @@ def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> 
     return run
 
 
-def _check_new(name: str, node: ast.Node, scope: Scope) -> None:
-    if name in scope.names:
-        raise fail(
-            "E0102",
-            f"`{name}` is already defined here",
-            node.span,
-            help="pick another name; names cannot be shadowed",
-        )
-
-
 def _let(name: str, value: Callable[[Env], object]) -> Block:
     def run(env: Env, emit: Emit) -> None:
         env[name] = value(env)  # type: ignore[assignment]
@@ -86,10 +75,9 @@ def _let(name: str, value: Callable[[Env], object]) -> Block:
 
 
 def _for(stmt: ast.For, scope: Scope, budget: Budget) -> Block:
-    _check_new(stmt.var, stmt, scope)
     start = compile_int(stmt.range.start, scope)
     stop = compile_int(stmt.range.stop, scope)
-    body = compile_block(stmt.body, scope.with_name(stmt.var), budget)
+    body = compile_block(stmt.body, scope.with_name(stmt.var, stmt.span), budget)
     var = stmt.var
 
     def run(env: Env, emit: Emit) -> None:

@@ -278,9 +278,9 @@ def _placement(decl: ast.PipelineDecl, scope: Scope, env: Env) -> tuple[int, ...
             f"not {stages.start}..{stages.stop}",
             decl.stages.span,
         )
-    inner = scope.with_name(decl.stage_var)
+    inner = scope.with_name(decl.stage_var, decl.span)
     if decl.index_var is not None:
-        inner = inner.with_name(decl.index_var)
+        inner = inner.with_name(decl.index_var, decl.span)
     rank_of = compile_int(decl.rank, inner)
     placement = []
     for s in stages:
@@ -320,7 +320,7 @@ def _assignment(
     owner: dict[int, str] = {}
     for item in decl.items:
         rng = eval_range(item.range, scope, env)
-        inner = scope if item.var is None else scope.with_name(item.var)
+        inner = scope if item.var is None else scope.with_name(item.var, item.span)
         index = None if item.pipeline.index is None else compile_int(item.pipeline.index, inner)
         for mb in rng:
             local = dict(env) if item.var is None else {**env, item.var: mb}
@@ -373,9 +373,11 @@ def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
     for decl in schedule.body:
         if not isinstance(decl, ast.After):
             continue
+        for call in (decl.earlier, decl.later):
+            _check_after_op(call, layout)
         scope, envs = layout.scope, [dict(layout.env)]
         if decl.var is not None and decl.range is not None:
-            scope = layout.scope.with_name(decl.var)
+            scope = layout.scope.with_name(decl.var, decl.span)
             values = eval_range(decl.range, layout.scope, layout.env)
             envs = [{**layout.env, decl.var: value} for value in values]
         for env in envs:
@@ -384,7 +386,9 @@ def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
     return tuple(deps)
 
 
-def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Action:
+def _check_after_op(call: ast.OpCall, layout: Layout) -> None:
+    """An `after` names one declared F, B, W or R op fully; checked once per declaration,
+    so that one over an empty range is checked too."""
     if call.kind == "U":
         raise fail("E0103", "an `after` names F, B, W or R ops, not a weight update", call.span)
     if call.kind in ("E", "L"):
@@ -398,6 +402,18 @@ def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Actio
         raise fail("E0103", f"an `after` names ops fully: `{call.kind}(mb, stage)`", call.span)
     if call.kind == "BW":
         raise fail("E0103", "an `after` names one op: write `B` or `W`, not `BW`", call.span)
+    if Kind(call.kind) not in layout.kinds:
+        declared = ", ".join(k.value for k in layout.kinds)
+        raise fail(
+            "E0309",
+            f"an `after` names `{call.kind}`, but the schedule's ops are {declared}",
+            call.span,
+            help=f"declare it (`ops {declared}, {call.kind}`) or name one of those",
+        )
+
+
+def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Action:
+    assert call.mb is not None and call.stage is not None  # `_check_after_op`
     mb = compile_int(call.mb, scope)(env)
     stage = compile_int(call.stage, scope)(env)
     return layout.op(call, Kind(call.kind), mb, stage, None)
