@@ -29,6 +29,9 @@ LIMIT = 4_000_000
 """Most ops, loop iterations or range elements one expansion may produce (E0106)."""
 MAX_DIGITS = 18
 """Most digits of an integer literal or `-p` value (E0106); 18 digits fit in 64 bits."""
+MAX_INT = 2**63 - 1
+"""The largest magnitude of an integer a schedule computes (E0106): a few chained
+squarings would otherwise take minutes and gigabytes."""
 MAX_INLINED = 1000
 """Most `fn` bodies one expression may expand to, counting calls inside calls (E0106)."""
 
@@ -204,7 +207,7 @@ def _binary(expr: ast.Binary, scope: Scope, calling: _Calls) -> tuple[str, Evalu
     if op in _COMPARE:
         return BOOL, _apply(_COMPARE[op], left, right)
     if op in _ARITH:
-        return INT, _apply(_ARITH[op], left, right)
+        return INT, _apply(_bounded(_ARITH[op], expr), left, right)
     if op in ("//", "%"):
         divide = operator.floordiv if op == "//" else operator.mod
         if isinstance(right, Const) and right.value != 0:
@@ -227,6 +230,23 @@ def _apply(fn: Callable[[Any, Any], Value], left: Evaluator, right: Evaluator) -
         value = left.value
         return lambda env: fn(value, right(env))
     return lambda env: fn(left(env), right(env))
+
+
+def _bounded(fn: Callable[[int, int], int], expr: ast.Binary) -> Callable[[int, int], int]:
+    """`fn` (+, -, *) with its result checked against MAX_INT (E0106)."""
+
+    def run(a: int, b: int) -> int:
+        value = fn(a, b)
+        if -MAX_INT <= value <= MAX_INT:
+            return value
+        raise fail(
+            "E0106",
+            f"`{_text(expr)}` is too large: a schedule's integers are at most 2^63 - 1 "
+            "in magnitude",
+            expr.span,
+        )
+
+    return run
 
 
 def _division(
