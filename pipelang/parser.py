@@ -7,6 +7,7 @@ token. Imports are resolved here, so the rest of the compiler sees one `ast.File
 from __future__ import annotations
 
 import functools
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,15 @@ from pipelang.ir import MAX_TIME
 from pipelang.source import SourceFile, Span
 
 MAX_DEPTH = 100
-"""Deepest nesting of AST nodes (E0106): the passes walk the tree by recursion."""
+"""Deepest nesting of expressions and blocks, brackets included (E0106): the passes walk
+the tree by recursion. A chain of one operator (`a + b - c`) is one level."""
+MAX_TERMS = 100
+"""Most terms of one such chain (E0106)."""
+MAX_BYTES = 1 << 20
+"""Largest `.pipe` file (E0106): every command answers within seconds below it."""
+
+_CHAINS = ({"+", "-"}, {"*", "//", "%"}, {"and"}, {"or"})
+"""Operators that chain left to right at one precedence: `a + b - c` is one level."""
 
 # Token names as lark reports them, spelled as a user would type them.
 _TOKEN_TEXT = {
@@ -76,6 +85,12 @@ def read_source(path: Path, display: str | None = None, span: Span | None = None
         why = "it is a directory" if path.is_dir() else "no such file"
         raise fail("E0004" if span else "E0003", f"cannot read `{name}`: {why}", span)
     try:
+        if path.stat().st_size > MAX_BYTES:
+            raise fail(
+                "E0106",
+                f"`{name}` is larger than the {MAX_BYTES >> 20} MiB a `.pipe` file may be",
+                span,
+            )
         text = path.read_bytes().decode("utf-8")
     except OSError as err:
         raise fail(
@@ -92,6 +107,7 @@ def read_source(path: Path, display: str | None = None, span: Span | None = None
 
 def parse_text(source: SourceFile) -> list[ast.Schedule | ast.FnDecl | ast.Import]:
     """Parse one file's text into its top-level items (imports not yet followed)."""
+    _check_brackets(source)
     try:
         tree = _lark().parse(source.text)
     except UnexpectedInput as err:
@@ -111,19 +127,57 @@ def parse_text(source: SourceFile) -> list[ast.Schedule | ast.FnDecl | ast.Impor
 
 
 def _check_depth(items: list[Any]) -> None:
-    """E0106 at the first node nested deeper than `MAX_DEPTH` (found without recursion)."""
-    stack: list[tuple[object, int]] = [(item, 1) for item in items]
+    """E0106 at the first node nested deeper than `MAX_DEPTH`, or the first chain of one
+    operator longer than `MAX_TERMS` (found without recursion)."""
+    stack: list[tuple[object, int, int]] = [(item, 1, 1) for item in items]
     while stack:
-        node, depth = stack.pop()
+        node, depth, terms = stack.pop()
         if isinstance(node, tuple):
-            stack.extend((child, depth) for child in node)
+            stack.extend((child, depth, 1) for child in node)
             continue
         if not isinstance(node, ast.Node):
             continue
         if depth > MAX_DEPTH:
             raise _too_deep(node.span)
+        if isinstance(node, ast.Binary):
+            left = node.left
+            if isinstance(left, ast.Binary) and _chained(left.op, node.op):
+                if terms + 1 >= MAX_TERMS:
+                    raise fail(
+                        "E0106",
+                        f"more than {MAX_TERMS} terms joined by `{node.op}` in one expression",
+                        node.span,
+                        help="name parts of a long expression with `let`",
+                    )
+                stack.append((left, depth, terms + 1))
+            else:
+                stack.append((left, depth + 1, 1))
+            stack.append((node.right, depth + 1, 1))
+            continue
         fields = (getattr(node, f) for f in node.__dataclass_fields__ if f != "span")
-        stack.extend((child, depth + 1) for child in fields)
+        stack.extend((child, depth + 1, 1) for child in fields)
+
+
+def _chained(inner: str, outer: str) -> bool:
+    return any(inner in group and outer in group for group in _CHAINS)
+
+
+def _check_brackets(source: SourceFile) -> None:
+    """E0106 at the first bracket nested deeper than `MAX_DEPTH`, before lark parses
+    (which would take seconds over a file of nothing but brackets). Comments and
+    strings are skipped."""
+    depth = 0
+    for match in _BRACKETS.finditer(source.text):
+        ch = match.group()
+        if ch in "([{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _too_deep(Span(source, match.start(), match.end()))
+        elif ch in ")]}":
+            depth = max(depth - 1, 0)
+
+
+_BRACKETS = re.compile(r'#[^\n]*|"[^"\n]*"?|[()\[\]{}]')
 
 
 def _too_deep(span: Span) -> PipelangError:

@@ -1091,8 +1091,8 @@ FN_CHAIN = "fn g0(x) = x\n" + "\n".join(f"fn g{i}(x) = g{i - 1}(x) + 1" for i in
 @pytest.mark.parametrize(
     ("fns", "body", "order", "where"),
     [
-        # Nested deeper than the parser allows: at the node too deep, or (deeper still,
-        # where even building the tree would overflow) at the start of the file.
+        # Nested deeper than the parser allows, or a chain of more than 100 terms: at
+        # the node too deep, or (deeper still) at the bracket that goes too deep.
         ("", f"let x = {'+'.join(['1'] * 150)}  {MARK}", "order rank r { F(0) }", "mark"),
         ("", f"let x = {'- x' * 150}  {MARK}", "order rank r { F(0) }", "mark"),
         ("", f"let x = {'not ' * 400}true  {MARK}", "order rank r { F(0) }", "mark"),
@@ -1102,7 +1102,12 @@ FN_CHAIN = "fn g0(x) = x\n" + "\n".join(f"fn g{i}(x) = g{i - 1}(x) + 1" for i in
             "order rank r { " + "if true { " * 150 + "F(0)" + " }" * 150 + " }  " + MARK,
             "mark",
         ),
-        ("", "", "order rank r { " + "if true { " * 500 + "F(0)" + " }" * 500 + " }", "start"),
+        (
+            "",
+            "",
+            "order rank r { " + "if true { " * 500 + "F(0)" + " }" * 500 + " }  " + MARK,
+            "mark",
+        ),
         # Too many loop iterations: at the loop that goes over.
         ("", "", f"order rank r {{ for i in 0..5000000 {{ F(0) }} }}  {MARK}", "mark"),
         (

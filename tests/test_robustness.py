@@ -234,3 +234,65 @@ def test_a_loop_variable_that_shadows_a_parameter_is_reported_as_shadowing(
     status, _, err = run_in_process(["check", str(path)])
     assert status == 1
     assert "error[E0102]: `N` would shadow the `N` already defined" in err
+
+
+# ---- limits ------------------------------------------------------------------------------
+
+
+def check_let(tmp_path: Path, let: str) -> tuple[int, str]:
+    """`pipelang check` of GOOD with one schedule-level `let` on line 2."""
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("{\n", "{\n    " + let + "\n", 1))
+    status, _, err = run_in_process(["check", str(path)])
+    return status, err
+
+
+def test_a_flat_sum_of_99_terms_is_not_nesting(tmp_path: Path) -> None:
+    assert check_let(tmp_path, "let x = " + " + ".join(["1"] * 99))[0] == 0
+    status, err = check_let(tmp_path, "let x = " + " - ".join(["1"] * 101))
+    assert status == 1 and "more than 100 terms joined by `-`" in err
+    assert "s.pipe:2:" in err
+
+
+def test_nesting_in_parentheses_is_refused_at_the_bracket(tmp_path: Path) -> None:
+    status, err = check_let(tmp_path, "let x = " + "(" * 5000 + "1" + ")" * 5000)
+    assert status == 1 and "error[E0106]" in err and "more than 100 deep" in err
+    # the bracket 101 deep: the schedule's `{` is the first, so the 100th `(`, at column
+    # 13 + 99 of line 2 (`    let x = (((...`)
+    assert "s.pipe:2:112" in err
+
+
+@pytest.mark.parametrize(
+    "let",
+    [
+        "let x = 999999999999999999 * 999999999999999999",
+        "let x = sq(sq(sq(sq(sq(sq(sq(99)))))))",
+        "let x = 999999999999999999 * 9 + 999999999999999999 * 9",
+    ],
+)
+def test_integers_are_bounded_where_they_grow(let: str, tmp_path: Path) -> None:
+    path = tmp_path / "s.pipe"
+    path.write_text("fn sq(x) = x * x\n" + GOOD.replace("{\n", "{\n    " + let + "\n", 1))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1
+    assert "error[E0106]" in err and "at most 2^63 - 1" in err
+    assert len(err) < 4000
+
+
+def test_a_file_over_the_size_limit_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "big.pipe"
+    path.write_text(GOOD + "#" * (1 << 20))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1 and "larger than the 1 MiB a `.pipe` file may be" in err
+
+
+def test_many_lets_in_one_block_each_see_the_ones_before(tmp_path: Path) -> None:
+    lets = "\n".join(f"        let y{i} = y{i - 1} + 1" for i in range(1, 2000))
+    body = "order rank r {\n        let y0 = r\n" + lets + "\n        for i in 0..N { F(i) B(i) } }"
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("order rank r { for i in 0..N { F(i) B(i) } }", body))
+    assert run_in_process(["check", str(path)])[0] == 0
+    clash = path.read_text().replace("let y7 =", "let y3 =")
+    path.write_text(clash)
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1 and "`y3` would shadow" in err

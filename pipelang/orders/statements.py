@@ -37,14 +37,16 @@ class Budget:
 def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> Block:
     """Compile statements; names a `let` or `for` binds are visible to what follows only."""
     steps: list[Block] = []
+    if any(isinstance(stmt, ast.Let) for stmt in stmts):
+        scope = scope.block()
     for stmt in stmts:
         if isinstance(stmt, ast.Let):
             type_, value = infer(stmt.value, scope)
             if isinstance(value, Const):
-                scope = scope.with_constant(stmt.name, value.value, stmt.span)
+                scope.declare(stmt.name, stmt.span, type_, value.value)
                 continue
             steps.append(_let(stmt.name, value))
-            scope = scope.with_name(stmt.name, stmt.span, type_)
+            scope.declare(stmt.name, stmt.span, type_, None)
         elif isinstance(stmt, ast.For):
             steps.append(_for(stmt, scope, budget))
         elif isinstance(stmt, ast.If):

@@ -56,9 +56,10 @@ def _resolve(file: ast.File, given: Mapping[str, str]) -> dict[str, Value]:
             env[param.name] = value
     if problems:
         raise PipelangError(problems)
+    scope = Scope(types, file.fns)  # sees each `let` as it is declared (not a copy each)
     for decl in schedule.body:
         try:
-            _declare(decl, Scope(dict(types), file.fns), env, types, problems)
+            _declare(decl, scope, env, types, problems)
         except PipelangError:
             # A failed `require` usually explains why a later `let` cannot be evaluated
             # (say, a division by a parameter it ruled out): report the require.
