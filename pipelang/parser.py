@@ -57,8 +57,6 @@ _TOKEN_TEXT = {
     "MINUS": "`-`",
     "AT": "`@`",
     "SQUEEZE": "`squeeze`",
-    "__ANON_0": "`->`",
-    "__ANON_1": "`..`",
     "$END": "end of file",
 }
 
@@ -263,18 +261,38 @@ def _syntax_error(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
         char = source.text[offset]
         shown = repr(char)[1:-1] if not char.isprintable() else char
         message = f"unexpected character `{shown}`"
-        hint = "use `//` for integer division" if char == "/" else None
+        hint = {"/": "use `//` for integer division", ";": _SEMICOLON}.get(char)
         if char == "/" and source.text[offset : offset + 2] == "//":
             hint = None
         return Diagnostic("E0001", message, Span(source, offset, offset + 1), help=hint)
     expected = sorted(getattr(err, "expected", None) or getattr(err, "accepts", None) or ())
-    wanted = ", ".join(dict.fromkeys(_TOKEN_TEXT.get(e, f"`{e.lower()}`") for e in expected))
+    wanted = ", ".join(dict.fromkeys(_token_text(e) for e in expected))
     text = str(token) if token is not None else ""
     end = offset + max(1, len(text))
     help_text = f"expected {wanted}" if wanted else None
     if token is not None and token.type == "MUL_OP" and text == "/":
         help_text = "use `//` for integer division"
+    line_before = source.text[source.text.rfind("\n", 0, offset) + 1 : offset]
+    if re.search(r"\bin\s+range\s*\(", line_before):
+        help_text = "a range is written `0..N` (or `a..b`), not `range(N)`"
     return Diagnostic("E0001", f"unexpected `{text}`", Span(source, offset, end), help=help_text)
+
+
+_SEMICOLON = "statements end with the line (or the next statement); drop the `;`"
+
+
+def _token_text(name: str) -> str:
+    """How a user would write a token lark expects: `&` or `after`, never `AMPERSAND`."""
+    if name in _TOKEN_TEXT:
+        return _TOKEN_TEXT[name]
+    literal = _literals().get(name)
+    return f"`{literal}`" if literal is not None else "another token"
+
+
+@functools.cache
+def _literals() -> dict[str, str]:
+    """The terminals of the grammar that are one fixed string, by lark's name."""
+    return {t.name: t.pattern.value for t in _lark().terminals if t.pattern.type == "str"}
 
 
 def _unexpected_end(source: SourceFile) -> Diagnostic:

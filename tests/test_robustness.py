@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -296,3 +297,39 @@ def test_many_lets_in_one_block_each_see_the_ones_before(tmp_path: Path) -> None
     path.write_text(clash)
     status, _, err = run_in_process(["check", str(path)])
     assert status == 1 and "`y3` would shadow" in err
+
+
+# ---- messages ------------------------------------------------------------------------------
+
+
+def test_syntax_errors_never_name_grammar_tokens() -> None:
+    """Every prefix of a stdlib file with an op pair (`&`): the expected tokens are
+    written as a user types them, never lark's names (`AMPERSAND`, `__ANON_0`)."""
+    from pipelang.diagnostics import PipelangError
+    from pipelang.parser import parse_text, stdlib_dir
+    from pipelang.source import SourceFile
+
+    text = (stdlib_dir() / "dualpipev.pipe").read_text()
+    seen = set()
+    for cut in range(1, len(text), 3):
+        try:
+            parse_text(SourceFile.of("x.pipe", text[:cut] + " @ "))
+        except PipelangError as err:
+            rendered = err.render()
+            seen.add(rendered.splitlines()[-1])
+            assert not re.search(r"\b[A-Z][A-Z_]{3,}\b|__ANON", rendered), rendered
+    assert any("`&`" in line for line in seen)
+
+
+@pytest.mark.parametrize(
+    ("line", "hint"),
+    [
+        ("order rank r { for i in range(N) { F(i) B(i) } }", "not `range(N)`"),
+        ("order rank r { for i in 0..N { F(i); B(i) } }", "drop the `;`"),
+    ],
+)
+def test_common_mistakes_get_a_hint(line: str, hint: str, tmp_path: Path) -> None:
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("order rank r { for i in 0..N { F(i) B(i) } }", line))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1 and hint in err
