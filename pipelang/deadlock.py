@@ -89,6 +89,17 @@ def describe_cycle(program: Program, graph: OpGraph, cycle: list[int]) -> Diagno
         if span is not None:
             labels.append(Label(span, f"`{ops[v]}` on rank {ranks[v]} waits for `{ops[u]}`"))
     reasons = edge_reasons(graph, frozenset(waits))
+    # A cycle through an `after` declaration is that declaration's doing: point at it.
+    declared = {(d.earlier, d.later): d.span for d in program.after}
+    through = [
+        span
+        for u, v in waits
+        if reasons[(u, v)] == "after" and (span := declared.get((ops[u], ops[v]))) is not None
+    ]
+    primary = through[0] if through else first.span
+    if through and first.span is not None:
+        labels.insert(0, Label(first.span, f"`{first}` is on the cycle"))
+    labels += [Label(span, "another `after` on the cycle") for span in through[1:]]
     lines = [f"  {ops[cycle[0]]}  (rank {ranks[cycle[0]]}, step {steps[cycle[0]]})"]
     for u, v in [*waits[1:], waits[0]]:
         reason = reasons[(u, v)]
@@ -98,8 +109,9 @@ def describe_cycle(program: Program, graph: OpGraph, cycle: list[int]) -> Diagno
         lines[MAX_LINES - 1 : -1] = [f"  -> ... {skipped} more ops"]
     return Diagnostic(
         "E0306",
-        f"the schedule deadlocks: {len(cycle)} ops wait on each other in a cycle",
-        first.span,
+        f"the schedule deadlocks: {len(cycle)} ops wait on each other in a cycle"
+        + (", through this `after`" if through else ""),
+        primary,
         tuple(labels),
         notes=(
             "each op waits for the one before it:\n" + "\n".join(lines),

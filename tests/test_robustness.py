@@ -333,3 +333,22 @@ def test_common_mistakes_get_a_hint(line: str, hint: str, tmp_path: Path) -> Non
     path.write_text(GOOD.replace("order rank r { for i in 0..N { F(i) B(i) } }", line))
     status, _, err = run_in_process(["check", str(path)])
     assert status == 1 and hint in err
+
+
+def test_a_deadlock_through_an_after_points_at_the_after(tmp_path: Path) -> None:
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("{\n", "{\n    F(mb=0, stage=1) after B(mb=1, stage=1)\n", 1))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1
+    assert "error[E0306]" in err and "through this `after`" in err
+    assert f"{path}:2:5" in err
+
+
+def test_a_greedy_order_stuck_on_an_after_cycle_does_not_blame_the_cap(tmp_path: Path) -> None:
+    path = tmp_path / "g.pipe"
+    path.write_text(GREEDY.replace("AFTER", "F(mb=0, stage=0) after B(mb=0, stage=0)"))
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1
+    assert "error[E0311]" in err and "wait on each other" in err
+    assert f"{path}:4:5" in err
+    assert "cap" not in err

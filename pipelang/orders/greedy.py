@@ -19,13 +19,13 @@ wave and V placements do not stall on their own second chunk.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipelang import ast
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import Label, fail
 from pipelang.evaluate import Env, compile_int
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import Action, Dependency, Kind, Program
 from pipelang.orders import Layout
 
 _DEFAULT_PREFER = ("R", "B", "F", "W")
@@ -99,7 +99,7 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
         heapq.heappush(events, (end, 0, rank.index, op))
         heapq.heappush(events, (end, 1, rank.index, None))
     if done < len(ops):
-        raise _stuck(order, ranks, len(ops) - done)
+        raise _stuck(order, ranks, len(ops) - done, layout.after, pending)
     return tuple(tuple(r.order) for r in ranks)
 
 
@@ -182,12 +182,35 @@ def _cap(order: ast.OrderGreedy, layout: Layout, rank: int) -> int:
     return cap
 
 
-def _stuck(order: ast.OrderGreedy, ranks: list[_Rank], left: int) -> Exception:
+def _stuck(
+    order: ast.OrderGreedy,
+    ranks: list[_Rank],
+    left: int,
+    after: Sequence[Dependency],
+    pending: Mapping[Action, int],
+) -> Exception:
     full = [f"rank {r.index} holds {r.in_flight} of {r.cap}" for r in ranks if r.held]
+    if full:
+        return fail(
+            "E0311",
+            f"the greedy policy is stuck with {left} ops left",
+            order.span,
+            notes=tuple(full[:4]),
+            help="raise the `cap`, or add `after` dependencies that unblock it",
+        )
+    # No rank is held back by its cap: ops wait on each other, through an `after`.
+    blocking = [d for d in after if pending.get(d.later) and pending.get(d.earlier)]
+    labels = [
+        Label(d.span, f"`{d.later}` waits for `{d.earlier}`, which never runs")
+        for d in blocking[:4]
+        if d.span is not None
+    ]
     return fail(
         "E0311",
-        f"the greedy policy is stuck with {left} ops left",
-        order.span,
-        notes=tuple(full[:4]) or ("no op is ready on any rank",),
-        help="raise the `cap`, or add `after` dependencies that unblock it",
+        f"the greedy order is stuck with {left} ops left: they wait on each other",
+        blocking[0].span if blocking and blocking[0].span else order.span,
+        labels=tuple(labels[1:]),
+        notes=(f"{len(blocking)} `after` dependencies wait on ops that wait in turn",),
+        help="an `after` makes a cycle with the ops' own order (a backward after its "
+        "forward, a stage after the one before): drop it or turn it around",
     )
