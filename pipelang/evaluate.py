@@ -332,7 +332,6 @@ def _call(expr: ast.Call, scope: Scope, calling: _Calls) -> tuple[str, Evaluator
 
 
 def _unknown(node: ast.Node, name: str, scope: Scope, function: bool = False) -> Exception:
-
     known = [*scope.fns, "min", "max"] if function else list(scope.names)
     close = difflib.get_close_matches(name, known, n=1)
     kind = "function" if function else "name"
