@@ -4,7 +4,10 @@ Hypothesis throws three kinds of input at the `check` path (every pass, or up to
 `expand-orders` while `pipelang/passes/validate.py` cannot be imported): token soup built
 from the grammar's words, raw bytes, and the standard-library and golden files with
 tokens and characters deleted, inserted, duplicated and swapped and numbers changed to
-0, -1 or something huge. Each run must either succeed or raise `PipelangError` whose
+0, -1 or something huge, and the shapes of hostile inputs (issue 16): numbers multiplied
+past 2^63, nested hundreds of brackets deep or chained into long sums, CRLF, CR and a
+BOM, and declarations that cannot take effect (a cost for a missing stage, an `after`
+naming an undeclared kind, a `let` a greedy order would shadow). Each run must either succeed or raise `PipelangError` whose
 diagnostics all carry a known code and render as `error[E....]`, within the deadline.
 Under `CI=true` the examples are derandomized and no database is kept, so a CI run is
 reproducible.
@@ -145,13 +148,32 @@ MUTATIONS = (
     "char-delete",
     "char-insert",
     "char-duplicate",
+    # the shapes of issue 16's hostile inputs: growth, depth, line endings, ignored input
+    "grow",
+    "nest",
+    "chain",
+    "endings",
+    "declare",
     "char-swap",
+)
+
+
+DECLARATIONS = (
+    "cost F[{k}] = 2",
+    "cost B = {big}",
+    "F(mb=0, stage=0) after W(mb=0, stage=0)",
+    "W(mb={k}, stage=0) after B(mb=0, stage=0) for m in 0..0",
+    "let mb = {k}",
+    "let rank = 1",
+    "let x = {big} * {big}",
 )
 
 
 def mutate(text: str, data: st.DataObject) -> str:
     """Apply one mutation, drawing its kind and positions from `data`."""
     kind = data.draw(st.sampled_from(MUTATIONS))
+    if kind in ("grow", "nest", "chain", "endings", "declare"):
+        return _hostile(kind, text, data)
     if kind.startswith("char-"):
         chars = list(text)
         if not chars:
@@ -183,6 +205,31 @@ def mutate(text: str, data: st.DataObject) -> str:
         numbers = [n for n, t in enumerate(tokens) if t[:1].isdigit()]
         if numbers:
             tokens[data.draw(st.sampled_from(numbers))] = data.draw(st.sampled_from(NUMBERS))
+    return "".join(tokens)
+
+
+def _hostile(kind: str, text: str, data: st.DataObject) -> str:
+    """A number squared over and over, nested in brackets, or a long chain of one
+    operator; other line endings or a BOM; or a declaration that cannot take effect."""
+    if kind == "endings":
+        ending = data.draw(st.sampled_from(["\r\n", "\r"]))
+        bom = data.draw(st.sampled_from(["", "\ufeff"]))
+        return bom + text.replace("\n", ending)
+    if kind == "declare":
+        line = data.draw(st.sampled_from(DECLARATIONS)).format(
+            k=data.draw(st.integers(0, 200)), big="9" * 18
+        )
+        return text.replace("{", "{\n    " + line + "\n", 1)
+    tokens = TOKEN.findall(text) or [""]
+    numbers = [n for n, t in enumerate(tokens) if t[:1].isdigit()] or [0]
+    at = data.draw(st.sampled_from(numbers))
+    count = data.draw(st.integers(1, 300))
+    if kind == "grow":
+        tokens[at] = "(" + " * ".join(["999999999"] * min(count, 12)) + ")"
+    elif kind == "nest":
+        tokens[at] = "(" * count + (tokens[at] or "1") + ")" * count
+    else:
+        tokens[at] = "(" + " + ".join([tokens[at] or "1"] * count) + ")"
     return "".join(tokens)
 
 
