@@ -7,8 +7,9 @@ tokens and characters deleted, inserted, duplicated and swapped and numbers chan
 0, -1 or something huge, and the shapes of hostile inputs (issue 16): numbers multiplied
 past 2^63, nested hundreds of brackets deep or chained into long sums, CRLF, CR and a
 BOM, and declarations that cannot take effect (a cost for a missing stage, an `after`
-naming an undeclared kind, a `let` a greedy order would shadow). Each run must either succeed or raise `PipelangError` whose
-diagnostics all carry a known code and render as `error[E....]`, within the deadline.
+naming an undeclared kind, a `let` a greedy order would shadow). Each run must either
+succeed or raise `PipelangError` whose diagnostics all carry a known code and render as
+`error[E....]`, within the deadline.
 Under `CI=true` the examples are derandomized and no database is kept, so a CI run is
 reproducible.
 """
