@@ -95,14 +95,7 @@ def render_rank_program(program: Program, rank: int) -> str:
         for i, (c, a) in enumerate(zip(calls, actions, strict=True))
     ]
     return _ENV.get_template("rank.py.j2").render(
-        version=__version__,
-        source=program.source,
-        name=program.name,
-        params=_params(program),
-        rank=rank,
-        num_ranks=program.num_ranks,
-        copies=_copies(program, rank),
-        lines=lines or ["pass  # this rank runs no action"],
+        **_header(program, rank), lines=lines or ["pass  # this rank runs no action"]
     )
 
 
@@ -177,17 +170,24 @@ def render_stream_rank(
                 tenants.setdefault(a.slot, set()).add(boundary)
     slots = "{" + ", ".join(f'"{s}": {tuple(sorted(b))}' for s, b in tenants.items()) + "}"
     return _ENV.get_template("rank_streams.py.j2").render(
-        version=__version__,
-        source=program.source,
-        name=program.name,
-        params=_params(program),
-        rank=rank,
-        num_ranks=program.num_ranks,
-        copies=_copies(program, rank),
+        **_header(program, rank),
         slots=slots,
         warmup=GRAPH_WARMUP,
         lines=lines or ["pass  # this rank runs no op"],
     )
+
+
+def _header(program: Program, rank: int) -> dict[str, object]:
+    """What both templates say about the program and the rank at their top."""
+    return {
+        "version": __version__,
+        "source": program.source,
+        "name": program.name,
+        "params": _params(program),
+        "rank": rank,
+        "num_ranks": program.num_ranks,
+        "copies": _copies(program, rank),
+    }
 
 
 def _params(program: Program) -> str:
