@@ -21,6 +21,7 @@ only loops and substitutes.
 from __future__ import annotations
 
 import linecache
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -148,11 +149,13 @@ _ROLE = {
 
 
 def render_stream_rank(
-    program: Program, streams: StreamProgram, rank: int, cuda: bool = False
+    program: Program, streams: StreamProgram, rank: int, cuda: bool = False, capture: bool = True
 ) -> str:
-    """The source text of rank `rank`'s stream program (`--graphs`): one call per op of
-    process `rank` (the first data-parallel copy's; every copy runs the same file); for
-    a CPU process only those the host must issue (`StreamProgram.host_ops`)."""
+    """The source text of rank `rank`'s stream program: one call per op of process `rank`
+    (the first data-parallel copy's; every copy runs the same file); for a CPU process
+    only those the host must issue (`StreamProgram.host_ops`). `capture`: its driver
+    captures the iteration after WARMUP steps and replays it (`--graphs`); otherwise
+    every step runs it eagerly."""
     ops = [op for _, op in (streams.by_rank(rank) if cuda else streams.host_ops(rank))]
     calls = [stream_op_call(op, program.num_ranks) for op in ops]
     width = max((len(c) for c in calls), default=0)
@@ -169,10 +172,13 @@ def render_stream_rank(
                 boundary = stage if a.value.startswith("F") else stage - 1
                 tenants.setdefault(a.slot, set()).add(boundary)
     slots = "{" + ", ".join(f'"{s}": {tuple(sorted(b))}' for s, b in tenants.items()) + "}"
+    index = {a.text(): i for i, a in enumerate(program.ranks[rank])}
+    actions = "".join(f"{index.get(op.what)}, " for op in ops).strip()
     return _ENV.get_template("rank_streams.py.j2").render(
         **_header(program, rank),
         slots=slots,
-        warmup=GRAPH_WARMUP,
+        actions=textwrap.fill(actions, 92, initial_indent="    ", subsequent_indent="    "),
+        warmup=GRAPH_WARMUP if capture else None,
         lines=lines or ["pass  # this rank runs no op"],
     )
 

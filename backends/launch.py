@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import PipelangError
-from pipelang.ir import STASH_KINDS, Kind, Program
+from pipelang.ir import Kind, Program
 
 if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--help`
     import torch
@@ -72,11 +72,9 @@ def run_program(program: Program, config: RunConfig) -> int:
         shapes = preflight(program, config)
         if under_torchrun():
             return _run_as_torchrun_rank(program, config)
-        streams = None
-        if config.graphs:
-            from pipelang.backends.worker import lower_streams
+        from pipelang.backends.worker import lower_streams, runs_streams
 
-            streams = lower_streams(program, config.dp)
+        streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
         outcome = _run_here(program, config, shapes, err, streams)
     except PipelangError as error:
         err.print(error.render(), markup=False)
@@ -156,7 +154,7 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
 def eviction_refusal(program: Program, config: RunConfig) -> str | None:
     """Why the runtime cannot run `program`'s evictions (`E`, `H`, `L`) with `config`;
     None when it has none or they can run: on the CPU (gloo, local), without `R`."""
-    evicts = next((a for acts in program.ranks for a in acts if a.kind in STASH_KINDS), None)
+    evicts = program.first_eviction()
     if evicts is None:
         return None
     import torch
@@ -219,7 +217,10 @@ def graphs_refusal(config: RunConfig) -> str | None:
             "without --graphs"
         )
     if config.trace:
-        return "--trace does not record a stream program yet; run --graphs without --trace"
+        return (
+            "--trace times every action, and a captured iteration has no per-action times; "
+            "run without --graphs to trace the same stream program run eagerly"
+        )
     return None
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from pipelang.backends.codegen import render_rank_program
 from pipelang.backends.models import Shapes
 from pipelang.backends.processes import RunFailure, action_labels, where
 from pipelang.backends.report import Outcome
@@ -120,13 +121,15 @@ class LocalRun:
             transport = LocalTransport(self.hub, rank)
             if transport.stream is not None:
                 torch.cuda.set_stream(transport.stream)
+            program_rank = rank % self.program.num_ranks
             runtime, iteration = build_rank(
                 self.program,
-                rank % self.program.num_ranks,
+                program_rank,
                 self.config,
                 transport,
                 self.device,
                 self.status,
+                render_rank_program(self.program, program_rank),  # threads run action lists
                 shapes=self.shapes,
                 replica=rank // self.program.num_ranks,
             )

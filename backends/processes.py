@@ -40,6 +40,7 @@ from pipelang.backends.worker import (
     from_bytes,
     lower_streams,
     rank_threads,
+    runs_streams,
     worker_main,
 )
 from pipelang.ir import Program
@@ -91,14 +92,14 @@ def action_labels(
     program: Program, streams: StreamProgram | None = None, cuda: bool = False
 ) -> list[list[str]]:
     """What each generated line of each program rank does: its action's token, or with a
-    stream program (`--graphs`) its op (`r1.recv0 recv:F0@0/main<0`): every op on a GPU,
-    those the host issues on a CPU (as `render_stream_rank` writes them)."""
+    stream program its op (`r1.recv0 recv:F0@0/main<0`): every op on a GPU, those the
+    host issues on a CPU (as `render_stream_rank` writes them)."""
     if streams is None:
         return [[a.text() for a in actions] for actions in program.ranks]
     return [
         [
             f"{op.stream_name} {op.what if op.event is None else f'{op.what} e{op.event}'}"
-            for _, op in streams.host_ops(r)
+            for _, op in (streams.by_rank(r) if cuda else streams.host_ops(r))
         ]
         for r in range(program.num_ranks)
     ]
@@ -120,7 +121,7 @@ class Launcher:
         self.shapes = shapes
         self.on_step = on_step
         self.world = program.num_ranks * config.dp
-        if config.graphs and streams is None:
+        if streams is None and runs_streams(program, config):
             streams = lower_streams(program, config.dp)
         self.streams = streams
         self.cuda = config.backend == "nccl"
@@ -179,13 +180,14 @@ class Launcher:
         return Outcome([self.results[r] for r in range(self.world)], self.losses)
 
     def _write_programs(self) -> None:
-        """rank{r}.py for every rank: its actions, or its stream program (`--graphs`)."""
-        if not self.config.graphs:
+        """rank{r}.py for every rank: its stream program, or its actions (`runs_streams`)."""
+        if self.streams is None:
             write_rank_programs(self.program, self.run_dir)
             return
         for rank in range(self.program.num_ranks):
-            assert self.streams is not None
-            text = render_stream_rank(self.program, self.streams, rank, self.cuda)
+            text = render_stream_rank(
+                self.program, self.streams, rank, self.cuda, capture=self.config.graphs
+            )
             (self.run_dir / f"rank{rank}.py").write_text(text)
 
     def _watch(self) -> None:

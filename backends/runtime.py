@@ -43,7 +43,7 @@ from pipelang.backends.stash import Stash
 from pipelang.backends.transport import Handle, Transport, peer_failures
 from pipelang.backends.versions import CopyVersions, installed
 from pipelang.diagnostics import InternalError
-from pipelang.ir import STASH_KINDS, Kind, Program
+from pipelang.ir import Kind, Program
 
 DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
 SGD_MOMENTUM = 0.9
@@ -279,7 +279,7 @@ class RankRuntime:
             stage: len(set(program.replicas(stage))) * config.dp for stage, _ in self.copies
         }
         self.saved: dict[tuple[int, int, str], Saved] = {}
-        counts = config.count_activations or _evicts(program)
+        counts = config.count_activations or program.first_eviction() is not None
         self.stash = Stash() if counts else None
         """Saved activations per forward, for evictions and their byte count."""
         self.values: dict[tuple[str, int, int, str], torch.Tensor] = {}
@@ -705,11 +705,6 @@ def set_grads(copy: StageCopy, flat: torch.Tensor, grads: list[torch.Tensor]) ->
     """Give a copy's parameters the gradients in `flat` (laid out as `copy_grads` made it)."""
     for param, grad in zip(copy.params, _unflatten_dense_tensors(flat, grads), strict=True):
         param.grad = grad.to(param.dtype)
-
-
-def _evicts(program: Program) -> bool:
-    """Whether any rank of `program` evicts, holds or loads activations."""
-    return any(a.kind in STASH_KINDS for actions in program.ranks for a in actions)
 
 
 def _reduced_at_step(

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, MutableSequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import Any
 
 import torch
@@ -62,12 +62,15 @@ class StreamRankRuntime(RankRuntime):
         transport: DistTransport,
         device: torch.device,
         slots: Slots,
+        actions: Sequence[int | None],
         status: MutableSequence[int] | None = None,
         shapes: Shapes | None = None,
         replica: int = 0,
     ) -> None:
         super().__init__(program, rank, config, transport, device, status, shapes, replica)
         self.channels = transport
+        self.actions = actions
+        """Per op of the generated iteration: the index of its action, None for an event."""
         self.reduced_at_step: list[StageCopy] = []  # the stream program reduces them itself
         self.slots = {
             name: torch.empty(max(_nbytes(self.shapes[b]) for b in bounds), dtype=torch.uint8)
@@ -87,6 +90,8 @@ class StreamRankRuntime(RankRuntime):
         """One-element signal buffers, one per direction and peer, kept for replays."""
         self.waited: dict[str, int] = {}
         """Per stream: how many of its works (from the first) are waited for."""
+        self.views: dict[tuple[str, int | str], torch.Tensor] = {}
+        """(slot, stage boundary or value) -> the slot viewed as that value."""
 
     # ---- the driver: eager steps, one capture, replays -------------------------------------
 
@@ -146,8 +151,19 @@ class StreamRankRuntime(RankRuntime):
 
     def start_clock(self, t0: int | None = None, t0_event: torch.cuda.Event | None = None) -> None:
         super().start_clock(t0, t0_event)
-        if self.cuda:  # a timing event per action cannot go into a captured graph
+        if self.cuda and self.config.graphs:  # a timing event cannot go into a captured graph
             self.timed, self.gpu_events = False, None
+
+    def timed_call(
+        self, index: int, method: Callable[..., None], args: Any, kwargs: dict[str, Any]
+    ) -> None:
+        """Time op `index` as the action it performs (`ACTIONS` of the generated file),
+        so that a trace names actions as the action-list runtime's does; events untimed."""
+        action = self.actions[index]
+        if action is None:
+            method(self, *args, **kwargs)
+        else:
+            super().timed_call(action, method, args, kwargs)
 
     def _stream(self, name: str) -> torch.cuda.Stream:
         if name not in self.streams:
@@ -170,13 +186,22 @@ class StreamRankRuntime(RankRuntime):
         return sum(b.numel() for b in self.slots.values())
 
     def _view(self, slot: str, boundary: int) -> torch.Tensor:
-        """`slot` as a tensor of the output of stage `boundary` (shape and dtype)."""
-        shape, dtype = self.shapes[boundary]
-        return self.slots[slot][: _nbytes((shape, dtype))].view(dtype).view(shape)
+        """`slot` as a tensor of the output of stage `boundary` (shape and dtype); made once
+        (slots never move) and kept, since a view costs a few microseconds per op."""
+        key = (slot, boundary)
+        view = self.views.get(key)
+        if view is None:
+            shape, dtype = self.shapes[boundary]
+            view = self.slots[slot][: _nbytes((shape, dtype))].view(dtype).view(shape)
+            self.views[key] = view
+        return view
 
     def _value_view(self, slot: str, value: str) -> torch.Tensor:
-        kind, _, stage, _ = value_key(value)
-        return self._view(slot, stage if kind == "F" else stage - 1)
+        view = self.views.get((slot, value))
+        if view is None:
+            kind, _, stage, _ = value_key(value)
+            view = self.views[(slot, value)] = self._view(slot, stage if kind == "F" else stage - 1)
+        return view
 
     # ---- events ----------------------------------------------------------------------------
 

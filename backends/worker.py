@@ -79,32 +79,52 @@ def build_rank(
     replica: int = 0,
 ) -> tuple[RankRuntime, Iteration]:
     """The runtime of program rank `rank` in data-parallel copy `replica`, and its
-    generated `iteration` (rendered unless `source` given): the action list, or with
-    `--graphs` the rank's stream program (backends/stream_runtime.py)."""
+    generated `iteration` (rendered unless `source` given): an action list runs on a
+    `RankRuntime`, a stream program (its file defines SLOTS) on a `StreamRankRuntime`."""
     text = source if source is not None else render(program, config, rank)
     iteration = load_iteration(text, filename or f"<pipelang rank{rank}.py>")
-    if not config.graphs:
+    generated = iteration.__globals__
+    if "SLOTS" not in generated:
         runtime = RankRuntime(program, rank, config, transport, device, status, shapes, replica)
         return runtime, iteration
     from pipelang.backends.stream_runtime import StreamRankRuntime
 
     if not isinstance(transport, DistTransport):
         raise InternalError("a stream program runs over torch.distributed channels")
-    slots = iteration.__globals__["SLOTS"]
     stream_rt = StreamRankRuntime(
-        program, rank, config, transport, device, slots, status, shapes, replica
+        program,
+        rank,
+        config,
+        transport,
+        device,
+        generated["SLOTS"],
+        generated["ACTIONS"],
+        status,
+        shapes,
+        replica,
     )
     return stream_rt, iteration
 
 
+def runs_streams(program: Program, config: RunConfig) -> bool:
+    """Whether a run executes the rank's stream program: always under `--graphs`, and
+    eagerly on the process backends (gloo, nccl), except for a schedule that evicts
+    activations (not lowered to streams yet), whose ranks run their action lists."""
+    if config.graphs:
+        return True
+    return config.backend != "local" and program.first_eviction() is None
+
+
 def render(program: Program, config: RunConfig, rank: int) -> str:
-    """The generated program of `rank`: its actions, or its stream program (`--graphs`)."""
-    if not config.graphs:
+    """The generated program of `rank`: its stream program where the run executes one
+    (`runs_streams`), else its action list."""
+    if not runs_streams(program, config):
         return render_rank_program(program, rank)
     from pipelang.backends.codegen import render_stream_rank
 
     streams = lower_streams(program, config.dp)
-    return render_stream_rank(program, streams, rank, cuda=config.backend == "nccl")
+    cuda = config.backend == "nccl"
+    return render_stream_rank(program, streams, rank, cuda, capture=config.graphs)
 
 
 def lower_streams(program: Program, dp: int) -> StreamProgram:

@@ -387,6 +387,10 @@ class Program:
             (s, p.name) for p in self.pipelines for s, r in enumerate(p.placement) if r == rank
         )
 
+    def first_eviction(self) -> Action | None:
+        """The first evict, hold or load action (BPipe), in rank order; None if none."""
+        return next((a for acts in self.ranks for a in acts if a.kind in STASH_KINDS), None)
+
     def compute_ops(self) -> Iterator[Action]:
         """Every op the schedule must run, in (micro-batch, stage, kind) order."""
         for mb, pipe in enumerate(self.assignment):

@@ -31,7 +31,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipelang.backends.transport import DistTransport, Handle, reduce_ranks
-from pipelang.ir import STASH_KINDS, Action, Kind
+from pipelang.ir import Action, Kind
 from pipelang.schedule import Schedule
 
 HEADER = 10
@@ -56,10 +56,10 @@ class PipelineSchedule:
                 f"`{program.name}` is asynchronous; PipelineSchedule runs "
                 "synchronous schedules only"
             )
-        evicts = [a for acts in program.ranks for a in acts if a.kind in STASH_KINDS]
-        if evicts:
+        evicts = program.first_eviction()
+        if evicts is not None:
             raise ValueError(
-                f"`{program.name}` evicts activations (`{evicts[0]}`); "
+                f"`{program.name}` evicts activations (`{evicts}`); "
                 "PipelineSchedule does not move them yet"
             )
         if not dist.is_initialized():

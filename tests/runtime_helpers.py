@@ -16,6 +16,8 @@ from collections import deque
 
 from pipelang.api import load_program
 from pipelang.backends.launch import run_program
+from pipelang.backends.processes import action_labels
+from pipelang.backends.worker import lower_streams
 from pipelang.cli.args import add_run_arguments, config_from_args
 from pipelang.ir import Action, Kind, Program
 
@@ -31,6 +33,12 @@ def run(program: Program, *options: str) -> int:
 def stdlib(name: str, **params: int) -> Program:
     """A compiled stdlib schedule."""
     return load_program(name, {k: str(v) for k, v in params.items()})
+
+
+def host_op(program: Program, rank: int, index: int, dp: int = 1) -> str:
+    """How a failure names op `index` of program rank `rank` in a gloo run: the stream
+    op the host issues there (`r1.compute F0@1/main`), as the launcher labels it."""
+    return action_labels(program, lower_streams(program, dp))[rank][index]
 
 
 def _consumer(program: Program, op: Action) -> Action | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import one_f_one_b, program_from_dump
-from runtime_helpers import run, stdlib, with_comms
+from runtime_helpers import host_op, run, stdlib, with_comms
 
 from pipelang import memory
 from pipelang.backends import codegen
@@ -183,7 +183,7 @@ def test_raising_rank_stops_every_rank(
     assert run(chimera, "--timeout", "20") == 1
     assert time.monotonic() - start < 20
     err = capsys.readouterr().err
-    action = chimera.ranks[1][3].text()
+    action = host_op(chimera, 1, 3)
     assert f"error: rank 1 failed at step 1, action 3 `{action}`: RuntimeError: injected" in err
     assert "stopped the other ranks (0, 2, 3)" in err
     assert "Traceback" not in err
@@ -243,7 +243,7 @@ def test_dead_or_hung_rank_stops_every_rank_and_leaves_no_process(
     _, err = proc.communicate(timeout=120)
     took = time.monotonic() - start
     rank, _, index, _ = fault.split(":")
-    action = one_f_one_b4.ranks[int(rank)][int(index)].text()
+    action = host_op(one_f_one_b4, int(rank), int(index))
     assert proc.returncode == 1, err
     assert expected.format(action=action) in err
     assert "Traceback" not in err
@@ -291,14 +291,25 @@ def test_graphs_refuses_a_program_it_cannot_lower(capsys: pytest.CaptureFixture[
 # ---- output ------------------------------------------------------------------------------
 
 
-def test_trace_has_every_action_of_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["gloo", "local"])
+def test_trace_has_every_action_of_every_rank(backend: str, tmp_path: Path) -> None:
+    """Once per step, in the order the rank issued them: over gloo a rank runs its stream
+    program, which posts receives early, so only the compute actions keep the action
+    list's order; the local backend runs the action list itself."""
     chimera = stdlib("chimera", D=4, N=4)
     trace = tmp_path / "trace.json"
-    assert run(chimera, "--steps", "2", "--trace", str(trace)) == 0
+    assert run(chimera, "--steps", "2", "--trace", str(trace), "--backend", backend) == 0
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     for rank, actions in enumerate(chimera.ranks):
         mine = [e for e in events if e["pid"] == rank]
-        assert [e["name"] for e in mine] == [a.text() for a in actions] * 2
+        names = [e["name"] for e in mine]
+        assert [e["args"]["step"] for e in mine] == [0] * len(actions) + [1] * len(actions)
+        for step in (names[: len(actions)], names[len(actions) :]):
+            assert sorted(step) == sorted(a.text() for a in actions)
+            computes = [a.text() for a in actions if a.kind.is_compute]
+            assert [n for n in step if n in computes] == computes
+        if backend == "local":
+            assert names == [a.text() for a in actions] * 2
         starts = [e["ts"] for e in mine]
         assert starts == sorted(starts)
         assert all(e["dur"] >= 0 for e in mine)

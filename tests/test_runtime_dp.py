@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import run, stdlib
+from runtime_helpers import host_op, run, stdlib
 from torch import nn
 
 from pipelang.backends import codegen, runtime
@@ -164,7 +164,7 @@ def test_fault_in_the_second_copy_names_its_process_and_action(
     monkeypatch.setenv("PIPELANG_FAULT", "3:1:2:raise")
     assert run(program, "--dp", "2", "--timeout", "20") == 1
     err = capsys.readouterr().err
-    action = program.ranks[1][2].text()
+    action = host_op(program, 1, 2, dp=2)
     assert f"error: rank 3 failed at step 1, action 2 `{action}`: RuntimeError: injected" in err
     assert "stopped the other ranks (0, 1, 2)" in err
 

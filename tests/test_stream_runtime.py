@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipelang.backends.codegen import render_stream_rank
-from pipelang.backends.worker import lower_streams
+from pipelang.backends.codegen import load_iteration, render_stream_rank
+from pipelang.backends.runtime import RunConfig
+from pipelang.backends.worker import lower_streams, render, runs_streams
 from tests.runtime_helpers import run, stdlib
+
+BPIPE = stdlib("bpipe", D=4, N=8)
 
 GRAPHS = ("--backend", "gloo", "--graphs", "--steps", "2", "--check")
 
@@ -80,7 +83,7 @@ def test_a_failure_names_the_stream_op(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (("--backend", "gloo", "--trace", "t.json"), "error: --trace does not record"),
+        (("--backend", "gloo", "--trace", "t.json"), "error: --trace times every action"),
     ],
 )
 def test_graphs_refusals(
@@ -88,3 +91,41 @@ def test_graphs_refusals(
 ) -> None:
     assert run(stdlib("1f1b", D=2, N=2), "--graphs", *options) == 2
     assert capsys.readouterr().err.startswith(message)
+
+
+def test_a_plain_gloo_run_executes_the_stream_program_eagerly() -> None:
+    """Without --graphs, gloo and nccl ranks run their stream programs with WARMUP None
+    (every step eager); --graphs captures after 3; the local backend and a schedule with
+    evictions run action lists."""
+    program = stdlib("1f1b", D=2, N=4)
+    eager = render(program, RunConfig(), 1)
+    assert "SLOTS = " in eager and "WARMUP = None" in eager
+    assert "WARMUP = 3" in render(program, RunConfig(graphs=True), 1)
+    assert "WARMUP = None" in render(program, RunConfig(backend="nccl"), 1)
+    for config, evicting in ((RunConfig(backend="local"), program), (RunConfig(), BPIPE)):
+        assert not runs_streams(evicting, config)
+        assert "SLOTS" not in render(evicting, config, 0)
+        assert "rt.send_activation(" in render(evicting, config, 0)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("1f1b", {"D": 2, "N": 4}), ("chimera", {"D": 4, "N": 4}), ("zbv", {"D": 2, "N": 4})],
+)
+def test_actions_name_the_action_each_op_performs(name: str, params: dict[str, int]) -> None:
+    """ACTIONS (what --trace records an op as) holds every action of the rank once, at
+    the op whose comment names it; events map to None."""
+    program = stdlib(name, **params)
+    for rank, actions in enumerate(program.ranks):
+        text = render(program, RunConfig(), rank)
+        mapped = load_iteration(text, f"<rank{rank}>").__globals__["ACTIONS"]
+        assert isinstance(mapped, tuple)
+        body = text.split("def iteration(rt):\n")[1].split("\n\n")[0].splitlines()
+        assert len(mapped) == len(body)
+        assert sorted(i for i in mapped if i is not None) == list(range(len(actions)))
+        for index, line in zip(mapped, body, strict=True):
+            comment = line.split("#", 1)[1].split()
+            if index is None:
+                assert "_event(" in line
+            else:
+                assert comment[1] == actions[index].text()

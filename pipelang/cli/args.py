@@ -238,8 +238,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKENDS,
         default="gloo",
-        help="gloo: a CPU process per rank; nccl: a GPU per rank; local: every "
-        "rank in this process (default gloo)",
+        help="gloo: a CPU process per rank; nccl: a GPU per rank (both run each rank's "
+        "stream program, `compile --dump-after streams`, receives posted early); local: "
+        "every rank a thread of this process, running its action list (default gloo)",
     )
     parser.add_argument("--steps", type=positive, default=3, help="training steps (default 3)")
     parser.add_argument(
@@ -259,11 +260,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--graphs",
         action="store_true",
-        help="run each rank's stream program (`compile --dump-after streams`) instead of "
-        "its action list: over gloo eagerly, receives posted early; with --backend local "
-        "on a machine without CUDA on the CPU executor, streams interleaved as "
-        "--stream-seed picks, dead slots NaN; with nccl captured as one CUDA graph per rank "
-        "after 3 eager steps (not yet run on a GPU)",
+        help="graph mode, with capturable optimizers: with nccl, each rank's stream "
+        "program is captured as one CUDA graph after 3 eager steps and replayed (not yet "
+        "run on a GPU); over gloo it runs as without --graphs (a CPU has nothing to "
+        "capture); with --backend local on a machine without CUDA, every rank's stream "
+        "program runs on the CPU executor, streams interleaved as --stream-seed picks, "
+        "dead slots NaN",
     )
     parser.add_argument(
         "--stream-seed",

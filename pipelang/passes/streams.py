@@ -47,14 +47,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipelang.diagnostics import fail
-from pipelang.ir import STASH_KINDS, Action, Kind, Program
+from pipelang.ir import Action, Kind, Program
 from pipelang.passes.check_streams import Interleaving
 from pipelang.streams import RECORD, WAIT, Access, StreamOp, StreamProgram
 
 
 def streams(program: Program, dp: int = 1) -> StreamProgram:
     """The stream program of `program` run as `dp` data-parallel copies."""
-    evicts = next((a for acts in program.ranks for a in acts if a.kind in STASH_KINDS), None)
+    evicts = program.first_eviction()
     if evicts is not None:
         raise fail(
             "E0506",
