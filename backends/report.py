@@ -92,17 +92,20 @@ def summary(
         else f"{program.name}: no step finished",
         title_justify="left",
     )
-    for column in ("rank", "stage copies", "actions/step", "busy", "peak memory"):
+    slots = any(r.slot_bytes for r in results)
+    columns = ["rank", "stage copies", "actions/step", "busy", "peak memory"]
+    for column in columns + ["data slots"] * slots:
         table.add_column(column, justify="left" if column == "stage copies" else "right")
     for result in sorted(results, key=lambda r: r.rank):
         actions = program.ranks[result.rank % program.num_ranks]
-        table.add_row(
+        cells = [
             str(result.rank),
             ", ".join(f"{s}/{p}" for s, p, _ in result.copies),
             str(len(actions)),
             f"{100 * result.busy_ns / 1e9 / seconds:.0f}%" if seconds else "-",
             f"{result.peak_memory / 2**20:,.1f} MiB",
-        )
+        ]
+        table.add_row(*cells, *[f"{result.slot_bytes:,} B"] * slots)
     return table
 
 

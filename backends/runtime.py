@@ -148,6 +148,9 @@ class RankResult:
     peak_weight_versions: int = 0
     """The most weight versions in memory at once over this rank's copies (counted in
     asynchronous schedules only; compare `pipelang simulate`'s peak_weight_versions)."""
+    slot_bytes: int = 0
+    """The bytes of this rank's data slots: a stream program's static buffers (what
+    `pipelang simulate --model` plans); 0 for an action list."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,6 +158,8 @@ class StreamExecutor:
             losses.append(sum(merged.get(mb, float("nan")) for mb in range(n)) / n)
             on_step(step, losses[-1], time.perf_counter() - began)
         results = [p.runtime.result(self.config.check) for p in self.processes]
+        for result, nbytes in zip(results, self.allocated_bytes, strict=True):
+            result.slot_bytes = nbytes
         return Outcome(results, losses)
 
     def iteration(self, seed: int) -> None:

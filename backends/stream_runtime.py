@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from pipelang.backends.models import Shapes
-from pipelang.backends.runtime import RankRuntime, RunConfig, StageCopy, _action
+from pipelang.backends.runtime import RankResult, RankRuntime, RunConfig, StageCopy, _action
 from pipelang.backends.transport import DistTransport, PeerFailure, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
@@ -180,10 +180,10 @@ class StreamRankRuntime(RankRuntime):
             with torch.cuda.stream(self._stream(stream)):
                 issue().wait()
 
-    @property
-    def slot_bytes(self) -> int:
-        """The bytes of this rank's data slots."""
-        return sum(b.numel() for b in self.slots.values())
+    def result(self, with_weights: bool) -> RankResult:
+        report = super().result(with_weights)
+        report.slot_bytes = sum(b.numel() for b in self.slots.values())
+        return report
 
     def _view(self, slot: str, boundary: int) -> torch.Tensor:
         """`slot` as a tensor of the output of stage `boundary` (shape and dtype); made once

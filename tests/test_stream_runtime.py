@@ -7,11 +7,14 @@ the single-process reference (`--check`).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipelang.backends.codegen import load_iteration, render_stream_rank
 from pipelang.backends.runtime import RunConfig
 from pipelang.backends.worker import lower_streams, render, runs_streams
+from pipelang.cli import main
 from tests.runtime_helpers import run, stdlib
 
 BPIPE = stdlib("bpipe", D=4, N=8)
@@ -129,3 +132,35 @@ def test_actions_name_the_action_each_op_performs(name: str, params: dict[str, i
                 assert "_event(" in line
             else:
                 assert comment[1] == actions[index].text()
+
+
+def test_a_run_allocates_the_slot_bytes_that_simulate_and_compile_plan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`simulate --model` and `compile --dump-after streams --model` give each rank's
+    data-slot bytes; a gloo run allocates exactly those (its summary's last column)."""
+    sched = ["1f1b", "-p", "D=4", "-p", "N=8", "--model", "gpt:tiny"]
+    assert main(["simulate", *sched, "--json"]) == 0
+    planned = [row["data_slot_bytes"] for row in json.loads(capsys.readouterr().out)["ranks"]]
+    assert planned == [131072, 131072, 98304, 65536]  # 4, 4, 3, 2 slots of 4x32x64 fp32
+    assert main(["compile", *sched, "--dump-after", "streams"]) == 0
+    sizes = ", ".join(f"rank {r} {n:,}" for r, n in enumerate(planned))
+    assert f"# data slot bytes on gpt:tiny: {sizes}\n" in capsys.readouterr().out
+    assert run(stdlib("1f1b", D=4, N=8), "--steps", "1") == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.endswith(" B │")]
+    assert [int(row.split("│")[-2].strip()[:-2].replace(",", "")) for row in rows] == planned
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compile", "1f1b", "-o", "out", "--model", "gpt:tiny"], "use it with --dump-after"),
+        (["simulate", "1f1b", "--model", "nowhere:nothing"], "cannot load `nothing`"),
+        (["simulate", "gpipe", "-p", "D=10", "--model", "gpt:tiny"], "has only 8 layers"),
+    ],
+)
+def test_slot_bytes_need_a_model_that_fits(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -20,6 +20,7 @@ from pipelang.ir import COMPUTE_KINDS, MAX_TIME, CostModel, Program
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RunConfig
+    from pipelang.streams import StreamProgram
 
 
 class UsageError(Exception):
@@ -197,15 +198,19 @@ def write_output(path: Path, data: str | bytes) -> None:
 # ---- runs -----------------------------------------------------------------------------------
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None) -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, default_model: str | None, purpose: str = ""
+) -> None:
     """The options that pick the model and its inputs, shared by `run` and `profile`;
-    without a `default_model`, `--model` is required."""
+    without a `default_model`, `--model` is required, unless a `purpose` says what it
+    is for (the slot bytes of `simulate` and `compile`)."""
     parser.add_argument(
         "--model",
         default=default_model,
-        required=default_model is None,
+        required=default_model is None and not purpose,
         metavar="MODEL",
-        help="gpt:tiny, gpt:small, gpt:medium, or package.module:callable returning an "
+        help=(purpose or "")
+        + "gpt:tiny, gpt:small, gpt:medium, or package.module:callable returning an "
         "nn.Sequential" + (f" (default {default_model})" if default_model else ""),
     )
     parser.add_argument(
@@ -228,6 +233,33 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
         help="parameter and activation dtype (default float32)",
     )
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+
+
+def add_slot_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--model` and its inputs, optional: the bytes of the stream program's data slots."""
+    add_model_arguments(
+        parser,
+        default_model=None,
+        purpose="give each rank's data-slot bytes (what a run allocates) for this model: ",
+    )
+
+
+def data_slot_bytes(
+    args: argparse.Namespace, program: Program, streams: StreamProgram
+) -> list[int] | None:
+    """Per process of `streams`, the bytes of its data slots for the model the options of
+    `add_slot_model_arguments` name (None without `--model`)."""
+    if args.model is None:
+        return None
+    from pipelang.backends.models import ModelError, ModelSpec, plan_stages
+    from pipelang.backends.stream_executor import slot_bytes
+
+    spec = ModelSpec(args.model, args.seq_len, args.micro_batch_size, args.dtype, args.seed)
+    try:
+        shapes = plan_stages(spec, program.num_stages, program.partition).shapes
+    except ModelError as err:
+        raise UsageError(str(err)) from None
+    return [sum(slot_bytes(streams, r, shapes).values()) for r in range(streams.ranks)]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,9 @@ from pipelang.cli.args import (
     UsageError,
     add_max_activations,
     add_schedule_arguments,
+    add_slot_model_arguments,
     compile_args,
+    data_slot_bytes,
     describe,
     parse_params,
     positive,
@@ -46,6 +48,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="with --dump-after streams: lower for K data-parallel copies (default 1)",
     )
+    add_slot_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +57,22 @@ def run(args: argparse.Namespace) -> int:
         file = api.load_file(args.sched)
         print(ast.dump((*file.fns.values(), file.schedule)))
         return 0
+    streams = args.dump_after in ("streams", "check-streams")
+    if args.model is not None and not streams:
+        raise UsageError(
+            "--model gives the bytes of a stream program's slots: use it with --dump-after streams"
+        )
     if args.dump_after:
-        print(dump(compile_args(args, args.dump_after), args.dump_after))
+        compiled = compile_args(args, args.dump_after)
+        text = dump(compiled, args.dump_after)
+        if streams and args.model is not None:
+            assert compiled.streams is not None
+            nbytes = data_slot_bytes(args, compiled.need_program(), compiled.streams)
+            assert nbytes is not None
+            first, rest = text.split("\n", 1)
+            sizes = ", ".join(f"rank {r} {n:,}" for r, n in enumerate(nbytes))
+            text = f"{first}\n# data slot bytes on {args.model}: {sizes}\n{rest}"
+        print(text)
         return 0
     if args.out is None:
         raise UsageError("give -o DIR to write the program, or --dump-after PASS to print it")

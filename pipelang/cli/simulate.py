@@ -12,8 +12,10 @@ from rich.table import Table
 from pipelang import memory
 from pipelang.cli.args import (
     add_schedule_arguments,
+    add_slot_model_arguments,
     check_cost_stages,
     compile_args,
+    data_slot_bytes,
     describe,
     parse_cost,
 )
@@ -38,21 +40,26 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "--slots",
         action="store_true",
         help="also lower to the stream program and give each rank's static buffer slots "
-        "(data, saved, grads; docs/runtime.md); its cost grows with ranks x ops",
+        "(data, saved, grads; docs/runtime.md), and with --model their bytes; its cost "
+        "grows with ranks x ops",
     )
+    add_slot_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     costs = parse_cost(args.cost)
-    compiled = compile_args(args, "check-streams" if args.slots else None)
+    slots = args.slots or args.model is not None
+    compiled = compile_args(args, "check-streams" if slots else None)
     program = compiled.need_program()
     check_cost_stages(costs, args.cost, program)
     timeline = compiled.timeline(costs)
     metrics = timeline.metrics()
     if compiled.streams is not None:
+        nbytes = data_slot_bytes(args, program, compiled.streams)
         for rank, row in enumerate(cast(list[dict[str, object]], metrics["ranks"])):
-            slots = compiled.streams.slots(rank).items()
-            row["slots"] = {cls: len(names) for cls, names in slots}
+            row["slots"] = {cls: len(names) for cls, names in compiled.streams.slots(rank).items()}
+            if nbytes is not None:
+                row["data_slot_bytes"] = nbytes[rank]
     if args.json:
         print(json.dumps(metrics, allow_nan=False))  # strict JSON: costs are bounded
         return 0
@@ -68,10 +75,18 @@ def run(args: argparse.Namespace) -> int:
     if compiled.streams is not None:
         keys.append("slots")
         table.add_column("slots (data, saved, grads)", justify="right")
+    if args.model is not None:
+        keys.append("data_slot_bytes")
+        table.add_column(f"data slot bytes ({args.model})", justify="right")
     for row in cast(list[dict[str, object]], metrics["ranks"]):
-        cells = [str(row[k]) for k in keys if k != "slots"]
-        if "slots" in row:
-            cells.append(", ".join(map(str, cast(dict[str, int], row["slots"]).values())))
+        cells = [
+            ", ".join(map(str, cast(dict[str, int], row[k]).values()))
+            if k == "slots"
+            else f"{row[k]:,}"
+            if k == "data_slot_bytes"
+            else str(row[k])
+            for k in keys
+        ]
         table.add_row(*cells)
     console.print(table)
     if Kind.W in program.kinds:
