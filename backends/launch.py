@@ -184,18 +184,30 @@ def _run_streams(
     title: str,
     lowered: StreamProgram,
 ) -> Outcome:
-    """Run a checked stream program on the CPU executor (`local` without CUDA)."""
+    """Run a checked stream program on the executor: every rank in this process, on the
+    CPU in an adversarial order, on a GPU captured as one CUDA graph (`local --graphs`)."""
+    import torch
+
+    from pipelang.backends.codegen import GRAPH_WARMUP
+    from pipelang.backends.local import local_device
     from pipelang.backends.report import StepProgress
     from pipelang.backends.stream_executor import StreamExecutor
 
-    executor = StreamExecutor(program, lowered, config, shapes, config.stream_seed)
+    device = local_device()
+    executor = StreamExecutor(program, lowered, config, shapes, config.stream_seed, device)
     held = ", ".join(f"{b / 1024:.1f}" for b in executor.allocated_bytes)
-    err.print(
-        f"no CUDA here: the stream program runs on the CPU executor, its {len(lowered.ops)} "
-        f"ops interleaved by seed {config.stream_seed} + step, dead slots NaN (no capture); "
-        f"data slots per rank {held} KiB",
-        markup=False,
-    )
+    if device.type == "cuda":
+        what = (
+            f"every rank's streams on {torch.cuda.get_device_name(device)}, captured as one "
+            f"CUDA graph after {GRAPH_WARMUP} eager steps"
+        )
+    else:
+        what = (
+            f"no CUDA here: the stream program runs on the CPU executor, its "
+            f"{len(lowered.ops)} ops interleaved by seed {config.stream_seed} + step, dead "
+            "slots NaN (no capture)"
+        )
+    err.print(f"{what}; data slots per rank {held} KiB", markup=False)
     with StepProgress(config.steps, title, err) as progress:
         return executor.run(progress.step)
 
@@ -206,16 +218,7 @@ def under_torchrun() -> bool:
 
 
 def graphs_refusal(config: RunConfig) -> str | None:
-    """Why `--graphs` cannot run with `config` here; None when it runs: over gloo or nccl
-    (one process per rank), or on the CPU executor (`local` without CUDA)."""
-    import torch
-
-    if config.backend == "local" and torch.cuda.is_available():
-        return (
-            "--graphs with --backend local on a GPU (every rank's streams in one process, "
-            "one graph) is not built yet; use --backend nccl with a GPU per rank, or run "
-            "without --graphs"
-        )
+    """Why `--graphs` cannot run with `config`; None when it runs."""
     if config.trace:
         return (
             "--trace times every action, and a captured iteration has no per-action times; "

@@ -20,10 +20,20 @@ Values live where the program says:
 - a transfer copies from the sender's slot to the receiver's when both ends run (a send
   and its receive run together, as NCCL's do); an allreduce sums its members' gradients
   when all of them run, in process order.
+
+On a GPU (`run --backend local --graphs` where CUDA is) the same loop issues the ops
+instead of running them: every stream of every process is a CUDA stream, `record` and
+`wait` are CUDA events, a transfer is a device copy on the receiving stream after it
+waits for the sending one (and the sending stream then waits for the copy), an allreduce
+sums on its first member's stream. The first `GRAPH_WARMUP` steps run so, eagerly; then
+one iteration of every rank is captured as one CUDA graph and each later step replays
+it. Dead slots are not filled with NaN there: the CPU proves the order, the GPU runs it.
+That path has not run on a GPU yet (tests/test_gpu.py holds its tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
@@ -32,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipelang.backends.codegen import GRAPH_WARMUP
 from pipelang.backends.models import Shapes
 from pipelang.backends.report import Outcome
 from pipelang.backends.runtime import RankRuntime, RunConfig, copy_grads, set_grads
@@ -41,6 +52,7 @@ from pipelang.passes.check_streams import Interleaving, random_choice
 from pipelang.streams import StreamOp, StreamProgram, value_key
 
 OnStep = Callable[[int, float, float], None]
+CPU = torch.device("cpu")
 
 
 class StreamRace(RuntimeError):
@@ -101,18 +113,23 @@ class StreamExecutor:
         config: RunConfig,
         shapes: Shapes,
         seed: int,
+        device: torch.device = CPU,
     ) -> None:
         self.program = program
         self.streams = streams
         self.config = config
         self.shapes = shapes
         self.seed = seed
+        self.cuda = device.type == "cuda"
+        self.cuda_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+        self.cuda_events: dict[tuple[int, int], torch.cuda.Event] = {}
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captured_losses: list[list[tuple[int, torch.Tensor]]] = []
         self.reads = [
             Counter((a.slot, a.value) for _, op in streams.by_rank(r) for a in op.reads)
             for r in range(streams.ranks)
         ]
         self.processes: list[_Process] = []
-        device = torch.device("cpu")
         world = program.num_ranks
         for process in range(streams.ranks):
             rank, replica = process % world, process // world
@@ -120,7 +137,7 @@ class StreamExecutor:
                 program, rank, config, _NoTransport(), device, None, shapes, replica
             )
             buffers = {
-                slot: torch.empty(nbytes, dtype=torch.uint8)
+                slot: torch.empty(nbytes, dtype=torch.uint8, device=device)
                 for slot, nbytes in slot_bytes(streams, process, shapes).items()
             }
             self.processes.append(_Process(runtime, buffers))
@@ -141,16 +158,23 @@ class StreamExecutor:
         start = time.perf_counter_ns()
         for p in self.processes:
             p.runtime.start_clock(start)
+            if self.cuda:  # a timing event per action cannot go into a captured graph
+                p.runtime.timed, p.runtime.gpu_events = False, None
         for step in range(self.config.steps):
             began = time.perf_counter()
             for p in self.processes:
                 p.runtime.begin_step(step)
                 p.runtime.load_inputs(step)
                 p.reads_left = Counter(self.reads[p.runtime.world_rank])
-                for slot in p.buffers:
+                for slot in p.buffers if not self.cuda else ():
                     self._poison(p, slot)
                 p.holds = dict.fromkeys(p.holds)
-            self.iteration(self.seed + step)
+            if not self.cuda:
+                self.iteration(self.seed + step)
+            elif step < GRAPH_WARMUP:
+                self._on_gpu(lambda: self.iteration(self.seed))
+            else:
+                self._replay()
             merged: dict[int, float] = {}
             for p in self.processes:
                 merged.update(p.runtime.end_step())
@@ -163,12 +187,19 @@ class StreamExecutor:
         return Outcome(results, losses)
 
     def iteration(self, seed: int) -> None:
-        """Run every op of the stream program once, in the order `seed` picks."""
+        """Run (on a GPU: issue) every op of the stream program once, in the order `seed`
+        picks."""
         order = Interleaving(self.streams, clocks=False)
         for step in order.run(random_choice(seed, order)):
             ops = [self.streams.ops[i] for i in step]
-            if ops[0].is_event or ops[0].what.startswith(("signal", "wait")):
-                continue  # ordering only: the interleaving obeyed it
+            if ops[0].is_event:
+                if self.cuda:
+                    self._event(ops[0])
+                continue  # on the CPU, ordering only: the interleaving obeyed it
+            if ops[0].what.startswith(("signal", "wait")):
+                if self.cuda:
+                    self._meet(*ops)
+                continue
             if ops[0].stream.startswith("send"):
                 self._transfer(*ops)
             elif ops[0].stream.startswith("reduce"):
@@ -176,9 +207,77 @@ class StreamExecutor:
             else:
                 self._compute(ops[0])
 
+    # ---- the GPU: streams, events, one graph ------------------------------------------------
+
+    def _stream(
+        self, op: StreamOp, name: str | None = None
+    ) -> contextlib.AbstractContextManager[object]:
+        """Where `op`'s work goes (or its process's stream `name`): that CUDA stream on a
+        GPU; on the CPU, here and now."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._cuda_stream(op.rank, name or op.stream))
+
+    def _cuda_stream(self, rank: int, name: str) -> torch.cuda.Stream:
+        key = (rank, name)
+        if key not in self.cuda_streams:  # made once: warm-up and capture use the same
+            self.cuda_streams[key] = torch.cuda.Stream()
+        return self.cuda_streams[key]
+
+    def _event(self, op: StreamOp) -> None:
+        assert op.event is not None
+        stream = self._cuda_stream(op.rank, op.stream)
+        if op.what == "record":
+            self.cuda_events.setdefault((op.rank, op.event), torch.cuda.Event()).record(stream)
+        else:
+            stream.wait_event(self.cuda_events[(op.rank, op.event)])
+
+    def _meet(self, *ops: StreamOp) -> None:
+        """Ops that run together (a send and its receive, an allreduce's members): on a
+        GPU each of their streams waits for all the others, so what follows any of them
+        follows all."""
+        if not self.cuda:
+            return
+        streams = [self._cuda_stream(op.rank, op.stream) for op in ops]
+        for stream in streams[1:]:
+            streams[0].wait_stream(stream)
+        for stream in streams[1:]:
+            stream.wait_stream(streams[0])
+
+    def _on_gpu(self, issue: Callable[[], None]) -> None:
+        """Issue one iteration: every compute stream forks from the current stream (the
+        inputs' copies; a capture's own stream) and joins it at the end; the program
+        forks and joins every other stream from compute."""
+        current = torch.cuda.current_stream()
+        computes = [self._cuda_stream(r, "compute") for r in range(self.streams.ranks)]
+        for compute in computes:
+            compute.wait_stream(current)
+        issue()
+        for compute in computes:
+            current.wait_stream(compute)
+
+    def _replay(self) -> None:
+        """Capture one iteration of every rank as one CUDA graph (once), and replay it;
+        the losses are read from the tensors the capture made."""
+        if self.graph is None:
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self._on_gpu(lambda: self.iteration(self.seed))
+            self.captured_losses = [list(p.runtime.losses) for p in self.processes]
+        self.graph.replay()
+        torch.cuda.synchronize()
+        for p, losses in zip(self.processes, self.captured_losses, strict=True):
+            p.runtime.losses = list(losses)
+            p.runtime.stepped = True  # the captured iteration ends with its `step`
+
     # ---- ops -------------------------------------------------------------------------------
 
     def _compute(self, op: StreamOp) -> None:
+        with self._stream(op):
+            self._run_compute(op)
+
+    def _run_compute(self, op: StreamOp) -> None:
         p = self.processes[op.rank]
         rt = p.runtime
         for access in op.reads:
@@ -205,7 +304,10 @@ class StreamExecutor:
     def _transfer(self, send: StreamOp, recv: StreamOp) -> None:
         src, dst = self.processes[send.rank], self.processes[recv.rank]
         (read,), (write,) = send.reads, recv.writes
-        self._view(dst, write.slot, write.value).copy_(self._view(src, read.slot, read.value))
+        self._meet(recv, send)  # the copy runs on the receiving stream, after the send's
+        with self._stream(recv):
+            self._view(dst, write.slot, write.value).copy_(self._view(src, read.slot, read.value))
+        self._meet(send, recv)  # and the sending stream goes on after the copy
         dst.holds[write.slot] = write.value
         self._read_done(src, read.slot, read.value)
 
@@ -215,12 +317,18 @@ class StreamExecutor:
         for op in members:
             action = op.action()
             copies.append(self.processes[op.rank].runtime.copies[(action.stage, action.pipeline)])  # type: ignore[index]
-        parts = [copy_grads(copy) for copy in copies]
-        total = parts[0][0].clone()
-        for flat, _ in parts[1:]:
-            total += flat
-        for copy, (_, grads) in zip(copies, parts, strict=True):
-            set_grads(copy, total.clone(), grads)
+        self._meet(*members)
+        with self._stream(members[0]):
+            parts = [copy_grads(copy) for copy in copies]
+            total = parts[0][0].clone()
+            for flat, _ in parts[1:]:
+                total += flat
+            for op, copy, (_, grads) in zip(members, copies, parts, strict=True):
+                with self._stream(op, "compute"):  # where the sum is used and freed
+                    mine = torch.empty_like(total)
+                mine.copy_(total)
+                set_grads(copy, mine, grads)
+        self._meet(*members)
 
     # ---- slots -----------------------------------------------------------------------------
 
@@ -233,7 +341,7 @@ class StreamExecutor:
         p.reads_left[(slot, value)] -= 1
         if p.reads_left[(slot, value)] == 0 and p.holds.get(slot) == value:
             p.holds[slot] = None
-            if slot in p.buffers:
+            if slot in p.buffers and not self.cuda:
                 self._poison(p, slot)
 
     def _poison(self, p: _Process, slot: str) -> None:

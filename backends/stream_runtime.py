@@ -143,6 +143,7 @@ class StreamRankRuntime(RankRuntime):
                 )
             time.sleep(1e-4)
         self.losses = list(self.captured_losses)  # the graph rewrote these tensors
+        self.stepped = True  # the captured iteration ends with its `step`
 
     def close(self) -> None:
         if self.cuda and self.graph is not None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything pipelang has to show on a GPU, in one call of the device tool (one start-up):
 # the CUDA tests, then the local backend against one process with each rank's saved
-# activations (issue 6). Logs and the rewritten RESULTS.md land in $OUT.
+# activations (issue 6), then graph replay against eager steps (issue 14). Logs and the
+# rewritten RESULTS.md land in $OUT.
 #
 # Here, once (lark is the one dependency the GPU image lacks; docs/runtime.md, "On a GPU"):
 #   echo /.whl/ >> .git/info/exclude
@@ -23,6 +24,8 @@ status=0
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest_gpu.log"
 status=$((status | PIPESTATUS[0]))
 python3 benchmarks/local_vs_reference.py 2>&1 | tee "$out/local_vs_reference.log"
+status=$((status | PIPESTATUS[0]))
+python3 benchmarks/graphs_vs_eager.py 2>&1 | tee "$out/graphs_vs_eager.log"
 status=$((status | PIPESTATUS[0]))
 cp benchmarks/RESULTS.md "$out/RESULTS.md"
 exit "$status"

@@ -67,6 +67,30 @@ def test_trace_on_cuda_has_every_action_in_order(tmp_path: Path) -> None:
         assert all(e["dur"] >= 0 for e in mine)
 
 
+GRAPHS = {
+    "1f1b-D4-N8": ("1f1b", {"D": 4, "N": 8}),
+    "interleaved-1f1b-D2-N4": ("interleaved-1f1b", {"D": 2, "N": 4, "v": 2}),
+    "zbv-D2-N4": ("zbv", {"D": 2, "N": 4}),
+    "chimera-D4-N4": ("chimera", {"D": 4, "N": 4}),
+}
+
+
+@pytest.mark.parametrize("model", ["gpt:tiny", "gpt:small"])
+@pytest.mark.parametrize("case", list(GRAPHS))
+def test_local_graphs_on_cuda_match_one_process(
+    case: str, model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank's stream program in one process, one CUDA graph: 3 eager steps, one
+    capture, replays; weights and losses match one process."""
+    name, params = GRAPHS[case]
+    options = ("--backend", "local", "--graphs", "--check", "--steps", "6", "--model", model)
+    status = run(stdlib(name, **params), *options)
+    captured = capsys.readouterr()
+    assert status == 0, captured.out + captured.err
+    assert "captured as one CUDA graph" in captured.err
+    assert "check OK" in captured.out
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl needs a GPU per rank")
 def test_nccl_matches_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     program = stdlib("1f1b", D=2, N=4)

@@ -7,6 +7,10 @@ deleted (which `check-streams` rejects) trains wrong on the CPU for some interle
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,3 +94,16 @@ def test_the_executor_holds_what_the_slot_plan_says(name: str) -> None:
     assert planned == [n * 4 * 32 * 64 * 4 for n in slots]
     run.run(lambda *_: None)
     assert run.peak_saved == [len(run.streams.slots(r)["saved"]) for r in range(run.streams.ranks)]
+
+
+def test_the_gpu_benchmark_runs_here_in_smoke_mode() -> None:
+    """benchmarks/graphs_vs_eager.py is for a GPU (gpu_batch.sh runs it); `--smoke` runs
+    it here, with the CPU executor as its graphs runner, so a GPU session finds it working."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "graphs_vs_eager.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| gpt:tiny | 1 |"))
+    eager, graphs = (float(cell) for cell in row.split("|")[3:5])
+    assert eager > 0 and graphs > 0
