@@ -16,6 +16,7 @@ Compiler bugs are `InternalError`, never a `Diagnostic`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,20 +65,20 @@ class Diagnostic:
 
     def render(self) -> str:
         """The human form: header, location, source excerpt with caret, notes, help."""
-        lines = [f"{self.severity}[{self.code}]: {self.message}"]
+        lines = [f"{self.severity}[{self.code}]: {clip(self.message)}"]
         if self.span is not None:
             lines.extend(_excerpt(self.span, "", primary=True))
         for label in self.labels:
-            lines.extend(_excerpt(label.span, label.message, primary=False))
+            lines.extend(_excerpt(label.span, clip(label.message), primary=False))
         gutter = " " * (_gutter_width(self) + 1)
         if self.notes or self.help:
             lines.append(f"{gutter}|")
         for note in self.notes:
-            first, *rest = note.split("\n")
+            first, *rest = clip(note).split("\n")
             lines.append(f"{gutter}= note: {first}")
             lines.extend(f"{gutter}  {line}" for line in rest)
         if self.help:
-            lines.append(f"{gutter}= help: {self.help}")
+            lines.append(f"{gutter}= help: {clip(self.help)}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, object]:
@@ -98,15 +99,40 @@ class Diagnostic:
         return {
             "severity": self.severity,
             "code": self.code,
-            "message": self.message,
+            "message": clip(self.message),
             "file": location["file"] if location else None,
             "line": location["line"] if location else None,
             "column": location["column"] if location else None,
             "location": location,
-            "labels": [{"message": lb.message, "location": where(lb.span)} for lb in self.labels],
-            "notes": list(self.notes),
-            "help": self.help,
+            "labels": [
+                {"message": clip(lb.message), "location": where(lb.span)} for lb in self.labels
+            ],
+            "notes": [clip(note) for note in self.notes],
+            "help": None if self.help is None else clip(self.help),
         }
+
+
+QUOTED = 60
+"""The most characters of a quoted piece of input (`name`) a message shows."""
+MESSAGE = 1000
+"""The most characters of one message, note or help (what a `require`'s own text says, too)."""
+_QUOTE = re.compile(rf"`([^`\n]{{{QUOTED + 1},}})`")
+
+
+def clip(text: str) -> str:
+    """`text` with every quoted piece longer than QUOTED characters cut in the middle,
+    saying how long it was, and cut at MESSAGE characters: a 300,000-character name does
+    not make a 300 KB message."""
+
+    def cut(found: re.Match[str]) -> str:
+        whole = found[1]
+        keep = QUOTED // 2
+        return f"`{whole[:keep]}...{whole[-keep // 2 :]}` ({len(whole):,} characters)"
+
+    text = _QUOTE.sub(cut, text)
+    if len(text) > MESSAGE:
+        return f"{text[:MESSAGE]}... (cut at {MESSAGE:,} of {len(text):,} characters)"
+    return text
 
 
 def _gutter_width(diag: Diagnostic) -> int:
@@ -115,11 +141,23 @@ def _gutter_width(diag: Diagnostic) -> int:
     return max((len(str(span.line)) for span in spans), default=1)
 
 
+EXCERPT = 120
+"""The most characters of a source line an excerpt shows; a longer line is cut to a
+window around the span, each cut end marked `...`."""
+
+
 def _excerpt(span: Span, message: str, primary: bool) -> list[str]:
     line, col = span.source.line_col(span.start)
     text = span.source.line_text(line).replace("\t", " ")
     end_line, end_col = span.source.line_col(max(span.start, span.end))
-    width = (end_col - col) if end_line == line else len(text) - col + 1
+    width = max(1, (end_col - col) if end_line == line else len(text) - col + 1)
+    if len(text) > EXCERPT:
+        first = max(0, min(col - 1 - EXCERPT // 4, len(text) - EXCERPT))
+        head = "..." if first > 0 else ""
+        tail = "..." if first + EXCERPT < len(text) else ""
+        width = min(width, first + EXCERPT - (col - 1))
+        col = col - first + len(head)
+        text = head + text[first : first + EXCERPT] + tail
     marker = ("^" if primary else "-") * max(1, width)
     pad = " " * len(str(line))
     arrow = "-->" if primary else ":::"
@@ -130,6 +168,11 @@ def _excerpt(span: Span, message: str, primary: bool) -> list[str]:
         f"{line} | {text}",
         f"{pad} | {' ' * (col - 1)}{marker}{suffix}",
     ]
+
+
+MAX_REPORTED = 20
+"""The most diagnostics one error report shows (a mistake in a loop over 1000 ranks is
+one mistake; the count of the rest follows)."""
 
 
 @dataclass
@@ -143,11 +186,25 @@ class PipelangError(Exception):
         super().__init__(self.render())
 
     def render(self) -> str:
-        return "\n\n".join(d.render() for d in self.diagnostics)
+        """The first `MAX_REPORTED` diagnostics, and how many more there are."""
+        shown = [d.render() for d in self.diagnostics[:MAX_REPORTED]]
+        hidden = len(self.diagnostics) - len(shown)
+        if hidden:
+            shown.append(
+                f"error: {hidden} more error{'s' * (hidden > 1)} not shown (the first "
+                f"{MAX_REPORTED} are above; fix those first)"
+            )
+        return "\n\n".join(shown)
 
     def to_json(self) -> str:
-        """`{"ok": false, "diagnostics": [...]}`: what `--json` / `--format json` print."""
-        doc = {"ok": False, "diagnostics": [d.to_json() for d in self.diagnostics]}
+        """`{"ok": false, "diagnostics": [...]}`: what `--json` / `--format json` print;
+        like the text, the first `MAX_REPORTED`, and `"not_shown"` counts the rest."""
+        doc: dict[str, object] = {
+            "ok": False,
+            "diagnostics": [d.to_json() for d in self.diagnostics[:MAX_REPORTED]],
+        }
+        if len(self.diagnostics) > MAX_REPORTED:
+            doc["not_shown"] = len(self.diagnostics) - MAX_REPORTED
         return json.dumps(doc, indent=2)
 
 

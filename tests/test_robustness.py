@@ -352,3 +352,58 @@ def test_a_greedy_order_stuck_on_an_after_cycle_does_not_blame_the_cap(tmp_path:
     assert "error[E0311]" in err and "wait on each other" in err
     assert f"{path}:4:5" in err
     assert "cap" not in err
+
+
+# ---- the size of an answer -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "let",
+    [
+        "let x = " + "1 + " * 90 + "y" + " " * 200_000,  # the error at the start of a long line
+        "let x = " + " " * 200_000 + "y",  # ... at its end
+        "let x = " + "y" * 300_000,  # a name longer than any message should quote
+    ],
+)
+def test_a_diagnostic_stays_a_few_kb_whatever_the_line(let: str, tmp_path: Path) -> None:
+    """A long source line is shown as a window around the error (`...` where cut); a long
+    quoted name is cut in the middle with its length; the caret stays under the name."""
+    status, err = check_let(tmp_path, let)
+    assert status == 1 and "error[E0101]: unknown name `y" in err
+    assert len(err) < 2000, err[:300]
+    lines = err.splitlines()
+    source = next(i for i, line in enumerate(lines) if line.startswith("2 | "))
+    caret = lines[source + 1].index("^")
+    assert lines[source][caret] == "y"
+    if "y" * 100 in let:
+        assert "(300,000 characters)" in err
+
+
+def test_a_requires_own_long_message_is_cut(tmp_path: Path) -> None:
+    status, err = check_let(tmp_path, 'require 1 > 2 : "' + "no " * 50_000 + '"')
+    assert status == 1 and "error[E0204]: no no" in err
+    assert "(cut at 1,000 of 150,000 characters)" in err and len(err) < 2000
+
+
+def test_an_error_made_in_a_loop_over_many_ranks_is_shown_once_per_rank_up_to_20(
+    tmp_path: Path,
+) -> None:
+    """64 ranks each missing their backwards: 20 diagnostics and a count of the rest,
+    in the text and in the JSON."""
+    path = tmp_path / "s.pipe"
+    path.write_text(
+        "schedule s(D: int = 64, N: int = 512) {\n"
+        "    pipeline main: stage s in 0..D -> rank s\n"
+        "    microbatches 0..N -> main\n"
+        "    order rank r { for i in 0..N { F(i) } }\n"
+        "}\n"
+    )
+    status, out, err = run_in_process(["check", str(path), "--format", "json"])
+    assert status == 1
+    assert err.count("error[E0303]") == 20
+    assert err.rstrip().endswith(
+        "error: 44 more errors not shown (the first 20 are above; fix those first)"
+    )
+    doc = strict(out)
+    assert isinstance(doc, dict) and len(doc["diagnostics"]) == 20 and doc["not_shown"] == 44
+    assert len(err) < 10_000
