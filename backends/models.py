@@ -5,9 +5,12 @@ slice of them (`partition`). Every rank builds the whole model from the seed and
 only its stages, so replicas of a stage start identical without any communication.
 
     gpt:tiny | gpt:small | gpt:medium    a GPT from torch.nn (see `GPT_SIZES`)
-    package.module:callable              a user's model: `callable()` returns an
-                                         nn.Sequential (or a list of modules) whose output
-                                         is next-token logits
+    llama:tiny | llama:small             a Llama: RMSNorm, rotary positions, SwiGLU,
+                                         grouped-query attention (see `LLAMA_SIZES`)
+    package.module:FUNC, file.py:FUNC    a user's model: `FUNC()` returns an nn.Sequential
+                                         (its layers, split into stages by pipelang) or a
+                                         list of modules (one per stage), whose output is
+                                         next-token logits
 
 The data is synthetic next-token prediction: each sequence walks through a fixed random
 permutation of the vocabulary, so the next token follows from the current one and the
@@ -18,10 +21,12 @@ of (seed, step, micro-batch), so every rank and the `--check` reference see the 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as functional
@@ -129,6 +134,119 @@ def gpt_layers(cfg: GPTConfig, seq_len: int) -> list[nn.Module]:
 
 
 @dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """The shape of a Llama: vocabulary, width, query and key/value heads (grouped-query
+    attention when fewer), blocks, SwiGLU hidden width, default sequence length."""
+
+    vocab: int
+    width: int
+    heads: int
+    kv_heads: int
+    blocks: int
+    hidden: int
+    seq_len: int
+
+
+LLAMA_SIZES: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(vocab=256, width=64, heads=4, kv_heads=2, blocks=6, hidden=176, seq_len=32),
+    "small": LlamaConfig(
+        vocab=32000, width=768, heads=12, kv_heads=4, blocks=12, hidden=2048, seq_len=256
+    ),
+}
+"""`llama:NAME` sizes: tiny runs on a CPU in milliseconds; small is about GPT-2 small's size."""
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, over the last dimension (computed in fp32)."""
+
+    def __init__(self, width: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of (batch, heads, seq, dim) queries or keys: each pair
+    of dimensions (i, i + dim/2) turned by an angle that grows with the position."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    freqs = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * freqs
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., : dim // 2], x[..., dim // 2 :]
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, causal grouped-query attention with rotary positions, RMSNorm, SwiGLU."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = cfg.heads, cfg.kv_heads
+        self.head_dim = cfg.width // cfg.heads
+        self.norm_attn = RMSNorm(cfg.width)
+        self.q = nn.Linear(cfg.width, cfg.heads * self.head_dim, bias=False)
+        self.kv = nn.Linear(cfg.width, 2 * cfg.kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(cfg.heads * self.head_dim, cfg.width, bias=False)
+        self.norm_mlp = RMSNorm(cfg.width)
+        self.gate_up = nn.Linear(cfg.width, 2 * cfg.hidden, bias=False)
+        self.down = nn.Linear(cfg.hidden, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        h = self.norm_attn(x)
+        q = self.q(h).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (
+            t.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+            for t in self.kv(h).chunk(2, dim=-1)
+        )
+        group = self.heads // self.kv_heads  # each key/value head serves `group` queries
+        k, v = rotary(k).repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        attn = functional.scaled_dot_product_attention(rotary(q), k, v, is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
+        gate, up = self.gate_up(self.norm_mlp(x)).chunk(2, dim=-1)
+        return x + self.down(functional.silu(gate) * up)
+
+
+class LlamaHead(nn.Module):
+    """Final RMSNorm and the vocabulary projection."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.width)
+        self.lm = nn.Linear(cfg.width, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.norm(x))
+
+
+def llama_layers(cfg: LlamaConfig) -> list[nn.Module]:
+    """The layers of a Llama: token embedding (positions are rotary, inside attention),
+    `blocks` blocks, head; normal(0, 0.02) weights, the residual outputs scaled by
+    1/sqrt(2 * blocks)."""
+    layers: list[nn.Module] = [nn.Embedding(cfg.vocab, cfg.width)]
+    layers.extend(LlamaBlock(cfg) for _ in range(cfg.blocks))
+    layers.append(LlamaHead(cfg))
+    for layer in layers:
+        for name, param in layer.named_parameters():
+            if param.dim() >= 2:
+                residual = name in ("o.weight", "down.weight")
+                nn.init.normal_(param, 0.0, 0.02 / (math.sqrt(2 * cfg.blocks) if residual else 1))
+    return layers
+
+
+MODEL_FAMILIES: dict[str, dict[str, GPTConfig] | dict[str, LlamaConfig]] = {
+    "gpt": GPT_SIZES,
+    "llama": LLAMA_SIZES,
+}
+"""The built-in models, `--model FAMILY:SIZE`."""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """What `--model`, `--seq-len`, `--micro-batch-size`, `--dtype` and `--seed` name.
 
@@ -159,14 +277,20 @@ class ModelSpec:
     def _build_fp32(self) -> LayeredModel:
         kind, sep, rest = self.name.partition(":")
         if not sep or not rest:
-            raise ModelError(f"`--model {self.name}`: expected gpt:SIZE or module:callable")
+            raise ModelError(
+                f"`--model {self.name}`: expected gpt:SIZE, llama:SIZE, module:FUNC or file.py:FUNC"
+            )
+        sizes = MODEL_FAMILIES.get(kind)
+        if sizes is None:
+            return _user_model(self, self.name)
+        if rest not in sizes:
+            raise ModelError(f"unknown {kind} size `{rest}`; use one of: {', '.join(sizes)}")
         if kind == "gpt":
-            if rest not in GPT_SIZES:
-                raise ModelError(f"unknown GPT size `{rest}`; use one of: {', '.join(GPT_SIZES)}")
             cfg = GPT_SIZES[rest]
             seq_len = self.seq_len or cfg.seq_len
             return LayeredModel(self, gpt_layers(cfg, seq_len), cfg.vocab, seq_len)
-        return _user_model(self, self.name)
+        llama = LLAMA_SIZES[rest]
+        return LayeredModel(self, llama_layers(llama), llama.vocab, self.seq_len or llama.seq_len)
 
 
 @dataclass(slots=True)
@@ -177,6 +301,9 @@ class LayeredModel:
     layers: list[nn.Module]
     vocab: int
     seq_len: int
+    stages: bool = False
+    """The layers are the stages, as the model function gave them (a list): a schedule
+    must have exactly that many stages, and `--partition` does not apply."""
 
     def batch(self, step: int, mb: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and next-token targets of micro-batch `mb` of step `step`."""
@@ -192,6 +319,19 @@ class LayeredModel:
 
     def stage_bounds(self, num_stages: int, partition: Sequence[int] | None) -> list[range]:
         """Which layers each stage holds (see `partition`)."""
+        if self.stages:
+            count = len(self.layers)
+            if num_stages != count:
+                raise ModelError(
+                    f"`--model {self.spec.name}` gives {count} stage{'s' * (count > 1)} (a "
+                    f"list of stage modules) but the schedule has {num_stages}"
+                )
+            if partition is not None and list(partition) != [1] * count:
+                raise ModelError(
+                    f"`--model {self.spec.name}` gives its stages itself; --partition (or "
+                    "the schedule's `partition` line) cannot split them again"
+                )
+            return [range(s, s + 1) for s in range(count)]
         return partition_layers(len(self.layers), num_stages, partition, self.spec.name)
 
     def stage_module(self, bounds: range) -> nn.Sequential:
@@ -247,22 +387,50 @@ def partition_layers(
     return bounds
 
 
-def _user_model(spec: ModelSpec, name: str) -> LayeredModel:
+def _load_factory(name: str) -> Callable[..., object]:
+    """The callable `--model` names: `package.module:FUNC`, or `path/to/file.py:FUNC` (a
+    file, loaded as a module of its own; relative to the working directory)."""
     module_name, _, attr = name.rpartition(":")
     try:
-        factory: Callable[..., object] = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ImportError(f"no file {module_name}")
+            loader = importlib.util.spec_from_file_location(f"pipelang_model_{path.stem}", path)
+            if loader is None or loader.loader is None:
+                raise ImportError(f"cannot import {module_name}")
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        factory = getattr(module, attr)
+    except (ImportError, AttributeError, SyntaxError) as err:
         raise ModelError(
             f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}"
         ) from None
+    if not callable(factory):
+        raise ModelError(f"`--model {name}`: `{attr}` is not callable")
+    return factory  # type: ignore[no-any-return]
+
+
+def _user_model(spec: ModelSpec, name: str) -> LayeredModel:
+    attr = name.rpartition(":")[2]
+    factory = _load_factory(name)
     kwargs = {}
     if spec.seq_len and "seq_len" in inspect.signature(factory).parameters:
         kwargs["seq_len"] = spec.seq_len
-    built = factory(**kwargs)
+    try:
+        built = factory(**kwargs)
+    except Exception as err:
+        raise ModelError(
+            f"`--model {name}`: `{attr}()` failed: {type(err).__name__}: {err}"
+        ) from None
     layers = list(built) if isinstance(built, nn.Sequential | list | tuple) else None
     if not layers or not all(isinstance(m, nn.Module) for m in layers):
         raise ModelError(
-            f"`--model {name}`: `{attr}()` must return an nn.Sequential or a list of modules"
+            f"`--model {name}`: `{attr}()` must return an nn.Sequential (its layers, split "
+            f"into stages by pipelang) or a list of modules (one per stage), not "
+            f"{type(built).__name__}"
         )
     vocab = getattr(built, "vocab_size", None)
     if vocab is None and isinstance(layers[0], nn.Embedding):
@@ -273,7 +441,8 @@ def _user_model(spec: ModelSpec, name: str) -> LayeredModel:
             "returned module or make the first layer an nn.Embedding"
         )
     seq_len = spec.seq_len or int(getattr(built, "seq_len", 32))
-    return LayeredModel(spec, layers, int(vocab), seq_len)
+    stages = not isinstance(built, nn.Sequential)
+    return LayeredModel(spec, layers, int(vocab), seq_len, stages)
 
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
@@ -292,14 +461,15 @@ class StagePlan:
 def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | None) -> StagePlan:
     """Split `spec`'s model into `num_stages` stages, without building its weights.
 
-    A GPT's layers and shapes follow from its size. Any other model is built on the meta
+    A built-in model's layers and shapes follow from its size. Any other model is built on the meta
     device and run there, which allocates and computes nothing. Raises ModelError when
     the model cannot be split that way.
     """
     spec.torch_dtype  # noqa: B018 - validates --dtype
     kind, _, size = spec.name.partition(":")
-    if kind == "gpt" and size in GPT_SIZES:
-        cfg = GPT_SIZES[size]
+    family = MODEL_FAMILIES.get(kind, {})
+    if size in family:  # embedding, blocks, head: the shapes follow from the config
+        cfg = family[size]
         seq_len = spec.seq_len or cfg.seq_len
         bounds = partition_layers(cfg.blocks + 2, num_stages, partition, spec.name)
         hidden: tuple[int, ...] = (spec.micro_batch_size, seq_len, cfg.width)

@@ -332,6 +332,65 @@ def test_user_model(
     assert "check OK" in capsys.readouterr().out
 
 
+USER_MODELS = """
+from torch import nn
+
+def layers():
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 50))
+
+def stages():
+    return [nn.Embedding(50, 16), nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 50))]
+
+def broken():
+    raise ValueError("no weights here")
+
+def wrong():
+    return 3
+"""
+
+
+@pytest.mark.parametrize("func", ["layers", "stages"])
+def test_a_user_model_from_a_file_trains_like_one_process(
+    func: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--model FILE.py:FUNC`: an nn.Sequential is layers that pipelang splits, a list is
+    the stages themselves; over gloo (each rank loads the file) against one process."""
+    (tmp_path / "models.py").write_text(USER_MODELS)
+    monkeypatch.chdir(tmp_path)
+    assert run(stdlib("1f1b", D=2, N=4), "--model", f"models.py:{func}", "--check") == 0
+    assert "check OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("model", "ranks", "options", "message"),
+    [
+        ("models.py:broken", 2, (), "`broken()` failed: ValueError: no weights here"),
+        ("models.py:wrong", 2, (), "must return an nn.Sequential (its layers"),
+        ("models.py:absent", 2, (), "cannot load `absent` from `models.py`"),
+        ("elsewhere.py:layers", 2, (), "cannot load `layers` from `elsewhere.py`: no file"),
+        ("models.py:stages", 3, (), "gives 2 stages (a list of stage modules) but the"),
+        ("models.py:stages", 2, ("--partition", "2,1"), "gives its stages itself"),
+    ],
+)
+def test_a_user_model_that_cannot_run_is_one_clear_line(
+    model: str,
+    ranks: int,
+    options: tuple[str, ...],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "models.py").write_text(USER_MODELS)
+    monkeypatch.chdir(tmp_path)
+    assert run(stdlib("1f1b", D=ranks, N=2), "--model", model, *options) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
 def test_saved_activations_follow_the_order(name: str, one_torch_thread: None) -> None:
     """Each rank's peak bytes of saved activations are one micro-batch's bytes on its

@@ -210,8 +210,9 @@ def add_model_arguments(
         required=default_model is None and not purpose,
         metavar="MODEL",
         help=(purpose or "")
-        + "gpt:tiny, gpt:small, gpt:medium, or package.module:callable returning an "
-        "nn.Sequential" + (f" (default {default_model})" if default_model else ""),
+        + "gpt:tiny, gpt:small, gpt:medium, llama:tiny, llama:small, or your own "
+        "package.module:FUNC or file.py:FUNC returning an nn.Sequential (layers) or a list "
+        "of modules (one per stage)" + (f" (default {default_model})" if default_model else ""),
     )
     parser.add_argument(
         "--micro-batch-size",
