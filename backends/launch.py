@@ -208,7 +208,8 @@ def _run_streams(
             "slots NaN (no capture)"
         )
     err.print(f"{what}; data slots per rank {held} KiB", markup=False)
-    with StepProgress(config.steps, title, err) as progress:
+    tokens = tokens_per_step(program, config)
+    with StepProgress(config.steps, title, err, tokens, config.log) as progress:
         return executor.run(progress.step)
 
 
@@ -242,7 +243,8 @@ def _run_here(
     title = f"{program.name} on {config.model} ({config.backend}, {ranks})"
     if streams is not None and config.backend == "local":
         return _run_streams(program, config, shapes, err, title, streams)
-    with StepProgress(config.steps, title, err) as progress:
+    tokens = tokens_per_step(program, config)
+    with StepProgress(config.steps, title, err, tokens, config.log) as progress:
         if config.backend == "local":
             from pipelang.backends.local import run_local
 
@@ -255,19 +257,28 @@ def _run_here(
 def _run_as_torchrun_rank(
     program: Program, config: RunConfig, source: str | None = None, filename: str | None = None
 ) -> int:
+    import contextlib
+
     from rich.console import Console
 
-    from pipelang.backends.report import Outcome
+    from pipelang.backends.report import Outcome, StepProgress
     from pipelang.backends.worker import run_torchrun_rank
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     losses: list[float] = []
+    progress = None
+    if os.environ["RANK"] == "0":  # the rank that reports: the bar, the lines, --log
+        title = f"{program.name} on {config.model} (torchrun)"
+        tokens = tokens_per_step(program, config)
+        progress = StepProgress(config.steps, title, err, tokens, config.log)
 
     def on_step(step: int, loss: float, seconds: float) -> None:
         losses.append(loss)
-        err.print(f"step {step + 1}/{config.steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms")
+        if progress is not None:
+            progress.step(step, loss, seconds)
 
-    results = run_torchrun_rank(program, config, on_step, source, filename)
+    with progress or contextlib.nullcontext():
+        results = run_torchrun_rank(program, config, on_step, source, filename)
     if results is None:
         return 0
     return report(program, config, Outcome(results, losses))
@@ -277,13 +288,10 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     """Print the summary, write the trace, run the check; the exit status."""
     from rich.console import Console
 
-    from pipelang.backends.models import plan_stages
     from pipelang.backends.report import summary, write_trace
 
     out = Console(highlight=False, soft_wrap=True)
-    spec = config.spec
-    seq_len = plan_stages(spec, program.num_stages, config.partition).seq_len
-    tokens = program.num_microbatches * config.dp * spec.micro_batch_size * seq_len
+    tokens = tokens_per_step(program, config)
     out.print(
         summary(program, outcome.results, outcome.losses, config.model, config.backend, tokens)
     )
@@ -313,6 +321,14 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     comparison = compare(reference, outcome.results, outcome.losses, config)
     out.print(comparison.render(), markup=False)
     return 0 if comparison.ok else 1
+
+
+def tokens_per_step(program: Program, config: RunConfig) -> int:
+    """The tokens one step trains on: micro-batches x copies x sequences x length."""
+    from pipelang.backends.models import plan_stages
+
+    seq_len = plan_stages(config.spec, program.num_stages, config.partition).seq_len
+    return program.num_microbatches * config.dp * config.micro_batch_size * seq_len
 
 
 def outcome_device(config: RunConfig) -> torch.device:

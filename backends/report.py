@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -14,6 +16,7 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
+    TimeRemainingColumn,
 )
 from rich.table import Table
 
@@ -22,22 +25,37 @@ from pipelang.ir import Program
 
 
 class StepProgress:
-    """A rich progress bar over steps; every finished step also prints a line."""
+    """A rich progress bar over steps (loss, tokens/s, time left); every finished step
+    also prints a line and, with `log`, appends a JSON line to that file."""
 
-    def __init__(self, steps: int, title: str, console: Console) -> None:
+    def __init__(
+        self,
+        steps: int,
+        title: str,
+        console: Console,
+        tokens_per_step: int = 0,
+        log: str | None = None,
+    ) -> None:
         self.steps = steps
         self.console = console
+        self.tokens_per_step = tokens_per_step
+        self.log_path = log
+        self.log: TextIO | None = None
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("loss {task.fields[loss]}  {task.fields[rate]} tokens/s"),
             TimeElapsedColumn(),
+            TimeRemainingColumn(),
             console=console,
         )
-        self.task = self.progress.add_task(title, total=steps, loss="-")
+        self.task = self.progress.add_task(title, total=steps, loss="-", rate="-")
 
     def __enter__(self) -> StepProgress:
+        if self.log_path is not None:
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+            self.log = open(self.log_path, "w")  # closed in __exit__
         self.progress.start()
         return self
 
@@ -45,12 +63,25 @@ class StepProgress:
         self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.progress.stop()
+        if self.log is not None:
+            self.log.close()
 
     def step(self, step: int, loss: float, seconds: float) -> None:
+        rate = self.tokens_per_step / seconds if seconds > 0 else 0.0
         self.progress.console.print(
             f"step {step + 1}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms"
         )
-        self.progress.update(self.task, advance=1, loss=f"{loss:.4f}")
+        self.progress.update(self.task, advance=1, loss=f"{loss:.4f}", rate=f"{rate:,.0f}")
+        if self.log is not None:
+            line = {
+                "step": step + 1,
+                "loss": loss if math.isfinite(loss) else None,
+                "seconds": seconds,
+                "tokens": self.tokens_per_step,
+                "tokens_per_s": rate,
+            }
+            self.log.write(json.dumps(line) + "\n")
+            self.log.flush()
 
 
 @dataclass(frozen=True, slots=True)

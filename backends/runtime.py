@@ -75,6 +75,8 @@ class RunConfig:
     """`--graphs`: run the stream program, with optimizers a CUDA graph can capture."""
     stream_seed: int = 0
     """`--graphs` on the CPU: the executor's interleaving of step k is this seed + k."""
+    log: str | None = None
+    """`--log FILE`: one JSON line per step (step, loss, seconds, tokens, tokens/s)."""
 
     @property
     def spec(self) -> ModelSpec:

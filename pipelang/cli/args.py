@@ -195,6 +195,18 @@ def write_output(path: Path, data: str | bytes) -> None:
         raise UsageError(f"cannot write `{path}`: {err.strerror}") from None
 
 
+def writable(path: Path) -> Path:
+    """`path`, once it is known that a file can be written there (its folder made; an
+    existing file is left as it is): a usage error now rather than after a run."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as err:
+        raise UsageError(f"cannot write `{path}`: {err.strerror}") from None
+    return path
+
+
 # ---- runs -----------------------------------------------------------------------------------
 
 
@@ -333,6 +345,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OUT.json",
         help="write every action's real start and end as a Chrome trace",
     )
+    parser.add_argument(
+        "--log",
+        type=Path,
+        metavar="FILE.jsonl",
+        help="write one JSON line per step: step, loss, seconds, tokens, tokens_per_s",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -357,4 +375,5 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         dp=args.dp,
         graphs=args.graphs,
         stream_seed=args.stream_seed,
+        log=str(writable(args.log)) if args.log else None,
     )

@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipelang.cli.args import add_run_arguments, config_from_args
+from pipelang.cli.args import UsageError, add_run_arguments, config_from_args
+
+if TYPE_CHECKING:
+    from pipelang.backends.runtime import RunConfig
 
 
 def rank_file_main(rank: int, file: str) -> int:
@@ -22,7 +26,7 @@ def rank_file_main(rank: int, file: str) -> int:
     )
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
-    return run_rank_file(rank, file, config_from_args(parser.parse_args()))
+    return run_rank_file(rank, file, _config(parser, parser.parse_args()))
 
 
 def compiled_main() -> int:
@@ -43,4 +47,12 @@ def compiled_main() -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"error: cannot read {args.schedule}: {err}", file=sys.stderr)
         return 2
-    return run_program(program, config_from_args(args))
+    return run_program(program, _config(parser, args))
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunConfig:
+    """The run's configuration; a value that cannot be used exits 2, as argparse does."""
+    try:
+        return config_from_args(args)
+    except UsageError as err:
+        parser.error(str(err))
