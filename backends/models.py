@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 
+from pipelang.backends.data import DataError, check_tokens, sample_batch, synthetic_batch
+
 
 class ModelError(Exception):
     """A model name, partition or dtype that cannot be used; reported before ranks start."""
@@ -248,7 +250,8 @@ MODEL_FAMILIES: dict[str, dict[str, GPTConfig] | dict[str, LlamaConfig]] = {
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """What `--model`, `--seq-len`, `--micro-batch-size`, `--dtype` and `--seed` name.
+    """What `--model`, `--seq-len`, `--micro-batch-size`, `--dtype`, `--seed` and `--data`
+    name.
 
     Building is deterministic: `build()` gives the same weights in every process.
     """
@@ -258,6 +261,8 @@ class ModelSpec:
     micro_batch_size: int = 4
     dtype: str = "float32"
     seed: int = 0
+    data: str | None = None
+    """A token file (backends/data.py); None: synthetic batches."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -307,6 +312,16 @@ class LayeredModel:
 
     def batch(self, step: int, mb: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and next-token targets of micro-batch `mb` of step `step`."""
+        if self.spec.data is not None:
+            return sample_batch(
+                self.spec.data,
+                self.spec.seed,
+                step,
+                mb,
+                self.spec.micro_batch_size,
+                self.seq_len,
+                device,
+            )
         return synthetic_batch(
             self.spec.seed, step, mb, self.spec.micro_batch_size, self.seq_len, self.vocab, device
         )
@@ -337,20 +352,6 @@ class LayeredModel:
     def stage_module(self, bounds: range) -> nn.Sequential:
         """The layers of one stage, as an nn.Sequential (the layers themselves, not copies)."""
         return nn.Sequential(*(self.layers[i] for i in bounds))
-
-
-def synthetic_batch(
-    seed: int, step: int, mb: int, size: int, seq_len: int, vocab: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Walks through a fixed random permutation of the vocabulary from random starts, so
-    each token predicts the next; targets are the inputs shifted by one."""
-    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 10_007 + mb + 1) % 2**62)
-    tokens = torch.empty(size, seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, vocab, (size,), generator=gen)
-    for t in range(seq_len):
-        tokens[:, t + 1] = successor[tokens[:, t]]
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
 def partition_layers(
@@ -477,10 +478,12 @@ def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | Non
         shapes: Shapes = [(hidden, spec.torch_dtype)] * (num_stages - 1) + [
             (logits, spec.torch_dtype)
         ]
+        _check_data(spec, cfg.vocab, seq_len)
         return StagePlan(bounds, shapes, seq_len)
     with torch.device("meta"):
         model = spec.build()
     bounds = model.stage_bounds(num_stages, partition)
+    _check_data(spec, model.vocab, model.seq_len)
     ids, _ = model.batch(0, 0, torch.device("cpu"))
     x = ids.to("meta")
     shapes = []
@@ -493,3 +496,12 @@ def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | Non
     except Exception as err:
         raise ModelError(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
     return StagePlan(bounds, shapes, model.seq_len)
+
+
+def _check_data(spec: ModelSpec, vocab: int, seq_len: int) -> None:
+    """Raise ModelError when `--data` cannot feed this model."""
+    if spec.data is not None:
+        try:
+            check_tokens(spec.data, vocab, seq_len)
+        except DataError as err:
+            raise ModelError(str(err)) from None

@@ -77,10 +77,14 @@ class RunConfig:
     """`--graphs` on the CPU: the executor's interleaving of step k is this seed + k."""
     log: str | None = None
     """`--log FILE`: one JSON line per step (step, loss, seconds, tokens, tokens/s)."""
+    data: str | None = None
+    """`--data FILE`: token ids to train on (backends/data.py); None: synthetic."""
 
     @property
     def spec(self) -> ModelSpec:
-        return ModelSpec(self.model, self.seq_len, self.micro_batch_size, self.dtype, self.seed)
+        return ModelSpec(
+            self.model, self.seq_len, self.micro_batch_size, self.dtype, self.seed, self.data
+        )
 
     @property
     def learning_rate(self) -> float:

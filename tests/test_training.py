@@ -1,6 +1,8 @@
-"""What a practitioner needs around a run (issue 17): a metrics log, clear refusals.
+"""What a practitioner needs around a run (issue 17): a metrics log, data from a file,
+clear refusals.
 
-Oracles: the step lines the run prints (the log holds the same losses), strict JSON.
+Oracles: the step lines the run prints (the log holds the same losses), strict JSON, the
+data file's own bytes, and `--check`'s one-process reference.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+from pipelang.backends.data import load_tokens, sample_batch
 from pipelang.cli import main
 from tests.runtime_helpers import run, stdlib
 
@@ -37,3 +42,91 @@ def test_a_log_that_cannot_be_written_is_a_usage_error(
     blocked.write_text("")
     assert main(["run", "1f1b", "-p", "D=2", "--log", str(blocked / "m.jsonl")]) == 2
     assert f"cannot write `{blocked / 'm.jsonl'}`" in capsys.readouterr().err
+
+
+# ---- --data ------------------------------------------------------------------------------
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 40
+
+
+def test_a_data_batch_is_windows_of_the_file_shifted_by_one(tmp_path: Path) -> None:
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    ids, targets = sample_batch(str(path), 3, 5, 2, 4, 16, torch.device("cpu"))
+    assert ids.shape == targets.shape == (4, 16) and ids.dtype == torch.long
+    for row, target in zip(ids.tolist(), targets.tolist(), strict=True):
+        window = bytes([*row, target[-1]]).decode()
+        assert window in TEXT and target[:-1] == row[1:]
+    again = sample_batch(str(path), 3, 5, 2, 4, 16, torch.device("cpu"))
+    assert torch.equal(again[0], ids)
+    other = sample_batch(str(path), 3, 5, 3, 4, 16, torch.device("cpu"))
+    assert not torch.equal(other[0], ids)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".bin"])
+def test_token_files_hold_ids(suffix: str, tmp_path: Path) -> None:
+    ids = np.arange(1000, dtype=np.uint16) % 300
+    path = tmp_path / f"tokens{suffix}"
+    if suffix == ".npy":
+        np.save(path, ids.astype(np.int32))
+    else:
+        ids.tofile(path)
+    assert np.array_equal(load_tokens(str(path)), ids)
+    batch, _ = sample_batch(str(path), 0, 0, 0, 2, 8, torch.device("cpu"))
+    starts = [int(row[0]) for row in batch]
+    assert batch.tolist() == [[(s + k) % 300 for k in range(8)] for s in starts]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+def test_a_run_on_a_text_file_matches_one_process_and_learns(
+    schedule: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    options = ("--data", str(path), "--steps", "8", "--check", "--seq-len", "16")
+    assert run(stdlib(schedule, D=2, N=4), *options) == 0
+    out, err = capsys.readouterr()
+    losses = [float(x) for x in re.findall(r"step \d/8  loss (\S+)", err)]
+    assert "check OK" in out and len(losses) == 8
+    assert losses[-1] < losses[0] - 1.0  # a repeated sentence is quickly learnt
+
+
+def _write(path: Path, kind: str) -> None:
+    if kind == "2-D":
+        np.save(path, np.zeros((4, 100), dtype=np.int64))
+    elif kind == "float":
+        np.save(path, np.zeros(100, dtype=np.float32))
+    elif kind == "odd":
+        path.write_bytes(b"\0" * 101)
+    elif kind == "large id":
+        np.save(path, np.full(100, 256, dtype=np.int64))
+    elif kind == "negative":
+        np.save(path, np.full(100, -1, dtype=np.int64))
+    else:
+        path.write_text("short")
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "message"),
+    [
+        ("2-D", "t.npy", "expected a 1-D array of integer token ids, found 2-D int64"),
+        ("float", "t.npy", "found 1-D float32"),
+        ("odd", "t.bin", "size (101 bytes) is odd"),
+        ("large id", "t.npy", "holds token id 256, outside the model's vocabulary 0..255"),
+        ("negative", "t.npy", "holds token id -1"),
+        ("short", "t.txt", "holds 5 tokens; a sequence of 32 needs at least 33"),
+    ],
+)
+def test_data_that_cannot_feed_the_model_is_one_error(
+    kind: str, name: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / name
+    _write(path, kind)
+    assert main(["run", "1f1b", "-p", "D=2", "--data", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_missing_data_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "1f1b", "-p", "D=2", "--data", "no/such/file.txt"]) == 2
+    assert "no such file: no/such/file.txt" in capsys.readouterr().err

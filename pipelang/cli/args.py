@@ -207,6 +207,13 @@ def writable(path: Path) -> Path:
     return path
 
 
+def data_file(text: str) -> str:
+    """A `--data` file that exists (what it holds is checked before the run starts)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
 # ---- runs -----------------------------------------------------------------------------------
 
 
@@ -351,6 +358,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.jsonl",
         help="write one JSON line per step: step, loss, seconds, tokens, tokens_per_s",
     )
+    parser.add_argument(
+        "--data",
+        type=data_file,
+        metavar="FILE",
+        help="train on this file's tokens instead of synthetic data: a .npy of integer "
+        "ids, a .bin of uint16 ids, or any other file as bytes (ids 0-255); each step's "
+        "windows are drawn at offsets seeded by --seed, the same as the --check reference",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -376,4 +391,5 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         graphs=args.graphs,
         stream_seed=args.stream_seed,
         log=str(writable(args.log)) if args.log else None,
+        data=args.data,
     )
