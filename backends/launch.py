@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--
     from rich.console import Console
 
     from pipelang.backends.models import Shapes
-    from pipelang.backends.report import Outcome
+    from pipelang.backends.report import Outcome, StepProgress
     from pipelang.backends.runtime import RunConfig
     from pipelang.streams import StreamProgram
 
@@ -105,6 +105,19 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
     refusal = eviction_refusal(program, config)
     if refusal is not None:
         raise RunError(refusal)
+    if (config.save or config.resume) and program.weights is not None:
+        raise RunError(
+            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): its "
+            "ranks hold several versions of their weights, which checkpoints do not save "
+            "yet; run it without --save and --resume"
+        )
+    if config.resume is not None:
+        from pipelang.backends.checkpoint import CheckpointError, verify
+
+        try:
+            verify(config)
+        except CheckpointError as err:
+            raise RunError(str(err)) from None
     import torch
 
     from pipelang.backends.models import plan_stages
@@ -190,7 +203,6 @@ def _run_streams(
 
     from pipelang.backends.codegen import GRAPH_WARMUP
     from pipelang.backends.local import local_device
-    from pipelang.backends.report import StepProgress
     from pipelang.backends.stream_executor import StreamExecutor
 
     device = local_device()
@@ -208,8 +220,7 @@ def _run_streams(
             "slots NaN (no capture)"
         )
     err.print(f"{what}; data slots per rank {held} KiB", markup=False)
-    tokens = tokens_per_step(program, config)
-    with StepProgress(config.steps, title, err, tokens, config.log) as progress:
+    with step_progress(program, config, title, err) as progress:
         return executor.run(progress.step)
 
 
@@ -235,16 +246,13 @@ def _run_here(
     err: Console,
     streams: StreamProgram | None = None,
 ) -> Outcome:
-    from pipelang.backends.report import StepProgress
-
     ranks = f"{program.num_ranks} ranks"
     if config.dp > 1:
         ranks = f"{config.dp} x {ranks}"
     title = f"{program.name} on {config.model} ({config.backend}, {ranks})"
     if streams is not None and config.backend == "local":
         return _run_streams(program, config, shapes, err, title, streams)
-    tokens = tokens_per_step(program, config)
-    with StepProgress(config.steps, title, err, tokens, config.log) as progress:
+    with step_progress(program, config, title, err) as progress:
         if config.backend == "local":
             from pipelang.backends.local import run_local
 
@@ -261,7 +269,7 @@ def _run_as_torchrun_rank(
 
     from rich.console import Console
 
-    from pipelang.backends.report import Outcome, StepProgress
+    from pipelang.backends.report import Outcome
     from pipelang.backends.worker import run_torchrun_rank
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -269,8 +277,7 @@ def _run_as_torchrun_rank(
     progress = None
     if os.environ["RANK"] == "0":  # the rank that reports: the bar, the lines, --log
         title = f"{program.name} on {config.model} (torchrun)"
-        tokens = tokens_per_step(program, config)
-        progress = StepProgress(config.steps, title, err, tokens, config.log)
+        progress = step_progress(program, config, title, err)
 
     def on_step(step: int, loss: float, seconds: float) -> None:
         losses.append(loss)
@@ -321,6 +328,14 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     comparison = compare(reference, outcome.results, outcome.losses, config)
     out.print(comparison.render(), markup=False)
     return 0 if comparison.ok else 1
+
+
+def step_progress(program: Program, config: RunConfig, title: str, err: Console) -> StepProgress:
+    """The progress bar, step lines and `--log` of a run."""
+    from pipelang.backends.report import StepProgress
+
+    tokens = tokens_per_step(program, config)
+    return StepProgress(config.steps, title, err, tokens, config.log, config.first_step)
 
 
 def tokens_per_step(program: Program, config: RunConfig) -> int:

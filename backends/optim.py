@@ -49,6 +49,23 @@ class SGD:
         for param in self.params:
             param.grad = None
 
+    def state(self, i: int) -> dict[str, torch.Tensor]:
+        """Parameter `i`'s optimizer state by field (a checkpoint's entries)."""
+        buffer = self.buffers[i]
+        return {"momentum": buffer} if buffer is not None else {}
+
+    @torch.no_grad()
+    def load_state(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """Set parameter `i`'s state from `state` (as `state` gave it), in place where
+        the tensor exists (a captured graph keeps its address)."""
+        if "momentum" not in state:
+            return
+        buffer = self.buffers[i]
+        if buffer is None:
+            self.buffers[i] = state["momentum"].to(self.params[i]).clone()
+        else:
+            buffer.copy_(state["momentum"])
+
 
 class Adam:
     """`torch.optim.Adam(params, lr, betas, eps)`, bias-corrected, no weight decay."""
@@ -92,6 +109,25 @@ class Adam:
         for param in self.params:
             param.grad = None
 
+    def state(self, i: int) -> dict[str, torch.Tensor]:
+        """Parameter `i`'s optimizer state by field; the step count as a 0-d float32
+        tensor, the same in every entry (torch.optim.Adam keeps one per parameter too)."""
+        return {
+            "step": torch.tensor(float(self.steps)),
+            "exp_avg": self.exp_avg[i],
+            "exp_avg_sq": self.exp_avg_sq[i],
+        }
+
+    @torch.no_grad()
+    def load_state(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """Set parameter `i`'s state from `state`, the moments in place."""
+        self.exp_avg[i].copy_(state["exp_avg"])
+        self.exp_avg_sq[i].copy_(state["exp_avg_sq"])
+        self._set_steps(state["step"])
+
+    def _set_steps(self, step: torch.Tensor) -> None:
+        self.steps = int(step)
+
 
 class CapturableSGD(SGD):
     """`SGD` that a CUDA graph can capture: the momentum buffers exist (zeros) from the
@@ -119,6 +155,12 @@ class CapturableAdam(Adam):
         super().__init__(params, lr, betas, eps)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
+
+    def state(self, i: int) -> dict[str, torch.Tensor]:
+        return {**super().state(i), "step": self.step_count}
+
+    def _set_steps(self, step: torch.Tensor) -> None:
+        self.step_count.copy_(step)
 
     @torch.no_grad()
     def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:

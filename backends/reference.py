@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pipelang.backends.checkpoint import held_by_model, load
 from pipelang.backends.runtime import RankResult, RunConfig, full_model_names, make_optimizer
 
 TOLERANCE = {
@@ -59,7 +60,8 @@ class Reference:
 def train_reference(
     config: RunConfig, num_microbatches: int, device: torch.device, threads: int | None = None
 ) -> Reference:
-    """Train the whole model in one process for `config.steps` steps.
+    """Train the whole model in one process for `config.steps` steps (from the checkpoint
+    of `--resume`, when given, for the steps after it).
 
     `threads`: CPU threads for the reference, as many as one rank had (kernels then split
     their work the same way, and an oversubscribed machine does not slow it down).
@@ -78,9 +80,11 @@ def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Re
     full = nn.Sequential(*model.layers).to(device)
     params = [p for p in full.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, config)
+    if config.resume is not None:
+        load([held_by_model(full, optimizer)], config.resume)
     scale = 1.0 / num_microbatches
     losses, seconds = [], []
-    for step in range(config.steps):
+    for step in range(config.first_step, config.steps):
         start = time.perf_counter()
         total = 0.0
         for mb in range(num_microbatches):

@@ -26,7 +26,8 @@ from pipelang.ir import Program
 
 class StepProgress:
     """A rich progress bar over steps (loss, tokens/s, time left); every finished step
-    also prints a line and, with `log`, appends a JSON line to that file."""
+    also prints a line and, with `log`, writes a JSON line to that file. A run resumed at
+    step `first` counts its steps from there, to `steps`."""
 
     def __init__(
         self,
@@ -35,8 +36,10 @@ class StepProgress:
         console: Console,
         tokens_per_step: int = 0,
         log: str | None = None,
+        first: int = 0,
     ) -> None:
         self.steps = steps
+        self.first = first
         self.console = console
         self.tokens_per_step = tokens_per_step
         self.log_path = log
@@ -50,12 +53,13 @@ class StepProgress:
             TimeRemainingColumn(),
             console=console,
         )
-        self.task = self.progress.add_task(title, total=steps, loss="-", rate="-")
+        self.task = self.progress.add_task(title, total=steps - first, loss="-", rate="-")
 
     def __enter__(self) -> StepProgress:
         if self.log_path is not None:
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-            self.log = open(self.log_path, "w")  # closed in __exit__
+            # a resumed run continues the log of the run it resumes
+            self.log = open(self.log_path, "a" if self.first else "w")  # closed in __exit__
         self.progress.start()
         return self
 
@@ -66,7 +70,9 @@ class StepProgress:
         if self.log is not None:
             self.log.close()
 
-    def step(self, step: int, loss: float, seconds: float) -> None:
+    def step(self, i: int, loss: float, seconds: float) -> None:
+        """The `i`-th step of this run (from 0) is done."""
+        step = self.first + i
         rate = self.tokens_per_step / seconds if seconds > 0 else 0.0
         self.progress.console.print(
             f"step {step + 1}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms"

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from pipelang.backends.checkpoint import Held, held_by_model
 from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
 from pipelang.backends.optim import SGD, Adam, CapturableAdam, CapturableSGD, Optimizer
 from pipelang.backends.stash import Stash
@@ -79,12 +80,26 @@ class RunConfig:
     """`--log FILE`: one JSON line per step (step, loss, seconds, tokens, tokens/s)."""
     data: str | None = None
     """`--data FILE`: token ids to train on (backends/data.py); None: synthetic."""
+    save: str | None = None
+    """`--save DIR`: write checkpoints under DIR (backends/checkpoint.py)."""
+    save_every: int | None = None
+    """`--save-every K`: a checkpoint after every K steps (and after the last)."""
+    resume: str | None = None
+    """`--resume`: the checkpoint directory to start from (a `step-K`, found already)."""
+    first_step: int = 0
+    """The step the run starts at: 0, or the resumed checkpoint's step."""
 
     @property
     def spec(self) -> ModelSpec:
         return ModelSpec(
             self.model, self.seq_len, self.micro_batch_size, self.dtype, self.seed, self.data
         )
+
+    @property
+    def run_steps(self) -> int:
+        """How many steps this run trains: `--steps` counts from step 0, not from a
+        resumed checkpoint's step."""
+        return self.steps - self.first_step
 
     @property
     def learning_rate(self) -> float:
@@ -691,6 +706,10 @@ class RankRuntime:
                 set_grads(copy, flat, grads)
         self.reducing.clear()
         self.update_copies()
+
+    def held(self) -> list[Held]:
+        """Every stage copy's parameters and optimizer, named for a checkpoint."""
+        return [held_by_model(c.module, c.optimizer, c.layers.start) for c in self.copies.values()]
 
     def update_copies(self) -> None:
         """The optimizer step of every copy, gradients summed already; then clear them."""

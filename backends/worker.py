@@ -150,6 +150,29 @@ def run_step(
     return losses, time.perf_counter() - start
 
 
+def train(
+    runtime: RankRuntime,
+    iteration: Iteration,
+    config: RunConfig,
+    done: Callable[[int, dict[int, float], float], None],
+) -> None:
+    """The steps of a run on one rank: from `--resume`'s checkpoint if given, saving
+    where `--save` asks; `done(i, losses, seconds)` after the i-th step of this run."""
+    from pipelang.backends import checkpoint
+
+    if config.resume is not None:
+        checkpoint.load(runtime.held(), config.resume)
+    for i in range(config.run_steps):
+        step = config.first_step + i
+        losses, seconds = run_step(runtime, iteration, step)
+        done(i, losses, seconds)
+        if config.save is not None and checkpoint.saves_after(config, step + 1):
+            info = {"model": config.model, "optimizer": config.optimizer}
+            info |= {"dtype": config.dtype, "schedule": runtime.program.name}
+            path = checkpoint.step_dir(config.save, step + 1)
+            checkpoint.write(runtime.held(), path, step + 1, info)
+
+
 def describe(err: BaseException) -> str:
     """One line for an exception: `Type: message`."""
     text = str(err).strip().splitlines()
@@ -168,9 +191,7 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
     try:
         runtime, iteration = _set_up(job, status)
         status[slot] = PHASE_RUNNING
-        for step in range(job.config.steps):
-            losses, seconds = run_step(runtime, iteration, step)
-            queue.put(("step", job.rank, step, losses, seconds))
+        train(runtime, iteration, job.config, lambda *done: queue.put(("step", job.rank, *done)))
         result = runtime.result(job.config.check)
         status[slot] = PHASE_DONE
         queue.put(("done", job.rank, _to_bytes(result)))
@@ -259,12 +280,14 @@ def run_torchrun_rank(
         )
         dist.barrier()
         runtime.start_clock()
-        for step in range(config.steps):
-            losses, seconds = run_step(runtime, iteration, step)
+
+        def done(i: int, losses: dict[int, float], seconds: float) -> None:
             total = torch.tensor([sum(losses.values())], dtype=torch.float64, device=device)
             dist.all_reduce(total)
             if rank == 0:
-                on_step(step, float(total[0]) / (program.num_microbatches * config.dp), seconds)
+                on_step(i, float(total[0]) / (program.num_microbatches * config.dp), seconds)
+
+        train(runtime, iteration, config, done)
         result = runtime.result(config.check)
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)

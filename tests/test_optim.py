@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipelang.backends.optim import CapturableAdam, CapturableSGD
+from pipelang.backends.optim import SGD, Adam, CapturableAdam, CapturableSGD
 
 
 def _pairs(seed: int) -> tuple[list[nn.Parameter], list[nn.Parameter], list[list[torch.Tensor]]]:
@@ -71,3 +71,22 @@ def test_capturable_adam_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> 
     for name in ("item", "__float__", "__bool__", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     mine.step()
+
+
+@pytest.mark.parametrize("kind", [Adam, CapturableAdam, SGD, CapturableSGD])
+def test_an_optimizer_resumed_from_its_state_steps_as_the_original(kind: type) -> None:
+    """What a checkpoint keeps (`state`) and gives back (`load_state`) is everything: an
+    optimizer rebuilt from it takes the same next steps, bit for bit."""
+    ours, theirs, grads = _pairs(4)
+    first = kind(ours, 0.01, 0.9) if kind in (SGD, CapturableSGD) else kind(ours, 0.01)
+    for step in grads[:3]:
+        for p, g in zip(ours, step, strict=True):
+            p.grad = g.clone()
+        first.step()
+    with torch.no_grad():
+        for p, q in zip(ours, theirs, strict=True):
+            q.copy_(p)
+    second = kind(theirs, 0.01, 0.9) if kind in (SGD, CapturableSGD) else kind(theirs, 0.01)
+    for i in range(len(ours)):
+        second.load_state(i, {k: v.clone() for k, v in first.state(i).items()})
+    _train_side_by_side(first, second, ours, theirs, grads[3:])  # type: ignore[arg-type]

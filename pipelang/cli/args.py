@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipelang import api
 from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
@@ -366,6 +366,27 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "ids, a .bin of uint16 ids, or any other file as bytes (ids 0-255); each step's "
         "windows are drawn at offsets seeded by --seed, the same as the --check reference",
     )
+    parser.add_argument(
+        "--save",
+        type=Path,
+        metavar="DIR",
+        help="write a checkpoint (torch.distributed.checkpoint) of parameters and optimizer "
+        "state to DIR/step-K after the last step K, and every --save-every steps",
+    )
+    parser.add_argument(
+        "--save-every",
+        type=positive,
+        metavar="K",
+        help="with --save: also checkpoint after every K steps",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="start from a checkpoint: DIR/step-K as --save wrote it, or the latest one "
+        "under DIR; --steps still counts from step 0, so a step-3 checkpoint with --steps 6 "
+        "runs 3 more steps. Any schedule over the same model loads it",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -392,4 +413,33 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         stream_seed=args.stream_seed,
         log=str(writable(args.log)) if args.log else None,
         data=args.data,
+        **_checkpoint_options(args),
     )
+
+
+def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
+    """RunConfig's save, save_every, resume and first_step; UsageError if they cannot
+    work together."""
+    if args.save_every is not None and args.save is None:
+        raise UsageError("--save-every needs --save DIR (where the checkpoints go)")
+    if (args.save or args.resume) and args.backend == "local":
+        raise UsageError(
+            "checkpoints (--save, --resume) need a process per rank: use --backend gloo "
+            "or nccl, not local"
+        )
+    options: dict[str, Any] = {"save": str(args.save) if args.save else None}
+    options["save_every"] = args.save_every
+    if args.resume is None:
+        return options
+    from pipelang.backends.checkpoint import CheckpointError, find
+
+    try:
+        path, step = find(str(args.resume))
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
+    if step >= args.steps:
+        raise UsageError(
+            f"`--resume {args.resume}` is at step {step} and --steps {args.steps} counts "
+            f"from step 0: nothing is left to run (give --steps more than {step})"
+        )
+    return options | {"resume": str(path), "first_step": step}

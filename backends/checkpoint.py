@@ -1,0 +1,238 @@
+"""Checkpoints: `run --save DIR [--save-every K]` and `run --resume DIR`.
+
+A checkpoint is a `torch.distributed.checkpoint` (DCP) directory of its own,
+`DIR/step-K` for the state after step K, plus `pipelang.json` (step, model, optimizer,
+dtype, schedule), written last: a directory without it is incomplete and is never resumed.
+
+Every entry is named as in the whole model, never by rank or stage: `model.{layer}.{name}`
+for a parameter (the layer counted over the whole model, as `--check` names it) and
+`optim.{layer}.{name}.{field}` for its optimizer state (`exp_avg`, `exp_avg_sq` and
+`step` for Adam, `momentum` for SGD). So the replicas of a stage (Chimera's two pipelines,
+`--dp` copies) write one entry between them (DCP keeps one of equal keys), and a checkpoint
+loads into any schedule, rank count or partition over the same model: each rank reads the
+entries of the layers it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from pipelang.backends.optim import Optimizer
+    from pipelang.backends.runtime import RunConfig
+
+__all__ = [
+    "CheckpointError",
+    "Held",
+    "find",
+    "held_by_model",
+    "load",
+    "saves_after",
+    "step_dir",
+    "verify",
+    "write",
+]
+
+INFO = "pipelang.json"
+"""What pipelang adds to a DCP directory; written last, so it marks a complete one."""
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be found, or does not fit this run."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Parameters held together with the optimizer that updates them: a stage copy, or
+    the whole model of the `--check` reference. `params[i]` is named `names[i]` in the
+    whole model and is the optimizer's parameter `i`."""
+
+    names: list[str]
+    params: list[nn.Parameter]
+    optimizer: Optimizer
+
+    def entries(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint key, tensor) of every parameter and optimizer state."""
+        for i, (name, param) in enumerate(zip(self.names, self.params, strict=True)):
+            yield f"model.{name}", param
+            for field, value in self.optimizer.state(i).items():
+                yield f"optim.{name}.{field}", value
+
+
+def held_by_model(module: nn.Module, optimizer: Optimizer, first_layer: int = 0) -> Held:
+    """The trainable parameters of `module` (an nn.Sequential of layers `first_layer`,
+    ...) under their whole-model names, in the optimizer's order."""
+    names, params = [], []
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            local, _, rest = name.partition(".")
+            names.append(f"{first_layer + int(local)}.{rest}")
+            params.append(param)
+    return Held(names, params, optimizer)
+
+
+def step_dir(root: str, step: int) -> Path:
+    """Where the checkpoint of step `step` goes under `--save root`."""
+    return Path(root) / f"step-{step}"
+
+
+def saves_after(config: RunConfig, step: int) -> bool:
+    """Whether the run saves after step `step` (counted from 1): every `--save-every`
+    steps, and after the last."""
+    if config.save is None:
+        return False
+    every = config.save_every
+    return step == config.steps or (every is not None and step % every == 0)
+
+
+def write(held: Iterable[Held], path: Path, step: int, info: dict[str, object]) -> None:
+    """Save this process's entries as part of checkpoint `path`; a collective over the
+    default process group when there is one. The first process writes `pipelang.json`."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    state = {key: value.detach() for h in held for key, value in h.entries()}
+    distributed = dist.is_initialized()
+    with _one_process_quiet():
+        dcp.save(state, checkpoint_id=path, no_dist=not distributed)
+    if distributed:
+        dist.barrier()
+    if not distributed or dist.get_rank() == 0:
+        (path / INFO).write_text(json.dumps({"step": step, **info}, indent=1) + "\n")
+
+
+@torch.no_grad()
+def load(held: Iterable[Held], path: str) -> None:
+    """Load this process's entries from checkpoint `path` into its parameters and
+    optimizer states, in place; a collective when there is a process group."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    held = list(held)
+    saved = _saved_keys(path)
+    state = {
+        key: value.detach().clone()
+        for h in held
+        for key, value in _wanted(h)
+        if key in saved or key.startswith("model.")
+    }
+    with _one_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    for h in held:
+        for i, (name, param) in enumerate(zip(h.names, h.params, strict=True)):
+            param.copy_(state[f"model.{name}"])
+            prefix = f"optim.{name}."
+            fields = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            h.optimizer.load_state(i, fields)
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group, which is
+    what `--check`'s reference means."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _wanted(held: Held) -> Iterator[tuple[str, torch.Tensor]]:
+    """The entries a load fills: those `entries` gives, and SGD's momentum, which a
+    fresh optimizer has not made yet."""
+    yield from held.entries()
+    for name, param in zip(held.names, held.params, strict=True):
+        yield f"optim.{name}.momentum", torch.zeros_like(param)
+
+
+def find(path: str) -> tuple[Path, int]:
+    """The checkpoint `--resume path` names and its step: `path` itself when it is one,
+    else the latest complete `step-K` under it."""
+    root = Path(path)
+    if (root / INFO).is_file():
+        return root, int(_info(root)["step"])
+    if not root.is_dir():
+        raise CheckpointError(f"`--resume {path}`: no such directory")
+    steps = sorted(
+        (int(m.group(1)), d)
+        for d in root.iterdir()
+        if (m := STEP_DIR.fullmatch(d.name)) and (d / INFO).is_file()
+    )
+    if not steps:
+        raise CheckpointError(
+            f"`--resume {path}`: no checkpoint there (a `step-K` directory with {INFO}, "
+            "as `--save` writes)"
+        )
+    step, found = steps[-1]
+    return found, step
+
+
+def _info(path: Path) -> dict[str, int | str]:
+    try:
+        info = json.loads((path / INFO).read_text())
+        step = info["step"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"`{path / INFO}` is not a pipelang checkpoint: {err}") from None
+    if not isinstance(step, int) or step < 1:
+        raise CheckpointError(f"`{path / INFO}`: `step` must be a positive integer")
+    return dict(info)
+
+
+def _saved_keys(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every tensor entry of checkpoint `path`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:  # DCP raises several kinds for a missing or bad file
+        raise CheckpointError(f"`{path}` is not a readable DCP checkpoint: {err}") from None
+    return {
+        key: (tuple(entry.size), entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def verify(config: RunConfig) -> None:
+    """Raise CheckpointError unless `config.resume` fits the model and optimizer of this
+    run (checked before any rank starts, on the meta device: nothing is allocated)."""
+    if config.resume is None:
+        return
+    path = Path(config.resume)
+    info = _info(path)
+    if info.get("optimizer") != config.optimizer:
+        raise CheckpointError(
+            f"`--resume {path}` was saved with --optimizer {info.get('optimizer')}; this "
+            f"run uses {config.optimizer}"
+        )
+    saved = _saved_keys(str(path))
+    with torch.device("meta"):
+        model = config.spec.build()
+    for name, param in nn.Sequential(*model.layers).named_parameters():
+        key = f"model.{name}"
+        if key not in saved:
+            raise CheckpointError(
+                f"`--resume {path}` has no `{name}`: it was saved from {info.get('model')}, "
+                f"a different model from {config.model}"
+            )
+        want = (tuple(param.shape), param.dtype)
+        if saved[key] != want:
+            raise CheckpointError(
+                f"`--resume {path}`: `{name}` is {_text(saved[key])} there and "
+                f"{_text(want)} in {config.model} (--dtype {config.dtype})"
+            )
+
+
+def _text(entry: tuple[tuple[int, ...], torch.dtype]) -> str:
+    shape, dtype = entry
+    return f"{list(shape)} {str(dtype).removeprefix('torch.')}"

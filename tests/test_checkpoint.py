@@ -1,0 +1,140 @@
+"""Checkpoints (issue 17 item 6): `run --save DIR --save-every K`, `run --resume DIR`.
+
+Oracles: an uninterrupted run (6 steps equal 3 steps, saved, then resumed for 3 more, bit
+for bit on gloo: parameters, optimizer state and the losses printed), and `--check`'s
+one-process reference for a checkpoint resumed by another schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from pipelang.cli import main
+from tests.runtime_helpers import run, stdlib
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP directory, read in this process."""
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def losses(err: str) -> dict[int, float]:
+    return {int(s): float(x) for s, x in re.findall(r"step (\d+)/\d+  loss (\S+)", err)}
+
+
+@pytest.mark.parametrize(("schedule", "optimizer"), [("1f1b", "adam"), ("chimera", "sgd")])
+def test_six_steps_equal_three_saved_and_resumed_for_three(
+    schedule: str, optimizer: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program = stdlib(schedule, D=2, N=4)
+    options = ("--optimizer", optimizer)
+    assert run(program, *options, "--steps", "6", "--save", str(tmp_path / "a")) == 0
+    whole = losses(capsys.readouterr().err)
+    assert run(program, *options, "--steps", "3", "--save", str(tmp_path / "b")) == 0
+    capsys.readouterr()
+    resumed = ("--steps", "6", "--resume", str(tmp_path / "b"), "--save", str(tmp_path / "c"))
+    assert run(program, *options, *resumed) == 0
+    after = losses(capsys.readouterr().err)
+    assert sorted(after) == [4, 5, 6]
+    assert all(after[s] == whole[s] for s in after)
+    one, two = (read_checkpoint(tmp_path / x / "step-6") for x in "ac")
+    assert sorted(one) == sorted(two)
+    assert any(".exp_avg" in k or ".momentum" in k for k in one)  # optimizer state is there
+    assert all(torch.equal(one[key], two[key]) for key in one)
+    three = read_checkpoint(tmp_path / "b" / "step-3")
+    assert not torch.equal(three["model.7.lm.weight"], one["model.7.lm.weight"])
+
+
+def test_save_every_keeps_a_directory_per_step_and_resume_takes_the_latest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program = stdlib("1f1b", D=2, N=2)
+    save = ("--save", str(tmp_path), "--save-every", "2")
+    assert run(program, "--steps", "5", *save) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4", "step-5"]
+    assert json.loads((tmp_path / "step-4" / "pipelang.json").read_text())["step"] == 4
+    capsys.readouterr()
+    log = tmp_path / "m.jsonl"
+    log.write_text('{"step": 5}\n')
+    assert run(program, "--steps", "7", "--resume", str(tmp_path), "--log", str(log)) == 0
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [5, 6, 7]
+
+
+def test_another_schedule_resumes_a_checkpoint_with_its_own_stages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Saved by 1F1B on 2 ranks (4 layers per stage), resumed by Chimera on 4 ranks with
+    two pipelines (2 layers per stage, each stage on two ranks)."""
+    one_f_one_b = stdlib("1f1b", D=2, N=4)
+    assert run(one_f_one_b, "--steps", "6") == 0
+    whole = losses(capsys.readouterr().err)
+    assert run(one_f_one_b, "--steps", "3", "--save", str(tmp_path)) == 0
+    capsys.readouterr()
+    resumed = ("--steps", "6", "--resume", str(tmp_path / "step-3"), "--check")
+    assert run(stdlib("chimera", D=4, N=4), *resumed) == 0
+    out, err = capsys.readouterr()
+    assert "check OK" in out
+    after = losses(err)
+    assert sorted(after) == [4, 5, 6]
+    assert all(after[s] == pytest.approx(whole[s], abs=1e-5) for s in after)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-step checkpoint of gpt:tiny with Adam, float32."""
+    path = tmp_path_factory.mktemp("saved")
+    assert run(stdlib("1f1b", D=2, N=2), "--steps", "2", "--save", str(path)) == 0
+    return path
+
+
+@pytest.mark.parametrize(
+    ("options", "status", "message"),
+    [
+        (["--model", "llama:tiny"], 1, "has no `0.weight`: it was saved from gpt:tiny"),
+        (["--dtype", "bfloat16"], 1, "is [256, 64] float32 there and [256, 64] bfloat16"),
+        (["--optimizer", "sgd"], 1, "was saved with --optimizer adam; this run uses sgd"),
+        (["--steps", "2"], 2, "is at step 2 and --steps 2 counts from step 0"),
+        (["--backend", "local"], 2, "checkpoints (--save, --resume) need a process per rank"),
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_is_one_error(
+    saved: Path, options: list[str], status: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--steps", "4", "--resume", str(saved)]
+    assert main([*argv, *options]) == status
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_resume_and_save_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["run", "1f1b", "-p", "D=2", "--steps", "2"]
+    assert main([*base, "--resume", str(tmp_path)]) == 2
+    assert "no checkpoint there (a `step-K` directory" in capsys.readouterr().err
+    assert main([*base, "--resume", str(tmp_path / "nothing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main([*base, "--save-every", "2"]) == 2
+    assert "--save-every needs --save DIR" in capsys.readouterr().err
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-1" / "pipelang.json").write_text("{not json")
+    assert main([*base, "--resume", str(tmp_path / "step-1")]) == 2
+    assert "is not a pipelang checkpoint" in capsys.readouterr().err
+    assert main(["run", "pipedream", "-p", "D=2", "--save", str(tmp_path / "x")]) == 1
+    assert "checkpoints do not save yet" in capsys.readouterr().err
