@@ -105,6 +105,12 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
     refusal = eviction_refusal(program, config)
     if refusal is not None:
         raise RunError(refusal)
+    if config.clip_grad is not None and program.weights is not None:
+        raise RunError(
+            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): each "
+            "stage updates on its own at its `U`, so there is no one step at which to take "
+            "the global gradient norm; run it without --clip-grad"
+        )
     if (config.save or config.resume) and program.weights is not None:
         raise RunError(
             f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): its "

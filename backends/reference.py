@@ -92,6 +92,8 @@ def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Re
             loss = model.loss(full(ids), targets)
             (loss * scale).backward()
             total += loss.item()
+        if config.clip_grad is not None:
+            nn.utils.clip_grad_norm_(params, config.clip_grad)
         optimizer.step()
         optimizer.zero_grad()
         if device.type == "cuda":

@@ -88,6 +88,8 @@ class RunConfig:
     """`--resume`: the checkpoint directory to start from (a `step-K`, found already)."""
     first_step: int = 0
     """The step the run starts at: 0, or the resumed checkpoint's step."""
+    clip_grad: float | None = None
+    """`--clip-grad MAX`: clip the gradients to this global norm (over all ranks)."""
 
     @property
     def spec(self) -> ModelSpec:
@@ -712,11 +714,51 @@ class RankRuntime:
         return [held_by_model(c.module, c.optimizer, c.layers.start) for c in self.copies.values()]
 
     def update_copies(self) -> None:
-        """The optimizer step of every copy, gradients summed already; then clear them."""
+        """The optimizer step of every copy, gradients summed already; then clear them.
+        With `--clip-grad`, the gradients are first clipped by the global norm (a
+        collective over every rank of the run)."""
+        if self.config.clip_grad is not None:
+            with peer_failures():
+                total = self.transport.world_sum(self.grad_square_sum())
+            self.scale_grads(clip_coefficient(total, self.config.clip_grad))
+        self.apply_updates()
+
+    def grad_square_sum(self) -> torch.Tensor:
+        """The squared norm of the gradients this rank counts towards the global norm,
+        in float32: each stage is counted once in the whole run, by its copy on the
+        lowest rank that holds it, in data-parallel copy 0 (replicas hold equal
+        gradients once their allreduce is done)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.replica != 0:
+            return total
+        for copy in self.copies.values():
+            if min(self.program.replicas(copy.stage)) == self.rank:
+                for param in copy.params:
+                    if param.grad is not None:
+                        total += param.grad.detach().float().square().sum()
+        return total
+
+    @torch.no_grad()
+    def scale_grads(self, coefficient: torch.Tensor) -> None:
+        """Multiply every gradient of every copy by `coefficient` (a 0-d tensor: no host
+        sync, so a CUDA graph can capture it)."""
+        for copy in self.copies.values():
+            for param in copy.params:
+                if param.grad is not None:
+                    param.grad.mul_(coefficient.to(param.grad.dtype))
+
+    def apply_updates(self) -> None:
+        """The optimizer step of every copy; then clear the gradients."""
         for copy in self.copies.values():
             copy.optimizer.step()
             copy.optimizer.zero_grad()
         self.stepped = True
+
+
+def clip_coefficient(square_sum: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What `torch.nn.utils.clip_grad_norm_` multiplies gradients by, given their squared
+    global norm: max_norm / (norm + 1e-6), at most 1."""
+    return (max_norm / (square_sum.sqrt() + 1e-6)).clamp(max=1.0)
 
 
 def copy_grads(copy: StageCopy) -> tuple[torch.Tensor, list[torch.Tensor]]:

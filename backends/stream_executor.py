@@ -45,7 +45,13 @@ import torch
 from pipelang.backends.codegen import GRAPH_WARMUP
 from pipelang.backends.models import Shapes
 from pipelang.backends.report import Outcome
-from pipelang.backends.runtime import RankRuntime, RunConfig, copy_grads, set_grads
+from pipelang.backends.runtime import (
+    RankRuntime,
+    RunConfig,
+    clip_coefficient,
+    copy_grads,
+    set_grads,
+)
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.check_streams import Interleaving, random_choice
@@ -65,7 +71,7 @@ class _NoTransport:
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         raise InternalError("the stream executor moves messages itself")
 
-    recv = allreduce = send  # type: ignore[assignment]
+    recv = allreduce = world_sum = send  # type: ignore[assignment]
 
     def end_step(self) -> None:
         pass
@@ -130,6 +136,8 @@ class StreamExecutor:
             for r in range(streams.ranks)
         ]
         self.processes: list[_Process] = []
+        self.stepping: list[StreamOp] = []
+        """`step` ops that wait for the other ranks' (`--clip-grad`)."""
         world = program.num_ranks
         for process in range(streams.ranks):
             rank, replica = process % world, process // world
@@ -291,7 +299,7 @@ class StreamExecutor:
                 )
             self._read_done(p, access.slot, access.value)
         if op.what == "step":
-            rt.update_copies()
+            self._step(op)
         else:
             _run_action(rt, op.action())
         for access in op.writes:
@@ -300,6 +308,26 @@ class StreamExecutor:
                 self._view(p, access.slot, access.value).copy_(value)
             p.holds[access.slot] = access.value
         p.peak_saved = max(p.peak_saved, len(rt.saved))
+
+    def _step(self, op: StreamOp) -> None:
+        """A rank's optimizer step. With `--clip-grad` every rank's step waits for all
+        the others (the global norm is a collective): the last one to arrive clips and
+        updates them all, a rank's `step` being the last op of its iteration."""
+        if self.config.clip_grad is None:
+            self.processes[op.rank].runtime.apply_updates()
+            return
+        self.stepping.append(op)
+        if len(self.stepping) < len(self.processes):
+            return
+        ops, self.stepping = sorted(self.stepping, key=lambda o: o.rank), []
+        runtimes = [self.processes[o.rank].runtime for o in ops]
+        self._meet(*ops)
+        total = torch.stack([rt.grad_square_sum() for rt in runtimes]).sum()
+        coefficient = clip_coefficient(total, self.config.clip_grad)
+        for rt in runtimes:
+            rt.scale_grads(coefficient)
+            rt.apply_updates()
+        self._meet(*ops)
 
     def _transfer(self, send: StreamOp, recv: StreamOp) -> None:
         src, dst = self.processes[send.rank], self.processes[recv.rank]

@@ -62,6 +62,8 @@ class Transport(Protocol):
 
     def allreduce(self, stage: int, flat: torch.Tensor) -> Handle: ...
 
+    def world_sum(self, value: torch.Tensor) -> torch.Tensor: ...
+
     def end_step(self) -> None: ...
 
 
@@ -165,6 +167,11 @@ class DistTransport:
         assert work is not None
         return work
 
+    def world_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over every process of the run (`--clip-grad`'s norm)."""
+        dist.all_reduce(value)
+        return value
+
     def end_step(self) -> None:
         for work, _ in self.sends:
             work.wait()
@@ -248,10 +255,14 @@ class LocalHub:
             self.failure = RuntimeError(f"local run deadlocked: ranks {waiting} all wait")
         self._cond.notify_all()
 
-    def reduction(self, step: int, stage: int) -> _Reduction:
-        key = (step, stage)
+    def reduction(self, step: int, stage: int | None) -> _Reduction:
+        """Step `step`'s allreduce of `stage`'s replicas; stage None: of every rank."""
+        key = (step, -1 if stage is None else stage)
         if key not in self._reductions:
-            self._reductions[key] = _Reduction(len(reduce_ranks(self.program, stage, self.dp)))
+            members = self.world
+            if stage is not None:
+                members = len(reduce_ranks(self.program, stage, self.dp))
+            self._reductions[key] = _Reduction(members)
         return self._reductions[key]
 
 
@@ -307,7 +318,11 @@ class LocalTransport:
             )
         return tensor.clone()  # the device copy: the sender keeps its own tensor
 
-    def allreduce(self, stage: int, flat: torch.Tensor) -> Handle:
+    def world_sum(self, value: torch.Tensor) -> torch.Tensor:
+        self.allreduce(None, value).wait()
+        return value
+
+    def allreduce(self, stage: int | None, flat: torch.Tensor) -> Handle:
         reduction = self.hub.reduction(self.step_index, stage)
         reduction.parts[self.rank] = (flat, self._event())
         if len(reduction.parts) == reduction.members:

@@ -130,3 +130,44 @@ def test_data_that_cannot_feed_the_model_is_one_error(
 def test_a_missing_data_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "1f1b", "-p", "D=2", "--data", "no/such/file.txt"]) == 2
     assert "no such file: no/such/file.txt" in capsys.readouterr().err
+
+
+# ---- --clip-grad ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "options"),
+    [
+        ("chimera", ("--backend", "gloo")),  # replicas: each stage counted once
+        ("chimera", ("--backend", "local")),
+        ("chimera", ("--backend", "local", "--graphs")),  # the stream executor
+        ("1f1b", ("--backend", "gloo", "--dp", "2")),  # data-parallel copies too
+    ],
+)
+def test_clipping_by_the_global_norm_equals_one_process_clipping(
+    schedule: str, options: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With SGD an update is proportional to the clipped gradient, so a norm counted
+    wrongly (a replica's copy twice, a rank left out) fails `--check`'s tolerance; the
+    reference clips with torch.nn.utils.clip_grad_norm_."""
+    program = stdlib(schedule, D=4 if schedule == "chimera" else 2, N=4)
+    sgd = ("--optimizer", "sgd", "--steps", "3", *options)
+    assert run(program, *sgd, "--clip-grad", "0.5", "--check") == 0
+    out, err = capsys.readouterr()
+    assert "check OK" in out
+    clipped = re.findall(r"step \d/3  loss (\S+)", err)
+    assert run(program, *sgd) == 0
+    assert re.findall(r"step \d/3  loss (\S+)", capsys.readouterr().err) != clipped
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "x"])
+def test_a_clip_norm_must_be_a_positive_number(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "1f1b", "-p", "D=2", "--clip-grad", value]) == 2
+    assert "argument --clip-grad" in capsys.readouterr().err
+
+
+def test_asynchronous_schedules_refuse_clipping(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "pipedream", "-p", "D=2", "--clip-grad", "1"]) == 1
+    assert "no one step at which to take the global gradient norm" in capsys.readouterr().err

@@ -69,6 +69,17 @@ def seconds_or_zero(text: str) -> float:
     return value
 
 
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number more than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number more than 0, not {text}")
+    return value
+
+
 def schedule_name(text: str) -> str:
     """An argparse type: SCHED, a path or a stdlib name; not empty."""
     if not text.strip():
@@ -334,6 +345,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr", type=float, help="learning rate (default 0.05 sgd, 3e-3 adam)")
     parser.add_argument(
+        "--clip-grad",
+        type=positive_number,
+        metavar="MAX",
+        help="clip the gradients to global norm MAX before each step, the norm taken over "
+        "every stage of every rank, as torch.nn.utils.clip_grad_norm_ does in one process",
+    )
+    parser.add_argument(
         "--partition",
         type=layer_counts,
         metavar="L0,L1,...",
@@ -413,6 +431,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         stream_seed=args.stream_seed,
         log=str(writable(args.log)) if args.log else None,
         data=args.data,
+        clip_grad=args.clip_grad,
         **_checkpoint_options(args),
     )
 
