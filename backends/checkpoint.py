@@ -2,7 +2,7 @@
 
 A checkpoint is a `torch.distributed.checkpoint` (DCP) directory of its own,
 `DIR/step-K` for the state after step K, plus `pipelang.json` (step, model, optimizer,
-dtype, schedule), written last: a directory without it is incomplete and is never resumed.
+precision, schedule), written last: a directory without it is incomplete and is never resumed.
 
 Every entry is named as in the whole model, never by rank or stage: `model.{layer}.{name}`
 for a parameter (the layer counted over the whole model, as `--check` names it) and
@@ -70,16 +70,22 @@ class Held:
                 yield f"optim.{name}.{field}", value
 
 
-def held_by_model(module: nn.Module, optimizer: Optimizer, first_layer: int = 0) -> Held:
+def held_by_model(
+    module: nn.Module,
+    optimizer: Optimizer,
+    first_layer: int = 0,
+    masters: list[nn.Parameter] | None = None,
+) -> Held:
     """The trainable parameters of `module` (an nn.Sequential of layers `first_layer`,
-    ...) under their whole-model names, in the optimizer's order."""
+    ...) under their whole-model names, in the optimizer's order; with `masters`
+    (`--mixed-precision`), those in their place."""
     names, params = [], []
     for name, param in module.named_parameters():
         if param.requires_grad:
             local, _, rest = name.partition(".")
             names.append(f"{first_layer + int(local)}.{rest}")
             params.append(param)
-    return Held(names, params, optimizer)
+    return Held(names, masters if masters is not None else params, optimizer)
 
 
 def step_dir(root: str, step: int) -> Path:
@@ -96,11 +102,17 @@ def saves_after(config: RunConfig, step: int) -> bool:
     return step == config.steps or (every is not None and step % every == 0)
 
 
-def write(held: Iterable[Held], path: Path, step: int, info: dict[str, object]) -> None:
-    """Save this process's entries as part of checkpoint `path`; a collective over the
-    default process group when there is one. The first process writes `pipelang.json`."""
+def write(held: Iterable[Held], step: int, config: RunConfig, schedule: str) -> None:
+    """Save this process's entries as part of the checkpoint of step `step` under
+    `--save`; a collective over the default process group when there is one. The first
+    process writes `pipelang.json`."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    assert config.save is not None
+    path = step_dir(config.save, step)
+    info = {"step": step, "model": config.model, "optimizer": config.optimizer}
+    info |= {"precision": precision(config), "schedule": schedule}
 
     state = {key: value.detach() for h in held for key, value in h.entries()}
     distributed = dist.is_initialized()
@@ -109,7 +121,7 @@ def write(held: Iterable[Held], path: Path, step: int, info: dict[str, object]) 
     if distributed:
         dist.barrier()
     if not distributed or dist.get_rank() == 0:
-        (path / INFO).write_text(json.dumps({"step": step, **info}, indent=1) + "\n")
+        (path / INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
 @torch.no_grad()
@@ -225,12 +237,19 @@ def verify(config: RunConfig) -> None:
                 f"`--resume {path}` has no `{name}`: it was saved from {info.get('model')}, "
                 f"a different model from {config.model}"
             )
-        want = (tuple(param.shape), param.dtype)
+        want = (tuple(param.shape), torch.float32 if config.mixed_precision else param.dtype)
         if saved[key] != want:
             raise CheckpointError(
                 f"`--resume {path}`: `{name}` is {_text(saved[key])} there and "
-                f"{_text(want)} in {config.model} (--dtype {config.dtype})"
+                f"{_text(want)} in {config.model} ({precision(config)})"
             )
+
+
+def precision(config: RunConfig) -> str:
+    """The run's precision as its options say it (`pipelang.json` keeps it)."""
+    if config.mixed_precision:
+        return f"--mixed-precision {config.mixed_precision}: fp32 master weights"
+    return f"--dtype {config.dtype}"
 
 
 def _text(entry: tuple[tuple[int, ...], torch.dtype]) -> str:

@@ -105,6 +105,12 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
     refusal = eviction_refusal(program, config)
     if refusal is not None:
         raise RunError(refusal)
+    if config.mixed_precision and program.weights is not None:
+        raise RunError(
+            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): its "
+            "weight versions are not kept as fp32 masters yet; run it with --dtype instead "
+            "of --mixed-precision"
+        )
     if config.clip_grad is not None and program.weights is not None:
         raise RunError(
             f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): each "

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pipelang.backends.checkpoint import held_by_model, load
+from pipelang.backends.precision import copy_back, master_weights
 from pipelang.backends.runtime import RankResult, RunConfig, full_model_names, make_optimizer
 
 TOLERANCE = {
@@ -79,9 +80,13 @@ def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Re
     model = config.spec.build()
     full = nn.Sequential(*model.layers).to(device)
     params = [p for p in full.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, config)
+    masters = master_weights(params) if config.mixed_precision else None
+    trained = masters or params
+    optimizer = make_optimizer(trained, config)
     if config.resume is not None:
-        load([held_by_model(full, optimizer)], config.resume)
+        load([held_by_model(full, optimizer, masters=masters)], config.resume)
+        if masters is not None:
+            copy_back(params, masters)
     scale = 1.0 / num_microbatches
     losses, seconds = [], []
     for step in range(config.first_step, config.steps):
@@ -93,9 +98,11 @@ def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Re
             (loss * scale).backward()
             total += loss.item()
         if config.clip_grad is not None:
-            nn.utils.clip_grad_norm_(params, config.clip_grad)
+            nn.utils.clip_grad_norm_(trained, config.clip_grad)
         optimizer.step()
         optimizer.zero_grad()
+        if masters is not None:
+            copy_back(params, masters)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)

@@ -37,9 +37,10 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipelang.backends.checkpoint import Held, held_by_model
+from pipelang.backends.checkpoint import Held, held_by_model, load
 from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
 from pipelang.backends.optim import SGD, Adam, CapturableAdam, CapturableSGD, Optimizer
+from pipelang.backends.precision import copy_back, master_weights
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import Handle, Transport, peer_failures
 from pipelang.backends.versions import CopyVersions, installed
@@ -88,14 +89,17 @@ class RunConfig:
     """`--resume`: the checkpoint directory to start from (a `step-K`, found already)."""
     first_step: int = 0
     """The step the run starts at: 0, or the resumed checkpoint's step."""
+    mixed_precision: str | None = None
+    """`--mixed-precision bfloat16`: compute in that dtype, fp32 master weights (the
+    model spec's dtype is then the compute dtype; `dtype` stays float32)."""
     clip_grad: float | None = None
     """`--clip-grad MAX`: clip the gradients to this global norm (over all ranks)."""
 
     @property
     def spec(self) -> ModelSpec:
-        return ModelSpec(
-            self.model, self.seq_len, self.micro_batch_size, self.dtype, self.seed, self.data
-        )
+        dtype = self.mixed_precision or self.dtype  # what the stages compute in
+        size = self.micro_batch_size
+        return ModelSpec(self.model, self.seq_len, size, dtype, self.seed, self.data)
 
     @property
     def run_steps(self) -> int:
@@ -131,7 +135,21 @@ class StageCopy:
     first: bool
     last: bool
     params: list[nn.Parameter]
+    """The parameters the stage computes with (its module's)."""
     optimizer: Optimizer
+    masters: list[nn.Parameter] | None = None
+    """`--mixed-precision`: the fp32 masters of `params`, which the optimizer updates
+    (backends/precision.py); None: the optimizer updates `params` themselves."""
+
+    @property
+    def trained(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates, whose gradients are reduced."""
+        return self.masters if self.masters is not None else self.params
+
+    def finish_update(self) -> None:
+        """After the optimizer step: the masters' new values into the computed params."""
+        if self.masters is not None:
+            copy_back(self.params, self.masters)
 
 
 @dataclass(slots=True)
@@ -367,6 +385,7 @@ class RankRuntime:
     def _stage_copy(self, stage: int, pipeline: str, layers: range) -> StageCopy:
         module = self.model.stage_module(layers).to(self.device)
         params = [p for p in module.parameters() if p.requires_grad]
+        masters = master_weights(params) if self.config.mixed_precision else None
         return StageCopy(
             stage,
             pipeline,
@@ -375,7 +394,8 @@ class RankRuntime:
             stage == 0,
             stage == self.program.num_stages - 1,
             params,
-            make_optimizer(params, self.config),
+            make_optimizer(masters or params, self.config),
+            masters,
         )
 
     # ---- bookkeeping ----------------------------------------------------------------------
@@ -710,8 +730,17 @@ class RankRuntime:
         self.update_copies()
 
     def held(self) -> list[Held]:
-        """Every stage copy's parameters and optimizer, named for a checkpoint."""
-        return [held_by_model(c.module, c.optimizer, c.layers.start) for c in self.copies.values()]
+        """Every stage copy's trained parameters and optimizer, named for a checkpoint."""
+        return [
+            held_by_model(c.module, c.optimizer, c.layers.start, c.masters)
+            for c in self.copies.values()
+        ]
+
+    def load_checkpoint(self, path: str) -> None:
+        """Every stage copy's parameters and optimizer state from checkpoint `path`."""
+        load(self.held(), path)
+        for copy in self.copies.values():
+            copy.finish_update()
 
     def update_copies(self) -> None:
         """The optimizer step of every copy, gradients summed already; then clear them.
@@ -733,7 +762,7 @@ class RankRuntime:
             return total
         for copy in self.copies.values():
             if min(self.program.replicas(copy.stage)) == self.rank:
-                for param in copy.params:
+                for param in copy.trained:
                     if param.grad is not None:
                         total += param.grad.detach().float().square().sum()
         return total
@@ -743,7 +772,7 @@ class RankRuntime:
         """Multiply every gradient of every copy by `coefficient` (a 0-d tensor: no host
         sync, so a CUDA graph can capture it)."""
         for copy in self.copies.values():
-            for param in copy.params:
+            for param in copy.trained:
                 if param.grad is not None:
                     param.grad.mul_(coefficient.to(param.grad.dtype))
 
@@ -752,6 +781,7 @@ class RankRuntime:
         for copy in self.copies.values():
             copy.optimizer.step()
             copy.optimizer.zero_grad()
+            copy.finish_update()
         self.stepped = True
 
 
@@ -764,7 +794,7 @@ def clip_coefficient(square_sum: torch.Tensor, max_norm: float) -> torch.Tensor:
 def copy_grads(copy: StageCopy) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A copy's gradients as one flat tensor (zeros where a parameter has none; float32
     for half dtypes on the CPU, whose collectives lack them), and the list it came from."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in copy.params]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in copy.trained]
     flat = _flatten_dense_tensors(grads)
     if flat.device.type == "cpu" and flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()
@@ -773,7 +803,7 @@ def copy_grads(copy: StageCopy) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 def set_grads(copy: StageCopy, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
     """Give a copy's parameters the gradients in `flat` (laid out as `copy_grads` made it)."""
-    for param, grad in zip(copy.params, _unflatten_dense_tensors(flat, grads), strict=True):
+    for param, grad in zip(copy.trained, _unflatten_dense_tensors(flat, grads), strict=True):
         param.grad = grad.to(param.dtype)
 
 

@@ -161,16 +161,13 @@ def train(
     from pipelang.backends import checkpoint
 
     if config.resume is not None:
-        checkpoint.load(runtime.held(), config.resume)
+        runtime.load_checkpoint(config.resume)
     for i in range(config.run_steps):
         step = config.first_step + i
         losses, seconds = run_step(runtime, iteration, step)
         done(i, losses, seconds)
-        if config.save is not None and checkpoint.saves_after(config, step + 1):
-            info = {"model": config.model, "optimizer": config.optimizer}
-            info |= {"dtype": config.dtype, "schedule": runtime.program.name}
-            path = checkpoint.step_dir(config.save, step + 1)
-            checkpoint.write(runtime.held(), path, step + 1, info)
+        if checkpoint.saves_after(config, step + 1):
+            checkpoint.write(runtime.held(), step + 1, config, runtime.program.name)
 
 
 def describe(err: BaseException) -> str:

@@ -40,12 +40,18 @@ def losses(err: str) -> dict[int, float]:
     return {int(s): float(x) for s, x in re.findall(r"step (\d+)/\d+  loss (\S+)", err)}
 
 
-@pytest.mark.parametrize(("schedule", "optimizer"), [("1f1b", "adam"), ("chimera", "sgd")])
+@pytest.mark.parametrize(
+    ("schedule", "options"),
+    [
+        ("1f1b", ("--optimizer", "adam")),
+        ("chimera", ("--optimizer", "sgd")),
+        ("1f1b", ("--mixed-precision", "bfloat16")),  # the fp32 masters are what is saved
+    ],
+)
 def test_six_steps_equal_three_saved_and_resumed_for_three(
-    schedule: str, optimizer: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    schedule: str, options: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     program = stdlib(schedule, D=2, N=4)
-    options = ("--optimizer", optimizer)
     assert run(program, *options, "--steps", "6", "--save", str(tmp_path / "a")) == 0
     whole = losses(capsys.readouterr().err)
     assert run(program, *options, "--steps", "3", "--save", str(tmp_path / "b")) == 0
@@ -57,6 +63,7 @@ def test_six_steps_equal_three_saved_and_resumed_for_three(
     assert all(after[s] == whole[s] for s in after)
     one, two = (read_checkpoint(tmp_path / x / "step-6") for x in "ac")
     assert sorted(one) == sorted(two)
+    assert all(tensor.dtype == torch.float32 for tensor in one.values())
     assert any(".exp_avg" in k or ".momentum" in k for k in one)  # optimizer state is there
     assert all(torch.equal(one[key], two[key]) for key in one)
     three = read_checkpoint(tmp_path / "b" / "step-3")

@@ -345,6 +345,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr", type=float, help="learning rate (default 0.05 sgd, 3e-3 adam)")
     parser.add_argument(
+        "--mixed-precision",
+        choices=["bfloat16"],
+        help="compute in bfloat16 (parameters, activations, messages) with fp32 master "
+        "weights, optimizer state, gradient sums and allreduces; --dtype is the other "
+        "mode, everything in one dtype, and stays float32 with this",
+    )
+    parser.add_argument(
         "--clip-grad",
         type=positive_number,
         metavar="MAX",
@@ -431,9 +438,19 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         stream_seed=args.stream_seed,
         log=str(writable(args.log)) if args.log else None,
         data=args.data,
+        mixed_precision=_mixed_precision(args),
         clip_grad=args.clip_grad,
         **_checkpoint_options(args),
     )
+
+
+def _mixed_precision(args: argparse.Namespace) -> str | None:
+    if args.mixed_precision and args.dtype != "float32":
+        raise UsageError(
+            f"--mixed-precision {args.mixed_precision} keeps fp32 master weights and "
+            f"--dtype {args.dtype} puts everything in one dtype: give one of them"
+        )
+    return str(args.mixed_precision) if args.mixed_precision else None
 
 
 def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
