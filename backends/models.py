@@ -20,13 +20,10 @@ of (seed, step, micro-batch), so every rank and the `--check` reference see the 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as functional
@@ -287,7 +284,9 @@ class ModelSpec:
             )
         sizes = MODEL_FAMILIES.get(kind)
         if sizes is None:
-            return _user_model(self, self.name)
+            from pipelang.backends.user_models import user_model
+
+            return user_model(self)
         if rest not in sizes:
             raise ModelError(f"unknown {kind} size `{rest}`; use one of: {', '.join(sizes)}")
         if kind == "gpt":
@@ -307,8 +306,11 @@ class LayeredModel:
     vocab: int
     seq_len: int
     stages: bool = False
-    """The layers are the stages, as the model function gave them (a list): a schedule
-    must have exactly that many stages, and `--partition` does not apply."""
+    """The layers are the stages, as the model function gave them (a list, or split by
+    torch's `pipeline`): a schedule must have exactly that many stages, and
+    `--partition` does not apply."""
+    own_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    """The model function's `loss(output, targets)`; None: next-token cross-entropy."""
 
     def batch(self, step: int, mb: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and next-token targets of micro-batch `mb` of step `step`."""
@@ -327,7 +329,10 @@ class LayeredModel:
         )
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of one micro-batch, computed in fp32."""
+        """The loss of one micro-batch: the model's own, or the mean cross-entropy of
+        the logits, computed in fp32."""
+        if self.own_loss is not None:
+            return self.own_loss(logits, targets)
         return functional.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
         )
@@ -339,7 +344,8 @@ class LayeredModel:
             if num_stages != count:
                 raise ModelError(
                     f"`--model {self.spec.name}` gives {count} stage{'s' * (count > 1)} (a "
-                    f"list of stage modules) but the schedule has {num_stages}"
+                    f"list of stage modules, or split at pipe_split() or a split_spec) but "
+                    f"the schedule has {num_stages}"
                 )
             if partition is not None and list(partition) != [1] * count:
                 raise ModelError(
@@ -386,64 +392,6 @@ def partition_layers(
         bounds.append(range(start, start + count))
         start += count
     return bounds
-
-
-def _load_factory(name: str) -> Callable[..., object]:
-    """The callable `--model` names: `package.module:FUNC`, or `path/to/file.py:FUNC` (a
-    file, loaded as a module of its own; relative to the working directory)."""
-    module_name, _, attr = name.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ImportError(f"no file {module_name}")
-            loader = importlib.util.spec_from_file_location(f"pipelang_model_{path.stem}", path)
-            if loader is None or loader.loader is None:
-                raise ImportError(f"cannot import {module_name}")
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        factory = getattr(module, attr)
-    except (ImportError, AttributeError, SyntaxError) as err:
-        raise ModelError(
-            f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}"
-        ) from None
-    if not callable(factory):
-        raise ModelError(f"`--model {name}`: `{attr}` is not callable")
-    return factory  # type: ignore[no-any-return]
-
-
-def _user_model(spec: ModelSpec, name: str) -> LayeredModel:
-    attr = name.rpartition(":")[2]
-    factory = _load_factory(name)
-    kwargs = {}
-    if spec.seq_len and "seq_len" in inspect.signature(factory).parameters:
-        kwargs["seq_len"] = spec.seq_len
-    try:
-        built = factory(**kwargs)
-    except Exception as err:
-        raise ModelError(
-            f"`--model {name}`: `{attr}()` failed: {type(err).__name__}: {err}"
-        ) from None
-    layers = list(built) if isinstance(built, nn.Sequential | list | tuple) else None
-    if not layers or not all(isinstance(m, nn.Module) for m in layers):
-        raise ModelError(
-            f"`--model {name}`: `{attr}()` must return an nn.Sequential (its layers, split "
-            f"into stages by pipelang) or a list of modules (one per stage), not "
-            f"{type(built).__name__}"
-        )
-    vocab = getattr(built, "vocab_size", None)
-    if vocab is None and isinstance(layers[0], nn.Embedding):
-        vocab = layers[0].num_embeddings
-    if vocab is None:
-        raise ModelError(
-            f"`--model {name}`: cannot tell the vocabulary size; set `vocab_size` on the "
-            "returned module or make the first layer an nn.Embedding"
-        )
-    seq_len = spec.seq_len or int(getattr(built, "seq_len", 32))
-    stages = not isinstance(built, nn.Sequential)
-    return LayeredModel(spec, layers, int(vocab), seq_len, stages)
 
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]

@@ -371,7 +371,7 @@ def test_a_user_model_from_a_file_trains_like_one_process(
         ("models.py:wrong", 2, (), "must return an nn.Sequential (its layers"),
         ("models.py:absent", 2, (), "cannot load `absent` from `models.py`"),
         ("elsewhere.py:layers", 2, (), "cannot load `layers` from `elsewhere.py`: no file"),
-        ("models.py:stages", 3, (), "gives 2 stages (a list of stage modules) but the"),
+        ("models.py:stages", 3, (), "gives 2 stages (a list of stage modules, or split at"),
         ("models.py:stages", 2, ("--partition", "2,1"), "gives its stages itself"),
     ],
 )

@@ -1,0 +1,338 @@
+"""A model of the user's own, `--model package.module:FUNC` or `--model path/file.py:FUNC`.
+
+FUNC (called with `seq_len=` when it takes one and `--seq-len` is given) returns one of:
+
+- an `nn.Sequential`: its layers, which pipelang splits into stages (`--partition`);
+- a list of modules, one per stage, as many as the schedule has stages;
+- any other `nn.Module` whose forward calls `torch.distributed.pipelining.pipe_split()`:
+  torch's own `pipeline()` traces it on a batch of token ids and splits it there;
+- a dict with the model under `"model"` (any of the above) and, optionally,
+  `"split_spec"` (torch's `{"layers.4": SplitPoint.BEGINNING, ...}`, for a module without
+  `pipe_split()` calls), `"loss"` (`loss(output, targets) -> scalar`, instead of
+  next-token cross-entropy on logits), `"vocab_size"` and `"seq_len"`.
+
+A stage may hand the next several tensors, as a tuple (the next stage's positional
+arguments) or a dict (its keyword arguments); for a split `nn.Sequential` the value is
+passed as one argument, as `nn.Sequential` itself does. Such a value crosses a stage
+boundary packed into one flat tensor (`Boundary`), so the transport, the stream
+program's slots and `--check` see one tensor per boundary as they do for the built-in
+models. The boundaries are found by running the model once on the meta device (nothing
+is computed or allocated).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from pipelang.backends.models import LayeredModel, ModelSpec
+
+__all__ = ["Boundary", "PackedStage", "user_model"]
+
+Loss = Callable[[Any, torch.Tensor], torch.Tensor]
+KEYS = {"model", "split_spec", "loss", "vocab_size", "seq_len"}
+
+
+def _error(message: str) -> Exception:
+    from pipelang.backends.models import ModelError
+
+    return ModelError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """What one stage hands the next, packed into one flat tensor: the tree of the value
+    (a tensor, a tuple, a dict ...) and every leaf's shape and dtype. Floating-point
+    leaves travel in their common dtype; with an integer or boolean leaf the whole value
+    travels as float32, which holds integers exactly up to 2**24."""
+
+    tree: pytree.TreeSpec
+    leaves: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+    @staticmethod
+    def of(value: object, where: str) -> Boundary:
+        leaves, tree = pytree.tree_flatten(value)
+        if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            kinds = sorted({type(leaf).__name__ for leaf in leaves}) or ["nothing"]
+            raise _error(
+                f"{where} returns {', '.join(kinds)}; a stage may hand the next only "
+                "tensors (one, or a tuple, list or dict of them)"
+            )
+        return Boundary(tree, tuple((tuple(t.shape), t.dtype) for t in leaves))
+
+    @property
+    def single(self) -> bool:
+        """One tensor: nothing to pack."""
+        return self.tree.is_leaf()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        dtypes = [dtype for _, dtype in self.leaves]
+        if not all(d.is_floating_point for d in dtypes):
+            return torch.float32
+        common = dtypes[0]
+        for dtype in dtypes[1:]:
+            common = torch.promote_types(common, dtype)
+        return common
+
+    def pack(self, value: object) -> torch.Tensor:
+        leaves = pytree.tree_leaves(value)
+        return torch.cat([leaf.reshape(-1).to(self.dtype) for leaf in leaves])
+
+    def unpack(self, flat: torch.Tensor) -> object:
+        sizes = [_numel(shape) for shape, _ in self.leaves]
+        parts = flat.split(sizes)
+        leaves = [
+            part.view(shape).to(dtype)
+            for part, (shape, dtype) in zip(parts, self.leaves, strict=True)
+        ]
+        return pytree.tree_unflatten(leaves, self.tree)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+class PackedStage(nn.Module):
+    """A stage whose input or output is more than one tensor: unpacks what it receives,
+    calls the stage (a tuple as positional arguments, a dict as keyword arguments, unless
+    `whole`), and packs what it hands on."""
+
+    def __init__(
+        self, stage: nn.Module, takes: Boundary | None, gives: Boundary | None, whole: bool
+    ) -> None:
+        super().__init__()
+        self.stage = stage
+        self.takes = takes
+        self.gives = gives
+        self.whole = whole
+
+    def forward(self, x: torch.Tensor) -> object:
+        y = (
+            self.stage(x)
+            if self.takes is None
+            else _call(self.stage, self.takes.unpack(x), self.whole)
+        )
+        return y if self.gives is None else self.gives.pack(y)
+
+
+def _call(stage: nn.Module, value: object, whole: bool) -> object:
+    if whole:
+        return stage(value)
+    if isinstance(value, tuple | list):
+        return stage(*value)
+    if isinstance(value, dict):
+        return stage(**value)
+    return stage(value)
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def load_factory(name: str) -> Callable[..., object]:
+    """The callable `--model` names: `package.module:FUNC`, or `path/to/file.py:FUNC` (a
+    file, loaded as a module of its own; relative to the working directory)."""
+    module_name, _, attr = name.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ImportError(f"no file {module_name}")
+            loader = importlib.util.spec_from_file_location(f"pipelang_model_{path.stem}", path)
+            if loader is None or loader.loader is None:
+                raise ImportError(f"cannot import {module_name}")
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        factory = getattr(module, attr)
+    except (ImportError, AttributeError, SyntaxError) as err:
+        raise _error(
+            f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}"
+        ) from None
+    if not callable(factory):
+        raise _error(f"`--model {name}`: `{attr}` is not callable")
+    return factory  # type: ignore[no-any-return]
+
+
+@dataclass(slots=True)
+class _Built:
+    """What the model function gave, split into layers (or stages)."""
+
+    layers: list[nn.Module]
+    stages: bool
+    """The layers are the stages (a list, or split by torch's `pipeline`)."""
+    whole: bool
+    """Hand a stage's value to the next as one argument (a split nn.Sequential)."""
+    vocab: int
+    seq_len: int
+    loss: Loss | None
+
+
+def user_model(spec: ModelSpec) -> LayeredModel:
+    """The model `spec.name` names, built on the current default device (see the module
+    docstring). Raises ModelError with what is wrong."""
+    from pipelang.backends.models import LayeredModel
+
+    factory = load_factory(spec.name)
+    built = _build(spec, factory)
+    if torch.get_default_device().type == "meta":
+        boundaries = _boundaries(spec, built)  # already on meta: probe this one
+    else:
+        with torch.device("meta"):
+            boundaries = _boundaries(spec, _build(spec, factory))
+    layers = built.layers
+    if any(b is not None and not b.single for b in boundaries):
+        layers = _packed(built, boundaries)
+    return LayeredModel(spec, layers, built.vocab, built.seq_len, built.stages, built.loss)
+
+
+def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
+    name, attr = spec.name, spec.name.rpartition(":")[2]
+    kwargs = {}
+    if spec.seq_len and "seq_len" in inspect.signature(factory).parameters:
+        kwargs["seq_len"] = spec.seq_len
+    try:
+        returned = factory(**kwargs)
+    except Exception as err:
+        raise _error(f"`--model {name}`: `{attr}()` failed: {type(err).__name__}: {err}") from None
+    extras: dict[str, Any] = {}
+    if isinstance(returned, dict):
+        unknown = sorted(set(returned) - KEYS)
+        if "model" not in returned or unknown:
+            raise _error(
+                f"`--model {name}`: the dict `{attr}()` returns needs a `model` and may "
+                f"have {', '.join(sorted(KEYS - {'model'}))}"
+                + (f"; unknown: {', '.join(map(str, unknown))}" if unknown else "")
+            )
+        extras, returned = returned, returned["model"]
+    loss = extras.get("loss")
+    if loss is not None and not callable(loss):
+        raise _error(f"`--model {name}`: its `loss` is not callable")
+    seq_len = spec.seq_len or int(extras.get("seq_len") or getattr(returned, "seq_len", None) or 32)
+    if isinstance(returned, nn.Sequential | list | tuple):
+        layers = list(returned)
+        stages, whole = not isinstance(returned, nn.Sequential), isinstance(returned, nn.Sequential)
+        if "split_spec" in extras:
+            raise _error(f"`--model {name}`: `split_spec` splits one module, not a list")
+    elif isinstance(returned, nn.Module):
+        layers, stages, whole = (
+            _split_by_torch(spec, returned, extras.get("split_spec"), seq_len),
+            True,
+            False,
+        )
+    else:
+        layers = []
+    if not layers or not all(isinstance(m, nn.Module) for m in layers):
+        raise _error(
+            f"`--model {name}`: `{attr}()` must return an nn.Sequential (its layers, split "
+            "into stages by pipelang), a list of modules (one per stage), a module with "
+            "pipe_split() calls, or a dict with one of them under `model`; not "
+            f"{type(returned).__name__}"
+        )
+    vocab = extras.get("vocab_size") or getattr(returned, "vocab_size", None)
+    if vocab is None:
+        vocab = _first_embedding([returned] if isinstance(returned, nn.Module) else layers)
+    if vocab is None:
+        raise _error(
+            f"`--model {name}`: cannot tell the vocabulary size; return a dict with "
+            "`vocab_size`, set `vocab_size` on the module, or give it an nn.Embedding"
+        )
+    return _Built(layers, stages, whole, int(vocab), seq_len, loss)
+
+
+def _first_embedding(layers: list[nn.Module]) -> int | None:
+    """The vocabulary of the first nn.Embedding the layers hold, in order."""
+    for layer in layers:
+        for sub in layer.modules():
+            if isinstance(sub, nn.Embedding):
+                return sub.num_embeddings
+    return None
+
+
+def _split_by_torch(
+    spec: ModelSpec, module: nn.Module, split_spec: object, seq_len: int
+) -> list[nn.Module]:
+    """The stages torch's `pipeline()` makes of `module` at its `pipe_split()` calls or
+    `split_spec`, traced on a micro-batch of token ids."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    points = split_spec.values() if isinstance(split_spec, dict) else [None]
+    if split_spec is not None and not all(isinstance(v, SplitPoint) for v in points):
+        raise _error(
+            f"`--model {spec.name}`: `split_spec` must map module names to "
+            "torch.distributed.pipelining.SplitPoint values"
+        )
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    ids = torch.zeros(spec.micro_batch_size, seq_len, dtype=torch.long, device=device)
+    try:
+        with warnings.catch_warnings():  # torch's own tracer uses a deprecated pytree check
+            warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
+            pipe = pipeline(module, mb_args=(ids,), split_spec=split_spec)  # type: ignore[arg-type]
+    except Exception as err:
+        raise _error(
+            f"`--model {spec.name}`: torch.distributed.pipelining could not split it: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from None
+    return [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+
+
+def _boundaries(spec: ModelSpec, built: _Built) -> list[Boundary | None]:
+    """What each stage (each layer, for an nn.Sequential) hands the next, found by
+    running the meta-device model on a batch of ids; None after the last."""
+    for layer in built.layers:
+        layer.to(spec.torch_dtype)  # as ModelSpec.build will: the leaves' dtypes are final
+    x: object = torch.zeros(spec.micro_batch_size, built.seq_len, dtype=torch.long, device="meta")
+    found: list[Boundary | None] = []
+    try:
+        with torch.no_grad():
+            for i, layer in enumerate(built.layers):
+                x = layer(x) if i == 0 else _call(layer, x, built.whole)
+                if i < len(built.layers) - 1:
+                    found.append(Boundary.of(x, f"`--model {spec.name}` layer {i}"))
+                elif not isinstance(x, torch.Tensor):
+                    raise _error(
+                        f"`--model {spec.name}`: the last layer returns "
+                        f"{type(x).__name__}, not one tensor (the logits [batch, seq, "
+                        "vocab], or what the model's own `loss` takes)"
+                    )
+                else:
+                    found.append(None)
+    except Exception as err:
+        from pipelang.backends.models import ModelError
+
+        if isinstance(err, ModelError):
+            raise
+        raise _error(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
+    return found
+
+
+def _packed(built: _Built, boundaries: Sequence[Boundary | None]) -> list[nn.Module]:
+    """Every layer wrapped to take and give one flat tensor where its neighbours hand
+    over more."""
+    out: list[nn.Module] = []
+    for i, layer in enumerate(built.layers):
+        takes = boundaries[i - 1] if i else None
+        gives = boundaries[i]
+        takes = None if takes is None or takes.single else takes
+        gives = None if gives is None or gives.single else gives
+        out.append(
+            layer
+            if takes is None and gives is None
+            else PackedStage(layer, takes, gives, built.whole)
+        )
+    return out

@@ -1,0 +1,210 @@
+"""A user's own model (issue 17 item 1): stages that hand on several tensors, modules split
+by torch's `pipe_split()` or a `split_spec`, a loss of the model's own.
+
+Oracles: `--check`'s one-process reference, a loss computed here by hand from the same
+weights and batches, and the packed boundary's own round trip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+from pipelang.backends.models import ModelSpec
+from pipelang.backends.user_models import Boundary
+from pipelang.cli import main
+from tests.runtime_helpers import run, stdlib
+
+MODELS = """
+import torch
+from torch import nn
+from torch.nn import functional
+from torch.distributed.pipelining import SplitPoint, pipe_split
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+
+    def forward(self, ids):
+        return self.emb(ids), ids % 3 != 0  # hidden states and a mask
+
+
+class Middle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        return {"x": torch.tanh(self.fc(x)) * mask.unsqueeze(-1), "mask": mask}
+
+
+class Last(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+
+    def forward(self, x, mask):
+        return self.fc(x) + mask.unsqueeze(-1)
+
+
+def several():
+    return [Masked(), Middle(), Last()]
+
+
+class Split(nn.Module):
+    def __init__(self, marked=True):
+        super().__init__()
+        self.marked = marked
+        self.emb = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        mask = ids > 3
+        for i, layer in enumerate(self.layers):
+            if i == 1 and self.marked:
+                pipe_split()
+            x = torch.tanh(layer(x)) * mask.unsqueeze(-1) + x
+        return self.head(x)
+
+
+def marked():
+    return Split()
+
+
+def by_spec():
+    return {"model": Split(marked=False), "split_spec": {"layers.1": SplitPoint.BEGINNING}}
+
+
+def smoothed(output, targets):
+    flat = output.reshape(-1, 64)
+    return functional.cross_entropy(flat, targets.reshape(-1), label_smoothing=0.2)
+
+
+def own_loss():
+    return {"model": nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64)), "loss": smoothed}
+
+
+def hands_on_a_string():
+    return [nn.Embedding(64, 16), Hands(), nn.Linear(16, 64)]
+
+
+def ends_in_a_tuple():
+    return [nn.Embedding(64, 16), Hands()]
+
+
+class Hands(nn.Module):
+    def forward(self, x):
+        return x, "not a tensor"
+
+
+def no_model():
+    return {"loss": smoothed}
+
+
+def odd_key():
+    return {"model": nn.Sequential(nn.Embedding(64, 16)), "optimiser": "adam"}
+
+
+def bad_spec():
+    return {"model": Split(marked=False), "split_spec": {"layers.1": "beginning"}}
+
+
+def loss_not_callable():
+    return {"model": nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64)), "loss": 3}
+"""
+
+
+@pytest.fixture
+def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_boundary_packs_a_tree_of_tensors_into_one_and_back() -> None:
+    hidden = torch.randn(2, 3, 4, requires_grad=True)
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+    value = {"x": hidden, "extra": (mask, torch.arange(6).view(2, 3))}
+    boundary = Boundary.of(value, "test")
+    flat = boundary.pack(value)
+    assert flat.shape == (24 + 6 + 6,) and flat.dtype == torch.float32  # ints: float32
+    back = boundary.unpack(flat.detach().requires_grad_(True))
+    assert isinstance(back, dict) and torch.equal(back["x"], hidden.detach())
+    assert back["extra"][0].dtype == torch.bool and torch.equal(back["extra"][0], mask)
+    assert torch.equal(back["extra"][1], torch.arange(6).view(2, 3))
+    halves = Boundary.of((hidden.bfloat16(), hidden.bfloat16()), "test")
+    assert halves.dtype == torch.bfloat16  # floats alone keep their dtype
+    grad_in = torch.randn(2, 3, 4)
+    out = boundary.unpack(boundary.pack(value))
+    assert isinstance(out, dict)
+    (out["x"] * grad_in).sum().backward()
+    assert hidden.grad is not None and torch.equal(hidden.grad, grad_in)
+
+
+@pytest.mark.parametrize(
+    ("func", "ranks", "options"),
+    [
+        ("several", 3, ("--backend", "gloo")),  # a tuple, then a dict, with a bool mask
+        ("several", 3, ("--backend", "local", "--graphs")),  # the stream executor
+        ("several", 3, ("--mixed-precision", "bfloat16")),
+        ("marked", 2, ("--backend", "gloo")),  # pipe_split(): torch's pipeline() splits
+        ("by_spec", 2, ("--backend", "gloo")),  # a split_spec
+        ("own_loss", 2, ("--backend", "gloo")),
+    ],
+)
+def test_a_user_model_trains_like_one_process(
+    func: str,
+    ranks: int,
+    options: tuple[str, ...],
+    models: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    program = stdlib("1f1b", D=ranks, N=4)
+    assert run(program, "--model", f"models.py:{func}", "--check", *options) == 0
+    assert "check OK" in capsys.readouterr().out
+
+
+def test_the_models_own_loss_is_the_one_trained(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first step's loss equals label-smoothed cross-entropy computed here."""
+    spec = ModelSpec("models.py:own_loss")
+    model = spec.build()
+    full = nn.Sequential(*model.layers)
+    losses = []
+    for mb in range(4):
+        ids, targets = model.batch(0, mb, torch.device("cpu"))
+        logits = full(ids).reshape(-1, 64)
+        losses.append(functional.cross_entropy(logits, targets.reshape(-1), label_smoothing=0.2))
+    expected = float(torch.stack(losses).mean().detach())
+    assert run(stdlib("1f1b", D=2, N=4), "--model", "models.py:own_loss", "--steps", "1") == 0
+    assert f"loss {expected:.4f}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("func", "ranks", "message"),
+    [
+        ("hands_on_a_string", 3, "layer 1 returns Tensor, str; a stage may hand the next only"),
+        ("ends_in_a_tuple", 2, "the last layer returns tuple, not one tensor (the logits"),
+        ("no_model", 2, "the dict `no_model()` returns needs a `model`"),
+        ("odd_key", 2, "unknown: optimiser"),
+        ("bad_spec", 2, "`split_spec` must map module names to"),
+        ("loss_not_callable", 2, "its `loss` is not callable"),
+        ("marked", 3, "gives 2 stages (a list of stage modules, or split at pipe_split()"),
+    ],
+)
+def test_a_user_model_that_cannot_run_says_why(
+    func: str, ranks: int, message: str, models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", "1f1b", "-p", f"D={ranks}", "-p", "N=2", "--model", f"models.py:{func}"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.startswith("error: ")
