@@ -150,7 +150,15 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             f"torchrun started {os.environ['WORLD_SIZE']} processes but the run needs "
             f"{ranks}; WORLD_SIZE must be --dp x the program's ranks"
         )
-    shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
+    plan = plan_stages(config.spec, program.num_stages, config.partition)
+    if plan.ties and program.weights is not None:
+        raise RunError(
+            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`) and "
+            f"{config.model} ties weights across stages, whose copies are kept equal at "
+            "`step`, which an asynchronous schedule does not have; untie them or use a "
+            "synchronous schedule"
+        )
+    shapes = plan.shapes
     for rank in range(program.num_ranks):
         copies = program.stage_copies(rank)
         twice = [s for s, n in Counter(s for s, _ in copies).items() if n > 1]

@@ -297,6 +297,21 @@ class ModelSpec:
         return LayeredModel(self, llama_layers(llama), llama.vocab, self.seq_len or llama.seq_len)
 
 
+Tie = tuple[tuple[int, str], ...]
+"""One parameter shared by several layers: (layer, its name in that layer) of each use,
+in layer order."""
+
+
+def find_ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
+    """The trainable parameters that more than one layer holds."""
+    uses: dict[int, list[tuple[int, str]]] = {}
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            if param.requires_grad:
+                uses.setdefault(id(param), []).append((index, name))
+    return tuple(tuple(u) for u in uses.values() if len({i for i, _ in u}) > 1)
+
+
 @dataclass(slots=True)
 class LayeredModel:
     """A model as an ordered list of layers, with its vocabulary and sequence length."""
@@ -311,6 +326,8 @@ class LayeredModel:
     `--partition` does not apply."""
     own_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     """The model function's `loss(output, targets)`; None: next-token cross-entropy."""
+    ties: tuple[Tie, ...] = ()
+    """Parameters shared by several layers (a user model's tied weights)."""
 
     def batch(self, step: int, mb: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and next-token targets of micro-batch `mb` of step `step`."""
@@ -405,6 +422,7 @@ class StagePlan:
     bounds: list[range]
     shapes: Shapes
     seq_len: int
+    ties: tuple[Tie, ...] = ()
 
 
 def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | None) -> StagePlan:
@@ -443,7 +461,7 @@ def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | Non
                 shapes.append((tuple(x.shape), x.dtype))
     except Exception as err:
         raise ModelError(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
-    return StagePlan(bounds, shapes, model.seq_len)
+    return StagePlan(bounds, shapes, model.seq_len, model.ties)
 
 
 def _check_data(spec: ModelSpec, vocab: int, seq_len: int) -> None:

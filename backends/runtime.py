@@ -23,6 +23,7 @@ model from the seed and keeps only those stages, so the replicas of a stage (Chi
 from __future__ import annotations
 
 import contextlib
+import copy as copying
 import functools
 import os
 import resource
@@ -307,6 +308,8 @@ class RankRuntime:
         self.copies = {
             (s, p): self._stage_copy(s, p, bounds[s]) for s, p in program.stage_copies(rank)
         }
+        copies = list(self.copies.values())
+        self.tied = TiedGrads(self.model, bounds, copies, self.counts, device)
         self.model.layers = []  # keep only this rank's stages alive
         self.versions: dict[tuple[int, str], CopyVersions] = {}
         if program.weights is not None:
@@ -383,7 +386,10 @@ class RankRuntime:
             self.busy_ns += end_ns - start
 
     def _stage_copy(self, stage: int, pipeline: str, layers: range) -> StageCopy:
-        module = self.model.stage_module(layers).to(self.device)
+        module = self.model.stage_module(layers)
+        if self.model.ties:  # a tied weight: each copy its own, kept equal by `step`
+            module = copy_module(module)
+        module = module.to(self.device)
         params = [p for p in module.parameters() if p.requires_grad]
         masters = master_weights(params) if self.config.mixed_precision else None
         return StageCopy(
@@ -568,7 +574,8 @@ class RankRuntime:
         self._forget((mb, stage, pipeline))
         assert saved.y is not None
         params = saved.params if saved.params is not None else copy.params
-        torch.autograd.backward(saved.y, saved.dy, inputs=params)
+        if params:  # a stage without weights (an activation alone) has no W to do
+            torch.autograd.backward(saved.y, saved.dy, inputs=params)
         if saved.params is not None:
             self.versions[(stage, pipeline)].collect(params)
             saved.y = saved.params = None
@@ -710,6 +717,10 @@ class RankRuntime:
         self._start_allreduce(self.copies[(stage, pipeline)])
 
     def _start_allreduce(self, copy: StageCopy) -> None:
+        """Start summing a copy's gradients with its replicas'; a stage without weights
+        (an activation alone, on every replica alike) has nothing to sum."""
+        if not copy.trained:
+            return
         flat, grads = copy_grads(copy)
         handle = self.transport.allreduce(copy.stage, flat)
         self.reducing.append((copy, flat, grads, handle))
@@ -744,8 +755,12 @@ class RankRuntime:
 
     def update_copies(self) -> None:
         """The optimizer step of every copy, gradients summed already; then clear them.
-        With `--clip-grad`, the gradients are first clipped by the global norm (a
-        collective over every rank of the run)."""
+        First a tied weight's copies get the sum of its gradients, and with `--clip-grad`
+        the gradients are clipped by the global norm (each a collective over every rank
+        of the run)."""
+        if self.tied:
+            with peer_failures():
+                self.tied.set(self.transport.world_sum(self.tied.contribution()))
         if self.config.clip_grad is not None:
             with peer_failures():
                 total = self.transport.world_sum(self.grad_square_sum())
@@ -758,14 +773,18 @@ class RankRuntime:
         lowest rank that holds it, in data-parallel copy 0 (replicas hold equal
         gradients once their allreduce is done)."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        if self.replica != 0:
-            return total
         for copy in self.copies.values():
-            if min(self.program.replicas(copy.stage)) == self.rank:
-                for param in copy.trained:
-                    if param.grad is not None:
+            if self.counts(copy):
+                for index, param in enumerate(copy.trained):
+                    if param.grad is not None and not self.tied.repeats(copy, index):
                         total += param.grad.detach().float().square().sum()
         return total
+
+    def counts(self, copy: StageCopy) -> bool:
+        """Whether `copy` stands for its stage in a sum over the whole run: the copy on
+        the lowest rank that holds the stage, in data-parallel copy 0 (the others hold
+        the same gradients once the stage's allreduce is done)."""
+        return self.replica == 0 and min(self.program.replicas(copy.stage)) == self.rank
 
     @torch.no_grad()
     def scale_grads(self, coefficient: torch.Tensor) -> None:
@@ -783,6 +802,88 @@ class RankRuntime:
             copy.optimizer.zero_grad()
             copy.finish_update()
         self.stepped = True
+
+
+class TiedGrads:
+    """The uses of tied weights on one rank, and the sum that keeps their copies equal.
+
+    A weight shared by layers of different stages (a user model's tied embedding) is a
+    separate tensor in each stage copy. At `step`, once the stages' allreduces are done,
+    every copy holding a use gets the sum of all uses' gradients: each stage's counting
+    copy (`RankRuntime.counts`) adds its gradient into one flat tensor per run, which
+    one allreduce over every process sums. Same start, same gradient, same optimizer:
+    the copies stay equal, bit for bit.
+    """
+
+    def __init__(
+        self,
+        model: LayeredModel,
+        bounds: Sequence[range],
+        copies: Sequence[StageCopy],
+        counts: Callable[[StageCopy], bool],
+        device: torch.device,
+    ) -> None:
+        self.device = device
+        self.uses: list[tuple[int, StageCopy, int, bool]] = []
+        """(offset in the flat sum, copy, index in `copy.trained`, counts)."""
+        self.first_uses: set[tuple[int, str, int]] = set()
+        """(stage, pipeline, index) of the uses a norm counts: each tie's first."""
+        self.size = 0
+
+        def stage_of(layer: int) -> int:
+            return next(s for s, b in enumerate(bounds) if layer in b)
+
+        for tie in model.ties:
+            stages = [stage_of(layer) for layer, _ in tie]
+            if len(set(stages)) < 2:
+                continue  # one stage: its copies hold one tensor for all uses already
+            for (layer, name), stage in zip(tie, stages, strict=True):
+                if stage in stages[: stages.index(stage)]:
+                    continue  # the stage's earlier use is the same tensor
+                for copy in (c for c in copies if c.stage == stage):
+                    index = _trained_index(copy, layer, name)
+                    self.uses.append((self.size, copy, index, counts(copy)))
+                    if (layer, name) == tie[0]:
+                        self.first_uses.add((copy.stage, copy.pipeline, index))
+            self.size += model.layers[tie[0][0]].get_parameter(tie[0][1]).numel()
+
+    def __bool__(self) -> bool:
+        """Whether the run has tied weights across stages (the same on every rank: each
+        takes part in the sum, holding a use or not)."""
+        return self.size > 0
+
+    def repeats(self, copy: StageCopy, index: int) -> bool:
+        """Whether `copy.trained[index]` is a tied weight's use other than its first (a
+        norm counts the weight once)."""
+        tied = any(c is copy and i == index for _, c, i, _ in self.uses)
+        return tied and (copy.stage, copy.pipeline, index) not in self.first_uses
+
+    def contribution(self) -> torch.Tensor:
+        """This rank's part of the sum: the gradients of the uses it counts."""
+        flat = torch.zeros(self.size, dtype=torch.float32, device=self.device)
+        for offset, copy, index, counts in self.uses:
+            grad = copy.trained[index].grad
+            if counts and grad is not None:
+                flat[offset : offset + grad.numel()] += grad.detach().reshape(-1).float()
+        return flat
+
+    def set(self, total: torch.Tensor) -> None:
+        """Give every use on this rank the summed gradient."""
+        for offset, copy, index, _ in self.uses:
+            param = copy.trained[index]
+            part = total[offset : offset + param.numel()].view(param.shape)
+            param.grad = part.to(param.dtype).clone()
+
+
+def _trained_index(copy: StageCopy, layer: int, name: str) -> int:
+    """Where the parameter `name` of model layer `layer` is in `copy.trained`."""
+    names = [n for n, p in copy.module.named_parameters() if p.requires_grad]
+    return names.index(f"{layer - copy.layers.start}.{name}")
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """A deep copy: its parameters are its own (shared ones stay shared inside it)."""
+    return copying.deepcopy(module)
 
 
 def clip_coefficient(square_sum: torch.Tensor, max_norm: float) -> torch.Tensor:

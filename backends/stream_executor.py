@@ -310,11 +310,13 @@ class StreamExecutor:
         p.peak_saved = max(p.peak_saved, len(rt.saved))
 
     def _step(self, op: StreamOp) -> None:
-        """A rank's optimizer step. With `--clip-grad` every rank's step waits for all
-        the others (the global norm is a collective): the last one to arrive clips and
-        updates them all, a rank's `step` being the last op of its iteration."""
-        if self.config.clip_grad is None:
-            self.processes[op.rank].runtime.apply_updates()
+        """A rank's optimizer step. With tied weights or `--clip-grad` every rank's step
+        waits for all the others (their sums are collectives): the last one to arrive
+        sums, clips and updates them all, a rank's `step` being the last op of its
+        iteration."""
+        runtime = self.processes[op.rank].runtime
+        if self.config.clip_grad is None and not runtime.tied:
+            runtime.apply_updates()
             return
         self.stepping.append(op)
         if len(self.stepping) < len(self.processes):
@@ -322,10 +324,16 @@ class StreamExecutor:
         ops, self.stepping = sorted(self.stepping, key=lambda o: o.rank), []
         runtimes = [self.processes[o.rank].runtime for o in ops]
         self._meet(*ops)
-        total = torch.stack([rt.grad_square_sum() for rt in runtimes]).sum()
-        coefficient = clip_coefficient(total, self.config.clip_grad)
+        if runtime.tied:
+            tied = torch.stack([rt.tied.contribution() for rt in runtimes]).sum(0)
+            for rt in runtimes:
+                rt.tied.set(tied)
+        if self.config.clip_grad is not None:
+            total = torch.stack([rt.grad_square_sum() for rt in runtimes]).sum()
+            coefficient = clip_coefficient(total, self.config.clip_grad)
+            for rt in runtimes:
+                rt.scale_grads(coefficient)
         for rt in runtimes:
-            rt.scale_grads(coefficient)
             rt.apply_updates()
         self._meet(*ops)
 
@@ -346,6 +354,8 @@ class StreamExecutor:
             action = op.action()
             copies.append(self.processes[op.rank].runtime.copies[(action.stage, action.pipeline)])  # type: ignore[index]
         self._meet(*members)
+        if not copies[0].trained:  # a stage without weights: nothing to sum
+            return
         with self._stream(members[0]):
             parts = [copy_grads(copy) for copy in copies]
             total = parts[0][0].clone()

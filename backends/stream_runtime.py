@@ -227,7 +227,7 @@ class StreamRankRuntime(RankRuntime):
         stream, upto = self.marks[event]
         start = self.waited.get(stream, 0)
         with peer_failures():
-            for work in self.issued[stream][start:upto]:
+            for work in self.issued.get(stream, [])[start:upto]:
                 work.wait()
         self.waited[stream] = max(start, upto)
 
@@ -273,9 +273,9 @@ class StreamRankRuntime(RankRuntime):
     @_action
     def allreduce(self, stage: int, pipeline: str) -> None:
         """Start summing this copy's gradients over the stage's replicas (`reduce{stage}`)."""
-        if self.group_sizes[stage] < 2:
-            return
         copy = self.copies[(stage, pipeline)]
+        if self.group_sizes[stage] < 2 or not copy.trained:
+            return
         if not self.cuda:
             self._start_allreduce(copy)
             self._issue(f"reduce{stage}", self.reducing[-1][3])

@@ -255,12 +255,13 @@ class LocalHub:
             self.failure = RuntimeError(f"local run deadlocked: ranks {waiting} all wait")
         self._cond.notify_all()
 
-    def reduction(self, step: int, stage: int | None) -> _Reduction:
-        """Step `step`'s allreduce of `stage`'s replicas; stage None: of every rank."""
-        key = (step, -1 if stage is None else stage)
+    def reduction(self, step: int, stage: int) -> _Reduction:
+        """Step `step`'s allreduce of `stage`'s replicas; a negative stage: the k-th
+        sum over every rank (`world_sum`)."""
+        key = (step, stage)
         if key not in self._reductions:
             members = self.world
-            if stage is not None:
+            if stage >= 0:
                 members = len(reduce_ranks(self.program, stage, self.dp))
             self._reductions[key] = _Reduction(members)
         return self._reductions[key]
@@ -287,6 +288,7 @@ class LocalTransport:
         self.cuda = hub.device.type == "cuda"
         self.stream = torch.cuda.Stream(hub.device) if self.cuda else None
         self.step_index = 0
+        self.world_sums = 0
 
     def _event(self) -> object:
         if not self.cuda:
@@ -319,10 +321,11 @@ class LocalTransport:
         return tensor.clone()  # the device copy: the sender keeps its own tensor
 
     def world_sum(self, value: torch.Tensor) -> torch.Tensor:
-        self.allreduce(None, value).wait()
+        self.world_sums += 1  # each call of a step is a reduction of its own
+        self.allreduce(-self.world_sums, value).wait()
         return value
 
-    def allreduce(self, stage: int | None, flat: torch.Tensor) -> Handle:
+    def allreduce(self, stage: int, flat: torch.Tensor) -> Handle:
         reduction = self.hub.reduction(self.step_index, stage)
         reduction.parts[self.rank] = (flat, self._event())
         if len(reduction.parts) == reduction.members:
@@ -340,6 +343,7 @@ class LocalTransport:
 
     def end_step(self) -> None:
         self.step_index += 1
+        self.world_sums = 0
 
 
 class _LocalWork:

@@ -186,7 +186,7 @@ class _Built:
 def user_model(spec: ModelSpec) -> LayeredModel:
     """The model `spec.name` names, built on the current default device (see the module
     docstring). Raises ModelError with what is wrong."""
-    from pipelang.backends.models import LayeredModel
+    from pipelang.backends.models import LayeredModel, find_ties
 
     factory = load_factory(spec.name)
     built = _build(spec, factory)
@@ -198,7 +198,9 @@ def user_model(spec: ModelSpec) -> LayeredModel:
     layers = built.layers
     if any(b is not None and not b.single for b in boundaries):
         layers = _packed(built, boundaries)
-    return LayeredModel(spec, layers, built.vocab, built.seq_len, built.stages, built.loss)
+    return LayeredModel(
+        spec, layers, built.vocab, built.seq_len, built.stages, built.loss, find_ties(layers)
+    )
 
 
 def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
@@ -230,6 +232,13 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
         if "split_spec" in extras:
             raise _error(f"`--model {name}`: `split_spec` splits one module, not a list")
     elif isinstance(returned, nn.Module):
+        names = [n for n, _ in returned.named_parameters(remove_duplicate=False)]
+        if len(names) != len(dict(returned.named_parameters())):
+            raise _error(
+                f"`--model {name}`: its module ties weights (one parameter under several "
+                "names), which torch's pipeline() splits into separate copies that would "
+                "drift apart; return a list of stage modules sharing the parameter instead"
+            )
         layers, stages, whole = (
             _split_by_torch(spec, returned, extras.get("split_spec"), seq_len),
             True,

@@ -18,6 +18,7 @@ from pipelang.backends.models import ModelSpec
 from pipelang.backends.user_models import Boundary
 from pipelang.cli import main
 from tests.runtime_helpers import run, stdlib
+from tests.test_checkpoint import read_checkpoint
 
 MODELS = """
 import torch
@@ -117,6 +118,37 @@ def bad_spec():
     return {"model": Split(marked=False), "split_spec": {"layers.1": "beginning"}}
 
 
+def tied_stages():  # the embedding is the head's weight: stage 0 and stage 2
+    emb = nn.Embedding(64, 16)
+    head = nn.Linear(16, 64, bias=False)
+    head.weight = emb.weight
+    return [emb, nn.Sequential(nn.Linear(16, 16), nn.Tanh()), head]
+
+
+def tied_layers():  # split by pipelang; the Tanh-only stages hold no weights
+    emb = nn.Embedding(64, 16)
+    head = nn.Linear(16, 64, bias=False)
+    head.weight = emb.weight
+    return nn.Sequential(emb, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), head)
+
+
+class TiedSplit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        pipe_split()
+        return self.head(torch.tanh(x))
+
+
+def tied_split():
+    return TiedSplit()
+
+
 def loss_not_callable():
     return {"model": nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64)), "loss": 3}
 """
@@ -199,6 +231,7 @@ def test_the_models_own_loss_is_the_one_trained(
         ("bad_spec", 2, "`split_spec` must map module names to"),
         ("loss_not_callable", 2, "its `loss` is not callable"),
         ("marked", 3, "gives 2 stages (a list of stage modules, or split at pipe_split()"),
+        ("tied_split", 2, "its module ties weights (one parameter under several names)"),
     ],
 )
 def test_a_user_model_that_cannot_run_says_why(
@@ -208,3 +241,49 @@ def test_a_user_model_that_cannot_run_says_why(
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.startswith("error: ")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "ranks", "func", "options"),
+    [
+        ("1f1b", 3, "tied_stages", ()),
+        ("zbv", 2, "tied_layers", ()),  # rank 0 holds both uses (stages 0 and 3)
+        ("chimera", 4, "tied_layers", ("--clip-grad", "0.3")),  # replicas; counted once
+        ("chimera", 4, "tied_layers", ("--backend", "local", "--graphs", "--clip-grad", "0.3")),
+        ("chimera", 4, "tied_layers", ("--dp", "2")),
+        ("chimera", 4, "tied_layers", ("--mixed-precision", "bfloat16")),
+    ],
+)
+def test_tied_weights_train_like_one_shared_parameter(
+    schedule: str,
+    ranks: int,
+    func: str,
+    options: tuple[str, ...],
+    models: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each stage copy holds its own tensor of a tied weight; summing the uses'
+    gradients at `step` makes them train as the one parameter the reference shares (with
+    SGD a missing or doubled sum fails the tolerance)."""
+    program = stdlib(schedule, D=ranks, N=4)
+    model = ("--model", f"models.py:{func}", "--optimizer", "sgd", "--steps", "3")
+    assert run(program, *model, "--check", *options) == 0
+    assert "check OK" in capsys.readouterr().out
+
+
+def test_the_copies_of_a_tied_weight_stay_bitwise_equal(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = ("--model", "models.py:tied_layers", "--steps", "3", "--save", str(models / "ck"))
+    assert run(stdlib("chimera", D=4, N=4), *model) == 0
+    saved = read_checkpoint(models / "ck" / "step-3")
+    assert torch.equal(saved["model.0.weight"], saved["model.5.weight"])
+    assert torch.equal(saved["optim.0.weight.exp_avg"], saved["optim.5.weight.exp_avg"])
+
+
+def test_asynchronous_schedules_refuse_tied_weights(
+    models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", "pipedream", "-p", "D=3", "--model", "models.py:tied_stages"]
+    assert main(argv) == 1
+    assert "ties weights across stages" in capsys.readouterr().err
