@@ -87,7 +87,23 @@ def run_program(program: Program, config: RunConfig) -> int:
         if config.debug and failure.details:
             err.print(failure.details, markup=False)
         return 1
+    except KeyboardInterrupt:
+        err.print(f"interrupted: every rank stopped{_where_to_resume(config)}", markup=False)
+        return 130
     return report(program, config, outcome)
+
+
+def _where_to_resume(config: RunConfig) -> str:
+    """Where an interrupted run with `--save` can resume from; empty without one."""
+    if config.save is None:
+        return ""
+    from pipelang.backends.checkpoint import CheckpointError, find
+
+    try:
+        path, step = find(config.save)
+    except CheckpointError:
+        return f"; no checkpoint was complete in {config.save} yet"
+    return f"; the latest checkpoint is {path} (step {step}): go on with --resume {config.save}"
 
 
 def preflight(program: Program, config: RunConfig) -> Shapes:

@@ -58,8 +58,9 @@ class StepProgress:
     def __enter__(self) -> StepProgress:
         if self.log_path is not None:
             Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-            # a resumed run continues the log of the run it resumes
-            self.log = open(self.log_path, "a" if self.first else "w")  # closed in __exit__
+            kept = _steps_up_to(Path(self.log_path), self.first)
+            self.log = open(self.log_path, "w")  # closed in __exit__
+            self.log.writelines(kept)
         self.progress.start()
         return self
 
@@ -88,6 +89,21 @@ class StepProgress:
             }
             self.log.write(json.dumps(line) + "\n")
             self.log.flush()
+
+
+def _steps_up_to(path: Path, step: int) -> list[str]:
+    """The lines of a `--log` file up to step `step`: a resumed run goes on from its
+    checkpoint's step, dropping what the interrupted run logged after it."""
+    if step == 0 or not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # not a line of ours
+    return kept
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,7 +80,7 @@ def test_save_every_keeps_a_directory_per_step_and_resume_takes_the_latest(
     assert json.loads((tmp_path / "step-4" / "pipelang.json").read_text())["step"] == 4
     capsys.readouterr()
     log = tmp_path / "m.jsonl"
-    log.write_text('{"step": 5}\n')
+    log.write_text('{"step": 5}\n{"step": 6}\n')  # step 6 came after the checkpoint
     assert run(program, "--steps", "7", "--resume", str(tmp_path), "--log", str(log)) == 0
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [5, 6, 7]
 
@@ -145,3 +145,24 @@ def test_resume_and_save_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "is not a pipelang checkpoint" in capsys.readouterr().err
     assert main(["run", "pipedream", "-p", "D=2", "--save", str(tmp_path / "x")]) == 1
     assert "checkpoints do not save yet" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_says_where_to_resume(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) stops every rank and names the latest complete checkpoint."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = [sys.executable, "-m", "pipelang.cli", "run", "1f1b", "-p", "D=2", "-p", "N=2"]
+    argv += ["--steps", "100000", "--save", str(tmp_path), "--save-every", "2"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "step-2" / "pipelang.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted: every rank stopped; the latest checkpoint is" in err
+    assert f"go on with --resume {tmp_path}" in err and "Traceback" not in err
