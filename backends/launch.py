@@ -338,6 +338,9 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     out.print(
         summary(program, outcome.results, outcome.losses, config.model, config.backend, tokens)
     )
+    planned = plan_line(program, config, outcome)
+    if planned:
+        out.print(planned, markup=False)
     if config.trace:
         write_trace(Path(config.trace), program, outcome.results)
         out.print(f"wrote the trace of every action to {config.trace}", markup=False)
@@ -364,6 +367,32 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     comparison = compare(reference, outcome.results, outcome.losses, config)
     out.print(comparison.render(), markup=False)
     return 0 if comparison.ok else 1
+
+
+def plan_line(program: Program, config: RunConfig, outcome: Outcome) -> str | None:
+    """The plan's predicted step time beside the measured one, when the schedule is a
+    file `pipelang plan` wrote; None otherwise."""
+    from pipelang.backends.report import training_seconds
+    from pipelang.planner.write import read_prediction
+
+    path = Path(program.source)
+    if not outcome.losses or not path.is_file():
+        return None
+    try:
+        predicted = read_prediction(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    if predicted is None:
+        return None
+    measured = 1e3 * training_seconds(outcome.results) / len(outcome.losses)
+    line = (
+        f"plan: predicted {predicted.ms:.3f} ms per step ({predicted.model} profiled on "
+        f"{predicted.device}); measured {measured:.3f} ms per step here, "
+        f"{measured / predicted.ms:.2f}x the prediction"
+    )
+    if predicted.model != config.model:
+        line += f" (this run trains {config.model}, not the profiled model)"
+    return line
 
 
 def step_progress(program: Program, config: RunConfig, title: str, err: Console) -> StepProgress:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from pipelang.planner.profile import (
     load_profile,
     profile_from_dict,
 )
-from pipelang.planner.search import Candidate, Inputs, Plan, Planner
+from pipelang.planner.search import Candidate, Inputs, Plan, Planner, candidates
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
 from pipelang.planner.write import plan_source
@@ -241,6 +242,24 @@ def test_copies_left_out_by_the_time_budget_are_listed() -> None:
     assert reasons["1f1b D=1 N=2 dp=4"].startswith("not searched: the time budget ran out")
 
 
+def test_the_search_reports_its_progress_over_every_candidate() -> None:
+    """What `pipelang plan`'s bar shows: each candidate screened, then each shortlisted
+    plan simulated at N."""
+    inputs = Inputs(make_profile([1.0] * 4), uniform_topology(4), 8, schedules=("1f1b", "gpipe"))
+    calls: list[tuple[str, int, int, str]] = []
+    planner = Planner(inputs)
+    result = planner.search(lambda *call: calls.append(call))
+    screened = [c for c in calls if c[0] == "screening"]
+    listed = candidates(inputs)
+    assert [(done, total, what) for _, done, total, what in screened] == [
+        (i, len(listed), c.label) for i, c in enumerate(listed)
+    ]
+    simulated = [c for c in calls if c[0] == "simulating at N"]
+    assert simulated and {what for *_, what in simulated} <= {
+        p.candidate.label for p in result.plans
+    }
+
+
 def test_written_data_parallel_plan_runs_with_its_dp(tmp_path: Path) -> None:
     forward = [0.05, 4.0, *[1.0] * 7, 0.3]
     profile = make_profile(forward, activation=2e5, weight=5e5, output=65536)
@@ -373,6 +392,17 @@ def test_written_plan_runs_with_gloo(tmp_path: Path) -> None:
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
+    header = re.search(r"predicted iteration ([0-9.]+) ms", path.read_text())
+    assert header is not None
+    line = re.search(
+        r"plan: predicted ([0-9.]+) ms per step \((\S+) profiled on (.+?)\); "
+        r"measured ([0-9.]+) ms per step here, ([0-9.]+)x",
+        proc.stdout,
+    )
+    assert line is not None, proc.stdout
+    assert float(line.group(1)) == pytest.approx(float(header.group(1)), abs=1e-3)
+    ratio = float(line.group(4)) / float(line.group(1))
+    assert float(line.group(5)) == pytest.approx(ratio, abs=0.01)
 
 
 @pytest.mark.parametrize(

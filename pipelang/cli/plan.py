@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelang.cli.args import UsageError, positive, seconds_or_zero, write_output
+from pipelang.cli.progress import work_progress
 from pipelang.diagnostics import fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
 
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         args.data_parallel,
     )
     planner = Planner(inputs, time_budget=args.time_budget or None)
-    result = planner.search()
+    with work_progress(notes) as update:
+        result = planner.search(update)
     if not result.plans:
         reasons = [f"{r.candidate.label}: {r.reason}" for r in result.rejected]
         shown = reasons[:12] + ([f"... and {len(reasons) - 12} more"] if len(reasons) > 12 else [])

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pipelang.cli.args import add_model_arguments, at_least_zero, positive, write_output
+from pipelang.cli.progress import work_progress
 
 HELP = "measure a model's per-layer times and memory into a profile JSON"
 
@@ -60,12 +61,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-    def progress(index: int, total: int, name: str) -> None:
-        err.print(f"layer {index + 1}/{total}: {name}", markup=False)
-
     try:
-        profile = measure(options, progress)
+        with work_progress(err) as update:
+            profile = measure(options, lambda i, n, name: update("profiling", i, n, name))
     except (ModelError, RuntimeError) as error:
         err.print(f"error: {error}", markup=False)
         return 1

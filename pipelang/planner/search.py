@@ -204,7 +204,7 @@ class Planner:
 
     # ---- the whole search -------------------------------------------------------------
 
-    def search(self, progress: Callable[[str], None] | None = None) -> SearchResult:
+    def search(self, progress: Callable[[str, int, int, str], None] | None = None) -> SearchResult:
         """Screen every candidate, then refine and simulate the best at N (see the
         module docstring). With a time budget, a candidate whose screening would end
         past it, judged from the same schedule at a smaller D, is left out with that
@@ -217,7 +217,10 @@ class Planner:
         screened: list[Plan] = []
         rejected: list[Rejected] = []
         costs: dict[tuple[str, Params], list[tuple[float, float]]] = {}
-        for candidate in candidates(self.inputs, self.dp):
+        listed = list(candidates(self.inputs, self.dp))
+        for done, candidate in enumerate(listed):
+            if progress is not None:
+                progress("screening", done, len(listed), candidate.label)
             family = (candidate.schedule, candidate.params[2:])
             ops = self._ops(candidate, sum(self._probe_sizes(candidate)))
             estimate = _scaled(costs.get(family, []), ops)
@@ -240,9 +243,9 @@ class Planner:
                 rejected.append(Rejected(plan.candidate, reason, memory=True))
         final: list[Plan] = []
         shortlist = fitting[: self.exact_top]
-        for plan in shortlist:
+        for done, plan in enumerate(shortlist):
             if progress is not None:
-                progress(plan.candidate.label)
+                progress("simulating at N", done, len(shortlist), plan.candidate.label)
             share = self.refine_seconds / len(shortlist)
             refined = self.refine(plan, min(deadline, time.perf_counter() + share))
             full_ops = self._ops(plan.candidate, self.inputs.micro_batches)

@@ -9,6 +9,9 @@ comment header names the plan, its prediction and the device each rank runs on.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 from pipelang import __version__, api
 from pipelang.planner.search import Plan, Planner
 from pipelang.planner.units import format_bytes
@@ -62,7 +65,7 @@ def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str)
     peak, rank = plan.peak()
     devices = ", ".join(f"rank {r} -> {names[d]}" for r, d in enumerate(plan.devices))
     lines = [
-        f"Plan from `pipelang plan` (pipelang {__version__}): {plan.candidate.label}",
+        f"{HEADER.removeprefix('# ')} (pipelang {__version__}): {plan.candidate.label}",
         f"  profile {profile_name}: {profile.model} on {profile.device}, {profile.dtype}, "
         f"micro-batches of {profile.micro_batch_size} x {profile.seq_len} tokens",
         f"  topology {topology_name}: {len(names)} devices",
@@ -75,6 +78,30 @@ def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str)
         "",
     ]
     return "".join(f"# {line}".rstrip() + "\n" for line in lines)
+
+
+HEADER = "# Plan from `pipelang plan`"
+PREDICTED = re.compile(r"^#   predicted iteration ([0-9.]+) ms", re.MULTILINE)
+PROFILE = re.compile(r"^#   profile .*?: (\S+) on (.+?), ", re.MULTILINE)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a plan's header says about its step time."""
+
+    ms: float
+    model: str
+    device: str
+
+
+def read_prediction(text: str) -> Prediction | None:
+    """The prediction in the header `plan_source` writes; None for any other file."""
+    if not text.startswith(HEADER):
+        return None
+    ms, profile = PREDICTED.search(text), PROFILE.search(text)
+    if ms is None or profile is None:
+        return None
+    return Prediction(float(ms.group(1)), profile.group(1), profile.group(2))
 
 
 def _copies(plan: Plan) -> list[str]:
