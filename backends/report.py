@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ class StepProgress:
     ) -> None:
         self.progress.stop()
         if self.log is not None:
-            self.log.close()
+            with contextlib.suppress(OSError):
+                self.log.close()
 
     def step(self, i: int, loss: float, seconds: float) -> None:
         """The `i`-th step of this run (from 0) is done."""
@@ -87,8 +89,18 @@ class StepProgress:
                 "tokens": self.tokens_per_step,
                 "tokens_per_s": rate,
             }
-            self.log.write(json.dumps(line) + "\n")
-            self.log.flush()
+            try:
+                self.log.write(json.dumps(line) + "\n")
+                self.log.flush()
+            except OSError as err:  # a full disk, say: the run goes on without its log
+                self.console.print(
+                    f"warning: cannot write --log {self.log_path} ({err.strerror}); "
+                    "the log stops here",
+                    markup=False,
+                )
+                with contextlib.suppress(OSError):
+                    self.log.close()
+                self.log = None
 
 
 def _steps_up_to(path: Path, step: int) -> list[str]:

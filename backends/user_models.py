@@ -160,7 +160,7 @@ def load_factory(name: str) -> Callable[..., object]:
         else:
             module = importlib.import_module(module_name)
         factory = getattr(module, attr)
-    except (ImportError, AttributeError, SyntaxError) as err:
+    except (ImportError, AttributeError, SyntaxError, ValueError) as err:
         raise _error(
             f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}"
         ) from None

@@ -217,3 +217,40 @@ def test_mixed_precision_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     assert "give one of them" in capsys.readouterr().err
     assert main(["run", "pipedream", "-p", "D=2", *mixed]) == 1
     assert "not kept as fp32 masters yet" in capsys.readouterr().err
+
+
+# ---- bad values of the training options ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--save", ""], "argument --save: the path is empty"),
+        (["--resume", " "], "argument --resume: the path is empty"),
+        (["--log", ""], "argument --log: the path is empty"),
+        (["--save", "/proc/no/such"], "--save: cannot make `/proc/no/such`"),
+        (["--lr", "nan"], "argument --lr: must be a number more than 0, not nan"),
+        (["--lr", "-1"], "argument --lr: must be a number more than 0"),
+    ],
+)
+def test_bad_training_options_are_usage_errors(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "1f1b", "-p", "D=2", *options]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_empty_module_name_is_one_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "1f1b", "-p", "D=2", "--model", ":f"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot load `f` from ``" in err and "internal error" not in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_log_that_stops_being_writable_warns_and_the_run_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run(stdlib("1f1b", D=2, N=2), "--log", "/dev/full", "--steps", "2") == 0
+    err = capsys.readouterr().err
+    assert "warning: cannot write --log /dev/full (No space left on device)" in err
+    assert "step 2/2" in err

@@ -218,9 +218,16 @@ def writable(path: Path) -> Path:
     return path
 
 
+def path(text: str) -> Path:
+    """An argparse type: a file or directory name, not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty")
+    return Path(text)
+
+
 def data_file(text: str) -> str:
     """A `--data` file that exists (what it holds is checked before the run starts)."""
-    if not Path(text).is_file():
+    if not path(text).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
     return text
 
@@ -343,7 +350,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default="adam",
         help="adam, or sgd with momentum 0.9 (default adam)",
     )
-    parser.add_argument("--lr", type=float, help="learning rate (default 0.05 sgd, 3e-3 adam)")
+    parser.add_argument(
+        "--lr", type=positive_number, help="learning rate (default 0.05 sgd, 3e-3 adam)"
+    )
     parser.add_argument(
         "--mixed-precision",
         choices=["bfloat16"],
@@ -373,13 +382,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--trace",
-        type=Path,
+        type=path,
         metavar="OUT.json",
         help="write every action's real start and end as a Chrome trace",
     )
     parser.add_argument(
         "--log",
-        type=Path,
+        type=path,
         metavar="FILE.jsonl",
         help="write one JSON line per step: step, loss, seconds, tokens, tokens_per_s",
     )
@@ -393,7 +402,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--save",
-        type=Path,
+        type=path,
         metavar="DIR",
         help="write a checkpoint (torch.distributed.checkpoint) of parameters and optimizer "
         "state to DIR/step-K after the last step K, and every --save-every steps",
@@ -406,7 +415,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--resume",
-        type=Path,
+        type=path,
         metavar="DIR",
         help="start from a checkpoint: DIR/step-K as --save wrote it, or the latest one "
         "under DIR; --steps still counts from step 0, so a step-3 checkpoint with --steps 6 "
@@ -463,6 +472,11 @@ def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
             "checkpoints (--save, --resume) need a process per rank: use --backend gloo "
             "or nccl, not local"
         )
+    if args.save is not None:
+        try:
+            args.save.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"--save: cannot make `{args.save}`: {err.strerror}") from None
     options: dict[str, Any] = {"save": str(args.save) if args.save else None}
     options["save_every"] = args.save_every
     if args.resume is None:
@@ -470,7 +484,7 @@ def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
     from pipelang.backends.checkpoint import CheckpointError, find
 
     try:
-        path, step = find(str(args.resume))
+        found, step = find(str(args.resume))
     except CheckpointError as err:
         raise UsageError(str(err)) from None
     if step >= args.steps:
@@ -478,4 +492,4 @@ def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
             f"`--resume {args.resume}` is at step {step} and --steps {args.steps} counts "
             f"from step 0: nothing is left to run (give --steps more than {step})"
         )
-    return options | {"resume": str(path), "first_step": step}
+    return options | {"resume": str(found), "first_step": step}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from pipelang.cli.args import path
 from pipelang.diagnostics import fail
 
 HELP = (
@@ -15,7 +15,7 @@ HELP = (
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dump", metavar="DUMP", type=Path, help="the text of a stream program")
+    parser.add_argument("dump", metavar="DUMP", type=path, help="the text of a stream program")
     parser.add_argument("--format", choices=("text", "json"), default="text")
 
 

@@ -4,7 +4,6 @@ pass produced (`--dump-after PASS`)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from pipelang import api, ast
 from pipelang.cli.args import (
@@ -16,6 +15,7 @@ from pipelang.cli.args import (
     data_slot_bytes,
     describe,
     parse_params,
+    path,
     positive,
     write_output,
 )
@@ -29,7 +29,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o",
         dest="out",
-        type=Path,
+        type=path,
         metavar="DIR",
         help="write DIR/schedule.json (the whole Program) and DIR/rank{r}.py",
     )

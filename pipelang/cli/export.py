@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from pipelang.cli.args import UsageError, add_schedule_arguments, compile_args, write_output
+from pipelang.cli.args import UsageError, add_schedule_arguments, compile_args, path, write_output
 
 HELP = "print each rank's compute ops as JSON or torch's CSV schedule format"
 
@@ -20,7 +19,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "that torch.distributed.pipelining's _load_csv reads",
     )
     parser.add_argument(
-        "-o", dest="out", type=Path, metavar="FILE", help="write to FILE instead of standard output"
+        "-o", dest="out", type=path, metavar="FILE", help="write to FILE instead of standard output"
     )
 
 

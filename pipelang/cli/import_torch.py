@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
-from pipelang.cli.args import UsageError, write_output
+from pipelang.cli.args import UsageError, path, write_output
 from pipelang.import_torch import check_pipe, import_torch
 
 HELP = "read torch's CSV schedule into a checked .pipe program"
@@ -16,13 +15,13 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "csv",
         metavar="FILE.csv",
-        type=Path,
+        type=path,
         help="torch's compute-only CSV (schedule._dump_csv(FILE, 'compute_only'))",
     )
     parser.add_argument(
         "-o",
         dest="out",
-        type=Path,
+        type=path,
         metavar="OUT.pipe",
         help="write the .pipe file here instead of standard output",
     )

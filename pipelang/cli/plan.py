@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from pipelang.cli.args import UsageError, positive, seconds_or_zero, write_output
+from pipelang.cli.args import UsageError, path, positive, seconds_or_zero, write_output
 from pipelang.cli.progress import work_progress
 from pipelang.diagnostics import fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
@@ -23,11 +22,11 @@ _console = Console(highlight=False, soft_wrap=True)
 def setup(parser: argparse.ArgumentParser) -> None:
     from pipelang.planner.families import FAMILIES, STATE_FACTOR
 
-    parser.add_argument("--profile", type=Path, required=True, metavar="P.json")
-    parser.add_argument("--topology", type=Path, required=True, metavar="T.yaml")
+    parser.add_argument("--profile", type=path, required=True, metavar="P.json")
+    parser.add_argument("--topology", type=path, required=True, metavar="T.yaml")
     parser.add_argument("--micro-batches", type=positive, required=True, metavar="N")
     parser.add_argument(
-        "-o", dest="out", type=Path, required=True, metavar="BEST.pipe", help="the winning plan"
+        "-o", dest="out", type=path, required=True, metavar="BEST.pipe", help="the winning plan"
     )
     parser.add_argument(
         "--max-memory",

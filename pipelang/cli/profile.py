@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.console import Console
 
-from pipelang.cli.args import add_model_arguments, at_least_zero, positive, write_output
+from pipelang.cli.args import add_model_arguments, at_least_zero, path, positive, write_output
 from pipelang.cli.progress import work_progress
 
 HELP = "measure a model's per-layer times and memory into a profile JSON"
@@ -16,7 +15,7 @@ HELP = "measure a model's per-layer times and memory into a profile JSON"
 def setup(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, default_model=None)
     parser.add_argument(
-        "-o", dest="out", type=Path, required=True, metavar="PROFILE.json", help="where to write"
+        "-o", dest="out", type=path, required=True, metavar="PROFILE.json", help="where to write"
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:K")
     parser.add_argument(

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelang.cli.args import UsageError, add_run_arguments, config_from_args
+from pipelang.cli.args import UsageError, add_run_arguments, config_from_args, path
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RunConfig
@@ -38,7 +38,7 @@ def compiled_main() -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipelang.backends", description="Run a compiled pipelang program."
     )
-    parser.add_argument("schedule", type=Path, metavar="SCHEDULE.json")
+    parser.add_argument("schedule", type=path, metavar="SCHEDULE.json")
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
     args = parser.parse_args()

@@ -20,6 +20,7 @@ from pipelang.cli.args import (
     check_cost_stages,
     parse_cost,
     parse_params,
+    path,
     schedule_name,
     write_output,
 )
@@ -65,7 +66,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--trace",
-        type=Path,
+        type=path,
         metavar="RUN.json",
         help="draw the run that `pipelang run --trace RUN.json` recorded",
     )
