@@ -30,10 +30,8 @@ import torch.nn.functional as functional
 from torch import nn
 
 from pipelang.backends.data import DataError, check_tokens, sample_batch, synthetic_batch
-
-
-class ModelError(Exception):
-    """A model name, partition or dtype that cannot be used; reported before ranks start."""
+from pipelang.backends.model_error import ModelError
+from pipelang.backends.user_models import Tie, user_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,9 +282,10 @@ class ModelSpec:
             )
         sizes = MODEL_FAMILIES.get(kind)
         if sizes is None:
-            from pipelang.backends.user_models import user_model
-
-            return user_model(self)
+            built = user_model(self)
+            return LayeredModel(
+                self, built.layers, built.vocab, built.seq_len, built.stages, built.loss, built.ties
+            )
         if rest not in sizes:
             raise ModelError(f"unknown {kind} size `{rest}`; use one of: {', '.join(sizes)}")
         if kind == "gpt":
@@ -295,21 +294,6 @@ class ModelSpec:
             return LayeredModel(self, gpt_layers(cfg, seq_len), cfg.vocab, seq_len)
         llama = LLAMA_SIZES[rest]
         return LayeredModel(self, llama_layers(llama), llama.vocab, self.seq_len or llama.seq_len)
-
-
-Tie = tuple[tuple[int, str], ...]
-"""One parameter shared by several layers: (layer, its name in that layer) of each use,
-in layer order."""
-
-
-def find_ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
-    """The trainable parameters that more than one layer holds."""
-    uses: dict[int, list[tuple[int, str]]] = {}
-    for index, layer in enumerate(layers):
-        for name, param in layer.named_parameters():
-            if param.requires_grad:
-                uses.setdefault(id(param), []).append((index, name))
-    return tuple(tuple(u) for u in uses.values() if len({i for i, _ in u}) > 1)
 
 
 @dataclass(slots=True)

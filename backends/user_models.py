@@ -35,18 +35,18 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-if TYPE_CHECKING:
-    from pipelang.backends.models import LayeredModel, ModelSpec
+from pipelang.backends.model_error import ModelError
 
-__all__ = ["Boundary", "PackedStage", "user_model"]
+if TYPE_CHECKING:
+    from pipelang.backends.models import ModelSpec
+
+__all__ = ["Boundary", "PackedStage", "Tie", "UserModel", "find_ties", "user_model"]
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 KEYS = {"model", "split_spec", "loss", "vocab_size", "seq_len"}
 
 
 def _error(message: str) -> Exception:
-    from pipelang.backends.models import ModelError
-
     return ModelError(message)
 
 
@@ -169,6 +169,34 @@ def load_factory(name: str) -> Callable[..., object]:
     return factory  # type: ignore[no-any-return]
 
 
+Tie = tuple[tuple[int, str], ...]
+"""One parameter shared by several layers: (layer, its name in that layer) of each use,
+in layer order."""
+
+
+def find_ties(layers: Sequence[nn.Module]) -> tuple[Tie, ...]:
+    """The trainable parameters that more than one layer holds."""
+    uses: dict[int, list[tuple[int, str]]] = {}
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            if param.requires_grad:
+                uses.setdefault(id(param), []).append((index, name))
+    return tuple(tuple(u) for u in uses.values() if len({i for i, _ in u}) > 1)
+
+
+@dataclass(frozen=True, slots=True)
+class UserModel:
+    """A user's model as the layers the runtime splits (or its stages), ready to build
+    a LayeredModel from."""
+
+    layers: list[nn.Module]
+    vocab: int
+    seq_len: int
+    stages: bool
+    loss: Loss | None
+    ties: tuple[Tie, ...]
+
+
 @dataclass(slots=True)
 class _Built:
     """What the model function gave, split into layers (or stages)."""
@@ -183,11 +211,9 @@ class _Built:
     loss: Loss | None
 
 
-def user_model(spec: ModelSpec) -> LayeredModel:
+def user_model(spec: ModelSpec) -> UserModel:
     """The model `spec.name` names, built on the current default device (see the module
     docstring). Raises ModelError with what is wrong."""
-    from pipelang.backends.models import LayeredModel, find_ties
-
     factory = load_factory(spec.name)
     built = _build(spec, factory)
     if torch.get_default_device().type == "meta":
@@ -198,8 +224,8 @@ def user_model(spec: ModelSpec) -> LayeredModel:
     layers = built.layers
     if any(b is not None and not b.single for b in boundaries):
         layers = _packed(built, boundaries)
-    return LayeredModel(
-        spec, layers, built.vocab, built.seq_len, built.stages, built.loss, find_ties(layers)
+    return UserModel(
+        layers, built.vocab, built.seq_len, built.stages, built.loss, find_ties(layers)
     )
 
 
@@ -322,8 +348,6 @@ def _boundaries(spec: ModelSpec, built: _Built) -> list[Boundary | None]:
                 else:
                     found.append(None)
     except Exception as err:
-        from pipelang.backends.models import ModelError
-
         if isinstance(err, ModelError):
             raise
         raise _error(f"`{spec.name}` does not run on a batch of token ids: {err}") from None

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelang.cli.args import UsageError, path, positive, seconds_or_zero, write_output
-from pipelang.cli.progress import work_progress
 from pipelang.diagnostics import fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
+from pipelang.progress import work_progress
 
 HELP = "choose schedule, partition and device mapping for a model on a cluster"
 

@@ -7,7 +7,7 @@ import argparse
 from rich.console import Console
 
 from pipelang.cli.args import add_model_arguments, at_least_zero, path, positive, write_output
-from pipelang.cli.progress import work_progress
+from pipelang.progress import work_progress
 
 HELP = "measure a model's per-layer times and memory into a profile JSON"
 
