@@ -388,7 +388,11 @@ def forkserver() -> Any:
     # symbolic_shapes: autograd imports it (and sympy) on the first backward with a
     # gradient tensor; loading it once here saves every rank most of a second.
     ctx.set_forkserver_preload(
-        ["pipelang.backends.worker", "torch.fx.experimental.symbolic_shapes"]
+        [
+            "pipelang.backends.forkserver_guard",  # the server dies with this process
+            "pipelang.backends.worker",
+            "torch.fx.experimental.symbolic_shapes",
+        ]
     )
     from multiprocessing import forkserver as server
 

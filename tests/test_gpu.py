@@ -115,3 +115,34 @@ def test_nccl_graphs_capture_sends_and_receives(capsys: pytest.CaptureFixture[st
         stdlib("1f1b", D=2, N=4), "--backend", "nccl", "--graphs", "--check", "--steps", "6"
     )
     assert status == 0, capsys.readouterr().out
+
+
+# ---- training options on a GPU (issue 17): bf16 masters, clipping, checkpoints ----------
+
+
+@pytest.mark.parametrize("graphs", [(), ("--graphs",)])
+def test_local_on_cuda_mixed_precision_and_clipping_match_one_process(
+    graphs: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bf16 compute with fp32 masters and a global-norm clip; with --graphs the clip's
+    sum and the master updates are inside the captured iteration."""
+    options = ("--backend", "local", "--mixed-precision", "bfloat16", "--clip-grad", "0.5")
+    status = run(stdlib("chimera", D=4, N=4), *options, *graphs, "--check", "--steps", "5")
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "check OK" in out
+
+
+def test_nccl_one_rank_saves_and_resumes_in_graph_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DCP over an NCCL process group with CUDA tensors; the resumed run loads into the
+    static tensors a captured graph then replays (capturable Adam, masters, clipping)."""
+    program = stdlib("1f1b", D=1, N=4)
+    options = ("--backend", "nccl", "--graphs", "--mixed-precision", "bfloat16")
+    options += ("--clip-grad", "1.0")
+    assert run(program, *options, "--steps", "4", "--save", str(tmp_path)) == 0
+    capsys.readouterr()
+    resumed = ("--steps", "8", "--resume", str(tmp_path), "--check")
+    assert run(program, *options, *resumed) == 0
+    assert "check OK" in capsys.readouterr().out

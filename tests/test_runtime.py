@@ -453,3 +453,37 @@ def test_model_sizes() -> None:
     tiny = ModelSpec("gpt:tiny").build()
     assert len(tiny.layers) == 8
     assert [len(b) for b in plan_stages(ModelSpec("gpt:medium"), 4, None).bounds] == [7, 7, 6, 6]
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
+def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
+    """SIGKILL gives the launcher no chance to stop its ranks: the forkserver that
+    started them and the ranks themselves must go with it, not train on unwatched."""
+    argv = [sys.executable, "-m", "pipelang.cli", "run", "1f1b", "-p", "D=2", "-p", "N=2"]
+    argv += ["--steps", "100000", "--log", str(tmp_path / "m.jsonl")]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "m.jsonl").exists() or not (tmp_path / "m.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    spawned = [p for server in _children(proc.pid) for p in [server, *_children(server)]]
+    assert len(spawned) >= 3  # the forkserver and two ranks
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in spawned) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in spawned if _alive(p)]
