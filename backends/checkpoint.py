@@ -116,11 +116,14 @@ def write(held: Iterable[Held], step: int, config: RunConfig, schedule: str) -> 
 
     state = {key: value.detach() for h in held for key, value in h.entries()}
     distributed = dist.is_initialized()
+    first = not distributed or dist.get_rank() == 0
+    if first:  # before the collective save: an overwritten step is incomplete until done
+        (path / INFO).unlink(missing_ok=True)
     with _one_process_quiet():
         dcp.save(state, checkpoint_id=path, no_dist=not distributed)
     if distributed:
         dist.barrier()
-    if not distributed or dist.get_rank() == 0:
+    if first:
         (path / INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 

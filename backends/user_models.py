@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,10 +47,6 @@ Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 KEYS = {"model", "split_spec", "loss", "vocab_size", "seq_len"}
 
 
-def _error(message: str) -> Exception:
-    return ModelError(message)
-
-
 @dataclass(frozen=True, slots=True)
 class Boundary:
     """What one stage hands the next, packed into one flat tensor: the tree of the value
@@ -65,7 +62,7 @@ class Boundary:
         leaves, tree = pytree.tree_flatten(value)
         if not leaves or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             kinds = sorted({type(leaf).__name__ for leaf in leaves}) or ["nothing"]
-            raise _error(
+            raise ModelError(
                 f"{where} returns {', '.join(kinds)}; a stage may hand the next only "
                 "tensors (one, or a tuple, list or dict of them)"
             )
@@ -91,20 +88,13 @@ class Boundary:
         return torch.cat([leaf.reshape(-1).to(self.dtype) for leaf in leaves])
 
     def unpack(self, flat: torch.Tensor) -> object:
-        sizes = [_numel(shape) for shape, _ in self.leaves]
+        sizes = [math.prod(shape) for shape, _ in self.leaves]
         parts = flat.split(sizes)
         leaves = [
             part.view(shape).to(dtype)
             for part, (shape, dtype) in zip(parts, self.leaves, strict=True)
         ]
         return pytree.tree_unflatten(leaves, self.tree)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
 
 
 class PackedStage(nn.Module):
@@ -161,11 +151,11 @@ def load_factory(name: str) -> Callable[..., object]:
             module = importlib.import_module(module_name)
         factory = getattr(module, attr)
     except (ImportError, AttributeError, SyntaxError, ValueError) as err:
-        raise _error(
+        raise ModelError(
             f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}"
         ) from None
     if not callable(factory):
-        raise _error(f"`--model {name}`: `{attr}` is not callable")
+        raise ModelError(f"`--model {name}`: `{attr}` is not callable")
     return factory  # type: ignore[no-any-return]
 
 
@@ -237,12 +227,14 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
     try:
         returned = factory(**kwargs)
     except Exception as err:
-        raise _error(f"`--model {name}`: `{attr}()` failed: {type(err).__name__}: {err}") from None
+        raise ModelError(
+            f"`--model {name}`: `{attr}()` failed: {type(err).__name__}: {err}"
+        ) from None
     extras: dict[str, Any] = {}
     if isinstance(returned, dict):
         unknown = sorted(set(returned) - KEYS)
         if "model" not in returned or unknown:
-            raise _error(
+            raise ModelError(
                 f"`--model {name}`: the dict `{attr}()` returns needs a `model` and may "
                 f"have {', '.join(sorted(KEYS - {'model'}))}"
                 + (f"; unknown: {', '.join(map(str, unknown))}" if unknown else "")
@@ -250,17 +242,17 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
         extras, returned = returned, returned["model"]
     loss = extras.get("loss")
     if loss is not None and not callable(loss):
-        raise _error(f"`--model {name}`: its `loss` is not callable")
+        raise ModelError(f"`--model {name}`: its `loss` is not callable")
     seq_len = spec.seq_len or int(extras.get("seq_len") or getattr(returned, "seq_len", None) or 32)
     if isinstance(returned, nn.Sequential | list | tuple):
         layers = list(returned)
         stages, whole = not isinstance(returned, nn.Sequential), isinstance(returned, nn.Sequential)
         if "split_spec" in extras:
-            raise _error(f"`--model {name}`: `split_spec` splits one module, not a list")
+            raise ModelError(f"`--model {name}`: `split_spec` splits one module, not a list")
     elif isinstance(returned, nn.Module):
         names = [n for n, _ in returned.named_parameters(remove_duplicate=False)]
         if len(names) != len(dict(returned.named_parameters())):
-            raise _error(
+            raise ModelError(
                 f"`--model {name}`: its module ties weights (one parameter under several "
                 "names), which torch's pipeline() splits into separate copies that would "
                 "drift apart; return a list of stage modules sharing the parameter instead"
@@ -273,7 +265,7 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
     else:
         layers = []
     if not layers or not all(isinstance(m, nn.Module) for m in layers):
-        raise _error(
+        raise ModelError(
             f"`--model {name}`: `{attr}()` must return an nn.Sequential (its layers, split "
             "into stages by pipelang), a list of modules (one per stage), a module with "
             "pipe_split() calls, or a dict with one of them under `model`; not "
@@ -283,7 +275,7 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
     if vocab is None:
         vocab = _first_embedding([returned] if isinstance(returned, nn.Module) else layers)
     if vocab is None:
-        raise _error(
+        raise ModelError(
             f"`--model {name}`: cannot tell the vocabulary size; return a dict with "
             "`vocab_size`, set `vocab_size` on the module, or give it an nn.Embedding"
         )
@@ -308,7 +300,7 @@ def _split_by_torch(
 
     points = split_spec.values() if isinstance(split_spec, dict) else [None]
     if split_spec is not None and not all(isinstance(v, SplitPoint) for v in points):
-        raise _error(
+        raise ModelError(
             f"`--model {spec.name}`: `split_spec` must map module names to "
             "torch.distributed.pipelining.SplitPoint values"
         )
@@ -319,7 +311,7 @@ def _split_by_torch(
             warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
             pipe = pipeline(module, mb_args=(ids,), split_spec=split_spec)  # type: ignore[arg-type]
     except Exception as err:
-        raise _error(
+        raise ModelError(
             f"`--model {spec.name}`: torch.distributed.pipelining could not split it: "
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         ) from None
@@ -340,7 +332,7 @@ def _boundaries(spec: ModelSpec, built: _Built) -> list[Boundary | None]:
                 if i < len(built.layers) - 1:
                     found.append(Boundary.of(x, f"`--model {spec.name}` layer {i}"))
                 elif not isinstance(x, torch.Tensor):
-                    raise _error(
+                    raise ModelError(
                         f"`--model {spec.name}`: the last layer returns "
                         f"{type(x).__name__}, not one tensor (the logits [batch, seq, "
                         "vocab], or what the model's own `loss` takes)"
@@ -350,7 +342,7 @@ def _boundaries(spec: ModelSpec, built: _Built) -> list[Boundary | None]:
     except Exception as err:
         if isinstance(err, ModelError):
             raise
-        raise _error(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
+        raise ModelError(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
     return found
 
 
