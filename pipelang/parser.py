@@ -29,6 +29,9 @@ MAX_TERMS = 100
 """Most terms of one such chain (E0106)."""
 MAX_BYTES = 1 << 20
 """Largest `.pipe` file (E0106): every command answers within seconds below it."""
+MAX_TOKENS = 80_000
+"""Most tokens in one file (E0106): lark parses some 20,000 a second, so a megabyte of
+short calls (`F(0) F(0) ...`) would take half a minute."""
 
 _CHAINS = ({"+", "-"}, {"*", "//", "%"}, {"and"}, {"or"})
 """Operators that chain left to right at one precedence: `a + b - c` is one level."""
@@ -106,6 +109,7 @@ def read_source(path: Path, display: str | None = None, span: Span | None = None
 def parse_text(source: SourceFile) -> list[ast.Schedule | ast.FnDecl | ast.Import]:
     """Parse one file's text into its top-level items (imports not yet followed)."""
     _check_brackets(source)
+    _check_tokens(source)
     try:
         tree = _lark().parse(source.text)
     except UnexpectedInput as err:
@@ -176,6 +180,26 @@ def _check_brackets(source: SourceFile) -> None:
 
 
 _BRACKETS = re.compile(r'#[^\n]*|"[^"\n]*"?|[()\[\]{}]')
+
+
+def _check_tokens(source: SourceFile) -> None:
+    """E0106 at the first token past `MAX_TOKENS`, before lark parses (comments do not
+    count; a word, a number, a string or one other character is a token)."""
+    count = 0
+    for match in _TOKENS.finditer(source.text):
+        if match.group().startswith("#"):
+            continue
+        count += 1
+        if count > MAX_TOKENS:
+            raise fail(
+                "E0106",
+                f"the file has more than {MAX_TOKENS:,} tokens",
+                Span(source, match.start(), match.end()),
+                help="write repeated ops as a loop (`for i in 0..K { ... }`)",
+            )
+
+
+_TOKENS = re.compile(r'#[^\n]*|"[^"\n]*"?|\w+|\S')
 
 
 def _too_deep(span: Span) -> PipelangError:

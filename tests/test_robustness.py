@@ -407,3 +407,15 @@ def test_an_error_made_in_a_loop_over_many_ranks_is_shown_once_per_rank_up_to_20
     doc = strict(out)
     assert isinstance(doc, dict) and len(doc["diagnostics"]) == 20 and doc["not_shown"] == 44
     assert len(err) < 10_000
+
+
+def test_a_file_of_too_many_tokens_is_refused_at_the_first_one_over(tmp_path: Path) -> None:
+    """Past MAX_TOKENS the file is E0106 at the token over the limit, found before lark
+    parses (which would take half a minute for a megabyte of short calls)."""
+    from pipelang.parser import MAX_TOKENS
+
+    lets = MAX_TOKENS // 4 + 1  # `let x = 1`: four tokens each
+    status, err = check_let(tmp_path, "# " + "F(0) " * 50 + "\n    " + "let x = 1 " * lets)
+    assert status == 1 and f"more than {MAX_TOKENS:,} tokens" in err
+    line = err.splitlines()[1]
+    assert re.search(r"s\.pipe:3:\d+$", line), line  # the comment does not count
