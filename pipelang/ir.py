@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -230,6 +231,33 @@ class Pipeline:
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
 
 
+_COPIES: OrderedDict[int, tuple[tuple[Pipeline, ...], dict[int, tuple[tuple[int, str], ...]]]]
+_COPIES = OrderedDict()
+"""The last few `_copies_by_rank` answers, by the identity of the pipelines they index."""
+
+
+def _copies_by_rank(
+    pipelines: tuple[Pipeline, ...],
+) -> dict[int, tuple[tuple[int, str], ...]]:
+    """Every rank's (stage, pipeline) copies, in pipeline then stage order: built once
+    per Program's pipelines (by identity: hashing a placement of 100,000 ranks at every
+    call would cost as much as the scan it saves), so that asking for each rank's copies
+    is linear in the ranks, not quadratic."""
+    cached = _COPIES.get(id(pipelines))
+    if cached is not None and cached[0] is pipelines:
+        _COPIES.move_to_end(id(pipelines))
+        return cached[1]
+    copies: dict[int, list[tuple[int, str]]] = {}
+    for p in pipelines:
+        for stage, rank in enumerate(p.placement):
+            copies.setdefault(rank, []).append((stage, p.name))
+    index = {rank: tuple(c) for rank, c in copies.items()}
+    _COPIES[id(pipelines)] = (pipelines, index)  # holds `pipelines`: its id stays unique
+    if len(_COPIES) > 64:
+        _COPIES.popitem(last=False)
+    return index
+
+
 @dataclass(frozen=True, slots=True)
 class WeightPolicy:
     """How an asynchronous schedule versions each stage copy's weights (`weights ...`).
@@ -383,9 +411,7 @@ class Program:
 
     def stage_copies(self, rank: int) -> tuple[tuple[int, str], ...]:
         """(stage, pipeline) copies of the weights that `rank` holds."""
-        return tuple(
-            (s, p.name) for p in self.pipelines for s, r in enumerate(p.placement) if r == rank
-        )
+        return _copies_by_rank(self.pipelines).get(rank, ())
 
     def first_eviction(self) -> Action | None:
         """The first evict, hold or load action (BPipe), in rank order; None if none."""

@@ -320,3 +320,21 @@ def test_lowered_stdlib_does_not_deadlock(name: str, params: dict[str, int], cro
     assert check_lowered(lowered) == []
     assert not _deadlocks(lowered.ranks)
     assert not _deadlocks(insert_sync(lowered).ranks)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("chimera", {"D": 4, "N": 4}), ("zbv", {"D": 2, "N": 4}), ("interleaved-1f1b", {"D": 2})],
+)
+def test_stage_copies_are_each_ranks_stages_in_pipeline_order(
+    name: str, params: dict[str, int]
+) -> None:
+    """The per-rank index behind `stage_copies` (built once per program, so that asking
+    every rank is linear) answers as a scan of every pipeline's placement does."""
+    program = api.compile_schedule(name, {k: str(v) for k, v in params.items()}).need_program()
+    for rank in range(program.num_ranks):
+        scanned = tuple(
+            (s, p.name) for p in program.pipelines for s, r in enumerate(p.placement) if r == rank
+        )
+        assert program.stage_copies(rank) == scanned
+    assert program.stage_copies(program.num_ranks + 5) == ()
