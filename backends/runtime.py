@@ -388,7 +388,7 @@ class RankRuntime:
     def _stage_copy(self, stage: int, pipeline: str, layers: range) -> StageCopy:
         module = self.model.stage_module(layers)
         if self.model.ties:  # a tied weight: each copy its own, kept equal by `step`
-            module = copy_module(module)
+            module = copying.deepcopy(module)  # shared inside the stage stay shared
         module = module.to(self.device)
         params = [p for p in module.parameters() if p.requires_grad]
         masters = master_weights(params) if self.config.mixed_precision else None
@@ -826,8 +826,8 @@ class TiedGrads:
         self.device = device
         self.uses: list[tuple[int, StageCopy, int, bool]] = []
         """(offset in the flat sum, copy, index in `copy.trained`, counts)."""
-        self.first_uses: set[tuple[int, str, int]] = set()
-        """(stage, pipeline, index) of the uses a norm counts: each tie's first."""
+        self.repeated: set[tuple[int, int]] = set()
+        """(id of the copy, index) of the uses a norm skips: all but each tie's first."""
         self.size = 0
 
         def stage_of(layer: int) -> int:
@@ -843,8 +843,8 @@ class TiedGrads:
                 for copy in (c for c in copies if c.stage == stage):
                     index = _trained_index(copy, layer, name)
                     self.uses.append((self.size, copy, index, counts(copy)))
-                    if (layer, name) == tie[0]:
-                        self.first_uses.add((copy.stage, copy.pipeline, index))
+                    if (layer, name) != tie[0]:
+                        self.repeated.add((id(copy), index))
             self.size += model.layers[tie[0][0]].get_parameter(tie[0][1]).numel()
 
     def __bool__(self) -> bool:
@@ -855,8 +855,7 @@ class TiedGrads:
     def repeats(self, copy: StageCopy, index: int) -> bool:
         """Whether `copy.trained[index]` is a tied weight's use other than its first (a
         norm counts the weight once)."""
-        tied = any(c is copy and i == index for _, c, i, _ in self.uses)
-        return tied and (copy.stage, copy.pipeline, index) not in self.first_uses
+        return (id(copy), index) in self.repeated
 
     def contribution(self) -> torch.Tensor:
         """This rank's part of the sum: the gradients of the uses it counts."""
@@ -879,11 +878,6 @@ def _trained_index(copy: StageCopy, layer: int, name: str) -> int:
     """Where the parameter `name` of model layer `layer` is in `copy.trained`."""
     names = [n for n, p in copy.module.named_parameters() if p.requires_grad]
     return names.index(f"{layer - copy.layers.start}.{name}")
-
-
-def copy_module(module: nn.Module) -> nn.Module:
-    """A deep copy: its parameters are its own (shared ones stay shared inside it)."""
-    return copying.deepcopy(module)
 
 
 def clip_coefficient(square_sum: torch.Tensor, max_norm: float) -> torch.Tensor:
