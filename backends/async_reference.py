@@ -25,6 +25,11 @@ follows the ranks' orders, so a runtime that reads the wrong version, applies a
 gradient to the wrong update or mis-scales it disagrees. The result compares with the
 run like the synchronous reference (`reference.compare`, same tolerance).
 
+With `--predict-weights` a forward (and its recompute) reads its version moved
+`gradient_delays` times by the update that made it (`delta`; the last update of the
+iteration before for version 0), as backends/versions.py says; its backward reads the
+same values (prediction needs a stashing policy).
+
 It keeps every version some op still has to read, and one stage's weights per
 micro-batch in flight: a few times the model, fine for the models `--check` is for.
 """
@@ -88,6 +93,8 @@ class _Iteration:
     """What one iteration's replay has made so far."""
 
     versions: list[dict[int, Weights]]
+    deltas: list[dict[int, Weights | None]]
+    """Per stage, version -> what the update that made it changed (prediction only)."""
     uses: dict[tuple[int, int], int]
     """(stage, version): the tasks still to read it."""
     forwards: dict[tuple[int, int], _Forward] = field(default_factory=dict)
@@ -121,6 +128,8 @@ class _Replay:
             self.newest.append([p.detach().clone() for _, p in named])
             self.optimizers.append(make_optimizer([p for _, p in named], config))
         self.versions: WeightVersions = weight_versions(program)
+        self.delays = weight_versions(program).gradient_delays() if config.predict_weights else {}
+        self.last_deltas: list[Weights | None] = [None] * len(self.modules)
         self.tasks = self._tasks()
 
     def _tasks(self) -> list[Task]:
@@ -142,7 +151,7 @@ class _Replay:
         for kind, stage, n in self.tasks:
             version = n if kind is Kind.U else self.read(kind, stage, n)
             uses[(stage, version)] = uses.get((stage, version), 0) + 1
-        state = _Iteration([{0: w} for w in self.newest], uses)
+        state = _Iteration([{0: w} for w in self.newest], [{0: d} for d in self.last_deltas], uses)
         pending = self.tasks
         while pending:
             waiting = [task for task in pending if not self._try(task, state, step)]
@@ -150,6 +159,7 @@ class _Replay:
                 raise InternalError(f"the asynchronous reference is stuck at {waiting[:3]}")
             pending = waiting
         self.newest = [v[max(v)] for v in state.versions]
+        self.last_deltas = [d[max(d)] for d in state.deltas]
         count = self.program.num_microbatches
         return sum(state.losses[mb] for mb in range(count)) / count
 
@@ -165,7 +175,8 @@ class _Replay:
             self._forward(stage, n, version, state, step)
         elif kind is Kind.R:
             forward = state.forwards[(stage, n)]
-            forward.weights, forward.version = self._leaves(state, stage, version), version
+            forward.weights = self._leaves(state, stage, version, n)
+            forward.version = version
             forward.y = self._run(stage, n, forward, step)
         else:
             self._backward(kind, stage, n, version, state)
@@ -193,8 +204,16 @@ class _Replay:
             return (Kind.B, stage, n) in done
         return stage == self.program.num_stages - 1 or (stage + 1, n) in state.input_grads
 
-    def _leaves(self, state: _Iteration, stage: int, version: int) -> Weights:
-        return [t.detach().clone().requires_grad_(True) for t in state.versions[stage][version]]
+    def _leaves(
+        self, state: _Iteration, stage: int, version: int, mb: int | None = None
+    ) -> Weights:
+        """Fresh leaves holding `version`; for micro-batch `mb`'s forward, predicted."""
+        values = state.versions[stage][version]
+        delay = self.delays.get((mb, stage, self.pipeline), 0) if mb is not None else 0
+        delta = state.deltas[stage][version] if delay else None
+        if delta is not None:
+            values = [torch.add(w, d, alpha=delay) for w, d in zip(values, delta, strict=True)]
+        return [t.detach().clone().requires_grad_(True) for t in values]
 
     def _run(self, stage: int, mb: int, forward: _Forward, step: int) -> torch.Tensor:
         """The stage's output on `forward.weights`; on the last stage, the (unscaled) loss."""
@@ -210,7 +229,7 @@ class _Replay:
             x, _ = self.model.batch(step, mb, self.device)
         else:
             x = state.outputs.pop((stage - 1, mb)).detach().requires_grad_(True)
-        forward = _Forward(x, self._leaves(state, stage, version), version)
+        forward = _Forward(x, self._leaves(state, stage, version, mb), version)
         if Kind.R in self.kinds:
             with torch.no_grad():
                 y = self._run(stage, mb, forward, step)
@@ -257,6 +276,7 @@ class _Replay:
         old = state.versions[stage][k]
         if not mbs:
             state.versions[stage][k + 1] = old
+            state.deltas[stage][k + 1] = None
             return
         total = state.grads.pop((stage, mbs[0]))
         for mb in mbs[1:]:
@@ -269,6 +289,8 @@ class _Replay:
         new = [t.clone() for t in old]
         self.optimizers[stage].apply(new, mean)
         state.versions[stage][k + 1] = new
+        if self.delays:
+            state.deltas[stage][k + 1] = [n - o for n, o in zip(new, old, strict=True)]
 
     def final_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter after the last iteration, named as the runtime names them."""

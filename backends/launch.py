@@ -133,6 +133,13 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             "stage updates on its own at its `U`, so there is no one step at which to take "
             "the global gradient norm; run it without --clip-grad"
         )
+    if config.predict_weights and (program.weights is None or not program.weights.stashes):
+        policy = "synchronous" if program.weights is None else "`weights latest`"
+        raise RunError(
+            f"--predict-weights: `{program.name}` is {policy}; weight prediction is for "
+            "asynchronous schedules that stash versions (`weights stash` or `weights K`: "
+            "pipedream, pipedream-2bw), where a forward's weights are known to be stale"
+        )
     if (config.save or config.resume) and program.weights is not None:
         raise RunError(
             f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): its "

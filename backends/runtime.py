@@ -47,6 +47,7 @@ from pipelang.backends.transport import Handle, Transport, peer_failures
 from pipelang.backends.versions import CopyVersions, installed
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Kind, Program
+from pipelang.weights import weight_versions
 
 DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
 SGD_MOMENTUM = 0.9
@@ -95,6 +96,9 @@ class RunConfig:
     model spec's dtype is then the compute dtype; `dtype` stays float32)."""
     clip_grad: float | None = None
     """`--clip-grad MAX`: clip the gradients to this global norm (over all ranks)."""
+    predict_weights: bool = False
+    """`--predict-weights`: asynchronous schedules run each forward on weights predicted
+    for the update its gradient meets (XPipe; backends/versions.py)."""
 
     @property
     def spec(self) -> ModelSpec:
@@ -312,11 +316,16 @@ class RankRuntime:
         self.tied = TiedGrads(self.model, bounds, copies, self.counts, device)
         self.model.layers = []  # keep only this rank's stages alive
         self.versions: dict[tuple[int, str], CopyVersions] = {}
+        self.delays: dict[tuple[int, int, str], int] = {}
+        """With --predict-weights: each forward's gradient delay (weights.py)."""
         if program.weights is not None:
+            predict = config.predict_weights
             self.versions = {
-                key: CopyVersions(c.module, c.params, program.weights.stashes)
+                key: CopyVersions(c.module, c.params, program.weights.stashes, predict)
                 for key, c in self.copies.items()
             }
+            if predict:
+                self.delays = weight_versions(program).gradient_delays()
         self.peak_versions = len(self.versions)
         self.reduced_at_step = [
             self.copies[key]
@@ -515,17 +524,24 @@ class RankRuntime:
         """F: run the stage; keep its input and output; publish the output."""
         copy = self.copies[(stage, pipeline)]
         x = self._stage_input(mb, copy)
-        if self.recomputes:
-            with torch.no_grad():
-                y = self._run_stage(mb, copy, x, record=True)
-            saved = self.saved[(mb, stage, pipeline)] = Saved(x, None)
-        else:
-            with self._recording(mb, copy):
-                y = self._run_stage(mb, copy, x, record=True)
-            saved = self.saved[(mb, stage, pipeline)] = Saved(x, y)
-            self._measure()
+        params = copy.params
+        on: AbstractContextManager[None] = contextlib.nullcontext()
+        if self.delays:  # --predict-weights: run on the weights the gradient will meet
+            versions = self.versions[(stage, pipeline)]
+            params = versions.predicted(self.delays[(mb, stage, pipeline)])
+            on = installed(versions.slots, params, copy.params)
+        with on:
+            if self.recomputes:
+                with torch.no_grad():
+                    y = self._run_stage(mb, copy, x, record=True)
+                saved = self.saved[(mb, stage, pipeline)] = Saved(x, None)
+            else:
+                with self._recording(mb, copy):
+                    y = self._run_stage(mb, copy, x, record=True)
+                saved = self.saved[(mb, stage, pipeline)] = Saved(x, y)
+                self._measure()
         if self.versions:
-            saved.params = copy.params
+            saved.params = params
         if not copy.last:
             self.values[("F", mb, stage, pipeline)] = y.detach()
 

@@ -21,6 +21,14 @@ else `B`) its parameter gradients move from the version's `.grad` into the copy'
 in the order the backwards run; `update` applies their mean: the sum divided by the
 number of micro-batches it holds (each loss is unscaled). A `U` with no gradient since
 the one before makes a version equal to the newest without running the optimizer.
+
+Weight prediction (`--predict-weights`, XPipe; stashing policies only): a forward whose
+gradient will be applied `s` updates after the version it reads (`WeightVersions.
+gradient_delays`) runs on `newest + s * delta`, `delta` being what the copy's last update
+changed (`-lr * momentum` for SGD, `-lr * m/(sqrt(v)+eps)` for Adam, zero before the
+first update and after an update without gradients). That prediction is a version of its
+own: its micro-batch's backward reads it (it is stashed) and its gradient goes into the
+sum like any other; the update still applies to the newest weights.
 """
 
 from __future__ import annotations
@@ -82,8 +90,13 @@ class CopyVersions:
     """The versions of one stage copy: its newest parameters, the gradient sum since the
     last update, and weak references to every version made, for `live()`."""
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], stash: bool) -> None:
+    def __init__(
+        self, module: nn.Module, params: list[nn.Parameter], stash: bool, predict: bool = False
+    ) -> None:
         self.stash = stash
+        self.predict = predict
+        self.delta: list[torch.Tensor] | None = None
+        """What the last update changed, kept across iterations when predicting."""
         self.slots = parameter_slots(module, params)
         self.newest = params
         self.grads: list[torch.Tensor | None] | None = None
@@ -124,6 +137,7 @@ class CopyVersions:
         grads, count = self.grads, self.count
         self.grads, self.count = None, 0
         if grads is None:
+            self.delta = None
             if self.stash:
                 self._make([nn.Parameter(p.detach().clone()) for p in self.newest], optimizer)
             return self.newest
@@ -133,8 +147,24 @@ class CopyVersions:
             return self.newest
         new = [nn.Parameter(p.detach().clone()) for p in self.newest]
         optimizer.apply(new, mean)
+        if self.predict:
+            self.delta = [n.detach() - o.detach() for n, o in zip(new, self.newest, strict=True)]
         self._make(new, optimizer)
         return new
+
+    def predicted(self, delay: int) -> list[nn.Parameter]:
+        """The weights a forward whose gradient lags `delay` updates runs on: the newest
+        moved `delay` times by the last update (the newest themselves when there is
+        nothing to extrapolate)."""
+        if delay == 0 or self.delta is None:
+            return self.newest
+        params = [
+            nn.Parameter(torch.add(p.detach(), d, alpha=delay))
+            for p, d in zip(self.newest, self.delta, strict=True)
+        ]
+        if params:
+            self.refs.append(weakref.ref(params[0]))  # a version in memory too
+        return params
 
     def _make(self, new: list[nn.Parameter], optimizer: Optimizer) -> None:
         install(self.slots, new)

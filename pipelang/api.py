@@ -8,6 +8,7 @@ from pathlib import Path
 from pipelang import ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import fail
+from pipelang.evaluate import MAX_OPS
 from pipelang.ir import Program
 from pipelang.parser import parse_file, stdlib_dir
 
@@ -45,10 +46,12 @@ def compile_schedule(
     max_activations: int | None = None,
     stop_after: str | None = None,
     dp: int = 1,
+    max_ops: int = MAX_OPS,
 ) -> Compilation:
     """Run the passes on a schedule (path or stdlib name) with `-p`-style string params;
-    `dp` is the data-parallel copies a stream program is lowered for."""
-    options = Options(dict(params or {}), max_activations, dp)
+    `dp` is the data-parallel copies a stream program is lowered for; a schedule of more
+    than `max_ops` ops is refused (E0106)."""
+    options = Options(dict(params or {}), max_activations, dp, max_ops)
     return run_passes(load_file(sched), options, stop_after)
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError, PipelangError
+from pipelang.evaluate import MAX_OPS
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -35,6 +36,8 @@ class Options:
     max_activations: int | None = None
     dp: int = 1
     """Data-parallel copies the stream program is lowered for (`streams`)."""
+    max_ops: int = MAX_OPS
+    """The most ops the schedule may have (E0106 past it; `--max-ops`)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def _expand_orders(c: Compilation) -> Compilation:
     from pipelang.passes.expand_orders import expand_orders
 
     assert c.params is not None
-    return dataclasses.replace(c, program=expand_orders(c.file, c.params))
+    return dataclasses.replace(c, program=expand_orders(c.file, c.params, c.options.max_ops))
 
 
 def _build_dag(c: Compilation) -> Compilation:
@@ -155,6 +158,11 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("check-streams", _check_streams),
 )
 PASS_NAMES = tuple(name for name, _ in PASSES)
+SCHEDULE_DONE = "insert-holds"
+"""The last pass that decides what each rank computes and when: the ops, the op graph
+and memory are final. What follows only lowers transfers and sync (it cannot fail on a
+validated program), so `check`, `simulate` and `viz` stop here: on a schedule of 10^6
+ops the lowering passes would take as long again as everything before them."""
 PROGRAM_DONE = "insert-sync"
 """The last pass a run by default: the Program every backend's eager path reads. The
 stream program's passes cost time in ranks x ops and serve graph mode and its checks, so

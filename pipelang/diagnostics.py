@@ -116,7 +116,9 @@ QUOTED = 60
 """The most characters of a quoted piece of input (`name`) a message shows."""
 MESSAGE = 1000
 """The most characters of one message, note or help (what a `require`'s own text says, too)."""
-_QUOTE = re.compile(rf"`([^`\n]{{{QUOTED + 1},}})`")
+_QUOTE = re.compile(r"`([^`\n]*)`")
+"""Every quoted piece, paired left to right (matching only the long ones would pair the
+text between two quotes as if it were one)."""
 
 
 def clip(text: str) -> str:
@@ -126,6 +128,8 @@ def clip(text: str) -> str:
 
     def cut(found: re.Match[str]) -> str:
         whole = found[1]
+        if len(whole) <= QUOTED:
+            return found[0]
         keep = QUOTED // 2
         return f"`{whole[:keep]}...{whole[-keep // 2 :]}` ({len(whole):,} characters)"
 

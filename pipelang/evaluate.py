@@ -12,6 +12,7 @@ import difflib
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,13 @@ Evaluator = Callable[[Env], Value]
 IntEvaluator = Callable[[Env], int]
 
 INT, BOOL = "int", "bool"
-LIMIT = 4_000_000
-"""Most ops, loop iterations or range elements one expansion may produce (E0106)."""
+MAX_OPS = 150_000
+"""Most ops a schedule may have (micro-batches x stages x kinds), and so most ranks and
+placed stages, unless `--max-ops` says otherwise (E0106): every command handles a
+schedule this large within about 10 s on a 2-core VM (docs/language.md, "Limits")."""
+ITERATIONS_PER_OP = 4
+"""Loop iterations of an order, and elements of one range, allowed per allowed op."""
+_max_ops: ContextVar[int] = ContextVar("max_ops", default=MAX_OPS)
 MAX_DIGITS = 18
 """Most digits of an integer literal or `-p` value (E0106); 18 digits fit in 64 bits."""
 MAX_INT = 2**63 - 1
@@ -347,17 +353,44 @@ def _text(node: ast.Node) -> str:
     return node.span.source.text[node.span.start : node.span.end]
 
 
+def max_ops() -> int:
+    """The most ops the schedule being expanded may have (`op_limit`)."""
+    return _max_ops.get()
+
+
+def iteration_limit() -> int:
+    """The most loop iterations of one order, and elements of one range."""
+    return ITERATIONS_PER_OP * _max_ops.get()
+
+
+@contextmanager
+def op_limit(ops: int) -> Iterator[None]:
+    """Expand with at most `ops` ops (`--max-ops`); the iteration limits follow."""
+    token = _max_ops.set(ops)
+    try:
+        yield
+    finally:
+        _max_ops.reset(token)
+
+
+def too_large(what: str, span: Span | None) -> PipelangError:
+    """E0106 for a schedule past `--max-ops` or the limits that follow from it."""
+    return fail(
+        "E0106",
+        what,
+        span,
+        help=f"pass smaller parameters; `--max-ops` (now {max_ops()}) raises the limit, "
+        "for a schedule that is really this big",
+    )
+
+
 def eval_range(rng: ast.Range, scope: Scope, env: Env) -> range:
-    """Evaluate `a..b` once, refusing ranges longer than `LIMIT` (E0106)."""
+    """Evaluate `a..b` once, refusing ranges longer than `iteration_limit()` (E0106)."""
     start, stop = compile_int(rng.start, scope)(env), compile_int(rng.stop, scope)(env)
-    return checked_range(start, stop, rng)
-
-
-def checked_range(start: int, stop: int, rng: ast.Range) -> range:
-    if stop - start > LIMIT:
-        raise fail(
-            "E0106",
-            f"range `{_text(rng)}` has {stop - start} elements, more than the limit of {LIMIT}",
+    limit = iteration_limit()
+    if stop - start > limit:
+        raise too_large(
+            f"range `{_text(rng)}` has {stop - start} elements, more than the limit of {limit}",
             rng.span,
         )
     return range(start, stop)

@@ -21,21 +21,19 @@ def to_json(program: Program) -> str:
     evictions as `{"op": "E", "mb", "stage", "pipeline", "to": p}` and `{"op": "L", ...}`
     (the partner's holds are the compiler's, and left out). An op that starts together
     with the one before it (the W of a fused `BW`, either op of an overlapped `F & B`
-    after the first) has `"fused": true`: the order replays exactly from this."""
-    ranks = [
-        {
-            "rank": r,
-            "ops": [
-                _json_op(a)
-                for a in actions
-                if a.kind.is_compute or a.kind in (Kind.U, Kind.E, Kind.L)
-            ],
-        }
-        for r, actions in enumerate(program.ranks)
-    ]
-    return json.dumps(
-        {"schedule": program.name, "params": dict(program.params), "ranks": ranks}, indent=1
-    )
+    after the first) has `"fused": true`: the order replays exactly from this.
+
+    One op a line: as readable as an indented document, and written by json's C encoder
+    (an indented dump goes through the pure-Python one: 20 s for 500,000 ops)."""
+    kept = (Kind.U, Kind.E, Kind.L)
+    ranks = []
+    for r, actions in enumerate(program.ranks):
+        ops = ",\n   ".join(
+            json.dumps(_json_op(a)) for a in actions if a.kind.is_compute or a.kind in kept
+        )
+        ranks.append(f'  {{"rank": {r}, "ops": [\n   {ops}\n  ]}}')
+    head = json.dumps({"schedule": program.name, "params": dict(program.params)})
+    return head[:-1] + ', "ranks": [\n' + ",\n".join(ranks) + "\n]}"
 
 
 def _json_op(a: Action) -> dict[str, object]:

@@ -73,7 +73,7 @@ class Timeline:
             rows[event.rank].append(event)
         return tuple(map(tuple, rows))
 
-    @property
+    @cached_property
     def makespan(self) -> float:
         """When the last op ends (the iteration starts at 0)."""
         return max((e.end for e in self.events), default=0.0)
@@ -98,7 +98,11 @@ class Timeline:
 
     def busy(self, rank: int) -> float:
         """Time `rank` spends running ops (a compound counts once)."""
-        return sum(e.end - e.start for e in self._by_rank[rank] if not e.action.fused)
+        return self._busy[rank]
+
+    @cached_property
+    def _busy(self) -> list[float]:
+        return [sum(e.end - e.start for e in row if not e.action.fused) for row in self._by_rank]
 
     def idle(self, rank: int) -> float:
         """Time `rank` waits within the iteration: makespan - busy."""
@@ -161,21 +165,34 @@ class Timeline:
         An op of time c fills c cells: its short label (`F3`, see `grid.op_labeler`),
         then `-`; idle cells are `.`. Start and end times round to the nearest cell, so
         ops of time 0 do not show. Rows are cut at `width_limit` characters.
+
+        The grid is at most `GRID_CELLS` cells wide and `GRID_RANKS` ranks tall: past
+        that a cell is made longer (ops shorter than it may not show; a last line says
+        how long a cell is) and the ranks after the first `GRID_RANKS` are counted.
         """
-        unit = min((e.end - e.start for e in self.events if e.end > e.start), default=1.0)
-        width = round(self.makespan / unit)
+        shortest = min((e.end - e.start for e in self.events if e.end > e.start), default=1.0)
+        unit = max(shortest, self.makespan / GRID_CELLS)
+        width = min(round(self.makespan / unit), GRID_CELLS)
         label = op_labeler(self.program)
         rows = []
-        for rank, events in enumerate(self._by_rank):
+        for rank, events in enumerate(self._by_rank[:GRID_RANKS]):
             cells = ["."] * width
             for event in events:
                 if event.action.fused:
                     continue  # its compound's first op labels the cells
-                first, last = round(event.start / unit), round(event.end / unit)
+                first, last = round(event.start / unit), min(round(event.end / unit), width)
                 for cell in range(first, last):
                     cells[cell] = label(rank, event.action) if cell == first else "-"
             rows.append((f"rank {rank}", cells))
-        return render_rows(rows, width_limit)
+        notes = []
+        if len(self._by_rank) > GRID_RANKS:
+            notes.append(f"... and {len(self._by_rank) - GRID_RANKS} more ranks")
+        if unit > shortest:
+            notes.append(
+                f"(one cell = {_number(unit)} time units, to keep the grid within "
+                f"{GRID_CELLS} cells; ops shorter than a cell may not show)"
+            )
+        return "\n".join([render_rows(rows, width_limit), *notes])
 
 
 def _number(value: float) -> int | float:
@@ -183,6 +200,12 @@ def _number(value: float) -> int | float:
     rounded = round(value, 6)
     return int(rounded) if float(rounded).is_integer() else rounded
 
+
+GRID_CELLS = 5000
+"""The widest `Timeline.text_grid`, in cells (costs of 1e-6 and 1e6 would otherwise ask
+for a grid of 10^12 cells)."""
+GRID_RANKS = 512
+"""The most ranks `Timeline.text_grid` draws."""
 
 Link = Callable[[Action, int, int], float]
 """The time to move an op's result from one rank to another: `link(op, src, dst)`."""
@@ -278,7 +301,9 @@ def _start_times(
         done += 1
         end = start[u] + times[u]
         for v, delay in succ[u]:
-            start[v] = max(start[v], end + delay)
+            at = end + delay
+            if at > start[v]:  # not max(): this loop runs once per edge, 10^6 of them
+                start[v] = at
             indegree[v] -= 1
             if indegree[v] == 0:
                 ready.append(v)

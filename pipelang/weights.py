@@ -57,6 +57,18 @@ class WeightVersions:
     """Per (stage, pipeline, k): the micro-batches whose gradients the copy's update k
     applies, in the order their last backward runs (empty in a synchronous schedule)."""
 
+    def gradient_delays(self) -> dict[tuple[int, int, str], int]:
+        """Per (micro-batch, stage, pipeline): how many updates lie between the version
+        its forward read and the version its gradient is applied to (update k applies
+        to version k). Weight prediction (XPipe) runs the forward on weights
+        extrapolated over exactly these updates."""
+        delays = {}
+        for (stage, pipeline, k), mbs in self.applies.items():
+            for mb in mbs:
+                assert mb is not None and stage is not None and pipeline is not None
+                delays[(mb, stage, pipeline)] = k - self.reads[(Kind.F, mb, stage, pipeline)]
+        return delays
+
 
 def weight_versions(program: Program) -> WeightVersions:
     """Versions, live counts, delays and problems of `program` (module docstring)."""
@@ -145,7 +157,7 @@ class _RankWalk:
 
     def live(self, copy: Copy) -> set[int]:
         """The versions of `copy` in memory now."""
-        return {self.newest[copy], *(v for v, n in self.pinned[copy].items() if n > 0)}
+        return {self.newest[copy], *self.pinned[copy]}
 
     def live_total(self) -> int:
         return sum(len(self.live(copy)) for copy in self.copies)
@@ -174,7 +186,10 @@ class _RankWalk:
         self.pending[copy].append((action, forward))
         if stashed:
             del self.forwards[(action.mb, copy)]
-            self.pinned[copy][forward] -= 1
+            pins = self.pinned[copy]
+            pins[forward] -= 1
+            if not pins[forward]:  # only pinned versions stay: `live` runs at every op
+                del pins[forward]
 
     def update(self, action: Action, copy: Copy) -> None:
         grads = self.pending.pop(copy, [])

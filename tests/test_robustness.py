@@ -419,3 +419,82 @@ def test_a_file_of_too_many_tokens_is_refused_at_the_first_one_over(tmp_path: Pa
     assert status == 1 and f"more than {MAX_TOKENS:,} tokens" in err
     line = err.splitlines()[1]
     assert re.search(r"s\.pipe:3:\d+$", line), line  # the comment does not count
+
+
+# ---- sizes every command answers quickly ------------------------------------------------
+
+
+def test_the_op_limit_is_an_error_that_names_max_ops_and_max_ops_raises_it() -> None:
+    status, _, err = run_in_process(["check", "1f1b", "-p", "D=4", "-p", "N=40000"])
+    assert status == 1 and "320000 ops, more than the limit of 150000" in err
+    assert "`--max-ops` (now 150000)" in err
+    status, out, _ = run_in_process(
+        ["check", "1f1b", "-p", "D=4", "-p", "N=40000", "--max-ops", "320000"]
+    )
+    assert status == 0 and "320000 compute ops" in out
+    assert run_in_process(["check", "1f1b", "--max-ops", "0"])[0] == 2
+
+
+def test_the_loop_and_range_limits_follow_max_ops(tmp_path: Path) -> None:
+    """An order may run 4 iterations per allowed op: nested loops that only count are
+    refused at the loop, sooner with a lower --max-ops."""
+    from pipelang.evaluate import ITERATIONS_PER_OP
+
+    path = tmp_path / "s.pipe"
+    path.write_text(
+        "schedule s(D: int = 2, N: int = 2) {\n"
+        "    pipeline p: stage s in 0..D -> rank s\n"
+        "    microbatches 0..N -> p\n"
+        "    order rank r {\n"
+        "        for i in 0..1000 { for j in 0..1000 { if i < 0 { F(0) } } }\n"
+        "        for i in 0..N { F(i) }\n"
+        "        for i in 0..N { B(i) }\n"
+        "    }\n"
+        "}\n"
+    )
+    assert run_in_process(["check", str(path), "--max-ops", "1000000"])[0] == 0
+    status, _, err = run_in_process(["check", str(path), "--max-ops", "100000"])
+    assert status == 1 and f"more than {100000 * ITERATIONS_PER_OP} loop iterations" in err
+    assert ":5:" in err.splitlines()[1]  # at the loop that went over
+
+
+def test_simulate_shows_at_most_64_ranks_and_json_lists_all() -> None:
+    status, out, _ = run_in_process(["simulate", "1f1b", "-p", "D=100", "-p", "N=2"])
+    assert status == 0 and "... and 36 more ranks (--json lists every rank)" in out
+    assert "│   63 │" in out and "│   64 │" not in out
+    status, out, _ = run_in_process(["simulate", "1f1b", "-p", "D=100", "-p", "N=2", "--json"])
+    assert len(strict(out)["ranks"]) == 100  # type: ignore[index]
+
+
+def test_the_grid_is_bounded_whatever_the_costs() -> None:
+    """Costs of 1e-6 and 1e6 asked for a grid of 10^12 cells (MemoryError): the grid
+    keeps within GRID_CELLS cells and says how long a cell is."""
+    from pipelang.simulate import GRID_CELLS
+
+    status, out, _ = run_in_process(
+        ["simulate", "1f1b", "--grid", "--cost", "F=0.000001,B=1000000"]
+    )
+    assert status == 0
+    rows = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(rows) == 4 and all(len(row.split("|")[1].split()) <= GRID_CELLS for row in rows)
+    assert "(one cell = 2200 time units" in out  # makespan 11e6 over 5000 cells
+    assert all(f"B{mb}" in rows[0] for mb in range(8))  # the long ops all show
+
+
+def test_the_grid_draws_at_most_grid_ranks() -> None:
+    from pipelang.simulate import GRID_RANKS
+
+    timeline = compile_schedule("1f1b", {"D": str(GRID_RANKS + 3), "N": "1"}).timeline()
+    grid = timeline.text_grid()
+    assert grid.count("\nrank ") == GRID_RANKS - 1 and grid.endswith("... and 3 more ranks")
+
+
+def test_clipping_pairs_quotes_left_to_right() -> None:
+    """The text between two short quotes is not a quote: it was cut as one, which put
+    `(75 characters)` inside an E0314 message."""
+    from pipelang.diagnostics import QUOTED, clip
+
+    between = "x " * QUOTED
+    message = f"`U1@0/main` {between}`weights 2` allows 2"
+    assert clip(message) == message
+    assert clip(f"`a` `{'y' * (QUOTED + 1)}` `b`").endswith(f"({QUOTED + 1} characters) `b`")

@@ -223,3 +223,108 @@ def test_dp_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert status == 1
     assert err.startswith("error: `pipemare` is asynchronous (`weights latest`)")
     assert "with --dp yet" in err
+
+
+# ---- weight prediction (XPipe, --predict-weights) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "D", "optimizer"),
+    [("pipedream", 3, "sgd"), ("pipedream", 4, "adam"), ("pipedream-2bw", 3, "sgd")],
+)
+def test_predicted_weights_pass_the_check_on_local(
+    name: str, D: int, optimizer: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    program = stdlib(name, D=D, N=N)
+    argv = ["--backend", "local", "--steps", "2", "--check", "--optimizer", optimizer]
+    assert run(program, *argv, "--predict-weights") == 0
+    out = capsys.readouterr().out
+    assert "check OK" in out and "(bitwise equal)" in out, out
+
+
+def test_predicted_weights_pass_the_check_on_gloo(capsys: pytest.CaptureFixture[str]) -> None:
+    program = stdlib("pipedream", D=3, N=N)
+    assert run(program, "--steps", "2", "--check", "--predict-weights") == 0
+    out = capsys.readouterr().out
+    assert "check OK" in out and "(bitwise equal)" in out, out
+
+
+def test_prediction_changes_training_and_a_reference_without_it_disagrees() -> None:
+    program = stdlib("pipedream", D=3, N=N)
+    plain = RunConfig(backend="local", steps=2, check=True, optimizer="sgd")
+    predicting = dataclasses.replace(plain, predict_weights=True)
+    outcome = local_outcome(program, predicting)
+    cpu = torch.device("cpu")
+    assert compare(
+        train_async_reference(predicting, program, cpu), outcome.results, outcome.losses, plain
+    ).ok
+    comparison = compare(
+        train_async_reference(plain, program, cpu), outcome.results, outcome.losses, plain
+    )
+    assert not comparison.ok and comparison.max_weight_diff > 100 * comparison.atol
+
+
+def test_prediction_without_delay_changes_nothing() -> None:
+    # 2BW with one update per iteration: every gradient meets the version its forward
+    # read (delay 0), so predicting is bitwise the same run
+    program = stdlib("pipedream-2bw", D=3, N=4, m=4)
+    assert set(weight_versions(program).gradient_delays().values()) == {0}
+    plain = RunConfig(backend="local", steps=3, check=True, optimizer="adam")
+    a = local_outcome(program, plain)
+    b = local_outcome(program, dataclasses.replace(plain, predict_weights=True))
+    assert a.losses == b.losses
+    for x, y in zip(a.results, b.results, strict=True):
+        for wx, wy in zip(x.copy_weights, y.copy_weights, strict=True):
+            assert all(torch.equal(wx[k], wy[k]) for k in wx)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_prediction_is_the_papers_formula(optimizer: str) -> None:
+    """PipeOptim / XPipe: W_t - s * lr * momentum (SGD) and W_t - s * lr * m_hat /
+    (sqrt(v_hat) + eps) (Adam), from torch.optim's own state after the same update."""
+    from pipelang.backends.runtime import make_optimizer
+    from pipelang.backends.versions import CopyVersions
+
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    params = list(module.parameters())
+    config = RunConfig(optimizer=optimizer, lr=0.05)
+    versions = CopyVersions(module, params, stash=True, predict=True)
+    twin = [p.detach().clone().requires_grad_(True) for p in params]
+    torch_opt = (
+        torch.optim.SGD(twin, lr=0.05, momentum=0.9)
+        if optimizer == "sgd"
+        else torch.optim.Adam(twin, lr=0.05)
+    )
+    ours = make_optimizer(params, config)
+    for _ in range(2):  # two updates: momentum and moments are not the first gradient
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(versions.newest, grads, strict=True):
+            p.grad = g.clone()
+        versions.collect(versions.newest)
+        versions.update(ours, versions.updates + 1)
+        for p, g in zip(twin, grads, strict=True):
+            p.grad = g.clone()
+        torch_opt.step()
+    for delay in (1, 3):
+        for got, base in zip(versions.predicted(delay), twin, strict=True):
+            state = torch_opt.state[base]
+            if optimizer == "sgd":
+                direction = state["momentum_buffer"]
+            else:
+                step = float(state["step"])
+                m_hat = state["exp_avg"] / (1 - 0.9**step)
+                v_hat = state["exp_avg_sq"] / (1 - 0.999**step)
+                direction = m_hat / (v_hat.sqrt() + 1e-8)
+            expected = base.detach() - delay * 0.05 * direction
+            torch.testing.assert_close(got.detach(), expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "what"), [("1f1b", "synchronous"), ("pipemare", "latest")])
+def test_prediction_is_refused_where_it_has_no_meaning(
+    name: str, what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = run(stdlib(name, D=2, N=4), "--backend", "local", "--predict-weights")
+    err = capsys.readouterr().err
+    assert status == 1 and err.startswith(f"error: --predict-weights: `{stdlib(name).name}`")
+    assert what in err

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pipelang import api
 from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
 from pipelang.compiler import Compilation
+from pipelang.evaluate import MAX_OPS
 from pipelang.ir import COMPUTE_KINDS, MAX_TIME, CostModel, Program
 
 if TYPE_CHECKING:
@@ -102,10 +103,19 @@ def layer_counts(text: str) -> tuple[int, ...]:
 # ---- schedules ------------------------------------------------------------------------------
 
 
-def add_param_option(parser: argparse.ArgumentParser, help: str) -> None:
-    """`-p NAME=VALUE`, repeatable, into `args.params` (read with `parse_params`)."""
+def add_param_options(parser: argparse.ArgumentParser, help: str) -> None:
+    """`-p NAME=VALUE`, repeatable, into `args.params` (read with `parse_params`), and
+    `--max-ops`."""
     parser.add_argument(
         "-p", dest="params", action="append", default=[], metavar="NAME=VALUE", help=help
+    )
+    parser.add_argument(
+        "--max-ops",
+        type=positive,
+        default=MAX_OPS,
+        metavar="K",
+        help=f"refuse a schedule of more than K ops (default {MAX_OPS:,}, which every "
+        "command handles in about 10 s); raise it for a schedule that is really bigger",
     )
 
 
@@ -128,7 +138,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SCHED",
         help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)",
     )
-    add_param_option(parser, "set a schedule parameter; repeat for several (-p D=4 -p N=8)")
+    add_param_options(parser, "set a schedule parameter; repeat for several (-p D=4 -p N=8)")
 
 
 def add_max_activations(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +159,7 @@ def compile_args(args: argparse.Namespace, stop_after: str | None = None) -> Com
         max_activations=getattr(args, "max_activations", None),
         stop_after=stop_after,
         dp=getattr(args, "dp", 1),
+        max_ops=args.max_ops,
     )
 
 
@@ -368,6 +379,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "every stage of every rank, as torch.nn.utils.clip_grad_norm_ does in one process",
     )
     parser.add_argument(
+        "--predict-weights",
+        action="store_true",
+        help="asynchronous schedules with stashed versions (pipedream, pipedream-2bw): run "
+        "each forward on the weights predicted for the update its gradient meets, the "
+        "newest moved by the last update once per update in between (XPipe)",
+    )
+    parser.add_argument(
         "--partition",
         type=layer_counts,
         metavar="L0,L1,...",
@@ -449,6 +467,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         data=args.data,
         mixed_precision=_mixed_precision(args),
         clip_grad=args.clip_grad,
+        predict_weights=args.predict_weights,
         **_checkpoint_options(args),
     )
 

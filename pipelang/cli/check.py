@@ -11,6 +11,7 @@ from pipelang.cli.args import (
     compile_args,
     describe,
 )
+from pipelang.compiler import SCHEDULE_DONE
 
 HELP = "check a schedule: parse, bind parameters, validate the order"
 
@@ -27,7 +28,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    program = compile_args(args).need_program()
+    program = compile_args(args, SCHEDULE_DONE).need_program()
     if args.format == "json":
         summary = {
             "ok": True,

@@ -19,6 +19,7 @@ from pipelang.cli.args import (
     describe,
     parse_cost,
 )
+from pipelang.compiler import SCHEDULE_DONE
 from pipelang.ir import Kind
 
 HELP = "replay a schedule with a cost model: makespan, bubbles, memory"
@@ -46,10 +47,14 @@ def setup(parser: argparse.ArgumentParser) -> None:
     add_slot_model_arguments(parser)
 
 
+TABLE_RANKS = 64
+"""The most ranks the text table shows (a table of 10^5 rows takes minutes to draw)."""
+
+
 def run(args: argparse.Namespace) -> int:
     costs = parse_cost(args.cost)
     slots = args.slots or args.model is not None
-    compiled = compile_args(args, "check-streams" if slots else None)
+    compiled = compile_args(args, "check-streams" if slots else SCHEDULE_DONE)
     program = compiled.need_program()
     check_cost_stages(costs, args.cost, program)
     timeline = compiled.timeline(costs)
@@ -78,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None:
         keys.append("data_slot_bytes")
         table.add_column(f"data slot bytes ({args.model})", justify="right")
-    for row in cast(list[dict[str, object]], metrics["ranks"]):
+    rows = cast(list[dict[str, object]], metrics["ranks"])
+    for row in rows[:TABLE_RANKS]:
         cells = [
             ", ".join(map(str, cast(dict[str, int], row[k]).values()))
             if k == "slots"
@@ -89,13 +95,18 @@ def run(args: argparse.Namespace) -> int:
         ]
         table.add_row(*cells)
     console.print(table)
+    if len(rows) > TABLE_RANKS:
+        console.print(f"... and {len(rows) - TABLE_RANKS} more ranks (--json lists every rank)")
     if Kind.W in program.kinds:
         held = [memory.peak(actions, Kind.W) for actions in program.ranks]
         if held != [timeline.peak_activations(r) for r in range(program.num_ranks)]:
+            shown = ", ".join(map(str, held[:TABLE_RANKS]))
+            if len(held) > TABLE_RANKS:
+                shown += f", ... ({len(held) - TABLE_RANKS} more ranks)"
             console.print(
                 "note: peak activations count a forward until its B, as the papers do; "
-                "pipelang's runtime holds it until its W, so a run holds "
-                f"{', '.join(map(str, held))} (docs/runtime.md)",
+                f"pipelang's runtime holds it until its W, so a run holds {shown} "
+                "(docs/runtime.md)",
                 markup=False,
             )
     if args.grid:

@@ -15,7 +15,7 @@ from pathlib import Path
 from pipelang import api
 from pipelang.cli.args import (
     UsageError,
-    add_param_option,
+    add_param_options,
     at_least_zero,
     check_cost_stages,
     parse_cost,
@@ -24,7 +24,7 @@ from pipelang.cli.args import (
     schedule_name,
     write_output,
 )
-from pipelang.compiler import Compilation
+from pipelang.compiler import SCHEDULE_DONE, Compilation
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
 from pipelang.simulate import Event, Timeline
@@ -44,7 +44,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="SCHED",
         help="a .pipe file or a stdlib name; several are drawn one under another on one time scale",
     )
-    add_param_option(parser, "set a schedule parameter, for every SCHED; repeat for several")
+    add_param_options(parser, "set a schedule parameter, for every SCHED; repeat for several")
     parser.add_argument(
         "--cost",
         metavar="SPEC",
@@ -161,7 +161,9 @@ def _aligned(model: Timeline, measured: Timeline) -> Timeline:
 
 
 def _compile(sched: str, args: argparse.Namespace) -> Compilation:
-    return api.compile_schedule(sched, parse_params(args.params))
+    return api.compile_schedule(
+        sched, parse_params(args.params), stop_after=SCHEDULE_DONE, max_ops=args.max_ops
+    )
 
 
 def _replay(program: Program, costs: CostModel) -> Timeline:

@@ -41,83 +41,101 @@ class _Rank:
     """The rank's first (stage, pipeline) of each pipeline: where micro-batches enter."""
     free_at: float = 0.0
     in_flight: int = 0
-    waiting: list[tuple[float, int, Action]] = field(default_factory=list)
-    ready: list[tuple[tuple[int, ...], int, Action]] = field(default_factory=list)
-    held: list[tuple[tuple[int, ...], int, Action]] = field(default_factory=list)
+    waiting: list[tuple[float, int, int]] = field(default_factory=list)
+    """(ready at, sequence, op index) of ops whose inputs are done; ties go to the op
+    that became ready first."""
+    ready: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)
+    held: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)
     order: list[Action] = field(default_factory=list)
 
 
+_IDLE = -1
+"""An event that only wakes a rank (no op finished)."""
+
+
 def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[Action, ...], ...]:
-    """Replay in time; each idle rank picks its best ready op under its cap."""
+    """Replay in time; each idle rank picks its best ready op under its cap.
+
+    Ops are numbered (in `compute_ops` order, which also breaks ties) and the replay
+    works on the numbers: hashing an Action costs a Python call, and this loop touches
+    each op a few times."""
     program = _skeleton(layout)
     key_of = _priority(order, layout)
     ops = list(program.compute_ops())
-    rank_of = {op: program.rank_of(op.stage, op.pipeline) for op in ops}  # type: ignore[arg-type]
+    index = {op: i for i, op in enumerate(ops)}
+    rank_of = [program.rank_of(op.stage, op.pipeline) for op in ops]  # type: ignore[arg-type]
     extra: dict[Action, list[Action]] = {}
     for dep in layout.after:
         extra.setdefault(dep.later, []).append(dep.earlier)
-    pending = dict.fromkeys(ops, 0)
-    consumers: dict[Action, list[Action]] = {op: [] for op in ops}
-    for op in ops:
+    pending = [0] * len(ops)
+    consumers: list[list[int]] = [[] for _ in ops]
+    for i, op in enumerate(ops):
         for dep in (*program.inputs_of(op), *extra.get(op, ())):
-            consumers[dep].append(op)
-            pending[op] += 1
-    ready_at = dict.fromkeys(ops, 0.0)
+            consumers[index[dep]].append(i)
+            pending[i] += 1
+    ready_at = [0.0] * len(ops)
     ranks = [_Rank(r, _cap(order, layout, r), _entries(layout, r)) for r in range(layout.num_ranks)]
     seq = 0
-    for op in ops:
-        if pending[op] == 0:
-            heapq.heappush(ranks[rank_of[op]].waiting, (0.0, seq, op))
+    for i, count in enumerate(pending):
+        if count == 0:
+            heapq.heappush(ranks[rank_of[i]].waiting, (0.0, seq, i))
             seq += 1
-    events: list[tuple[float, int, int, Action | None]] = [(0.0, 1, r.index, None) for r in ranks]
+    events: list[tuple[float, int, int, int]] = [(0.0, 1, r.index, _IDLE) for r in ranks]
     done = 0
     comm = layout.costs.of("C")
     while events:
         time, _, rank_index, finished = heapq.heappop(events)
-        if finished is not None:
+        if finished != _IDLE:
             done += 1
             for nxt in consumers[finished]:
-                delay = comm if rank_of[nxt] != rank_of[finished] else 0.0
-                ready_at[nxt] = max(ready_at[nxt], time + delay)
+                at = time + comm if rank_of[nxt] != rank_of[finished] else time
+                if at > ready_at[nxt]:
+                    ready_at[nxt] = at
                 pending[nxt] -= 1
                 if pending[nxt] == 0:
                     target = ranks[rank_of[nxt]]
                     heapq.heappush(target.waiting, (ready_at[nxt], seq, nxt))
-                    heapq.heappush(events, (ready_at[nxt], 1, target.index, None))
+                    heapq.heappush(events, (ready_at[nxt], 1, target.index, _IDLE))
                     seq += 1
             continue
         rank = ranks[rank_index]
         if rank.free_at > time:
             continue
-        chosen = _pick(rank, time, key_of)
+        chosen = _pick(rank, time, ops, key_of)
         if chosen is None:
             continue
-        op = chosen
+        op = ops[chosen]
         end = time + layout.costs.time(op)
         rank.free_at = end
         rank.order.append(Action(op.kind, op.mb, op.stage, op.pipeline, span=order.span))
-        heapq.heappush(events, (end, 0, rank.index, op))
-        heapq.heappush(events, (end, 1, rank.index, None))
+        heapq.heappush(events, (end, 0, rank.index, chosen))
+        heapq.heappush(events, (end, 1, rank.index, _IDLE))
     if done < len(ops):
-        raise _stuck(order, ranks, len(ops) - done, layout.after, pending)
+        left = {op: count for op, count in zip(ops, pending, strict=True) if count}
+        raise _stuck(order, ranks, len(ops) - done, layout.after, left)
     return tuple(tuple(r.order) for r in ranks)
 
 
-def _pick(rank: _Rank, time: float, key_of: Callable[[Action], tuple[int, ...]]) -> Action | None:
+def _pick(
+    rank: _Rank, time: float, ops: list[Action], key_of: Callable[[Action], tuple[int, ...]]
+) -> int | None:
+    """The index of the op `rank` runs at `time`, or None when it must wait."""
     while rank.waiting and rank.waiting[0][0] <= time:
-        _, seq, op = heapq.heappop(rank.waiting)
+        _, seq, i = heapq.heappop(rank.waiting)
+        op = ops[i]
         heap = rank.held if op.kind is Kind.F and op[2:4] in rank.entries else rank.ready
-        heapq.heappush(heap, (key_of(op), seq, op))
+        heapq.heappush(heap, (key_of(op), seq, i))
     candidates = [h for h in (rank.ready, rank.held) if h]
     if rank.in_flight >= rank.cap and rank.held:
         candidates = [rank.ready] if rank.ready else []
     if not candidates:
         return None
     best = min(candidates, key=lambda h: h[0][:2])
-    op = heapq.heappop(best)[2]
+    i = heapq.heappop(best)[2]
+    op = ops[i]
     if op[2:4] in rank.entries:
         rank.in_flight += {Kind.F: 1, Kind.B: -1}.get(op.kind, 0)
-    return op
+    return i
 
 
 def _entries(layout: Layout, rank: int) -> frozenset[tuple[int | None, str | None]]:

@@ -21,11 +21,8 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
     """Run the body once per rank with the rank variable bound."""
     budget = Budget()
     ranks = []
+    body = compile_block(order.body, layout.scope.with_name(order.var, order.span), budget)
     for rank in range(layout.num_ranks):
-        # Compiled once per rank so that everything that depends only on the rank folds.
-        body = compile_block(
-            order.body, layout.scope.with_constant(order.var, rank, order.span), budget
-        )
         actions: list[Action] = []
         updates: dict[tuple[int, str], int] = {}  # stage copy -> its updates so far
 

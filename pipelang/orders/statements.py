@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipelang import ast
 from pipelang.diagnostics import fail
-from pipelang.evaluate import BOOL, LIMIT, Const, Env, Scope, compile_expr, compile_int, infer
+from pipelang.evaluate import (
+    BOOL,
+    Const,
+    Env,
+    Scope,
+    compile_expr,
+    compile_int,
+    infer,
+    iteration_limit,
+    too_large,
+)
 from pipelang.ir import Kind
 
 Emit = Callable[[ast.OpCall, Kind, int | None, int | None, int | None, bool, int | None], None]
@@ -21,17 +31,16 @@ Block = Callable[[Env, Emit], None]
 class Budget:
     """Loop iterations still allowed in one expansion (E0106 beyond)."""
 
-    left: int = LIMIT
+    limit: int = field(default_factory=iteration_limit)
+    left: int = -1
+
+    def __post_init__(self) -> None:
+        self.left = self.limit
 
     def spend(self, count: int, node: ast.Node) -> None:
         self.left -= count
         if self.left < 0:
-            raise fail(
-                "E0106",
-                f"the order runs more than {LIMIT} loop iterations",
-                node.span,
-                help="check the parameters: a huge N or D makes the schedule huge",
-            )
+            raise too_large(f"the order runs more than {self.limit} loop iterations", node.span)
 
 
 def compile_block(stmts: tuple[ast.Stmt, ...], scope: Scope, budget: Budget) -> Block:

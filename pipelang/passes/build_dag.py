@@ -36,7 +36,7 @@ networkx only the few ops of a deadlock, to find their cycle.)
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -103,12 +103,20 @@ class OpGraph:
         for edges in (self.order, self.data, self.after):
             yield from (e for e in edges if e not in skip) if skip else edges
 
-    def topological_order(self, skip: frozenset[Edge] = frozenset()) -> list[int]:
+    def topological_order(self, skip: frozenset[Edge] = frozenset()) -> Sequence[int]:
         """Ops in an order that respects every edge but those in `skip` (Kahn's algorithm).
 
         Ops on a cycle, and those after one, are left out: the list is shorter than `ops`
-        exactly when the graph has a cycle.
+        exactly when the graph has a cycle. Without `skip` it is computed once per graph
+        (validation and `insert-holds` both walk it).
         """
+        return self._topological if not skip else self._kahn(skip)
+
+    @cached_property
+    def _topological(self) -> tuple[int, ...]:
+        return tuple(self._kahn(frozenset()))
+
+    def _kahn(self, skip: frozenset[Edge]) -> list[int]:
         succ: list[list[int]] = [[] for _ in self.ops]
         indegree = [0] * len(self.ops)
         for u, v in self.edges(skip):

@@ -22,14 +22,17 @@ from typing import TypeVar
 from pipelang import ast
 from pipelang.diagnostics import fail
 from pipelang.evaluate import (
-    LIMIT,
+    MAX_OPS,
     Env,
     Scope,
     Value,
     compile_int,
     constant_scope,
     eval_range,
+    max_ops,
     nesting_limit,
+    op_limit,
+    too_large,
 )
 from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program, WeightPolicy
 from pipelang.orders import Layout
@@ -40,9 +43,12 @@ from pipelang.orders.repeat import expand_repeat_order
 DeclT = TypeVar("DeclT", bound=ast.Node)
 
 
-def expand_orders(file: ast.File, bindings: Mapping[str, Value]) -> Program:
-    """Evaluate the declarations of the schedule and run its order."""
-    with nesting_limit(file.schedule.span):
+def expand_orders(
+    file: ast.File, bindings: Mapping[str, Value], most_ops: int = MAX_OPS
+) -> Program:
+    """Evaluate the declarations of the schedule and run its order, refusing schedules of
+    more than `most_ops` ops (E0106)."""
+    with nesting_limit(file.schedule.span), op_limit(most_ops):
         return _expand(file, bindings)
 
 
@@ -59,12 +65,9 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         _single(schedule, ast.Microbatches, "microbatches"), pipelines, scope, env
     )
     total = len(assignment) * num_stages * len(kinds)
-    if total > LIMIT:
-        raise fail(
-            "E0106",
-            f"the schedule has {total} ops, more than the limit of {LIMIT}",
-            schedule.span,
-            help="pass smaller parameters (N, D)",
+    if total > max_ops():
+        raise too_large(
+            f"the schedule has {total} ops, more than the limit of {max_ops()}", schedule.span
         )
     local: dict[tuple[str, int], tuple[int, ...]] = {}
     for p in pipelines:
@@ -233,13 +236,8 @@ def _pipelines(decls: list[ast.PipelineDecl], scope: Scope, env: Env) -> tuple[P
             indices = list(eval_range(decl.index_range, scope, env))
         # The stage range cannot use the family's index: every member has as many stages.
         placed += len(indices) * len(eval_range(decl.stages, scope, env))
-        if placed > LIMIT:
-            raise fail(
-                "E0106",
-                f"the pipelines place more than {LIMIT} stages",
-                decl.span,
-                help="pass smaller parameters",
-            )
+        if placed > max_ops():
+            raise too_large(f"the pipelines place more than {max_ops()} stages", decl.span)
         for j in indices:
             # Family members are `down0`, `down1`, ...; a family of one keeps the plain name.
             name = decl.name if j is None or len(indices) == 1 else f"{decl.name}{j}"
@@ -300,8 +298,11 @@ def _placement(decl: ast.PipelineDecl, scope: Scope, env: Env) -> tuple[int, ...
 def _check_ranks(schedule: ast.Schedule, pipelines: tuple[Pipeline, ...]) -> int:
     used = {r for p in pipelines for r in p.placement}
     num_ranks = max(used) + 1
-    if num_ranks > LIMIT:
-        raise fail("E0106", f"the placement uses {num_ranks} ranks", pipelines[0].span)
+    if num_ranks > max_ops():
+        raise too_large(
+            f"the placement uses {num_ranks} ranks, more than the limit of {max_ops()}",
+            pipelines[0].span,
+        )
     idle = sorted(set(range(num_ranks)) - used)
     if idle:
         raise fail(

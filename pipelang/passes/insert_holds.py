@@ -41,7 +41,10 @@ def insert_holds(program: Program, graph: OpGraph) -> tuple[Program, OpGraph]:
     if not evictions:
         return program, graph
     partners = sorted({p for v in evictions if (p := graph.ops[v].peer) is not None})
-    first = {p: _first_descendant(graph, p) for p in partners}
+    succ: list[list[int]] = [[] for _ in graph.ops]
+    for u, v in graph.edges():
+        succ[u].append(v)
+    first = {p: _first_descendant(graph, succ, p) for p in partners}
     holds: list[dict[int, list[Action]]] = [defaultdict(list) for _ in program.ranks]
     for v in evictions:  # op numbers follow (rank, step): holds come in eviction order
         evict = graph.ops[v]
@@ -59,19 +62,19 @@ def insert_holds(program: Program, graph: OpGraph) -> tuple[Program, OpGraph]:
     return held, op_graph(held)
 
 
-def _first_descendant(graph: OpGraph, rank: int) -> list[int]:
+def _first_descendant(graph: OpGraph, succ: list[list[int]], rank: int) -> list[int]:
     """For every op, the smallest step on `rank` of an op that depends on it (itself
     included); a step past every list when there is none. One pass in reverse
-    topological order."""
+    topological order over `succ`, the graph's successor lists."""
     none = 1 << 62
-    succ: list[list[int]] = [[] for _ in graph.ops]
-    for u, v in graph.edges():
-        succ[u].append(v)
     first = [none] * len(graph.ops)
     ranks, steps = graph.ranks, graph.steps
     for v in reversed(graph.topological_order()):
         here = steps[v] if ranks[v] == rank else none
-        first[v] = min([here, *(first[w] for w in succ[v])])
+        for w in succ[v]:
+            if first[w] < here:
+                here = first[w]
+        first[v] = here
     return first
 
 
