@@ -5,13 +5,17 @@ to synchronous training, with and without it.
 
 For PipeDream and PipeDream-2BW (D=4, N=8, gpt:tiny, micro-batch 4, the synthetic data of
 `pipelang run`), with SGD (momentum 0.9) and Adam at their default learning rates, three
-trainings from the same seed: synchronous (1F1B's mean gradient per step, the `--check`
-reference), asynchronous with stale weights, and asynchronous with predicted weights. It
-prints, for the two asynchronous ones:
+trainings from the same seed: the synchronous counterpart, asynchronous with stale
+weights, and asynchronous with predicted weights. The synchronous counterpart makes the
+same updates from the same micro-batches without staleness: the same schedule on one
+stage (D=1: PipeDream is then SGD or Adam on one micro-batch at a time, 2BW on the mean
+of each group of m = 4), so what differs is staleness alone. It prints, for the two
+asynchronous ones:
 
 - `weights`: the distance of the final weights to the synchronous run's, relative to how
   far the synchronous run moved them: ||W - W_sync|| / ||W_sync - W_0||;
-- `loss`: the mean absolute difference of the per-step losses from the synchronous run's.
+- `loss`: the mean absolute difference of the per-step losses from the synchronous run's;
+- the final step's loss of all three.
 
 The trainings are the one-process replays that `--check` compares runs with
 (backends/async_reference.py); tests/test_runtime_async.py shows `pipelang run` equals
@@ -27,7 +31,7 @@ import torch
 
 from pipelang.api import load_program
 from pipelang.backends.async_reference import train_async_reference
-from pipelang.backends.reference import Reference, train_reference
+from pipelang.backends.reference import Reference
 from pipelang.backends.runtime import RunConfig, full_model_names
 
 CASES = ("pipedream", "pipedream-2bw")
@@ -54,20 +58,25 @@ def main() -> None:
     print(f"D={D} N={N} gpt:tiny, {args.steps} steps, seed {args.seed}")
     print(
         "| schedule | optimizer | stale: weights | stale: loss | predicted: weights "
-        "| predicted: loss |"
+        "| predicted: loss | final loss: sync, stale, predicted |"
     )
-    print("|---|---|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---|")
     for optimizer in ("sgd", "adam"):
         config = RunConfig(backend="local", steps=args.steps, optimizer=optimizer, seed=args.seed)
         start = full_model_names(config.spec.build())
-        sync = train_reference(config, N, cpu)
         for name in CASES:
-            program = load_program(name, {"D": str(D), "N": str(N)})
-            cells = []
+            group = {"m": str(D)} if name == "pipedream-2bw" else {}
+            one_stage = load_program(name, {"D": "1", "N": str(N), **group})
+            sync = train_async_reference(config, one_stage, cpu)
+            program = load_program(name, {"D": str(D), "N": str(N), **group})
+            cells, finals = [], [sync.losses[-1]]
             for predict in (False, True):
                 run = dataclasses.replace(config, predict_weights=predict)
-                weights, loss = distance(train_async_reference(run, program, cpu), sync, start)
+                trained = train_async_reference(run, program, cpu)
+                weights, loss = distance(trained, sync, start)
                 cells += [f"{weights:.4f}", f"{loss:.4f}"]
+                finals.append(trained.losses[-1])
+            cells.append(", ".join(f"{f:.3f}" for f in finals))
             print(f"| {name} | {optimizer} | " + " | ".join(cells) + " |", flush=True)
 
 
