@@ -498,3 +498,18 @@ def test_clipping_pairs_quotes_left_to_right() -> None:
     message = f"`U1@0/main` {between}`weights 2` allows 2"
     assert clip(message) == message
     assert clip(f"`a` `{'y' * (QUOTED + 1)}` `b`").endswith(f"({QUOTED + 1} characters) `b`")
+
+
+@pytest.mark.parametrize("params", [{"D": 513, "N": 1}, {"D": 8, "N": 1251}])
+def test_a_png_too_large_to_draw_in_seconds_is_refused_at_once(
+    params: dict[str, int], tmp_path: Path
+) -> None:
+    """matplotlib took over a minute on 20,000 rank rows, 14 s on 40,000 ops; .svg
+    takes any size."""
+    pytest.importorskip("matplotlib")
+    from pipelang.visualize.png import PNG_OPS, PNG_RANKS
+
+    argv = ["viz", "1f1b", *(f"-p{k}={v}" for k, v in params.items())]
+    status, _, err = run_in_process([*argv, "-o", str(tmp_path / "x.png")])
+    assert status == 2 and f"at most {PNG_RANKS} rank rows and {PNG_OPS:,} ops" in err
+    assert run_in_process([*argv, "-o", str(tmp_path / "x.svg")])[0] == 0

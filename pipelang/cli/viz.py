@@ -30,7 +30,7 @@ from pipelang.ir import CostModel, Program
 from pipelang.simulate import Event, Timeline
 from pipelang.visualize import FORMATS, render
 from pipelang.visualize.panel import Panel, simulated
-from pipelang.visualize.png import MissingMatplotlib
+from pipelang.visualize.png import MissingMatplotlib, TooLarge
 
 HELP = "draw a schedule's timeline (svg, html, png, Chrome trace json, text), or a run's"
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     panels = _measured_panels(args) if args.trace else _simulated_panels(args)
     try:
         data = render(panels, suffix, args.comms)
-    except MissingMatplotlib as err:
+    except (MissingMatplotlib, TooLarge) as err:
         raise UsageError(str(err)) from None
     if args.out in (None, "-"):
         sys.stdout.write(str(data))

@@ -31,6 +31,17 @@ class MissingMatplotlib(RuntimeError):
     """matplotlib is not installed."""
 
 
+class TooLarge(ValueError):
+    """More than a PNG draws in seconds: matplotlib takes about 0.35 ms per box on a
+    2-core VM, and minutes on an image thousands of inches tall."""
+
+
+PNG_RANKS = 512
+"""The most rank rows a PNG draws, over all its panels (.svg and .html take any number)."""
+PNG_OPS = 20_000
+"""The most ops a PNG draws, over all its panels (about 7 s)."""
+
+
 def render_png(panels: Sequence[Panel], comms: bool = False) -> bytes:
     """The PNG file's bytes."""
     try:
@@ -40,6 +51,13 @@ def render_png(panels: Sequence[Panel], comms: bool = False) -> bytes:
             "writing .png needs matplotlib: pip install 'pipelang[viz]' "
             "(or pip install matplotlib); .svg and .html need nothing extra"
         ) from None
+    rows = sum(p.timeline.program.num_ranks for p in panels)
+    ops = sum(len(p.timeline.events) for p in panels)
+    if rows > PNG_RANKS or ops > PNG_OPS:
+        raise TooLarge(
+            f"a .png draws at most {PNG_RANKS} rank rows and {PNG_OPS:,} ops, and this "
+            f"picture has {rows} and {ops:,}; write .svg or .html (any size), or .txt"
+        )
     span = shared_span(panels)
     heights = [_pitch(p) * p.timeline.program.num_ranks * 0.28 + 1.3 for p in panels]
     width = min(max(span / short_op(panels) * 0.28, 8.0), 16.0)
