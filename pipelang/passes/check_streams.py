@@ -248,7 +248,11 @@ def _fork_join(program: StreamProgram) -> list[Diagnostic]:
             first.setdefault(program.ops[i].stream, i)
             last[program.ops[i].stream] = i
         forked = _reach(after, [first["compute"]])
-        joined = _reach({b: [a for a in after if b in after[a]] for b in mine}, [last["compute"]])
+        before: dict[int, list[int]] = {b: [] for b in mine}  # `after` reversed, in one pass
+        for a, later in after.items():
+            for b in later:
+                before.setdefault(b, []).append(a)
+        joined = _reach(before, [last["compute"]])
         for stream, i in first.items():
             if i not in forked:
                 problems.append(
