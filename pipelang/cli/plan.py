@@ -22,9 +22,27 @@ _console = Console(highlight=False, soft_wrap=True)
 def setup(parser: argparse.ArgumentParser) -> None:
     from pipelang.planner.families import FAMILIES, STATE_FACTOR
 
-    parser.add_argument("--profile", type=path, required=True, metavar="P.json")
-    parser.add_argument("--topology", type=path, required=True, metavar="T.yaml")
-    parser.add_argument("--micro-batches", type=positive, required=True, metavar="N")
+    parser.add_argument(
+        "--profile",
+        type=path,
+        required=True,
+        metavar="P.json",
+        help="per-layer times and memory, as `pipelang profile` writes them",
+    )
+    parser.add_argument(
+        "--topology",
+        type=path,
+        required=True,
+        metavar="T.yaml",
+        help="the devices (count, memory) and the links between them (docs/planner.md)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=positive,
+        required=True,
+        metavar="N",
+        help="micro-batches per iteration (the N of every candidate schedule)",
+    )
     parser.add_argument(
         "-o", dest="out", type=path, required=True, metavar="BEST.pipe", help="the winning plan"
     )
@@ -33,7 +51,12 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="memory cap per device, e.g. 40GiB (default: each device's memory)",
     )
-    parser.add_argument("--optimizer", choices=tuple(STATE_FACTOR), default="adam")
+    parser.add_argument(
+        "--optimizer",
+        choices=tuple(STATE_FACTOR),
+        default="adam",
+        help="what the optimizer state adds to each device's memory (default adam)",
+    )
     parser.add_argument(
         "--data-parallel",
         action="store_true",
