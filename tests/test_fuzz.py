@@ -253,3 +253,17 @@ def test_mutated_schedules(workdir: Path, data: st.DataObject) -> None:
 @pytest.mark.parametrize("path", SEEDS, ids=[p.stem for p in SEEDS])
 def test_seeds_themselves(path: Path) -> None:
     check_clean(path)
+
+
+@SETTINGS
+@given(
+    name=st.sampled_from(api.stdlib_names()),
+    d=st.integers(12, 62).map(lambda k: 2**k),
+    n=st.integers(12, 62).map(lambda k: 2**k),
+)
+def test_huge_parameters_are_refused_at_once(name: str, d: int, n: int) -> None:
+    """Every stdlib schedule with D and N of 4096 and more (millions of ops and up) is a
+    diagnostic within the deadline: the limits apply before anything that size is built."""
+    with pytest.raises(PipelangError) as caught:
+        api.compile_schedule(name, {"D": str(d), "N": str(n)}, stop_after=STOP_AFTER)
+    assert all(diag.code in CODES for diag in caught.value.diagnostics)
