@@ -61,7 +61,7 @@ class Scope:
     """The names visible at a point, with their types, and the `fn`s of the file.
 
     `constants` holds the names whose value is already known (parameters, schedule-level
-    `let`s, the rank in `order rank`): expressions over them are folded when compiled.
+    `let`s, a block's `let`s of constants): expressions over them are folded when compiled.
     """
 
     names: Mapping[str, str]
@@ -75,12 +75,6 @@ class Scope:
         (E0102), and `why` says where an implicit one comes from."""
         self._check_new(name, span, why)
         return Scope({**self.names, name: type_}, self.fns, self.constants)
-
-    def with_constant(self, name: str, value: Value, span: Span | None) -> Scope:
-        """The scope with a new name whose value is known (folded where it is used)."""
-        self._check_new(name, span, None)
-        type_ = BOOL if isinstance(value, bool) else INT
-        return Scope({**self.names, name: type_}, self.fns, {**self.constants, name: value})
 
     def block(self) -> Scope:
         """A scope of its own for a block's `let`s to `declare` into: one copy per block,

@@ -21,6 +21,9 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
     """Run the body once per rank with the rank variable bound."""
     budget = Budget()
     ranks = []
+    # Compiled once, the rank a name bound at run time: compiling once per rank, to fold
+    # what depends on the rank alone, cost more than it saved (expand-orders at D=20000,
+    # N=4: 2.1 s -> 0.6 s).
     body = compile_block(order.body, layout.scope.with_name(order.var, order.span), budget)
     for rank in range(layout.num_ranks):
         actions: list[Action] = []

@@ -32,7 +32,7 @@ class Budget:
     """Loop iterations still allowed in one expansion (E0106 beyond)."""
 
     limit: int = field(default_factory=iteration_limit)
-    left: int = -1
+    left: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.left = self.limit
