@@ -71,9 +71,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-budget",
         type=seconds_or_zero,
-        default=25.0,
+        default=8.0,
         metavar="SECONDS",
-        help="stop adding candidates that would end the search past this (default 25; 0: none)",
+        help="stop adding candidates that would end the search past this (default 8, so "
+        "that `plan` answers within about 10 s; 0: none)",
     )
     parser.add_argument("--top", type=positive, default=10, help="rows of the table (default 10)")
     parser.add_argument(
