@@ -6,10 +6,10 @@ those of a GPT-2-medium block (width 1024, 4 x 1024 tokens per micro-batch) scal
 round numbers. The cluster is N nodes x 8 GPUs (NVLink inside, a network between). The
 search is everything `pipelang plan` does before writing the file: every candidate
 (schedule, D dividing the device count, v/f/w) screened, the best three refined and
-simulated at N, under a time budget of 25 s (`pipelang plan`'s default until 2026-11-25; now 8 s) (a candidate whose
-screening would end past it is left out, one whose simulation at N would is kept
-extrapolated; the table counts both). The bar (issue 8): D up to 64 and N up to 512
-within 30 s on this 2-core machine.
+simulated at N, under a time budget of 25 s (`pipelang plan`'s default until 2026-11-25,
+now 8 s; a candidate whose screening would end past it is left out, one whose simulation
+at N would is kept extrapolated; the table counts both). The bar (issue 8): D up to 64
+and N up to 512 within 30 s on this 2-core machine.
 
     python benchmarks/plan_speed.py             # replaces the speed part of "Planner" in RESULTS.md
     python benchmarks/plan_speed.py --no-write  # print only
