@@ -74,7 +74,10 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
             consumers[index[dep]].append(i)
             pending[i] += 1
     ready_at = [0.0] * len(ops)
-    ranks = [_Rank(r, _cap(order, layout, r), _entries(layout, r)) for r in range(layout.num_ranks)]
+    ranks = [
+        _Rank(r, cap, entries)
+        for r, (cap, entries) in enumerate(zip(_caps(order, layout), _entries(layout), strict=True))
+    ]
     seq = 0
     for i, count in enumerate(pending):
         if count == 0:
@@ -138,13 +141,14 @@ def _pick(
     return i
 
 
-def _entries(layout: Layout, rank: int) -> frozenset[tuple[int | None, str | None]]:
-    entries = set()
+def _entries(layout: Layout) -> list[frozenset[tuple[int | None, str | None]]]:
+    """Per rank, its first (stage, pipeline) of each pipeline, in one pass over the
+    placements (a pass per rank was quadratic in ranks)."""
+    first: list[dict[str, int]] = [{} for _ in range(layout.num_ranks)]
     for pipeline in layout.pipelines:
-        stages = [s for s, r in enumerate(pipeline.placement) if r == rank]
-        if stages:
-            entries.add((min(stages), pipeline.name))
-    return frozenset(entries)
+        for stage, rank in enumerate(pipeline.placement):
+            first[rank].setdefault(pipeline.name, stage)
+    return [frozenset((stage, name) for name, stage in f.items()) for f in first]
 
 
 def _skeleton(layout: Layout) -> Program:
@@ -183,21 +187,26 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
     return key_of
 
 
-def _cap(order: ast.OrderGreedy, layout: Layout, rank: int) -> int:
+def _caps(order: ast.OrderGreedy, layout: Layout) -> list[int]:
+    """Each rank's cap: the `cap` expression compiled once, evaluated per rank."""
     if order.cap is None:
-        return len(layout.assignment) * layout.num_stages
-    env: Env = dict(layout.env)
-    env["rank"] = rank
+        return [len(layout.assignment) * layout.num_stages] * layout.num_ranks
     why = "in a greedy `cap`, `rank` is the rank the cap is for"
-    cap = compile_int(order.cap, layout.scope.with_name("rank", order.span, why=why))(env)
-    if cap < 1:
-        raise fail(
-            "E0311",
-            f"the cap is {cap} on rank {rank}; no forward could ever run",
-            order.cap.span,
-            help="the cap must be at least 1 on every rank",
-        )
-    return cap
+    cap_of = compile_int(order.cap, layout.scope.with_name("rank", order.span, why=why))
+    env: Env = dict(layout.env)
+    caps = []
+    for rank in range(layout.num_ranks):
+        env["rank"] = rank
+        cap = cap_of(env)
+        if cap < 1:
+            raise fail(
+                "E0311",
+                f"the cap is {cap} on rank {rank}; no forward could ever run",
+                order.cap.span,
+                help="the cap must be at least 1 on every rank",
+            )
+        caps.append(cap)
+    return caps
 
 
 def _stuck(
