@@ -128,7 +128,7 @@ class _Replay:
             self.newest.append([p.detach().clone() for _, p in named])
             self.optimizers.append(make_optimizer([p for _, p in named], config))
         self.versions: WeightVersions = weight_versions(program)
-        self.delays = weight_versions(program).gradient_delays() if config.predict_weights else {}
+        self.delays = self.versions.gradient_delays() if config.predict_weights else {}
         self.last_deltas: list[Weights | None] = [None] * len(self.modules)
         self.tasks = self._tasks()
 
