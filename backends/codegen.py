@@ -31,9 +31,15 @@ import jinja2
 from pipelang import __version__
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
-from pipelang.streams import StreamOp, StreamProgram
+from pipelang.streams import StreamOp, StreamProgram, value_boundary
 
-_METHODS = {Kind.F: "forward", Kind.B: "backward", Kind.W: "weight_grad", Kind.R: "recompute"}
+_METHODS = {
+    Kind.F: "forward",
+    Kind.B: "backward",
+    Kind.W: "weight_grad",
+    Kind.R: "recompute",
+    Kind.P: "frozen_forward",
+}
 """The runtime method of each compute kind."""
 
 _STASH_METHODS = {Kind.E: "evict", Kind.H: "hold", Kind.L: "load"}
@@ -44,6 +50,8 @@ _TRANSFERS = {
     (Kind.RECV, Kind.F): "recv_activation",
     (Kind.SEND, Kind.B): "send_grad",
     (Kind.RECV, Kind.B): "recv_grad",
+    (Kind.SEND, Kind.P): "send_frozen",
+    (Kind.RECV, Kind.P): "recv_frozen",
     (Kind.SEND, Kind.E): "send_evicted",
     (Kind.RECV, Kind.E): "recv_evicted",
     (Kind.SEND, Kind.H): "send_held",
@@ -144,8 +152,10 @@ _ROLE = {
     (Kind.F, True): "y",
     (Kind.B, False): "dy",
     (Kind.B, True): "dx",
+    (Kind.P, True): "y",
 }
-"""The keyword naming a compute op's data slot: F reads x, writes y; B reads dy, writes dx."""
+"""The keyword naming a compute op's data slot: F reads x, writes y; B reads dy, writes
+dx; P writes y."""
 
 
 def render_stream_rank(
@@ -167,10 +177,7 @@ def render_stream_rank(
     for op in ops:
         for a in op.writes:
             if a.slot.startswith("d"):
-                stage = Action.parse(a.value).stage
-                assert stage is not None
-                boundary = stage if a.value.startswith("F") else stage - 1
-                tenants.setdefault(a.slot, set()).add(boundary)
+                tenants.setdefault(a.slot, set()).add(value_boundary(a.value))
     slots = "{" + ", ".join(f'"{s}": {tuple(sorted(b))}' for s, b in tenants.items()) + "}"
     index = {a.text(): i for i, a in enumerate(program.ranks[rank])}
     actions = "".join(f"{index.get(op.what)}, " for op in ops).strip()

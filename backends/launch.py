@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,15 +48,15 @@ class WorldError(RunError):
 
 
 def run_program(program: Program, config: RunConfig) -> int:
-    """Run a compiled Program as `config` says; returns the exit status. Without a
-    partition of its own, the config takes the schedule's `partition` line."""
+    """Run a compiled Program as `config` says; returns the exit status. The config is
+    completed by the schedule first (`RunConfig.for_program`: its `partition` line, its
+    frozen part)."""
     from rich.console import Console
 
     from pipelang.backends.models import ModelError
     from pipelang.backends.processes import RunFailure
 
-    if config.partition is None:
-        config = replace(config, partition=program.partition)
+    config = config.for_program(program)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     if config.graphs:
         refusal = graphs_refusal(config)
@@ -118,6 +117,17 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             "copy updates on its own at every `U`, and the data-parallel copies would "
             "need their gradients summed before each update; run it without --dp"
         )
+    if config.frozen_layers and program.frozen is None:
+        raise RunError(
+            f"--frozen-layers {config.frozen_layers}: `{program.name}` has no frozen part "
+            "(no `frozen` line), so no layers would run as one; drop the option"
+        )
+    if program.frozen is not None and config.frozen_layers is not None:
+        if config.frozen_layers < 1:
+            raise RunError(
+                f"`{program.name}` runs a frozen part (`P`), which needs at least one "
+                "layer: --frozen-layers 1 or more"
+            )
     refusal = eviction_refusal(program, config)
     if refusal is not None:
         raise RunError(refusal)
@@ -445,8 +455,7 @@ def run_rank_file(rank: int, file: str, config: RunConfig) -> int:
             file=sys.stderr,
         )
         return 2
-    if config.partition is None:
-        config = replace(config, partition=program.partition)
+    config = config.for_program(program)
     if config.graphs:
         print(
             f"error: {Path(file).name} runs its rank's action list; --graphs runs stream "

@@ -258,6 +258,9 @@ class ModelSpec:
     seed: int = 0
     data: str | None = None
     """A token file (backends/data.py); None: synthetic batches."""
+    frozen_layers: int = 0
+    """The model's first layers that are its frozen part (a schedule's `frozen` line):
+    built without gradients, run by `P` ops, and left out of the stages."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -272,6 +275,8 @@ class ModelSpec:
             model = self._build_fp32()
         for layer in model.layers:
             layer.to(self.torch_dtype)
+        for layer in model.layers[: self.frozen_layers]:
+            layer.requires_grad_(False)
         return model
 
     def _build_fp32(self) -> LayeredModel:
@@ -339,7 +344,17 @@ class LayeredModel:
         )
 
     def stage_bounds(self, num_stages: int, partition: Sequence[int] | None) -> list[range]:
-        """Which layers each stage holds (see `partition`)."""
+        """Which layers each stage holds (see `partition`): the layers after the frozen
+        ones."""
+        frozen = self.spec.frozen_layers
+        if frozen:
+            if self.stages:
+                raise ModelError(
+                    f"`--model {self.spec.name}` gives its stages itself, so no layers can "
+                    "be split off them as the schedule's frozen part; give a model of "
+                    "layers (an nn.Sequential) instead"
+                )
+            return _after_frozen(len(self.layers), num_stages, partition, self.spec)
         if self.stages:
             count = len(self.layers)
             if num_stages != count:
@@ -355,6 +370,11 @@ class LayeredModel:
                 )
             return [range(s, s + 1) for s in range(count)]
         return partition_layers(len(self.layers), num_stages, partition, self.spec.name)
+
+    @property
+    def frozen_bounds(self) -> range:
+        """The layers of the frozen part (empty without one)."""
+        return range(self.spec.frozen_layers)
 
     def stage_module(self, bounds: range) -> nn.Sequential:
         """The layers of one stage, as an nn.Sequential (the layers themselves, not copies)."""
@@ -395,8 +415,24 @@ def partition_layers(
     return bounds
 
 
-Shapes = list[tuple[tuple[int, ...], torch.dtype]]
-"""Shape and dtype of the output of every stage, in stage order."""
+def _after_frozen(
+    num_layers: int, num_stages: int, partition: Sequence[int] | None, spec: ModelSpec
+) -> list[range]:
+    """`partition_layers` over the layers after the `spec.frozen_layers` frozen ones."""
+    frozen = spec.frozen_layers
+    if frozen >= num_layers:
+        raise ModelError(
+            f"--frozen-layers {frozen}: {spec.name} has {num_layers} layers, and the "
+            "stages need at least one of them"
+        )
+    name = f"{spec.name} after its {frozen} frozen layer{'s' * (frozen > 1)}"
+    bounds = partition_layers(num_layers - frozen, num_stages, partition, name)
+    return [range(b.start + frozen, b.stop + frozen) for b in bounds]
+
+
+Shapes = dict[int, tuple[tuple[int, ...], torch.dtype]]
+"""Shape and dtype of the output of every stage, by stage; with a frozen part, key -1
+is its output (stage 0's input)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,12 +458,14 @@ def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | Non
     if size in family:  # embedding, blocks, head: the shapes follow from the config
         cfg = family[size]
         seq_len = spec.seq_len or cfg.seq_len
-        bounds = partition_layers(cfg.blocks + 2, num_stages, partition, spec.name)
-        hidden: tuple[int, ...] = (spec.micro_batch_size, seq_len, cfg.width)
-        logits: tuple[int, ...] = (spec.micro_batch_size, seq_len, cfg.vocab)
-        shapes: Shapes = [(hidden, spec.torch_dtype)] * (num_stages - 1) + [
-            (logits, spec.torch_dtype)
-        ]
+        if spec.frozen_layers:
+            bounds = _after_frozen(cfg.blocks + 2, num_stages, partition, spec)
+        else:
+            bounds = partition_layers(cfg.blocks + 2, num_stages, partition, spec.name)
+        hidden = ((spec.micro_batch_size, seq_len, cfg.width), spec.torch_dtype)
+        logits = ((spec.micro_batch_size, seq_len, cfg.vocab), spec.torch_dtype)
+        shapes: Shapes = {s: hidden for s in range(-1 if spec.frozen_layers else 0, num_stages)}
+        shapes[num_stages - 1] = logits
         _check_data(spec, cfg.vocab, seq_len)
         return StagePlan(bounds, shapes, seq_len)
     with torch.device("meta"):
@@ -436,13 +474,14 @@ def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | Non
     _check_data(spec, model.vocab, model.seq_len)
     ids, _ = model.batch(0, 0, torch.device("cpu"))
     x = ids.to("meta")
-    shapes = []
+    shapes: Shapes = {}
+    parts = [(-1, model.frozen_bounds)] if spec.frozen_layers else []
     try:
         with torch.no_grad():
-            for stage in bounds:
-                for i in stage:
+            for stage, layers in [*parts, *enumerate(bounds)]:
+                for i in layers:
                     x = model.layers[i](x)
-                shapes.append((tuple(x.shape), x.dtype))
+                shapes[stage] = (tuple(x.shape), x.dtype)
     except Exception as err:
         raise ModelError(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
     return StagePlan(bounds, shapes, model.seq_len, model.ties)

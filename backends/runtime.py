@@ -30,7 +30,7 @@ import resource
 import time
 from collections.abc import Callable, MutableSequence, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter_ns
 from typing import Any, TypeVar, cast
 
@@ -99,12 +99,28 @@ class RunConfig:
     predict_weights: bool = False
     """`--predict-weights`: asynchronous schedules run each forward on weights predicted
     for the update its gradient meets (XPipe; backends/versions.py)."""
+    frozen_layers: int | None = None
+    """`--frozen-layers K`: the model's first K layers are the frozen part that a
+    schedule's `P` ops run (default 1 for a schedule with a `frozen` line; see
+    `for_program`)."""
 
     @property
     def spec(self) -> ModelSpec:
         dtype = self.mixed_precision or self.dtype  # what the stages compute in
         size = self.micro_batch_size
-        return ModelSpec(self.model, self.seq_len, size, dtype, self.seed, self.data)
+        frozen = self.frozen_layers or 0
+        return ModelSpec(self.model, self.seq_len, size, dtype, self.seed, self.data, frozen)
+
+    def for_program(self, program: Program) -> RunConfig:
+        """This config completed by the schedule: its `partition` line unless
+        `--partition` is given, and one frozen layer for a schedule with a `frozen` line
+        unless `--frozen-layers` is given."""
+        config = self
+        if config.partition is None and program.partition is not None:
+            config = replace(config, partition=program.partition)
+        if config.frozen_layers is None and program.frozen is not None:
+            config = replace(config, frozen_layers=1)
+        return config
 
     @property
     def run_steps(self) -> int:
@@ -314,7 +330,11 @@ class RankRuntime:
         }
         copies = list(self.copies.values())
         self.tied = TiedGrads(self.model, bounds, copies, self.counts, device)
-        self.model.layers = []  # keep only this rank's stages alive
+        self.frozen: nn.Module | None = None
+        """The model's frozen part, on a rank that holds it (runs `P`)."""
+        if rank in (program.frozen or ()):
+            self.frozen = self.model.stage_module(self.model.frozen_bounds).to(device)
+        self.model.layers = []  # keep only this rank's stages (and frozen part) alive
         self.versions: dict[tuple[int, str], CopyVersions] = {}
         self.delays: dict[tuple[int, int, str], int] = {}
         """With --predict-weights: each forward's gradient delay (weights.py)."""
@@ -489,7 +509,7 @@ class RankRuntime:
         """Copy step `step`'s ids and targets into static buffers, one pair per
         micro-batch, allocated once: a captured iteration reads its inputs from fixed
         addresses, and only this copy changes between replays."""
-        if not any(c.first or c.last for c in self.copies.values()):
+        if self.frozen is None and not any(c.first or c.last for c in self.copies.values()):
             return
         for mb in range(self.program.num_microbatches):
             ids, targets = self.model.batch(step, self.first_mb + mb, self.device)
@@ -499,10 +519,19 @@ class RankRuntime:
                 self.inputs[mb][0].copy_(ids)
                 self.inputs[mb][1].copy_(targets)
 
+    def input_key(self, mb: int, stage: int, pipeline: str) -> tuple[str, int, int, str]:
+        """The value a forward of `stage` reads: the stage before's output, or for stage
+        0 of a schedule with a frozen part, the frozen part's (`P`)."""
+        if stage == 0 and self.program.frozen is not None:
+            return ("P", mb, 0, pipeline)
+        return ("F", mb, stage - 1, pipeline)
+
     def _stage_input(self, mb: int, copy: StageCopy) -> torch.Tensor:
-        if copy.first:
+        if copy.first and self.program.frozen is None:
             return self._batch(mb)[0]
-        value = self.values.pop(("F", mb, copy.stage - 1, copy.pipeline))
+        value = self.values.pop(self.input_key(mb, copy.stage, copy.pipeline))
+        if copy.first:  # the frozen part's output: no gradient flows back into it
+            return value
         return value.detach().requires_grad_(True)
 
     def _scaled_loss(self, mb: int, logits: torch.Tensor, record: bool) -> torch.Tensor:
@@ -544,6 +573,14 @@ class RankRuntime:
             saved.params = params
         if not copy.last:
             self.values[("F", mb, stage, pipeline)] = y.detach()
+
+    @_compute
+    def frozen_forward(self, mb: int, stage: int, pipeline: str) -> None:
+        """P: run the frozen part on the micro-batch's ids, without autograd; its output
+        is the input of F(mb, 0)."""
+        assert self.frozen is not None, "P on a rank without the frozen part"
+        with torch.no_grad():
+            self.values[("P", mb, stage, pipeline)] = self.frozen(self._batch(mb)[0])
 
     @_compute
     def recompute(self, mb: int, stage: int, pipeline: str) -> None:
@@ -628,6 +665,16 @@ class RankRuntime:
     def recv_activation(self, mb: int, stage: int, pipeline: str, src: int) -> None:
         """recv:F: receive the output of F(mb, stage), the input of stage + 1."""
         self._recv(("F", mb, stage, pipeline), stage, src)
+
+    @_comm
+    def send_frozen(self, mb: int, stage: int, pipeline: str, to: int) -> None:
+        """send:P: send the frozen part's output for micro-batch `mb` to stage 0's rank."""
+        self._send(("P", mb, stage, pipeline), to)
+
+    @_comm
+    def recv_frozen(self, mb: int, stage: int, pipeline: str, src: int) -> None:
+        """recv:P: receive the frozen part's output, the input of F(mb, 0)."""
+        self._recv(("P", mb, stage, pipeline), -1, src)
 
     @_comm
     def send_grad(self, mb: int, stage: int, pipeline: str, to: int) -> None:

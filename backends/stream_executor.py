@@ -55,7 +55,7 @@ from pipelang.backends.runtime import (
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.check_streams import Interleaving, random_choice
-from pipelang.streams import StreamOp, StreamProgram, value_key
+from pipelang.streams import StreamOp, StreamProgram, value_boundary, value_key
 
 OnStep = Callable[[int, float, float], None]
 CPU = torch.device("cpu")
@@ -78,10 +78,8 @@ class _NoTransport:
 
 
 def value_shape(value: str, shapes: Shapes) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of a data value: `F3@1/p` is stage 1's output, `B3@1/p` the
-    gradient of stage 1's input (stage 0's output)."""
-    kind, _, stage, _ = value_key(value)
-    return shapes[stage if kind == "F" else stage - 1]
+    """Shape and dtype of a data value (`pipelang.streams.value_boundary`)."""
+    return shapes[value_boundary(value)]
 
 
 def slot_bytes(program: StreamProgram, rank: int, shapes: Shapes) -> dict[str, int]:
@@ -399,5 +397,6 @@ def _run_action(rt: RankRuntime, action: Action) -> None:
         Kind.B: rt.backward,
         Kind.W: rt.weight_grad,
         Kind.R: rt.recompute,
+        Kind.P: rt.frozen_forward,
     }[action.kind]
     method(mb=action.mb, **where)  # type: ignore[arg-type]

@@ -45,7 +45,7 @@ from pipelang.backends.runtime import RankResult, RankRuntime, RunConfig, StageC
 from pipelang.backends.transport import DistTransport, PeerFailure, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
-from pipelang.streams import value_key
+from pipelang.streams import value_boundary
 
 Slots = Mapping[str, tuple[int, ...]]
 """Slot name -> the stage boundaries whose values it holds (b: the output of stage b)."""
@@ -200,8 +200,7 @@ class StreamRankRuntime(RankRuntime):
     def _value_view(self, slot: str, value: str) -> torch.Tensor:
         view = self.views.get((slot, value))
         if view is None:
-            kind, _, stage, _ = value_key(value)
-            view = self.views[(slot, value)] = self._view(slot, stage if kind == "F" else stage - 1)
+            view = self.views[(slot, value)] = self._view(slot, value_boundary(value))
         return view
 
     # ---- events ----------------------------------------------------------------------------
@@ -290,10 +289,17 @@ class StreamRankRuntime(RankRuntime):
         self, mb: int, stage: int, pipeline: str, x: str | None = None, y: str | None = None
     ) -> None:
         if x is not None:
-            self.values[("F", mb, stage - 1, pipeline)] = self._view(x, stage - 1).clone()
+            self.values[self.input_key(mb, stage, pipeline)] = self._view(x, stage - 1).clone()
         super().forward(mb=mb, stage=stage, pipeline=pipeline)
         if y is not None:
             self._view(y, stage).copy_(self.values.pop(("F", mb, stage, pipeline)))
+
+    def frozen_forward(  # type: ignore[override]
+        self, mb: int, stage: int, pipeline: str, y: str | None = None
+    ) -> None:
+        super().frozen_forward(mb=mb, stage=stage, pipeline=pipeline)
+        if y is not None:
+            self._view(y, -1).copy_(self.values.pop(("P", mb, stage, pipeline)))
 
     def backward(  # type: ignore[override]
         self, mb: int, stage: int, pipeline: str, dy: str | None = None, dx: str | None = None

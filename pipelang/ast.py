@@ -253,6 +253,14 @@ class Weights(Node):
 
 
 @dataclass(frozen=True, slots=True)
+class Frozen(Node):
+    """`frozen on rank EXPR` or `frozen on ranks A..B`: ranks that hold the model's frozen
+    (non-trainable) part and may run its forward `P(mb)`."""
+
+    ranks: Range
+
+
+@dataclass(frozen=True, slots=True)
 class OrderRank(Node):
     """`order rank r { ... }`: each rank's order written out with loops."""
 
@@ -282,7 +290,17 @@ class OrderRepeat(Node):
 
 Order = OrderRank | OrderGreedy | OrderRepeat
 Decl = (
-    Require | Let | Ops | Cost | PipelineDecl | Microbatches | After | Partition | Weights | Order
+    Require
+    | Let
+    | Ops
+    | Cost
+    | PipelineDecl
+    | Microbatches
+    | After
+    | Partition
+    | Weights
+    | Frozen
+    | Order
 )
 
 

@@ -174,6 +174,17 @@ CODES: dict[str, Code] = {
             "less one, and a time at most 10^15 (so that sums of times stay finite); an "
             "entry that could not take effect is an error rather than ignored.",
         ),
+        Code(
+            "E0210",
+            "bad frozen part",
+            "`frozen on rank EXPR` and `frozen on ranks A..B` name the ranks that hold the "
+            "model's frozen (non-trainable) part, whose forward `P(mb)` makes the input of "
+            "each micro-batch's stage 0. Every rank named must be one of the schedule's "
+            "(`0..R`, the ranks the placement uses), and together the lines must name at "
+            "least one. A schedule with frozen work cannot be asynchronous (`weights`) or "
+            "use `order repeat` (which places ops by stage, while a `P` may run on any "
+            "holder) yet: write its order with `order rank` or `order greedy`.",
+        ),
         # 03xx: the order
         Code(
             "E0301",
@@ -299,6 +310,21 @@ CODES: dict[str, Code] = {
             "`E(i) -> rank p` evicts activations to rank p, which must be another rank of "
             "the schedule: not the evicting rank itself, and within `0..R` (the ranks the "
             "placement uses). BPipe pairs rank r with `D - 1 - r`.",
+        ),
+        Code(
+            "E0317",
+            "frozen forward on a rank without the frozen part",
+            "`P(mb)` runs the model's frozen part, so it must be listed on a rank that the "
+            "schedule's `frozen` lines name; any of them will do (its output is sent to "
+            "the rank of the micro-batch's stage 0). List it on a holder, or add the rank "
+            "to `frozen`.",
+        ),
+        Code(
+            "E0318",
+            "forward before its frozen forward",
+            "With a frozen part, a micro-batch's forward on stage 0 reads the output of its "
+            "`P`. Where both are on one rank, the `P` must come first in that rank's order, "
+            "or the rank would wait for itself.",
         ),
         # 04xx: the planner's inputs (`pipelang profile`, `pipelang plan`)
         Code(

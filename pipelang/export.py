@@ -71,6 +71,11 @@ def to_torch_csv(program: Program) -> str:
             f"torch's CSV format has no weight update; `{program.name}` is asynchronous "
             f"(`weights {program.weights.text()}`) and updates its stages with `U`"
         )
+    if program.frozen is not None:
+        raise ExportError(
+            f"torch's CSV format has no frozen (forward-only) work; `{program.name}` runs "
+            "a frozen part with `P`"
+        )
     evicts = next((a for acts in program.ranks for a in acts if a.kind is Kind.E), None)
     if evicts is not None:
         raise ExportError(

@@ -15,6 +15,8 @@ form that `Action.parse` reads back; IR dumps, golden files and error grids use 
     E3@0/main>3             evict the activations F3@0/main kept to rank 3 (BPipe)
     H3@0/main               on the partner: hold what E3@0/main evicts until it is loaded
     L3@0/main               load those activations back (before B3@0/main needs them)
+    P3@0/main               the frozen (non-trainable) part's forward of micro-batch 3,
+                            whose output is the input of F3@0/main (DiffusionPipe)
     U2@1/main               the third weight update (number 2) of stage 1 of pipeline
                             `main`: it makes version 3 (asynchronous schedules only)
 """
@@ -45,6 +47,11 @@ class Kind(enum.Enum):
     """Weight gradient alone, split off `B` (zero-bubble). Roughly: `dw += grad(y, w, dy)`."""
     R = "R"
     """Recompute a forward whose activations were dropped. Roughly: `y = stage(x)` again."""
+    P = "P"
+    """Frozen forward: the model's non-trainable part (a frozen encoder) on one
+    micro-batch, without gradients; its output is the input of F(mb, 0), so the action
+    names stage 0 of the micro-batch's pipeline: `P3@0/main`. It runs on any rank that
+    holds the frozen part (`Program.frozen`). Roughly: `x0 = frozen(ids)`."""
     SEND = "send"
     """Send the output of a compute op to the rank that consumes it (non-blocking)."""
     RECV = "recv"
@@ -81,7 +88,7 @@ class Kind(enum.Enum):
         return self in COMPUTE_KINDS
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.R})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.R, Kind.P})
 COMM_KINDS = frozenset({Kind.SEND, Kind.RECV, Kind.SIGNAL, Kind.WAIT})
 STASH_KINDS = frozenset({Kind.E, Kind.L, Kind.H})
 """Evicting activations to a partner rank and loading them back (BPipe). These are ops
@@ -219,7 +226,7 @@ _TOKEN = re.compile(
     rf"(?P<step>step)"
     rf"|allreduce@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
     rf"|U(?P<u_mb>\d+)@(?P<u_stage>\d+)/(?P<u_pipe>{_NAME})"
-    rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWREHL])(?P<mb>\d+)@(?P<stage>\d+)/(?P<pipe>{_NAME})"
+    rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWRPEHL])(?P<mb>\d+)@(?P<stage>\d+)/(?P<pipe>{_NAME})"
     rf"(?:(?P<arrow>[<>])(?P<peer>\d+))?"
 )
 
@@ -312,7 +319,7 @@ MAX_TIME = 1e15
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Time of each op kind (`F`, `B`, `W`, `R`), of one transfer (`C`), and of an
+    """Time of each op kind (`F`, `B`, `W`, `R`, `P`), of one transfer (`C`), and of an
     overlapped forward-backward pair (`FB`, for the forward's stage; without it a pair
     takes the sum of its ops).
 
@@ -325,6 +332,7 @@ class CostModel:
         ("B", None, 1.0),
         ("W", None, 1.0),
         ("R", None, 1.0),
+        ("P", None, 1.0),
         ("C", None, 0.0),
     )
     _table: dict[tuple[str, int | None], float] = field(
@@ -338,7 +346,7 @@ class CostModel:
             self._table[(name, stage)] = value
 
     def of(self, kind: str, stage: int | None = None) -> float:
-        """The time of `kind` (`F`, `B`, `W`, `R` or `C`) on `stage`."""
+        """The time of `kind` (`F`, `B`, `W`, `R`, `P` or `C`) on `stage`."""
         if stage is not None:
             found = self._table.get((kind, stage))
             if found is not None:
@@ -392,6 +400,9 @@ class Program:
     weights: WeightPolicy | None = None
     """The weight versioning of an asynchronous schedule (its ranks update their stage
     copies with `U` actions, and there is no `step`); None for a synchronous one."""
+    frozen: tuple[int, ...] | None = None
+    """The ranks that hold the model's frozen part (`frozen on ...`), ascending; None when
+    the schedule has none. Each micro-batch's `P` runs on one of them."""
 
     @property
     def num_microbatches(self) -> int:
@@ -420,8 +431,12 @@ class Program:
         return next((a for acts in self.ranks for a in acts if a.kind in STASH_KINDS), None)
 
     def compute_ops(self) -> Iterator[Action]:
-        """Every op the schedule must run, in (micro-batch, stage, kind) order."""
+        """Every op the schedule must run, in (micro-batch, stage, kind) order (a
+        micro-batch's `P` first)."""
+        frozen = self.frozen is not None
         for mb, pipe in enumerate(self.assignment):
+            if frozen:
+                yield Action(Kind.P, mb, 0, pipe)
             for stage in range(self.num_stages):
                 for kind in self.kinds:
                     yield Action(kind, mb, stage, pipe)
@@ -429,14 +444,19 @@ class Program:
     def inputs_of(self, op: Action) -> tuple[Action, ...]:
         """The compute ops whose results `op` consumes (its data dependencies).
 
-        F(m, s) needs F(m, s-1); B(m, s) needs B(m, s+1) (the loss on the last stage) and
+        F(m, s) needs F(m, s-1), and F(m, 0) needs P(m, 0) when there is a frozen part;
+        P needs nothing; B(m, s) needs B(m, s+1) (the loss on the last stage) and
         F(m, s), and R(m, s) when recompute is on; W(m, s) needs B(m, s); R(m, s) needs
         F(m, s).
         """
         mb, stage, pipe = op.mb, op.stage, op.pipeline
         assert stage is not None
         if op.kind is Kind.F:
-            return (Action(Kind.F, mb, stage - 1, pipe),) if stage > 0 else ()
+            if stage > 0:
+                return (Action(Kind.F, mb, stage - 1, pipe),)
+            return (Action(Kind.P, mb, 0, pipe),) if self.frozen is not None else ()
+        if op.kind is Kind.P:
+            return ()
         if op.kind is Kind.B:
             deps = [Action(Kind.F, mb, stage, pipe)]
             if Kind.R in self.kinds:
@@ -477,6 +497,8 @@ class Program:
             doc["partition"] = list(self.partition)
         if self.weights is not None:
             doc["weights"] = self.weights.text()
+        if self.frozen is not None:
+            doc["frozen"] = list(self.frozen)
         # The ranks last, one a line, by json's C encoder (an indented dump is the
         # pure-Python one: seconds at 10^5 actions).
         ranks = ",\n  ".join(json.dumps([a.text() for a in actions]) for actions in self.ranks)
@@ -501,4 +523,5 @@ class Program:
             after=tuple(Dependency(Action.parse(a), Action.parse(b)) for a, b in doc["after"]),
             partition=tuple(doc["partition"]) if doc.get("partition") is not None else None,
             weights=WeightPolicy.parse(doc["weights"]) if "weights" in doc else None,
+            frozen=tuple(doc["frozen"]) if doc.get("frozen") is not None else None,
         )

@@ -482,6 +482,13 @@ class _Build(Transformer[Token, Any]):
     def _weights_buffers(self, span: Span, count: ast.Expr) -> tuple[str, ast.Expr]:
         return "buffers", count
 
+    def _frozen_rank(self, span: Span, rank: ast.Expr) -> ast.Frozen:
+        one = ast.IntLit(rank.span, 1)
+        return ast.Frozen(span, ast.Range(rank.span, rank, ast.Binary(rank.span, "+", rank, one)))
+
+    def _frozen_ranks(self, span: Span, ranks: ast.Range) -> ast.Frozen:
+        return ast.Frozen(span, ranks)
+
     def _order_rank(self, span: Span, var: Token, body: tuple[ast.Stmt, ...]) -> ast.OrderRank:
         return ast.OrderRank(span, str(var), body)
 
@@ -543,14 +550,14 @@ class _Build(Transformer[Token, Any]):
     def _op(self, span: Span, name: Token, *rest: Any) -> ast.OpCall:
         *args, slot = rest
         kind = str(name)
-        if kind not in ("F", "B", "W", "R", "BW", "U", "E", "L"):
+        if kind not in ("F", "B", "W", "R", "BW", "U", "E", "L", "P"):
             raise fail(
                 "E0103",
                 f"`{kind}` is not an op",
                 self._tok(name),
                 help="ops are F (forward), B (backward), W (weight grad), R (recompute), "
                 "BW (full backward in a split schedule), U (weight update), "
-                "E (evict activations), L (load them back)",
+                "E (evict activations), L (load them back), P (frozen forward)",
             )
         values: dict[str, ast.Expr] = {}
         named = False
@@ -601,6 +608,13 @@ class _Build(Transformer[Token, Any]):
                     "a weight update `U` cannot be part of an overlapped pair",
                     call.span,
                     help="write the `U()` as a statement of its own",
+                )
+            if call.kind == "P":
+                raise fail(
+                    "E0103",
+                    "a frozen forward `P` cannot be part of an overlapped pair",
+                    call.span,
+                    help="write the `P(mb)` as a statement of its own",
                 )
         return ast.Pair(span, first, second)
 

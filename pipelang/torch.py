@@ -56,6 +56,11 @@ class PipelineSchedule:
                 f"`{program.name}` is asynchronous; PipelineSchedule runs "
                 "synchronous schedules only"
             )
+        if program.frozen is not None:
+            raise ValueError(
+                f"`{program.name}` runs a frozen part (`P`); PipelineSchedule does not "
+                "run frozen work yet (`pipelang run` does)"
+            )
         evicts = program.first_eviction()
         if evicts is not None:
             raise ValueError(

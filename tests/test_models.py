@@ -67,7 +67,7 @@ def test_llama_tiny_splits_like_its_plan() -> None:
     plan = plan_stages(spec, 4, None)
     model = spec.build()
     x, _ = model.batch(0, 0, torch.device("cpu"))
-    for bounds, (shape, dtype) in zip(plan.bounds, plan.shapes, strict=True):
+    for bounds, (shape, dtype) in zip(plan.bounds, plan.shapes.values(), strict=True):
         for i in bounds:
             x = model.layers[i](x)
         assert (tuple(x.shape), x.dtype) == (shape, dtype)

@@ -389,7 +389,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--partition",
         type=layer_counts,
         metavar="L0,L1,...",
-        help="layers per stage (default: as even as possible)",
+        help="layers per stage (default: as even as possible); with a frozen part, of "
+        "the layers after it",
+    )
+    parser.add_argument(
+        "--frozen-layers",
+        type=positive,
+        metavar="K",
+        help="for a schedule with a `frozen` line: the model's first K layers are its "
+        "frozen part, run without gradients by the `P` ops and never updated (default 1, "
+        "the embedding of a built-in model)",
     )
     parser.add_argument(
         "--timeout",
@@ -468,6 +477,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         mixed_precision=_mixed_precision(args),
         clip_grad=args.clip_grad,
         predict_weights=args.predict_weights,
+        frozen_layers=args.frozen_layers,
         **_checkpoint_options(args),
     )
 

@@ -32,6 +32,8 @@ class Layout:
     after: tuple[Dependency, ...]
     local_stages: dict[tuple[str, int], tuple[int, ...]]
     """(pipeline, rank) -> the stages of that pipeline the rank holds, ascending."""
+    frozen: tuple[int, ...] | None = None
+    """The ranks that hold the frozen part (`Program.frozen`); None without one."""
 
     def op(
         self,
@@ -44,6 +46,8 @@ class Layout:
     ) -> Action:
         """The Action an op statement names; `rank` picks the stage when it is left out;
         `fused` joins it to the action before it (`&`, `BW`)."""
+        if kind is Kind.P:
+            return self._frozen_op(call, mb, stage)
         # The fast path first: this runs once per op of the schedule.
         if mb is not None and 0 <= mb < len(self.assignment):
             pipeline = self.assignment[mb]
@@ -56,6 +60,29 @@ class Layout:
             elif 0 <= stage < self.num_stages:
                 return _make(Action, (kind, mb, stage, pipeline, None, None, call.span, fused))
         raise self._bad_op(call, mb, stage, rank)
+
+    def _frozen_op(
+        self, call: ast.OpCall, mb: int | None, stage: int | None
+    ) -> Action:
+        """`P(mb)`: the frozen forward that feeds F(mb, 0), on whichever rank lists it
+        (`validate` checks that the rank holds the frozen part, E0317)."""
+        if self.frozen is None:
+            raise fail(
+                "E0309",
+                "`P` runs the frozen part, and the schedule declares none",
+                call.span,
+                help="declare the ranks that hold it: `frozen on ranks 0..D`",
+            )
+        if stage not in (None, 0):
+            raise fail(
+                "E0103",
+                f"`P` feeds stage 0 and takes no other stage (here {stage})",
+                call.span,
+                help="write `P(mb)`",
+            )
+        if mb is None or not 0 <= mb < len(self.assignment):
+            raise self._bad_op(call, mb, 0, None)
+        return _make(Action, (Kind.P, mb, 0, self.assignment[mb], None, None, call.span, False))
 
     def update(
         self, call: ast.OpCall, stage: int | None, rank: int, counts: dict[tuple[int, str], int]

@@ -7,7 +7,9 @@ expressions over `mb`, `stage` and `rank`, smallest first). A forward that would
 new micro-batch onto the rank (a forward of the rank's first stage of its pipeline) is
 held back while `cap` micro-batches are in flight there (between that forward and the
 backward of the same stage); later stages of a micro-batch in flight are never held, so
-wave and V placements do not stall on their own second chunk.
+wave and V placements do not stall on their own second chunk. Frozen forwards (`P`) are
+in one pool that every rank holding the frozen part draws from, so by default (`P` last
+in `prefer`) an idle holder fills its bubble with the next micro-batch's frozen work.
 
     order greedy {                  # zero-bubble flavour
         prefer B, F, W
@@ -28,7 +30,7 @@ from pipelang.evaluate import Env, compile_int
 from pipelang.ir import Action, Dependency, Kind, Program
 from pipelang.orders import Layout
 
-_DEFAULT_PREFER = ("R", "B", "F", "W")
+_DEFAULT_PREFER = ("R", "B", "F", "W", "P")
 
 
 @dataclass
@@ -63,7 +65,13 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
     key_of = _priority(order, layout)
     ops = list(program.compute_ops())
     index = {op: i for i, op in enumerate(ops)}
-    rank_of = [program.rank_of(op.stage, op.pipeline) for op in ops]  # type: ignore[arg-type]
+    # A frozen forward's rank is the holder that takes it from the shared pool (-1 until then).
+    rank_of = [
+        -1 if op.kind is Kind.P else program.rank_of(op.stage, op.pipeline)  # type: ignore[arg-type]
+        for op in ops
+    ]
+    holders = frozenset(layout.frozen or ())
+    pool: list[tuple[tuple[int, ...], int, int]] = []
     extra: dict[Action, list[Action]] = {}
     for dep in layout.after:
         extra.setdefault(dep.later, []).append(dep.earlier)
@@ -80,7 +88,10 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
     ]
     seq = 0
     for i, count in enumerate(pending):
-        if count == 0:
+        if count == 0 and ops[i].kind is Kind.P:
+            heapq.heappush(pool, (key_of(ops[i]), seq, i))
+            seq += 1
+        elif count == 0:
             heapq.heappush(ranks[rank_of[i]].waiting, (0.0, seq, i))
             seq += 1
     events: list[tuple[float, int, int, int]] = [(0.0, 1, r.index, _IDLE) for r in ranks]
@@ -104,9 +115,10 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
         rank = ranks[rank_index]
         if rank.free_at > time:
             continue
-        chosen = _pick(rank, time, ops, key_of)
+        chosen = _pick(rank, time, ops, key_of, pool if rank.index in holders else None)
         if chosen is None:
             continue
+        rank_of[chosen] = rank.index
         op = ops[chosen]
         end = time + layout.costs.time(op)
         rank.free_at = end
@@ -120,9 +132,14 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
 
 
 def _pick(
-    rank: _Rank, time: float, ops: list[Action], key_of: Callable[[Action], tuple[int, ...]]
+    rank: _Rank,
+    time: float,
+    ops: list[Action],
+    key_of: Callable[[Action], tuple[int, ...]],
+    pool: list[tuple[tuple[int, ...], int, int]] | None,
 ) -> int | None:
-    """The index of the op `rank` runs at `time`, or None when it must wait."""
+    """The index of the op `rank` runs at `time`, or None when it must wait. `pool` holds
+    the frozen forwards no rank has taken yet, for a rank that holds the frozen part."""
     while rank.waiting and rank.waiting[0][0] <= time:
         _, seq, i = heapq.heappop(rank.waiting)
         op = ops[i]
@@ -131,6 +148,8 @@ def _pick(
     candidates = [h for h in (rank.ready, rank.held) if h]
     if rank.in_flight >= rank.cap and rank.held:
         candidates = [rank.ready] if rank.ready else []
+    if pool:
+        candidates.append(pool)
     if not candidates:
         return None
     best = min(candidates, key=lambda h: h[0][:2])
@@ -162,6 +181,7 @@ def _skeleton(layout: Layout) -> Program:
         layout.assignment,
         layout.kinds,
         (),
+        frozen=layout.frozen,
     )
 
 

@@ -50,6 +50,14 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
                         call.span,
                         help="write the asynchronous schedule with `order rank`",
                     )
+                if kind is Kind.P:
+                    raise fail(
+                        "E0103",
+                        "a frozen forward `P` belongs in an `order rank` or `order greedy`",
+                        call.span,
+                        help="a `repeat` block places ops by stage, and `P` runs on any "
+                        "rank that holds the frozen part",
+                    )
                 if kind in STASH_KINDS:
                     raise fail(
                         "E0103",

@@ -9,7 +9,8 @@ before v starts", in one list per reason:
 
 - `order`: u comes right before v in one rank's list;
 - `data`: v consumes u's result (`Program.inputs_of`): F(m,s) -> F(m,s+1),
-  F(m,s) -> B(m,s), B(m,s+1) -> B(m,s), B(m,s) -> W(m,s), F(m,s) -> R(m,s) -> B(m,s);
+  F(m,s) -> B(m,s), B(m,s+1) -> B(m,s), B(m,s) -> W(m,s), F(m,s) -> R(m,s) -> B(m,s),
+  P(m,0) -> F(m,0) (frozen work);
   for evicted activations (BPipe), F(m,s) -> E(m,s) -> H(m,s) -> L(m,s) and
   E(m,s) -> L(m,s), and L(m,s) -> R(m,s), L(m,s) -> B(m,s) (the stash kinds are nodes
   too, `ir.GRAPH_KINDS`);
@@ -255,12 +256,12 @@ def _data_edges(index: Mapping[Key, int], num_stages: int) -> list[Edge]:
     no edges anyway); inlined, since it runs once per op of large schedules."""
     edges: list[Edge] = []
     get, add = index.get, edges.append
-    f, b, w = Kind.F, Kind.B, Kind.W
+    f, b, w, p = Kind.F, Kind.B, Kind.W, Kind.P
     for (kind, mb, stage, pipe), v in index.items():
         if stage is None:
             raise InternalError(f"compute op without a stage: {kind.value}{mb}")
         if kind is f:
-            inputs: tuple[Key, ...] = ((f, mb, stage - 1, pipe),) if stage > 0 else ()
+            inputs: tuple[Key, ...] = ((f if stage else p, mb, stage - 1 if stage else 0, pipe),)
         elif kind is b:
             inputs = ((f, mb, stage, pipe), (Kind.R, mb, stage, pipe), (Kind.L, mb, stage, pipe))
             if stage + 1 < num_stages:
@@ -277,9 +278,11 @@ def _data_edges(index: Mapping[Key, int], num_stages: int) -> list[Edge]:
 
 
 def _more_inputs(kind: Kind, mb: int | None, stage: int, pipe: str | None) -> tuple[Key, ...]:
-    """The inputs of R and of the stash kinds: R(m,s) needs F(m,s), and L(m,s) if the
-    activations were evicted; E(m,s) needs F(m,s); the partner's H(m,s) needs E(m,s);
-    L(m,s) needs E(m,s) and H(m,s)."""
+    """The inputs of R, P and of the stash kinds: R(m,s) needs F(m,s), and L(m,s) if the
+    activations were evicted; P needs nothing; E(m,s) needs F(m,s); the partner's H(m,s)
+    needs E(m,s); L(m,s) needs E(m,s) and H(m,s)."""
+    if kind is Kind.P:
+        return ()
     if kind is Kind.E:
         return ((Kind.F, mb, stage, pipe),)
     if kind is Kind.H:

@@ -16,11 +16,12 @@ Whether every op appears once and in a valid order is `validate`'s job.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TypeVar
 
 from pipelang import ast
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import Label, fail
 from pipelang.evaluate import (
     MAX_OPS,
     Env,
@@ -64,7 +65,8 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     assignment = _assignment(
         _single(schedule, ast.Microbatches, "microbatches"), pipelines, scope, env
     )
-    total = len(assignment) * num_stages * len(kinds)
+    frozen = _frozen(schedule, scope, env, num_ranks)
+    total = len(assignment) * (num_stages * len(kinds) + (frozen is not None))
     if total > max_ops():
         raise too_large(
             f"the schedule has {total} ops, more than the limit of {max_ops()}", schedule.span
@@ -74,19 +76,24 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         for s, r in enumerate(p.placement):
             local[(p.name, r)] = (*local.get((p.name, r), ()), s)
     layout = Layout(
-        scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs, (), local
+        scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs, (), local, frozen
     )
-    after = _after(schedule, layout)
-    layout = Layout(
-        scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs, after, local
-    )
+    layout = dataclasses.replace(layout, after=_after(schedule, layout))
     order = _order(schedule)
     if isinstance(order, ast.OrderRank):
         ranks = expand_rank_order(order, layout)
     elif isinstance(order, ast.OrderGreedy):
         ranks = expand_greedy_order(order, layout)
-    else:
+    elif frozen is None:
         ranks = expand_repeat_order(order, layout)
+    else:
+        raise fail(
+            "E0210",
+            "an `order repeat` cannot place frozen work: its `P` ops run on any rank "
+            "that holds the frozen part, not on a stage's rank",
+            order.span,
+            help="write the order with `order rank` or `order greedy`",
+        )
     params = tuple((p.name, bindings[p.name]) for p in schedule.params)
     return Program(
         schedule.name,
@@ -98,11 +105,12 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         assignment,
         kinds,
         ranks,
-        after,
+        layout.after,
         costs,
         order.span,
         partition=_partition(schedule, scope, env, num_stages),
         weights=_weights(schedule, scope, env),
+        frozen=frozen,
     )
 
 
@@ -160,9 +168,56 @@ def _kinds(schedule: ast.Schedule) -> tuple[Kind, ...]:
     if decl is None:
         return (Kind.F, Kind.B)
     kinds = decl.kinds
+    if "P" in kinds:
+        raise fail(
+            "E0309",
+            "`P` is not declared with `ops`: a `frozen` line declares the frozen part",
+            decl.span,
+            help="write `frozen on ranks 0..D` (the ranks that hold it) and drop `P` here",
+        )
     if "F" not in kinds or "B" not in kinds or len(set(kinds)) != len(kinds):
         raise fail("E0309", "`ops` must list F and B once each, plus W and/or R", decl.span)
     return tuple(Kind(k) for k in ("F", "B", "W", "R") if k in kinds)
+
+
+def _frozen(
+    schedule: ast.Schedule, scope: Scope, env: Env, num_ranks: int
+) -> tuple[int, ...] | None:
+    """The ranks the `frozen` lines name (E0210 for one outside the schedule's ranks or
+    for none at all); None without a `frozen` line."""
+    decls = [d for d in schedule.body if isinstance(d, ast.Frozen)]
+    if not decls:
+        return None
+    holders: set[int] = set()
+    for decl in decls:
+        ranks = eval_range(decl.ranks, scope, env)
+        if len(ranks) and not (0 <= ranks[0] and ranks[-1] < num_ranks):
+            outside = ranks[0] if ranks[0] < 0 else ranks[-1]
+            raise fail(
+                "E0210",
+                f"`frozen` names rank {outside}, but the schedule's ranks are 0..{num_ranks}",
+                decl.ranks.span,
+                help="the frozen part is held by ranks of the schedule: "
+                f"`frozen on ranks 0..{num_ranks}` puts it on every rank",
+            )
+        holders.update(ranks)
+    if not holders:
+        raise fail(
+            "E0210",
+            "the `frozen` ranges are empty: no rank holds the frozen part",
+            decls[0].span,
+            help="`frozen on ranks a..b` needs a < b",
+        )
+    weights = _optional(schedule, ast.Weights, "weights")
+    if weights is not None:
+        raise fail(
+            "E0210",
+            "an asynchronous schedule (`weights`) cannot have frozen work yet",
+            decls[0].span,
+            labels=(Label(weights.span, "asynchronous here"),),
+            help="drop the `frozen` line, or make the schedule synchronous",
+        )
+    return tuple(sorted(holders))
 
 
 def _weights(schedule: ast.Schedule, scope: Scope, env: Env) -> WeightPolicy | None:
@@ -392,6 +447,13 @@ def _check_after_op(call: ast.OpCall, layout: Layout) -> None:
     so that one over an empty range is checked too."""
     if call.kind == "U":
         raise fail("E0103", "an `after` names F, B, W or R ops, not a weight update", call.span)
+    if call.kind == "P":
+        raise fail(
+            "E0103",
+            "an `after` names F, B, W or R ops, not a frozen forward `P`",
+            call.span,
+            help="a `P` runs where its rank's order puts it, and F(mb, 0) waits for it anyway",
+        )
     if call.kind in ("E", "L"):
         raise fail(
             "E0103",

@@ -149,9 +149,13 @@ class _Lowering:
         saved_by = Kind.R if Kind.R in program.kinds and kind is not Kind.R else Kind.F
         reads: list[tuple[str, str]] = []
         writes: list[tuple[str, str]] = []
-        if kind is Kind.F:
+        if kind is Kind.P:  # the frozen part's output: stage 0's input, saved by its F
+            writes.append(("d", _token(Kind.P, mb, stage, pipe)))
+        elif kind is Kind.F:
             if stage > 0:
                 reads.append(("d", _token(Kind.F, mb, stage - 1, pipe)))
+            elif program.frozen is not None:
+                reads.append(("d", _token(Kind.P, mb, stage, pipe)))
             writes.append(("s", _token(Kind.F, mb, stage, pipe)))
             if not last:
                 writes.append(("d", _token(Kind.F, mb, stage, pipe)))

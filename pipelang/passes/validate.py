@@ -8,7 +8,8 @@ that caused it; they come sorted by position.
 
 Checks, by code: E0301 wrong rank (or an op the schedule does not have), E0302
 duplicate, E0303 missing, E0309 undeclared op kind, E0304 B before its F, E0305 W
-before its B or R outside F..B, E0306 deadlock, E0308 too many activations; evictions
+before its B or R outside F..B, E0317 a frozen forward `P` on a rank that does not
+hold the frozen part, E0318 a stage-0 F before its own P on one rank, E0306 deadlock, E0308 too many activations; evictions
 (`pipelang.evictions`): E0315 an `E`/`L` out of place, E0316 a bad partner; weight
 versions (`pipelang.weights`): E0313 an update that cannot apply, E0314 more versions
 than declared. The deadlock check needs a sound graph, so it runs only when no op is
@@ -50,7 +51,7 @@ def validate(program: Program, graph: OpGraph, max_activations: int | None) -> l
         order_problems = _order_problems_in(census)
         found = _collapse([*census.problems, *order_problems]) + _missing(program, census)
         found += check_evictions(program)  # a program with `E`/`L` is never listed right
-    if not any(d.code in ("E0301", "E0302", "E0303", "E0315") for d in found):
+    if not any(d.code in ("E0301", "E0302", "E0303", "E0315", "E0317") for d in found):
         cycle = find_cycle(graph, skip=_edges_of(graph, order_problems))
         if cycle:
             found.append(describe_cycle(program, graph, cycle))
@@ -91,6 +92,8 @@ _MANY = {
     "E0304": "backwards run before their forward",
     "E0305": "ops run outside their forward..backward order",
     "E0309": "ops use an op kind the schedule does not declare",
+    "E0317": "frozen forwards run on ranks that do not hold the frozen part",
+    "E0318": "forwards run before the frozen forward that makes their input",
 }
 
 
@@ -119,17 +122,29 @@ def _listed_right(program: Program, graph: OpGraph) -> bool:
     numbered ops alone; the census, which walks every listing, runs only when it will
     find something."""
     ops = graph.ops
-    needed = program.num_microbatches * program.num_stages * len(program.kinds)
-    if graph.listed != len(ops) or len(ops) != needed:
+    if graph.listed != len(ops) or len(ops) != _needed(program):
         return False
     owner, travels = _owners(program)
-    declared = frozenset(program.kinds)
+    declared = _declared(program)
+    holders = frozenset(program.frozen or ())
     return all(
-        owner.get((op.stage, op.pipeline)) == rank
+        (rank in holders if op.kind is Kind.P else owner.get((op.stage, op.pipeline)) == rank)
         and travels.get(op.mb) == op.pipeline
         and op.kind in declared
         for op, rank in zip(ops, graph.ranks, strict=True)
     )
+
+
+def _needed(program: Program) -> int:
+    """How many ops the schedule must run: every kind on every (micro-batch, stage), and
+    a `P` per micro-batch when it has a frozen part."""
+    per_mb = program.num_stages * len(program.kinds) + (program.frozen is not None)
+    return program.num_microbatches * per_mb
+
+
+def _declared(program: Program) -> frozenset[Kind]:
+    """The compute kinds the schedule declares: its `ops`, and `P` with a frozen part."""
+    return frozenset((*program.kinds, Kind.P) if program.frozen is not None else program.kinds)
 
 
 def _owners(
@@ -149,7 +164,8 @@ def _take_census(program: Program) -> _Census:
     its copy on the right rank.
     """
     owner, travels = _owners(program)
-    declared, compute = frozenset(program.kinds), COMPUTE_KINDS
+    declared, compute = _declared(program), COMPUTE_KINDS
+    holders = frozenset(program.frozen or ())
     placed: dict[Key, tuple[int, int, Action]] = {}
     misplaced: set[Key] = set()
     problems = []
@@ -160,7 +176,12 @@ def _take_census(program: Program) -> _Census:
                 continue
             if kind not in declared:
                 problems.append(_undeclared(action, rank))
-            if owner.get((stage, pipe)) != rank or travels.get(mb) != pipe:
+            if kind is Kind.P and stage == 0 and travels.get(mb) == pipe:
+                if rank not in holders:
+                    problems.append(_not_a_holder(program, action, rank))
+                    misplaced.add((kind, mb, stage, pipe))
+                    continue
+            elif owner.get((stage, pipe)) != rank or travels.get(mb) != pipe:
                 problems.append(_misplaced(program, owner, action, rank))
                 misplaced.add((kind, mb, stage, pipe))
                 continue
@@ -178,6 +199,18 @@ def _undeclared(action: Action, rank: int) -> _Problem:
         rank,
         f"`{action}` uses op kind `{kind}`, which the schedule does not declare",
         f"declare it: `ops F, B, {kind}`",
+    )
+
+
+def _not_a_holder(program: Program, action: Action, rank: int) -> _Problem:
+    holders = ", ".join(map(str, program.frozen or ()))
+    return _Problem(
+        "E0317",
+        action,
+        rank,
+        f"`{action}` runs the frozen part on rank {rank}, which does not hold it "
+        f"(held by rank{'s' * (len(program.frozen or ()) > 1)} {holders})",
+        f"list it on a rank that holds the frozen part, or add rank {rank} to `frozen`",
     )
 
 
@@ -237,10 +270,11 @@ def _duplicate(first: tuple[int, int, Action], action: Action, rank: int, step: 
 def _missing(program: Program, census: _Census) -> list[Diagnostic]:
     """E0303, one diagnostic per rank that should run ops nobody lists (or lists only on
     the wrong rank)."""
-    declared = frozenset(program.kinds)
+    declared = _declared(program)
     listed = sum(1 for kind, *_ in census.placed if kind in declared)
-    if listed == program.num_microbatches * program.num_stages * len(program.kinds):
+    if listed == _needed(program):
         return []
+    found = _missing_frozen(program, census)
     absent: dict[int, list[Action]] = defaultdict(list)
     for mb, pipe in enumerate(program.assignment):
         for stage, rank in enumerate(program.pipeline(pipe).placement):
@@ -250,7 +284,7 @@ def _missing(program: Program, census: _Census) -> list[Diagnostic]:
                     absent[rank].append(Action(kind, mb, stage, pipe))
     names = [k.value for k in program.kinds]
     kinds = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-    return [
+    return found + [
         Diagnostic(
             "E0303",
             f"rank {rank} never runs "
@@ -260,6 +294,32 @@ def _missing(program: Program, census: _Census) -> list[Diagnostic]:
             "stage of its pipeline",
         )
         for rank, ops in sorted(absent.items())
+    ]
+
+
+def _missing_frozen(program: Program, census: _Census) -> list[Diagnostic]:
+    """E0303 for the micro-batches whose frozen forward no rank runs."""
+    if program.frozen is None:
+        return []
+    absent = [
+        Action(Kind.P, mb, 0, pipe)
+        for mb, pipe in enumerate(program.assignment)
+        if (Kind.P, mb, 0, pipe) not in census.placed
+        and (Kind.P, mb, 0, pipe) not in census.misplaced
+    ]
+    if not absent:
+        return []
+    what = f"`{absent[0]}`" if len(absent) == 1 else listing(absent)
+    holders = ", ".join(map(str, program.frozen))
+    return [
+        Diagnostic(
+            "E0303",
+            f"no rank runs the frozen forward of {len(absent)} micro-batch"
+            f"{'es' * (len(absent) > 1)}: {what}",
+            program.order_span,
+            help=f"list `P(mb)` once per micro-batch on a rank that holds the frozen part "
+            f"({holders})",
+        )
     ]
 
 
@@ -290,6 +350,12 @@ _ORDER_RULES = {
         "`{needer}` runs before the forward `{needed}` it recomputes, on rank {rank}",
         "the forward is listed here",
     ),
+    (Kind.P, Kind.F): _OrderRule(
+        "E0318",
+        "`{needer}` runs before the frozen forward `{needed}` that makes its input, on "
+        "rank {rank}",
+        "the frozen forward is listed here",
+    ),
     (Kind.R, Kind.B): _OrderRule(
         "E0305",
         "`{needed}` runs after the backward `{needer}` that needs it, on rank {rank}",
@@ -319,12 +385,17 @@ def _order_problems_in(census: _Census) -> list[_Problem]:
     for (kind, mb, stage, pipe), (rank, step, needer) in placed.items():
         for needed_kind in _NEEDS.get(kind, ()):
             found = placed.get((needed_kind, mb, stage, pipe))
-            if found is not None and found[1] > step:
+            if found is not None and found[0] == rank and found[1] > step:
                 problems.append(_order_problem(found[2], needer, rank))
     return problems
 
 
-_NEEDS = {Kind.B: (Kind.F, Kind.R), Kind.W: (Kind.B,), Kind.R: (Kind.F,)}
+_NEEDS = {
+    Kind.B: (Kind.F, Kind.R),
+    Kind.W: (Kind.B,),
+    Kind.R: (Kind.F,),
+    Kind.F: (Kind.P,),  # only at stage 0; P has no other stage
+}
 """The kinds of the ops of its own (micro-batch, stage) that an op needs before it."""
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from pipelang.ir import Action, CostModel, Kind, Pipeline, Program
 from pipelang.simulate import Event, Timeline
 from pipelang.visualize.panel import Panel
+from pipelang.visualize.style import ALL_KINDS
 
 
 class TraceError(ValueError):
@@ -145,7 +146,7 @@ def rebuild_program(events: list[Event], name: str) -> Program:
             for p, where in sorted(placements.items())
         ),
         assignment=tuple(assignment[m] for m in range(len(assignment))),
-        kinds=tuple(k for k in (Kind.F, Kind.B, Kind.W, Kind.R) if k in kinds),
+        kinds=tuple(k for k in ALL_KINDS if k in kinds),
         ranks=tuple(tuple(ranks.get(r, ())) for r in range(num_ranks)),
     )
 

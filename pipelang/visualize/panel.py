@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from pipelang.ir import Action, Kind
 from pipelang.simulate import Event, Timeline
+from pipelang.visualize.style import ALL_KINDS
 
 
 class Transfer(NamedTuple):
@@ -75,9 +76,10 @@ class Panel:
         return max(ends)
 
     def kinds(self) -> tuple[Kind, ...]:
-        """The compute kinds of the program, in F, B, W, R order."""
-        present = set(self.timeline.program.kinds)
-        return tuple(k for k in (Kind.F, Kind.B, Kind.W, Kind.R) if k in present)
+        """The compute kinds of the program, in F, B, W, R, P order."""
+        program = self.timeline.program
+        present = {*program.kinds, *((Kind.P,) if program.frozen is not None else ())}
+        return tuple(k for k in ALL_KINDS if k in present)
 
 
 def simulated(timeline: Timeline) -> Panel:
@@ -89,6 +91,8 @@ def cost_note(timeline: Timeline) -> str:
     """The times of the kinds the program runs, and the transfer time: `F=1 B=2 C=0`."""
     costs = timeline.costs
     kinds = [k.value for k in timeline.program.kinds]
+    if timeline.program.frozen is not None:
+        kinds.append("P")
     text = " ".join(f"{k}={number(costs.of(k))}" for k in [*kinds, "C"])
     if any(stage is not None for _, stage, _ in costs.entries):
         text += " (some per stage)"
@@ -98,8 +102,9 @@ def cost_note(timeline: Timeline) -> str:
 def transfers(timeline: Timeline) -> Iterator[Transfer]:
     """Every result an op takes from another rank, with when it was made and used.
 
-    Only forwards and backwards feed another stage (`Program.inputs_of`): F(m, s) needs
-    F(m, s-1) and B(m, s) needs B(m, s+1); the other inputs (F for B, B for W, F for R, R
+    Only forwards, backwards and frozen forwards feed another stage or rank
+    (`Program.inputs_of`): F(m, s) needs F(m, s-1) (F(m, 0) needs P(m, 0)) and B(m, s)
+    needs B(m, s+1); the other inputs (F for B, B for W, F for R, R
     for B) come from the same stage, so from the same rank.
     """
     ends = {}
@@ -109,8 +114,8 @@ def transfers(timeline: Timeline) -> Iterator[Transfer]:
     last = timeline.program.num_stages - 1
     for e in timeline.events:
         a = e.action
-        if a.kind is Kind.F and a.stage:
-            key = (Kind.F, a.mb, a.stage - 1, a.pipeline)
+        if a.kind is Kind.F:  # stage 0's input is the frozen part's output, if any
+            key = (Kind.F, a.mb, a.stage - 1, a.pipeline) if a.stage else (Kind.P, a.mb, 0, a.pipeline)
         elif a.kind is Kind.B and a.stage is not None and a.stage < last:
             key = (Kind.B, a.mb, a.stage + 1, a.pipeline)
         else:

@@ -16,10 +16,19 @@ from dataclasses import dataclass
 
 from pipelang.ir import Action, Kind, Program
 
-KIND_HUE = {Kind.F: 212, Kind.B: 25, Kind.W: 128, Kind.R: 280}
+KIND_HUE = {Kind.F: 212, Kind.B: 25, Kind.W: 128, Kind.R: 280, Kind.P: 180}
 """Hue in degrees of each compute kind."""
 
-KIND_NAME = {Kind.F: "forward", Kind.B: "backward", Kind.W: "weight grad", Kind.R: "recompute"}
+ALL_KINDS = (Kind.F, Kind.B, Kind.W, Kind.R, Kind.P)
+"""The compute kinds in the order legends list them."""
+
+KIND_NAME = {
+    Kind.F: "forward",
+    Kind.B: "backward",
+    Kind.W: "weight grad",
+    Kind.R: "recompute",
+    Kind.P: "frozen forward",
+}
 
 IDLE = "#e9ecf1"
 IDLE_STROKE = "#c9ced8"
