@@ -443,17 +443,12 @@ def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
 
 
 def _check_after_op(call: ast.OpCall, layout: Layout) -> None:
-    """An `after` names one declared F, B, W or R op fully; checked once per declaration,
-    so that one over an empty range is checked too."""
+    """An `after` names one declared F, B, W, R or P op fully (`P(mb)` needs no stage);
+    checked once per declaration, so that one over an empty range is checked too."""
     if call.kind == "U":
         raise fail("E0103", "an `after` names F, B, W or R ops, not a weight update", call.span)
-    if call.kind == "P":
-        raise fail(
-            "E0103",
-            "an `after` names F, B, W or R ops, not a frozen forward `P`",
-            call.span,
-            help="a `P` runs where its rank's order puts it, and F(mb, 0) waits for it anyway",
-        )
+    if call.kind == "P" and call.mb is not None and call.slot is None:
+        return  # `Layout.op` checks the rest: a frozen part, stage 0
     if call.kind in ("E", "L"):
         raise fail(
             "E0103",
@@ -476,7 +471,7 @@ def _check_after_op(call: ast.OpCall, layout: Layout) -> None:
 
 
 def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Action:
-    assert call.mb is not None and call.stage is not None  # `_check_after_op`
+    assert call.mb is not None  # `_check_after_op`
     mb = compile_int(call.mb, scope)(env)
-    stage = compile_int(call.stage, scope)(env)
+    stage = None if call.stage is None else compile_int(call.stage, scope)(env)
     return layout.op(call, Kind(call.kind), mb, stage, None)
