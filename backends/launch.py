@@ -122,12 +122,11 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             f"--frozen-layers {config.frozen_layers}: `{program.name}` has no frozen part "
             "(no `frozen` line), so no layers would run as one; drop the option"
         )
-    if program.frozen is not None and config.frozen_layers is not None:
-        if config.frozen_layers < 1:
-            raise RunError(
-                f"`{program.name}` runs a frozen part (`P`), which needs at least one "
-                "layer: --frozen-layers 1 or more"
-            )
+    if program.frozen is not None and config.frozen_layers is not None and config.frozen_layers < 1:
+        raise RunError(
+            f"`{program.name}` runs a frozen part (`P`), which needs at least one "
+            "layer: --frozen-layers 1 or more"
+        )
     refusal = eviction_refusal(program, config)
     if refusal is not None:
         raise RunError(refusal)

@@ -404,7 +404,7 @@ def partition_layers(
         if num_stages > num_layers:
             raise ModelError(
                 f"the schedule has {num_stages} stages but {name} has only {num_layers} "
-                "layers; every stage needs at least one",
+                f"layer{'s' * (num_layers != 1)}; every stage needs at least one",
             )
         base, extra = divmod(num_layers, num_stages)
         counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
@@ -474,17 +474,17 @@ def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | Non
     _check_data(spec, model.vocab, model.seq_len)
     ids, _ = model.batch(0, 0, torch.device("cpu"))
     x = ids.to("meta")
-    shapes: Shapes = {}
+    traced: Shapes = {}
     parts = [(-1, model.frozen_bounds)] if spec.frozen_layers else []
     try:
         with torch.no_grad():
             for stage, layers in [*parts, *enumerate(bounds)]:
                 for i in layers:
                     x = model.layers[i](x)
-                shapes[stage] = (tuple(x.shape), x.dtype)
+                traced[stage] = (tuple(x.shape), x.dtype)
     except Exception as err:
         raise ModelError(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
-    return StagePlan(bounds, shapes, model.seq_len, model.ties)
+    return StagePlan(bounds, traced, model.seq_len, model.ties)
 
 
 def _check_data(spec: ModelSpec, vocab: int, seq_len: int) -> None:

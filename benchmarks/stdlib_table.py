@@ -42,7 +42,9 @@ def row(name: str, params: dict[str, str], costs: CostModel) -> list[str]:
         status = ", ".join(sorted({d.code for d in err.diagnostics}))
     timeline = simulate(program, graph, program.costs.merged(costs))
     ranks = range(program.num_ranks)
-    shown = ", ".join(f"{k}={v}" for k, v in program.params)
+    shown = ", ".join(
+        f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in program.params
+    )
     return [
         f"[`{name}`]({name}.md)",
         shown,

@@ -402,6 +402,7 @@ VALID = {
     "pipedream-2bw": [dict(D=4, N=8), dict(D=1, N=1), dict(D=4, N=10, m=3)],
     "pipemare": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=3)],
     "bpipe": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=7)],
+    "diffusionpipe": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=7, h=2), dict(D=3, N=6, h=1)],
 }
 
 INVALID = [
@@ -444,6 +445,8 @@ INVALID = [
     ("pipedream-2bw", dict(m=0), "PipeDream-2BW needs at least one micro-batch per update"),
     ("pipemare", dict(D=0), "PipeMare needs at least one rank"),
     ("bpipe", dict(D=4, N=3), "BPipe balances 1F1B's steady phase: it needs N >= D"),
+    ("diffusionpipe", dict(D=4, h=5), "DiffusionPipe needs 1 <= h <= D"),
+    ("diffusionpipe", dict(N=0), "DiffusionPipe needs at least one micro-batch"),
 ]
 
 

@@ -61,9 +61,7 @@ class Layout:
                 return _make(Action, (kind, mb, stage, pipeline, None, None, call.span, fused))
         raise self._bad_op(call, mb, stage, rank)
 
-    def _frozen_op(
-        self, call: ast.OpCall, mb: int | None, stage: int | None
-    ) -> Action:
+    def _frozen_op(self, call: ast.OpCall, mb: int | None, stage: int | None) -> Action:
         """`P(mb)`: the frozen forward that feeds F(mb, 0), on whichever rank lists it
         (`validate` checks that the rank holds the frozen part, E0317)."""
         if self.frozen is None:

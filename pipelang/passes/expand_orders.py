@@ -191,7 +191,7 @@ def _frozen(
     holders: set[int] = set()
     for decl in decls:
         ranks = eval_range(decl.ranks, scope, env)
-        if len(ranks) and not (0 <= ranks[0] and ranks[-1] < num_ranks):
+        if len(ranks) and not (ranks[0] >= 0 and ranks[-1] < num_ranks):
             outside = ranks[0] if ranks[0] < 0 else ranks[-1]
             raise fail(
                 "E0210",

@@ -7,16 +7,16 @@ cap is given) no rank over the activation cap. Each diagnostic points at the act
 that caused it; they come sorted by position.
 
 Checks, by code: E0301 wrong rank (or an op the schedule does not have), E0302
-duplicate, E0303 missing, E0309 undeclared op kind, E0304 B before its F, E0305 W
-before its B or R outside F..B, E0317 a frozen forward `P` on a rank that does not
-hold the frozen part, E0318 a stage-0 F before its own P on one rank, E0306 deadlock, E0308 too many activations; evictions
-(`pipelang.evictions`): E0315 an `E`/`L` out of place, E0316 a bad partner; weight
-versions (`pipelang.weights`): E0313 an update that cannot apply, E0314 more versions
-than declared. The deadlock check needs a sound graph, so it runs only when no op is
-missing, duplicated or misplaced and every eviction is loaded back in order; a
-same-rank order mistake is reported as E0304/E0305 and not again as a deadlock. The
-order in which a rank consumes what another rank sends does not matter: `insert-comms`
-receives in the sender's order (E0307 checks that of lowered programs).
+duplicate, E0303 missing, E0309 undeclared op kind, E0304 B before its F, E0305 W before
+its B or R outside F..B, E0317 a frozen forward `P` on a rank that does not hold the
+frozen part, E0318 a stage-0 F before its own P on one rank, E0306 deadlock, E0308 too
+many activations; evictions (`pipelang.evictions`): E0315 an `E`/`L` out of place, E0316
+a bad partner; weight versions (`pipelang.weights`): E0313 an update that cannot apply,
+E0314 more versions than declared. The deadlock check needs a sound graph, so it runs
+only when no op is missing, duplicated or misplaced and every eviction is loaded back in
+order; a same-rank order mistake is reported as E0304/E0305 and not again as a deadlock.
+The order in which a rank consumes what another rank sends does not matter:
+`insert-comms` receives in the sender's order (E0307 checks that of lowered programs).
 
     rank 0: F0@0/main B0@0/main F1@0/main B1@0/main
     rank 1: F1@1/main F0@1/main B0@1/main B1@1/main
@@ -352,8 +352,7 @@ _ORDER_RULES = {
     ),
     (Kind.P, Kind.F): _OrderRule(
         "E0318",
-        "`{needer}` runs before the frozen forward `{needed}` that makes its input, on "
-        "rank {rank}",
+        "`{needer}` runs before the frozen forward `{needed}` that makes its input, on rank {rank}",
         "the frozen forward is listed here",
     ),
     (Kind.R, Kind.B): _OrderRule(

@@ -115,7 +115,11 @@ def transfers(timeline: Timeline) -> Iterator[Transfer]:
     for e in timeline.events:
         a = e.action
         if a.kind is Kind.F:  # stage 0's input is the frozen part's output, if any
-            key = (Kind.F, a.mb, a.stage - 1, a.pipeline) if a.stage else (Kind.P, a.mb, 0, a.pipeline)
+            key = (
+                (Kind.F, a.mb, a.stage - 1, a.pipeline)
+                if a.stage
+                else (Kind.P, a.mb, 0, a.pipeline)
+            )
         elif a.kind is Kind.B and a.stage is not None and a.stage < last:
             key = (Kind.B, a.mb, a.stage + 1, a.pipeline)
         else:
