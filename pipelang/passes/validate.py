@@ -203,15 +203,20 @@ def _undeclared(action: Action, rank: int) -> _Problem:
 
 
 def _not_a_holder(program: Program, action: Action, rank: int) -> _Problem:
-    holders = ", ".join(map(str, program.frozen or ()))
     return _Problem(
         "E0317",
         action,
         rank,
         f"`{action}` runs the frozen part on rank {rank}, which does not hold it "
-        f"(held by rank{'s' * (len(program.frozen or ()) > 1)} {holders})",
+        f"(held by {_holders(program)})",
         f"list it on a rank that holds the frozen part, or add rank {rank} to `frozen`",
     )
+
+
+def _holders(program: Program) -> str:
+    """`rank 0` or `ranks 0, 1`: the ranks that hold the frozen part."""
+    ranks = program.frozen or ()
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
 def _misplaced(
@@ -310,7 +315,6 @@ def _missing_frozen(program: Program, census: _Census) -> list[Diagnostic]:
     if not absent:
         return []
     what = f"`{absent[0]}`" if len(absent) == 1 else listing(absent)
-    holders = ", ".join(map(str, program.frozen))
     return [
         Diagnostic(
             "E0303",
@@ -318,7 +322,7 @@ def _missing_frozen(program: Program, census: _Census) -> list[Diagnostic]:
             f"{'es' * (len(absent) > 1)}: {what}",
             program.order_span,
             help=f"list `P(mb)` once per micro-batch on a rank that holds the frozen part "
-            f"({holders})",
+            f"({_holders(program)})",
         )
     ]
 
