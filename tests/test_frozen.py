@@ -249,3 +249,36 @@ def test_frozen_layers_that_cannot_be_are_refused(
     status = run(stdlib(name, D=2, N=2), "--backend", "local", "--steps", "1", *options)
     err = capsys.readouterr().err
     assert status == 1 and message in err, err
+
+
+BIDIRECTIONAL = """\
+schedule bidir(D: int = 4, N: int = 4) {
+    frozen on ranks 0..D
+    cost F = 1, B = 2, P = 1
+    pipeline down: stage s in 0..D -> rank s
+    pipeline up: stage s in 0..D -> rank D - 1 - s
+    microbatches i in 0..N // 2 -> down, i in N // 2..N -> up
+    order greedy { prefer B, F  priority mb }
+}
+"""
+
+
+def test_two_directions_each_feed_their_own_stage_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Chimera-style replicas: `up`'s frozen outputs go to rank D-1 (its stage 0), and
+    the replicated stages' gradients are still summed: --check over gloo."""
+    path = tmp_path / "bidir.pipe"
+    path.write_text(BIDIRECTIONAL)
+    program = api.load_program(str(path))
+    sends = {
+        (a.pipeline, a.peer)
+        for acts in program.ranks
+        for a in acts
+        if a.kind is Kind.SEND and a.of is Kind.P
+    }
+    assert {peer for pipe, peer in sends if pipe == "up"} <= {3}
+    assert {peer for pipe, peer in sends if pipe == "down"} <= {0}
+    status = run(program, "--backend", "gloo", "--steps", "2", "--check")
+    out = capsys.readouterr().out
+    assert status == 0 and "check OK" in out, out

@@ -55,6 +55,10 @@ def insert_sync(program: Program) -> Program:
     return dataclasses.replace(program, ranks=tuple(ranks))
 
 
+_TRAINS = frozenset({Kind.F, Kind.B, Kind.W, Kind.R})
+"""The kinds that use a stage copy's weights (a frozen forward `P` does not)."""
+
+
 def _eager_positions(program: Program, rank: int) -> dict[Copy, int]:
     """For each replicated copy `rank` holds, the index to insert its allreduce at."""
     actions = program.ranks[rank]
@@ -63,7 +67,7 @@ def _eager_positions(program: Program, rank: int) -> dict[Copy, int]:
     for step in range(len(actions) - 1, -1, -1) if replicated else ():
         action = actions[step]
         copy = (action.stage, action.pipeline)
-        if copy not in last and copy in replicated and action.kind.is_compute:
+        if copy not in last and copy in replicated and action.kind in _TRAINS:
             last[copy] = step
             if len(last) == len(replicated):
                 break
