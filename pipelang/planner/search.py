@@ -538,8 +538,14 @@ def _scaled(seen: list[tuple[float, float]], ops: float) -> float:
     return seen[-1][1] * (ops / seen[-1][0]) ** power
 
 
+PLANNER_MAX_OPS = 4_000_000
+"""The op limit of the schedules the planner compiles. The user's `--max-ops` guards
+against a mistyped parameter; the planner picks its own sizes, and its time budget (not
+the op count) bounds its search: a 1024-device plan simulates 262,144-op Chimeras."""
+
+
 def _options(candidate: Candidate) -> Options:
-    return Options({k: str(v) for k, v in candidate.params})
+    return Options({k: str(v) for k, v in candidate.params}, max_ops=PLANNER_MAX_OPS)
 
 
 def _with_costs(file: ast.File, costs: CostModel) -> ast.File:
