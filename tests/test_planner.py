@@ -7,6 +7,7 @@ profile, torch's own parameter counts, and the compiler's check of the written f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -29,7 +30,7 @@ from pipelang.planner.profile import (
     load_profile,
     profile_from_dict,
 )
-from pipelang.planner.search import Candidate, Inputs, Plan, Planner, candidates
+from pipelang.planner.search import Candidate, Inputs, Plan, Planner, candidates, lopsided
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
 from pipelang.planner.write import plan_source
@@ -799,3 +800,65 @@ def test_calibration_message_time_and_compute_scale() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ---- honest output: device kinds, lopsided plans -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "kinds"),
+    [
+        (
+            "nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nkind: H100\n"
+            "intra_node: {bandwidth: 10GB/s}\n",
+            ("H100", "H100"),
+        ),
+        (
+            "devices:\n  - {name: a, memory: 1GiB, kind: A100}\n  - {name: b, memory: 1GiB}\n"
+            "default_link: {bandwidth: 1GB/s}\n",
+            ("A100", ""),
+        ),
+        ("nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nintra_node: {bandwidth: 10GB/s}\n", ()),
+    ],
+)
+def test_topology_device_kinds(tmp_path: Path, text: str, kinds: tuple[str, ...]) -> None:
+    (tmp_path / "t.yaml").write_text(text)
+    assert load_topology(tmp_path / "t.yaml").kinds == kinds
+
+
+def test_a_profile_from_another_device_kind_is_noted() -> None:
+    profile = make_profile([1.0, 1.0])
+    h100 = dataclasses.replace(uniform_topology(2), kinds=("H100", "H100"))
+    cpus = dataclasses.replace(uniform_topology(2), kinds=("cpu", ""))
+    gpu_profile = dataclasses.replace(profile, device="cuda:0", device_name="NVIDIA H100 80GB HBM3")
+    [note] = [n for n in Inputs(profile, h100, 4).notes() if "another kind" in n]
+    assert "measured on cpu" in note and "`H100` devices (d0 and 1 more)" in note
+    assert not [n for n in Inputs(gpu_profile, h100, 4).notes() if "another kind" in n]
+    assert not [n for n in Inputs(profile, cpus, 4).notes() if "another kind" in n]
+    assert not [n for n in Inputs(profile, uniform_topology(2), 4).notes() if "another kind" in n]
+
+
+def test_lopsided_partitions_are_flagged() -> None:
+    assert lopsided([(1.0, 2.0, 0.0), (1.2, 2.0, 0.0)]) is None
+    one = lopsided([(10.0, 20.0, 0.0), (0.1, 0.2, 0.0), (0.2, 0.1, 0.0)])
+    assert one is not None and "in effect one device per pipeline" in one
+    some = lopsided([(10.0, 20.0, 0.0), (9.0, 20.0, 0.0), (0.1, 0.2, 0.0)])
+    assert some is not None and some.startswith("lopsided: stage 2 does 1% of the work of stage 0")
+
+
+def test_the_plan_command_marks_a_lopsided_plan(tmp_path: Path) -> None:
+    """Two layers, the first 100x the second: on two devices the only D=2 partition is
+    1,1, whose second device waits nearly all the time."""
+    profile = make_profile([100.0, 1.0])
+    (tmp_path / "p.json").write_text(profile.to_json())
+    (tmp_path / "t.yaml").write_text(
+        "nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nkind: H100\nintra_node: {bandwidth: 10GB/s}\n"
+    )
+    proc = plan_cmd(tmp_path, "--schedules", "1f1b")
+    out, err = proc.stdout, proc.stderr  # type: ignore[attr-defined]
+    assert proc.returncode == 0, err  # type: ignore[attr-defined]
+    assert re.search(r"\d!: lopsided: the stages but stage 0 do 1% of the work", out), out
+    assert "another kind" in err and "`H100`" in err
+    doc = json.loads(plan_cmd(tmp_path, "--schedules", "1f1b", "--json").stdout)  # type: ignore[attr-defined]
+    flags = {p["params"]["D"]: p["lopsided"] for p in doc["plans"]}
+    assert flags[1] is None and "in effect one device" in flags[2]

@@ -105,9 +105,6 @@ def run(args: argparse.Namespace) -> int:
                 f"--schedules: cannot plan with `{', '.join(unknown)}`; use: {', '.join(FAMILIES)}"
             )
     profile = load_profile(args.profile)
-    notes = Console(stderr=True, highlight=False, soft_wrap=True)
-    for note in profile.notes():
-        notes.print(f"note: {note}", markup=False)
     inputs = Inputs(
         profile,
         load_topology(args.topology),
@@ -117,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         schedules,
         args.data_parallel,
     )
+    notes = Console(stderr=True, highlight=False, soft_wrap=True)
+    for note in inputs.notes():
+        notes.print(f"note: {note}", markup=False)
     planner = Planner(inputs, time_budget=args.time_budget or None)
     with work_progress(notes) as update:
         result = planner.search(update)
@@ -188,7 +188,7 @@ def _print_tables(result: object, planner: object, top: int, show_all: bool) -> 
         parts = ",".join(map(str, plan.partition))
         approx = "" if plan.exact else "~"
         table.add_row(
-            str(index + 1),
+            f"{index + 1}{'!' if plan.lopsided else ''}",
             plan.candidate.label,
             parts if len(parts) <= 40 else parts[:37] + "...",
             f"{approx}{plan.time_ms:.3f}" + (f" (+{plan.time_ms / best - 1:.0%})" if index else ""),
@@ -196,6 +196,9 @@ def _print_tables(result: object, planner: object, top: int, show_all: bool) -> 
             f"{format_bytes(peak)} (rank {rank})",
         )
     _console.print(table)
+    for index, plan in enumerate(shown):
+        if plan.lopsided:
+            _console.print(f"{index + 1}!: {plan.lopsided}", markup=False)
     memory = [r for r in result.rejected if r.memory]
     others = [r for r in result.rejected if not r.memory]
     listed = memory + (others if show_all else [])
@@ -237,6 +240,7 @@ def _as_json(result: object) -> dict[str, object]:
                 "bubble_ratio": round(p.bubble_ratio, 6),
                 "peak_memory_bytes": [round(m) for m in p.memory],
                 "exact": p.exact,
+                "lopsided": p.lopsided,
             }
             for p in result.plans
         ],

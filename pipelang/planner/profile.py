@@ -97,6 +97,13 @@ class Profile:
     runtime: RuntimeCosts | None = None
     """What the runtime adds per action and per message, from a calibration run; None
     when not calibrated (then the planner counts only the layers' own times)."""
+    device_name: str = ""
+    """What the device is (`NVIDIA H100 80GB HBM3`, `cpu`); "" in older profiles."""
+
+    def measured_on(self, kind: str) -> bool:
+        """Whether this profile was measured on a device of `kind` (a topology's word
+        for it, `H100`, `cpu`): the kind appears in its device or device name."""
+        return kind.lower() in f"{self.device} {self.device_name}".lower()
 
     def to_json(self) -> str:
         doc = {"format": FORMAT, **asdict(self)}
@@ -184,6 +191,7 @@ def profile_from_dict(doc: object, where: str = "the profile") -> Profile:
         threads=_whole(doc.get("threads", 0), where, "threads"),
         repeats=_whole(doc.get("repeats", 0), where, "repeats"),
         runtime=_runtime(doc.get("runtime"), where),
+        device_name=str(doc.get("device_name", "")),
     )
 
 
@@ -323,6 +331,7 @@ def measure(
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         repeats=options.repeats,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     )
 
 

@@ -106,6 +106,8 @@ class Plan:
     split_w: bool
     transfer_ms: float
     """Mean time of one transfer between ranks (what the written `cost C` says)."""
+    lopsided: str | None = None
+    """Why the plan is degenerate (`lopsided`), or None."""
 
     def peak(self) -> tuple[float, int]:
         """The largest peak memory and its rank."""
@@ -147,6 +149,28 @@ class Inputs:
     def cap(self, device: int) -> float:
         memory = self.topology.memory[device]
         return memory if self.max_memory is None else min(memory, self.max_memory)
+
+    def notes(self) -> list[str]:
+        """What the user should know before trusting the plan: what the profile lacks,
+        and a profile measured on another kind of device than the topology's."""
+        notes = self.profile.notes()
+        topology = self.topology
+        other: dict[str, list[str]] = {}
+        for device, name in enumerate(topology.names):
+            kind = topology.kind_of(device)
+            if kind and not self.profile.measured_on(kind):
+                other.setdefault(kind, []).append(name)
+        measured = self.profile.device + (
+            f" ({self.profile.device_name})" if self.profile.device_name else ""
+        )
+        for kind, names in other.items():
+            where = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+            notes.append(
+                f"the profile was measured on {measured}, but the topology's `{kind}` "
+                f"devices ({where}) are another kind: its layer times may not hold there; "
+                "profile on that kind of device (`pipelang profile --device cuda` on it)"
+            )
+        return notes
 
 
 def candidates(inputs: Inputs, dp: int = 1) -> list[Candidate]:
@@ -408,6 +432,7 @@ class Planner:
             exact=len(runs) == 1,
             split_w=self._split_w(candidate),
             transfer_ms=mean,
+            lopsided=lopsided(self.costs.stage_costs(counts, self._split_w(candidate))),
         )
 
     # ---- helpers ----------------------------------------------------------------------
@@ -523,6 +548,36 @@ class Planner:
         steps = self.costs.step_ms(counts, program)
         end = max(max(e, synced) + t for e, t in zip(ends, steps, strict=True))
         return Prediction(end, busy, memory, transfers)
+
+
+LOPSIDED = 0.1
+"""A stage with less than this share of the heaviest stage's work makes a plan lopsided."""
+
+
+def lopsided(stage_costs: Sequence[tuple[float, float, float]]) -> str | None:
+    """Why a partition is degenerate, from each stage's (F, B, W) time: some stage does
+    less than `LOPSIDED` of the heaviest one's work, so its device waits nearly all the
+    time; when every stage but one does, the pipeline is in effect one device per copy,
+    which data parallelism over those devices may do better. None when it is not."""
+    work = [sum(costs) for costs in stage_costs]
+    heaviest = max(range(len(work)), key=work.__getitem__)
+    light = [s for s, w in enumerate(work) if w < LOPSIDED * work[heaviest]]
+    if not light:
+        return None
+    share = work[light[0]] / work[heaviest] if work[heaviest] > 0 else 0.0
+    if len(light) == len(work) - 1:
+        rest = 1 - work[heaviest] / sum(work)
+        return (
+            f"lopsided: the stages but stage {heaviest} do {rest:.0%} of the work, so this is "
+            "in effect one device per pipeline, its other devices waiting nearly all the "
+            "time; compare D=1, with `--data-parallel` copies on the other devices"
+        )
+    stages = ", ".join(map(str, light))
+    return (
+        f"lopsided: stage{'s' * (len(light) > 1)} {stages} do{'es' * (len(light) == 1)} "
+        f"{share:.0%} of the work of stage {heaviest} or less: their devices wait nearly "
+        "all the time"
+    )
 
 
 def _scaled(seen: list[tuple[float, float]], ops: float) -> float:

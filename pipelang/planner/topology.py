@@ -4,8 +4,8 @@ Read from YAML (`pipelang plan --topology T.yaml`) in one of two forms. The full
 lists the devices and the links; pairs not listed use `default_link`:
 
     devices:
-      - {name: a, memory: 80GiB}
-      - {name: b, memory: 80GiB}
+      - {name: a, memory: 80GiB, kind: H100}     # `kind` is optional
+      - {name: b, memory: 80GiB, kind: H100}
     links:
       - {between: [a, b], bandwidth: 300GB/s, latency: 2us}
     default_link: {bandwidth: 25GB/s, latency: 10us}
@@ -18,6 +18,10 @@ the devices are named `node0.gpu0`, `node0.gpu1`, ..., node by node:
     memory: 80GiB
     intra_node: {bandwidth: 300GB/s, latency: 2us}     # NVLink
     inter_node: {bandwidth: 25GB/s, latency: 10us}     # the network
+    kind: H100                                         # optional
+
+A device's `kind` names what it is; `pipelang plan` notes a profile measured on another
+kind (the layer times would not hold there).
 
 Every problem is E0402 and points at the line of the YAML file that causes it.
 """
@@ -57,6 +61,9 @@ class Topology:
     names: tuple[str, ...]
     memory: tuple[float, ...]
     links: tuple[tuple[Link | None, ...], ...]
+    kinds: tuple[str, ...] = ()
+    """Each device's kind as the file names it (`H100`, `cpu`; "" when not given), or
+    empty: what `pipelang plan` compares with the profile's device."""
 
     @property
     def size(self) -> int:
@@ -74,7 +81,12 @@ class Topology:
             self.names[:count],
             self.memory[:count],
             tuple(row[:count] for row in self.links[:count]),
+            self.kinds[:count],
         )
+
+    def kind_of(self, device: int) -> str:
+        """The device's kind, "" when the file does not say."""
+        return self.kinds[device] if self.kinds else ""
 
 
 def load_topology(path: Path) -> Topology:
@@ -113,7 +125,9 @@ _LINK_KEYS = {"bandwidth", "latency"}
 
 
 def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
-    reader.only(root, keys, {"nodes", "gpus_per_node", "memory", "intra_node", "inter_node"})
+    reader.only(
+        root, keys, {"nodes", "gpus_per_node", "memory", "intra_node", "inter_node", "kind"}
+    )
     nodes = reader.count(keys, "nodes", root)
     gpus = reader.count(keys, "gpus_per_node", root)
     memory = reader.value(reader.need(keys, "memory", root), parse_bytes)
@@ -127,7 +141,8 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
         tuple(None if a == b else (intra if a // gpus == b // gpus else inter) for b in range(size))
         for a in range(size)
     )
-    return Topology(names, (memory,) * size, links)
+    kind = reader.text(keys["kind"]) if "kind" in keys else ""
+    return Topology(names, (memory,) * size, links, (kind,) * size if kind else ())
 
 
 def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
@@ -137,11 +152,13 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
         raise reader.error("`devices` is a non-empty list of {name, memory}", devices)
     names: list[str] = []
     memory: list[float] = []
+    kinds: list[str] = []
     for node in devices.value:
         if not isinstance(node, yaml.MappingNode):
             raise reader.error("a device is a mapping {name: ..., memory: ...}", node)
         entry = reader.mapping(node)
-        reader.only(node, entry, {"name", "memory"})
+        reader.only(node, entry, {"name", "memory", "kind"})
+        kinds.append(reader.text(entry["kind"]) if "kind" in entry else "")
         name = reader.text(reader.need(entry, "name", node))
         if name in names:
             raise reader.error(f"device `{name}` is listed twice", entry["name"])
@@ -172,7 +189,8 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
                         root,
                     )
                 table[a][b] = fallback
-    return Topology(tuple(names), tuple(memory), tuple(tuple(row) for row in table))
+    links = tuple(tuple(row) for row in table)
+    return Topology(tuple(names), tuple(memory), links, tuple(kinds) if any(kinds) else ())
 
 
 def _items(reader: _Reader, node: yaml.Node | None, key: str) -> list[yaml.MappingNode]:
