@@ -22,7 +22,7 @@ from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
 from pipelang.planner.calibrate import WARMUP_STEPS, TraceEvent, runtime_costs
 from pipelang.planner.mapping import map_ranks
-from pipelang.planner.partition import best_partition
+from pipelang.planner.partition import best_partition, evaluate
 from pipelang.planner.profile import (
     LayerCost,
     Profile,
@@ -862,3 +862,81 @@ def test_the_plan_command_marks_a_lopsided_plan(tmp_path: Path) -> None:
     doc = json.loads(plan_cmd(tmp_path, "--schedules", "1f1b", "--json").stdout)  # type: ignore[attr-defined]
     flags = {p["params"]["D"]: p["lopsided"] for p in doc["plans"]}
     assert flags[1] is None and "in effect one device" in flags[2]
+
+
+# ---- devices of different speed ----------------------------------------------------------------
+
+
+def test_dp_partition_with_speeds_is_optimal_against_brute_force() -> None:
+    """Stage s on a device `speeds[s]` times as fast: its time is its layers' cost over
+    the speed; the DP's J equals the best J over every composition."""
+    rng = random.Random(11)
+    for _ in range(200):
+        layers = rng.randint(1, 9)
+        stages = rng.randint(1, layers)
+        n = rng.randint(1, 16)
+        costs = [rng.choice([0.1, 0.5, 1.0, 2.0, 4.0, 3.3]) for _ in range(layers)]
+        speeds = [rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(stages)]
+        table = [[rng.random() * 3 for _ in range(layers + 1)] for _ in range(stages)]
+        cut = (lambda b, j, t=table: t[b][j]) if rng.random() < 0.5 else None
+        found = best_partition(costs, stages, n, cut, speeds=speeds)
+        assert sum(found.counts) == layers and min(found.counts) >= 1
+        best = min(
+            evaluate(c, costs, n, cut, speeds).objective for c in compositions(layers, stages)
+        )
+        assert found.objective == pytest.approx(best, abs=1e-9)
+
+
+MIXED = """\
+devices:
+  - {name: new0, memory: 80GiB, kind: H100, speed: 2}
+  - {name: new1, memory: 80GiB, kind: H100, speed: 2}
+  - {name: old0, memory: 40GiB, kind: A100}
+  - {name: old1, memory: 40GiB, kind: A100}
+default_link: {bandwidth: 100GB/s, latency: 5us}
+"""
+
+
+def test_mixed_devices_get_layers_in_proportion_to_speed(tmp_path: Path) -> None:
+    """Two devices twice as fast as two others, 12 equal layers: 4, 4, 2, 2, every stage
+    equally long; the even split (3 each) leaves the slow devices the bottleneck, and
+    the simulator says so (1F1B, N = 16: 114 ms against 162 ms)."""
+    (tmp_path / "t.yaml").write_text(MIXED)
+    topology = load_topology(tmp_path / "t.yaml")
+    assert topology.speeds == (2.0, 2.0, 1.0, 1.0)
+    planner = Planner(Inputs(make_profile([1.0] * 12), topology, 16, schedules=("1f1b",)))
+    result = planner.search()
+    best = result.plans[0]
+    assert (best.candidate.ranks, best.partition) == (4, (4, 4, 2, 2))
+    even = planner.predict(best.candidate, (3, 3, 3, 3), best.devices, full=True)
+    assert best.time_ms == pytest.approx(19 * 6, rel=1e-2)  # (N + D - 1)(F + B), balanced
+    assert even.time_ms > 1.4 * best.time_ms  # the slow stages' 9 ms set the pace
+    source = plan_source(best, planner, "p.json", "t.yaml")
+    assert "cost F[0] = 2, B[0] = 4" in source and "cost F[3] = 2, B[3] = 4" in source
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        (MIXED.replace("speed: 2}", "speed: -2}", 1), 2, "cannot read `-2`"),
+        (MIXED.replace("speed: 2}", "speed: 0}", 1), 2, "a speed is more than 0"),
+        (MIXED.replace("speed: 2}", "speed: 2x}", 1), 2, "a speed has no unit"),
+        (
+            MIXED.replace("memory: 40GiB, kind: A100}", "memory: 0GiB}", 1),
+            4,
+            "memory is more than 0",
+        ),
+        (MIXED.replace("100GB/s", "0GB/s"), 6, "a bandwidth must be positive"),
+        (MIXED.replace("kind: A100}", "kind: A100, color: red}", 1), 4, "unknown key `color`"),
+        (MIXED.replace("name: old1", "name: old0"), 5, "device `old0` is listed twice"),
+    ],
+)
+def test_bad_device_entries_name_their_line(
+    tmp_path: Path, text: str, line: int, message: str
+) -> None:
+    (tmp_path / "t.yaml").write_text(text)
+    with pytest.raises(PipelangError) as err:
+        load_topology(tmp_path / "t.yaml")
+    diag = err.value.diagnostics[0]
+    assert diag.code == "E0402" and message in diag.message, diag.message
+    assert diag.span is not None and diag.span.line == line

@@ -35,9 +35,15 @@ class OpCosts:
         """Forward and backward of each layer, ms: what the partition balances."""
 
     def stage_costs(
-        self, counts: Sequence[int], split_w: bool, crossing: Sequence[bool] | None = None
+        self,
+        counts: Sequence[int],
+        split_w: bool,
+        crossing: Sequence[bool] | None = None,
+        speeds: Sequence[float] | None = None,
     ) -> list[tuple[float, float, float]]:
         """(F, B, W) milliseconds of every stage; without split W, B is the whole backward.
+        `speeds`: each stage's device speed relative to the profiled one (default 1),
+        which divides its layers' times (not the host's).
 
         With the profile's `runtime` calibration, the layers' times are scaled by its
         `compute_scale`, every op gets the host time of one action, and an op that sends
@@ -52,7 +58,8 @@ class OpCosts:
         for stage, count in enumerate(counts):
             part = layers[start : start + count]
             start += count
-            f = self.scale * sum(c.forward_ms for c in part)
+            scale = self.scale / (speeds[stage] if speeds is not None else 1.0)
+            f = scale * sum(c.forward_ms for c in part)
             if split_w:
                 # As the runtime splits a stage's backward: B is the input gradient
                 # through every layer, and nothing on the first stage (no stage before
@@ -60,10 +67,10 @@ class OpCosts:
                 # layer's whole backward but the first's (a layer's input gradient is
                 # the way to the weights of the layers before it).
                 inner = sum(c.full_backward_ms for c in part[1:])
-                b = 0.0 if stage == 0 else self.scale * sum(c.backward_input_ms for c in part)
-                w = self.scale * (part[0].backward_weight_ms + inner) if part else 0.0
+                b = 0.0 if stage == 0 else scale * sum(c.backward_input_ms for c in part)
+                w = scale * (part[0].backward_weight_ms + inner) if part else 0.0
             else:
-                b, w = self.scale * sum(c.full_backward_ms for c in part), 0.0
+                b, w = scale * sum(c.full_backward_ms for c in part), 0.0
             if host is not None:
                 send, recv = host.send_ms + host.action_ms, host.recv_ms + host.action_ms
                 after = stage < last and cross[stage]  # this stage's output leaves the rank
@@ -75,20 +82,30 @@ class OpCosts:
         return result
 
     def cost_model(
-        self, counts: Sequence[int], split_w: bool, crossing: Sequence[bool] | None = None
+        self,
+        counts: Sequence[int],
+        split_w: bool,
+        crossing: Sequence[bool] | None = None,
+        speeds: Sequence[float] | None = None,
     ) -> CostModel:
         entries: list[tuple[str, int | None, float]] = [("C", None, 0.0)]
-        for stage, (f, b, w) in enumerate(self.stage_costs(counts, split_w, crossing)):
+        for stage, (f, b, w) in enumerate(self.stage_costs(counts, split_w, crossing, speeds)):
             entries += [("F", stage, f), ("B", stage, b), ("W", stage, w), ("R", stage, f)]
         return CostModel().merged(CostModel(tuple(entries)))
 
-    def step_ms(self, counts: Sequence[int], program: Program) -> list[float]:
+    def step_ms(
+        self, counts: Sequence[int], program: Program, speeds: Sequence[float] | None = None
+    ) -> list[float]:
         """The optimizer step of every rank (ms): the profile's step time of the layers
-        of every stage copy it holds, scaled as compute, plus one action."""
+        of every stage copy it holds, scaled as compute (and by the rank's device speed,
+        `speeds`, default 1), plus one action."""
         per_stage = sums([c.step_ms(self.optimizer) for c in self.profile.layers], counts)
         action = self.runtime.action_ms if self.runtime is not None else 0.0
         return [
-            self.scale * sum(per_stage[s] for s, _ in program.stage_copies(rank)) + action
+            self.scale
+            / (speeds[rank] if speeds is not None else 1.0)
+            * sum(per_stage[s] for s, _ in program.stage_copies(rank))
+            + action
             for rank in range(program.num_ranks)
         ]
 

@@ -503,9 +503,31 @@ class Planner:
             return topology.link(a, b).seconds(outputs[before - 1]) * 1e3 + per_message
 
         split = best_partition(
-            self.costs.layer_time, candidate.stages, self.inputs.micro_batches, cut
+            self.costs.layer_time,
+            candidate.stages,
+            self.inputs.micro_batches,
+            cut,
+            speeds=self._stage_speeds(program, devices),
         )
         return split.counts
+
+    def plan_speeds(self, plan: Plan) -> list[float] | None:
+        """Each stage's device speed in `plan` (`_stage_speeds`); None on a topology of
+        one speed."""
+        if not self.inputs.topology.speeds:
+            return None
+        return self._stage_speeds(self._compile(plan.candidate).need_program(), plan.devices)
+
+    def _stage_speeds(self, program: Program, devices: Sequence[int]) -> list[float] | None:
+        """Each stage's speed: that of the slowest device holding a copy of it (a stage's
+        cost is one per stage, for all its replicas); None on a topology of one speed."""
+        topology = self.inputs.topology
+        if not topology.speeds:
+            return None
+        return [
+            min(topology.speed_of(devices[rank]) for rank in program.replicas(stage))
+            for stage in range(program.num_stages)
+        ]
 
     def _simulate(
         self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
@@ -516,7 +538,9 @@ class Planner:
         assert graph is not None
         placement = program.pipelines[0].placement
         crossing = [placement[s] != placement[s + 1] for s in range(len(counts) - 1)]
-        costs = self.costs.cost_model(counts, split_w, crossing)
+        costs = self.costs.cost_model(
+            counts, split_w, crossing, self._stage_speeds(program, devices)
+        )
         topology = self.inputs.topology
         outputs = stage_outputs(self.inputs.profile, counts)
         cache: dict[tuple[Kind, int, int, int], float] = {}
@@ -545,7 +569,8 @@ class Planner:
         ends = [0.0] * program.num_ranks
         for event in timeline.events:
             ends[event.rank] = max(ends[event.rank], event.end)
-        steps = self.costs.step_ms(counts, program)
+        speeds = [topology.speed_of(devices[rank]) for rank in range(program.num_ranks)]
+        steps = self.costs.step_ms(counts, program, speeds)
         end = max(max(e, synced) + t for e, t in zip(ends, steps, strict=True))
         return Prediction(end, busy, memory, transfers)
 

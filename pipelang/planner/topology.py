@@ -4,8 +4,8 @@ Read from YAML (`pipelang plan --topology T.yaml`) in one of two forms. The full
 lists the devices and the links; pairs not listed use `default_link`:
 
     devices:
-      - {name: a, memory: 80GiB, kind: H100}     # `kind` is optional
-      - {name: b, memory: 80GiB, kind: H100}
+      - {name: a, memory: 80GiB, kind: H100, speed: 2}   # `kind`, `speed`: optional
+      - {name: b, memory: 80GiB, kind: A100}
     links:
       - {between: [a, b], bandwidth: 300GB/s, latency: 2us}
     default_link: {bandwidth: 25GB/s, latency: 10us}
@@ -21,7 +21,8 @@ the devices are named `node0.gpu0`, `node0.gpu1`, ..., node by node:
     kind: H100                                         # optional
 
 A device's `kind` names what it is; `pipelang plan` notes a profile measured on another
-kind (the layer times would not hold there).
+kind (the layer times would not hold there). Its `speed` (default 1) is how many times
+faster than the profiled device it runs the layers: the partition gives it more.
 
 Every problem is E0402 and points at the line of the YAML file that causes it.
 """
@@ -36,7 +37,14 @@ from typing import TypeVar
 import yaml
 
 from pipelang.diagnostics import PipelangError, fail
-from pipelang.planner.units import UnitError, parse_bandwidth, parse_bytes, parse_seconds
+from pipelang.planner.units import (
+    UnitError,
+    parse_bandwidth,
+    parse_bytes,
+    parse_seconds,
+    parse_speed,
+    positive,
+)
 from pipelang.source import SourceFile, Span
 
 T = TypeVar("T")
@@ -64,6 +72,9 @@ class Topology:
     kinds: tuple[str, ...] = ()
     """Each device's kind as the file names it (`H100`, `cpu`; "" when not given), or
     empty: what `pipelang plan` compares with the profile's device."""
+    speeds: tuple[float, ...] = ()
+    """Each device's speed relative to the profiled device (its layers take 1/speed of
+    the profile's time), or empty: all 1."""
 
     @property
     def size(self) -> int:
@@ -82,7 +93,12 @@ class Topology:
             self.memory[:count],
             tuple(row[:count] for row in self.links[:count]),
             self.kinds[:count],
+            self.speeds[:count],
         )
+
+    def speed_of(self, device: int) -> float:
+        """The device's speed relative to the profiled one (1 when the file does not say)."""
+        return self.speeds[device] if self.speeds else 1.0
 
     def kind_of(self, device: int) -> str:
         """The device's kind, "" when the file does not say."""
@@ -122,15 +138,18 @@ def parse_topology(source: SourceFile) -> Topology:
 
 
 _LINK_KEYS = {"bandwidth", "latency"}
+_MEMORY = positive(parse_bytes, "a device's memory")
 
 
 def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
     reader.only(
-        root, keys, {"nodes", "gpus_per_node", "memory", "intra_node", "inter_node", "kind"}
+        root,
+        keys,
+        {"nodes", "gpus_per_node", "memory", "intra_node", "inter_node", "kind", "speed"},
     )
     nodes = reader.count(keys, "nodes", root)
     gpus = reader.count(keys, "gpus_per_node", root)
-    memory = reader.value(reader.need(keys, "memory", root), parse_bytes)
+    memory = reader.value(reader.need(keys, "memory", root), _MEMORY)
     intra = reader.link(reader.need(keys, "intra_node", root)) if gpus > 1 else None
     inter = reader.link(reader.need(keys, "inter_node", root)) if nodes > 1 else None
     size = nodes * gpus
@@ -142,7 +161,14 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
         for a in range(size)
     )
     kind = reader.text(keys["kind"]) if "kind" in keys else ""
-    return Topology(names, (memory,) * size, links, (kind,) * size if kind else ())
+    speed = reader.value(keys["speed"], parse_speed) if "speed" in keys else None
+    return Topology(
+        names,
+        (memory,) * size,
+        links,
+        (kind,) * size if kind else (),
+        (speed,) * size if speed is not None else (),
+    )
 
 
 def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
@@ -153,17 +179,19 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
     names: list[str] = []
     memory: list[float] = []
     kinds: list[str] = []
+    speeds: list[float] = []
     for node in devices.value:
         if not isinstance(node, yaml.MappingNode):
             raise reader.error("a device is a mapping {name: ..., memory: ...}", node)
         entry = reader.mapping(node)
-        reader.only(node, entry, {"name", "memory", "kind"})
+        reader.only(node, entry, {"name", "memory", "kind", "speed"})
         kinds.append(reader.text(entry["kind"]) if "kind" in entry else "")
+        speeds.append(reader.value(entry["speed"], parse_speed) if "speed" in entry else 1.0)
         name = reader.text(reader.need(entry, "name", node))
         if name in names:
             raise reader.error(f"device `{name}` is listed twice", entry["name"])
         names.append(name)
-        memory.append(reader.value(reader.need(entry, "memory", node), parse_bytes))
+        memory.append(reader.value(reader.need(entry, "memory", node), _MEMORY))
     size = len(names)
     table: list[list[Link | None]] = [[None] * size for _ in range(size)]
     for node in _items(reader, keys.get("links"), "links"):
@@ -190,7 +218,13 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
                     )
                 table[a][b] = fallback
     links = tuple(tuple(row) for row in table)
-    return Topology(tuple(names), tuple(memory), links, tuple(kinds) if any(kinds) else ())
+    return Topology(
+        tuple(names),
+        tuple(memory),
+        links,
+        tuple(kinds) if any(kinds) else (),
+        tuple(speeds) if any(s != 1.0 for s in speeds) else (),
+    )
 
 
 def _items(reader: _Reader, node: yaml.Node | None, key: str) -> list[yaml.MappingNode]:

@@ -8,6 +8,7 @@ A bare number is bytes, bytes per second, or seconds. Decimal prefixes are power
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 _PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
@@ -73,6 +74,28 @@ def _split(text: object, expected: str) -> tuple[float, str]:
     if match is None:
         raise UnitError(f"cannot read `{text}`: expected {expected}")
     return float(match.group(1)), match.group(2)
+
+
+def parse_speed(text: object) -> float:
+    """`2`, `0.5`: a device's speed relative to the profiled device (1), more than 0."""
+    number, unit = _split(text, "a relative speed such as 1 or 0.5 (the profiled device is 1)")
+    if unit:
+        raise UnitError(f"a speed has no unit (`{text}`): the profiled device is 1")
+    if number <= 0:
+        raise UnitError(f"a speed is more than 0, not `{text}`")
+    return number
+
+
+def positive(parse: Callable[[object], float], what: str) -> Callable[[object], float]:
+    """`parse`, refusing a value of 0 (a device without memory, a link without bandwidth)."""
+
+    def checked(text: object) -> float:
+        value = parse(text)
+        if value <= 0:
+            raise UnitError(f"{what} is more than 0, not `{text}`")
+        return value
+
+    return checked
 
 
 def format_bytes(value: float) -> str:

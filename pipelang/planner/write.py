@@ -43,7 +43,9 @@ def _body_lines(plan: Plan, planner: Planner) -> list[str]:
         "# Planned by `pipelang plan`: layers per stage, and each stage's costs in ms.",
         "partition " + ", ".join(map(str, plan.partition)),
     ]
-    for stage, (f, b, w) in enumerate(planner.costs.stage_costs(plan.partition, plan.split_w)):
+    speeds = planner.plan_speeds(plan)
+    stage_costs = planner.costs.stage_costs(plan.partition, plan.split_w, speeds=speeds)
+    for stage, (f, b, w) in enumerate(stage_costs):
         items = [f"F[{stage}] = {_ms(f)}", f"B[{stage}] = {_ms(b)}"]
         if plan.split_w:
             items.append(f"W[{stage}] = {_ms(w)}")
