@@ -34,7 +34,9 @@ def setup(parser: argparse.ArgumentParser) -> None:
         type=path,
         required=True,
         metavar="T.yaml",
-        help="the devices (count, memory) and the links between them (docs/planner.md)",
+        help="the devices (count, memory, optional kind and relative speed) and the links "
+        "between them (docs/planner.md); a profile from another kind of device is noted, "
+        "and faster devices get more layers",
     )
     parser.add_argument(
         "--micro-batches",
@@ -76,11 +78,21 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="stop adding candidates that would end the search past this (default 8, so "
         "that `plan` answers within about 10 s; 0: none)",
     )
-    parser.add_argument("--top", type=positive, default=10, help="rows of the table (default 10)")
+    parser.add_argument(
+        "--top",
+        type=positive,
+        default=10,
+        help="rows of the table (default 10); a row marked `!` is lopsided (some stage does "
+        "under a tenth of the heaviest one's work), said under the table",
+    )
     parser.add_argument(
         "--all", action="store_true", help="also list every candidate left out, and why"
     )
-    parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the ranking as JSON (each plan's `lopsided` reason or null)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
