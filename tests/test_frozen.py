@@ -19,11 +19,10 @@ import pytest
 
 from pipelang import api
 from pipelang.compiler import SCHEDULE_DONE, Options, run_passes
-from pipelang.diagnostics import Diagnostic, PipelangError
-from pipelang.import_torch import check_pipe
 from pipelang.ir import Kind, Program
 from pipelang.simulate import Timeline, simulate
 from tests.runtime_helpers import run, stdlib
+from tests.test_stdlib_async import at, errors
 
 GREEDY = """\
 schedule t(D: int = 4, N: int = 8, h: int = 2) {{
@@ -71,17 +70,6 @@ schedule t(D: int = 2, N: int = 2) {{
 
 
 GPIPE = "for i in 0..N { F(i) } for i in 0..N { B(i) }"
-
-
-def errors(text: str) -> list[Diagnostic]:
-    with pytest.raises(PipelangError) as err:
-        check_pipe(text, "t.pipe")
-    return err.value.diagnostics
-
-
-def at(text: str, d: Diagnostic) -> str:
-    assert d.span is not None
-    return text[d.span.start : d.span.end]
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
 from pipelang.planner.calibrate import WARMUP_STEPS, TraceEvent, runtime_costs
 from pipelang.planner.mapping import map_ranks
-from pipelang.planner.partition import best_partition, evaluate
+from pipelang.planner.partition import best_partition
 from pipelang.planner.profile import (
     LayerCost,
     Profile,
@@ -81,20 +81,28 @@ def make_profile(
 
 
 def objective(
-    counts: tuple[int, ...], costs: list[float], n: int, boundary: list[list[float]] | None
+    counts: tuple[int, ...],
+    costs: list[float],
+    n: int,
+    boundary: list[list[float]] | None,
+    speeds: list[float] | None = None,
 ) -> float:
-    """J from its definition: (N-1) x slowest stage + every stage + each boundary twice."""
+    """J from its definition: (N-1) x slowest stage + every stage + each boundary twice;
+    a stage's time is its layers' cost over its device's speed."""
     times, edges, start = [], 0.0, 0
     for b, count in enumerate(counts):
-        times.append(sum(costs[start : start + count]))
+        times.append(sum(costs[start : start + count]) / (speeds[b] if speeds else 1.0))
         start += count
         if boundary is not None and b < len(counts) - 1:
             edges += 2 * boundary[b][start]
     return (n - 1) * max(times) + sum(times) + edges
 
 
-def test_dp_partition_is_optimal_against_brute_force() -> None:
-    rng = random.Random(7)
+@pytest.mark.parametrize("with_speeds", [False, True])
+def test_dp_partition_is_optimal_against_brute_force(with_speeds: bool) -> None:
+    """Over every composition, with and without transfers; `with_speeds`: stage s on a
+    device `speeds[s]` times as fast as the profiled one (a mixed cluster)."""
+    rng = random.Random(11 if with_speeds else 7)
     for _ in range(200):
         layers = rng.randint(1, 9)
         stages = rng.randint(1, layers)
@@ -103,10 +111,12 @@ def test_dp_partition_is_optimal_against_brute_force() -> None:
         table = [[rng.random() * 3 for _ in range(layers + 1)] for _ in range(stages)]
         boundary = table if rng.random() < 0.5 else None
         cut = (lambda b, j, t=table: t[b][j]) if boundary is not None else None
-        found = best_partition(costs, stages, n, cut)
+        speeds = [rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(stages)]
+        speeds = speeds if with_speeds else None
+        found = best_partition(costs, stages, n, cut, speeds=speeds)
         assert sum(found.counts) == layers and min(found.counts) >= 1
-        best = min(objective(c, costs, n, boundary) for c in compositions(layers, stages))
-        assert objective(found.counts, costs, n, boundary) == pytest.approx(best, abs=1e-9)
+        best = min(objective(c, costs, n, boundary, speeds) for c in compositions(layers, stages))
+        assert objective(found.counts, costs, n, boundary, speeds) == pytest.approx(best, abs=1e-9)
 
 
 def test_dp_without_transfers_minimises_the_slowest_stage() -> None:
@@ -865,26 +875,6 @@ def test_the_plan_command_marks_a_lopsided_plan(tmp_path: Path) -> None:
 
 
 # ---- devices of different speed ----------------------------------------------------------------
-
-
-def test_dp_partition_with_speeds_is_optimal_against_brute_force() -> None:
-    """Stage s on a device `speeds[s]` times as fast: its time is its layers' cost over
-    the speed; the DP's J equals the best J over every composition."""
-    rng = random.Random(11)
-    for _ in range(200):
-        layers = rng.randint(1, 9)
-        stages = rng.randint(1, layers)
-        n = rng.randint(1, 16)
-        costs = [rng.choice([0.1, 0.5, 1.0, 2.0, 4.0, 3.3]) for _ in range(layers)]
-        speeds = [rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(stages)]
-        table = [[rng.random() * 3 for _ in range(layers + 1)] for _ in range(stages)]
-        cut = (lambda b, j, t=table: t[b][j]) if rng.random() < 0.5 else None
-        found = best_partition(costs, stages, n, cut, speeds=speeds)
-        assert sum(found.counts) == layers and min(found.counts) >= 1
-        best = min(
-            evaluate(c, costs, n, cut, speeds).objective for c in compositions(layers, stages)
-        )
-        assert found.objective == pytest.approx(best, abs=1e-9)
 
 
 MIXED = """\
