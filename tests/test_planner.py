@@ -930,3 +930,54 @@ def test_bad_device_entries_name_their_line(
     diag = err.value.diagnostics[0]
     assert diag.code == "E0402" and message in diag.message, diag.message
     assert diag.span is not None and diag.span.line == line
+
+
+TWO_SITES = """\
+nodes: 2
+gpus_per_node: 4
+memory: 80GiB
+intra_node: {bandwidth: 300GB/s, latency: 2us}
+datacenters: 2
+inter_datacenter: {bandwidth: 1GB/s, latency: 20ms}
+"""
+
+
+def test_datacenters_in_the_shorthand(tmp_path: Path) -> None:
+    (tmp_path / "t.yaml").write_text(
+        TWO_SITES.replace("nodes: 2", "nodes: 4")
+        + "inter_node: {bandwidth: 25GB/s, latency: 10us}\n"
+    )
+    topology = load_topology(tmp_path / "t.yaml")
+    # nodes 0-1 in the first datacenter, 2-3 in the second
+    assert topology.link(0, 1) == Link(300e9, 2e-6)
+    assert topology.link(0, 4) == Link(25e9, 10e-6)
+    assert topology.link(4, 8) == Link(1e9, 20e-3)
+    for text, message in [
+        (TWO_SITES.replace("nodes: 2", "nodes: 3"), "3 nodes do not split evenly"),
+        (TWO_SITES.replace("inter_datacenter", "inter_site"), "unknown key `inter_site`"),
+        ("\n".join(TWO_SITES.splitlines()[:-1]), "missing `inter_datacenter`"),
+    ]:
+        (tmp_path / "t.yaml").write_text(text)
+        with pytest.raises(PipelangError) as err:
+            load_topology(tmp_path / "t.yaml")
+        assert message in err.value.diagnostics[0].message
+
+
+def test_two_datacenters_keep_the_slow_link_off_the_critical_path(tmp_path: Path) -> None:
+    """Two sites of 4 GPUs joined by 1 GB/s and 20 ms: the plan for them is far faster
+    there than the plan made as if every link were NVLink (Chimera's cross-site
+    transfers and allreduces then sit on the critical path)."""
+    from benchmarks.plan_speed import synthetic_profile
+
+    (tmp_path / "real.yaml").write_text(TWO_SITES)
+    flat = TWO_SITES.replace("datacenters: 2\n", "").replace(
+        "inter_datacenter: {bandwidth: 1GB/s, latency: 20ms}", "inter_node: {bandwidth: 300GB/s}"
+    )
+    (tmp_path / "flat.yaml").write_text(flat)
+    profile = synthetic_profile(blocks=30)
+    real = Planner(Inputs(profile, load_topology(tmp_path / "real.yaml"), 32), time_budget=0)
+    best = real.search().plans[0]
+    naive = Planner(Inputs(profile, load_topology(tmp_path / "flat.yaml"), 32), time_budget=0)
+    assumed = naive.search().plans[0]
+    there = real.predict(assumed.candidate, assumed.partition, assumed.devices, full=True)
+    assert there.time_ms > 2 * best.time_ms

@@ -19,6 +19,8 @@ the devices are named `node0.gpu0`, `node0.gpu1`, ..., node by node:
     intra_node: {bandwidth: 300GB/s, latency: 2us}     # NVLink
     inter_node: {bandwidth: 25GB/s, latency: 10us}     # the network
     kind: H100                                         # optional
+    datacenters: 2                                     # optional: nodes split evenly
+    inter_datacenter: {bandwidth: 1GB/s, latency: 20ms}  # needed with datacenters > 1
 
 A device's `kind` names what it is; `pipelang plan` notes a profile measured on another
 kind (the layer times would not hold there). Its `speed` (default 1) is how many times
@@ -145,21 +147,43 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
     reader.only(
         root,
         keys,
-        {"nodes", "gpus_per_node", "memory", "intra_node", "inter_node", "kind", "speed"},
+        {
+            "nodes",
+            "gpus_per_node",
+            "memory",
+            "intra_node",
+            "inter_node",
+            "kind",
+            "speed",
+            "datacenters",
+            "inter_datacenter",
+        },
     )
     nodes = reader.count(keys, "nodes", root)
     gpus = reader.count(keys, "gpus_per_node", root)
+    sites = reader.count(keys, "datacenters", root) if "datacenters" in keys else 1
+    if nodes % sites:
+        raise reader.error(
+            f"{nodes} nodes do not split evenly over {sites} datacenters", keys["datacenters"]
+        )
+    per_site = nodes // sites
     memory = reader.value(reader.need(keys, "memory", root), _MEMORY)
     intra = reader.link(reader.need(keys, "intra_node", root)) if gpus > 1 else None
-    inter = reader.link(reader.need(keys, "inter_node", root)) if nodes > 1 else None
+    inter = reader.link(reader.need(keys, "inter_node", root)) if per_site > 1 else None
+    far = reader.link(reader.need(keys, "inter_datacenter", root)) if sites > 1 else None
     size = nodes * gpus
     if size > 4096:
         raise reader.error(f"{size} devices; the planner takes at most 4096", keys["nodes"])
     names = tuple(f"node{n}.gpu{g}" for n in range(nodes) for g in range(gpus))
-    links = tuple(
-        tuple(None if a == b else (intra if a // gpus == b // gpus else inter) for b in range(size))
-        for a in range(size)
-    )
+
+    def between(a: int, b: int) -> Link | None:
+        if a == b:
+            return None
+        if a // gpus == b // gpus:
+            return intra
+        return inter if a // gpus // per_site == b // gpus // per_site else far
+
+    links = tuple(tuple(between(a, b) for b in range(size)) for a in range(size))
     kind = reader.text(keys["kind"]) if "kind" in keys else ""
     speed = reader.value(keys["speed"], parse_speed) if "speed" in keys else None
     return Topology(
