@@ -981,3 +981,14 @@ def test_two_datacenters_keep_the_slow_link_off_the_critical_path(tmp_path: Path
     assumed = naive.search().plans[0]
     there = real.predict(assumed.candidate, assumed.partition, assumed.devices, full=True)
     assert there.time_ms > 2 * best.time_ms
+
+
+def test_fewer_ranks_than_devices_run_on_the_fastest(tmp_path: Path) -> None:
+    """The slow devices listed first: a two-rank plan still lands on the two fast ones."""
+    lines = MIXED.splitlines()
+    (tmp_path / "t.yaml").write_text("\n".join([lines[0], *lines[3:5], *lines[1:3], lines[5]]))
+    topology = load_topology(tmp_path / "t.yaml")
+    assert topology.speeds == (1.0, 1.0, 2.0, 2.0)
+    planner = Planner(Inputs(make_profile([1.0] * 12), topology, 16, schedules=("1f1b",)))
+    two = next(p for p in planner.search().plans if p.candidate.ranks == 2)
+    assert sorted(two.devices) == [2, 3]

@@ -5,9 +5,11 @@ iteration: activations forward and gradients back at every stage boundary the tw
 ranks share, and the gradient allreduce of the stages they both replicate. Placing rank
 a on device p and rank b on device q costs bytes(a, b) / bandwidth(p, q) plus
 messages(a, b) * latency(p, q); the mapping minimises the sum over all pairs (a
-quadratic assignment problem). It starts from rank r on device r and improves by
-swapping two ranks' devices, or moving a rank to an unused device, while any such step
-lowers the cost: a local optimum, found in a few sweeps.
+quadratic assignment problem). It starts from rank r on the r-th fastest device (rank r
+on device r when all are equally fast) and improves by swapping two ranks' devices, or
+moving a rank to an unused device as fast as its own, while any such step lowers the
+cost: a local optimum, found in a few sweeps. So a plan with fewer ranks than devices
+runs on the fastest ones.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def map_ranks(
     for (a, b), (size, messages) in traffic.items():
         neighbours[a].append((b, size, messages))
         neighbours[b].append((a, size, messages))
-    devices = list(range(num_ranks))
-    free = list(range(num_ranks, topology.size))
+    fastest = sorted(range(topology.size), key=lambda d: -topology.speed_of(d))
+    devices, free = fastest[:num_ranks], fastest[num_ranks:]
+    speed = topology.speed_of
 
     def cost_of(rank: int, device: int, skip: int = -1) -> float:
         total = 0.0
@@ -67,6 +70,8 @@ def map_ranks(
                     devices[a], devices[b] = q, p
                     improved = True
             for index, device in enumerate(free):
+                if speed(device) < speed(devices[a]):
+                    continue
                 if cost_of(a, device) < cost_of(a, devices[a]) - 1e-15:
                     free[index], devices[a] = devices[a], device
                     improved = True
