@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import networkx as nx
 
 from pipelang.diagnostics import InternalError
-from pipelang.ir import COMM_KINDS, Action, Kind, Program
+from pipelang.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Program
 
 Copy = tuple[int, str]
 """A stage copy: (stage, pipeline)."""
@@ -55,7 +55,7 @@ def insert_sync(program: Program) -> Program:
     return dataclasses.replace(program, ranks=tuple(ranks))
 
 
-_TRAINS = frozenset({Kind.F, Kind.B, Kind.W, Kind.R})
+_TRAINS = COMPUTE_KINDS - {Kind.P}
 """The kinds that use a stage copy's weights (a frozen forward `P` does not)."""
 
 

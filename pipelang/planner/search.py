@@ -422,6 +422,7 @@ class Planner:
         busy = last.busy_ms * big_n / n_b
         bubble = 1 - busy / (candidate.ranks * time_ms) if time_ms > 0 else 0.0
         mean = sum(last.transfers) / len(last.transfers) if last.transfers else 0.0
+        split_w = self._split_w(candidate)
         return Plan(
             candidate,
             tuple(counts),
@@ -430,9 +431,9 @@ class Planner:
             bubble,
             tuple(memory),
             exact=len(runs) == 1,
-            split_w=self._split_w(candidate),
+            split_w=split_w,
             transfer_ms=mean,
-            lopsided=lopsided(self.costs.stage_costs(counts, self._split_w(candidate))),
+            lopsided=lopsided(self.costs.stage_costs(counts, split_w)),
         )
 
     # ---- helpers ----------------------------------------------------------------------
