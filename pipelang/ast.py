@@ -106,6 +106,8 @@ class OpCall(Node):
     mb: Expr | None
     stage: Expr | None
     slot: Expr | None
+    chunk: Expr | None = None
+    """`chunk=c`: which sequence chunk of the micro-batch, in a schedule with `chunks`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +263,17 @@ class Frozen(Node):
 
 
 @dataclass(frozen=True, slots=True)
+class ChunksDecl(Node):
+    """`chunks C` or `chunks C equal compute`: every micro-batch is split into C sequence
+    chunks of equal tokens (the default) or equal compute; `... if EXPR` splits that way
+    only when the condition holds (equal tokens otherwise)."""
+
+    count: Expr
+    split: str
+    when: Expr | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class OrderRank(Node):
     """`order rank r { ... }`: each rank's order written out with loops."""
 
@@ -300,6 +313,7 @@ Decl = (
     | Partition
     | Weights
     | Frozen
+    | ChunksDecl
     | Order
 )
 

@@ -185,6 +185,17 @@ CODES: dict[str, Code] = {
             "use `order repeat` (which places ops by stage, while a `P` may run on any "
             "holder) yet: write its order with `order rank` or `order greedy`.",
         ),
+        Code(
+            "E0211",
+            "bad sequence chunks",
+            "`chunks C` splits every micro-batch into C sequence chunks (`equal tokens`, the "
+            "default, or `equal compute`), so C must be at least 1. A chunked micro-batch's "
+            "ops wait on each other on one stage (a chunk's forward reads the keys and "
+            "values of the chunks before it; backwards run last chunk first), which an "
+            "`order repeat` block, one micro-batch's ops placed by stage, cannot express: "
+            "write the order with `order rank` or `order greedy`. Chunks do not combine "
+            "with frozen work, evictions (`E`, `L`) or asynchronous weights yet.",
+        ),
         # 03xx: the order
         Code(
             "E0301",
@@ -325,6 +336,23 @@ CODES: dict[str, Code] = {
             "With a frozen part, a micro-batch's forward on stage 0 reads the output of its "
             "`P`. Where both are on one rank, the `P` must come first in that rank's order, "
             "or the rank would wait for itself.",
+        ),
+        Code(
+            "E0319",
+            "op with a wrong chunk",
+            "In a schedule with `chunks C`, every F, B, W and R names its chunk: "
+            "`F(i, chunk=c)` with c in 0..C (the chunks of a micro-batch are separate ops). "
+            "In a schedule without `chunks`, no op names one, and a frozen forward `P` runs "
+            "on a whole micro-batch.",
+        ),
+        Code(
+            "E0320",
+            "chunks out of order",
+            "With sequence chunks, a chunk's forward on a stage reads the keys and values "
+            "that the forwards of the chunks before it made there, and its backward hands "
+            "their gradients back to them. So on each stage a micro-batch's forwards run "
+            "in chunk order (0, 1, ...) and its backwards in reverse (last chunk first), "
+            "as Seq1F1B does. List them in that order.",
         ),
         # 04xx: the planner's inputs (`pipelang profile`, `pipelang plan`)
         Code(

@@ -15,6 +15,8 @@ form that `Action.parse` reads back; IR dumps, golden files and error grids use 
     E3@0/main>3             evict the activations F3@0/main kept to rank 3 (BPipe)
     H3@0/main               on the partner: hold what E3@0/main evicts until it is loaded
     L3@0/main               load those activations back (before B3@0/main needs them)
+    F3.1@0/main             forward of chunk 1 of micro-batch 3 on stage 0, in a schedule
+                            that splits micro-batches into sequence chunks (`chunks C`)
     P3@0/main               the frozen (non-trainable) part's forward of micro-batch 3,
                             whose output is the input of F3@0/main (DiffusionPipe)
     U2@1/main               the third weight update (number 2) of stage 1 of pipeline
@@ -27,7 +29,7 @@ import enum
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -103,7 +105,8 @@ GRAPH_KINDS = COMPUTE_KINDS | STASH_KINDS
 class Action(NamedTuple):
     """One thing a rank does.
 
-    Compute actions use `kind`, `mb`, `stage`, `pipeline`. Communication actions name the
+    Compute actions use `kind`, `mb`, `stage`, `pipeline`, and `chunk` in a schedule
+    that splits micro-batches into sequence chunks (None otherwise). Communication actions name the
     compute op whose result they move (`of`) and the other rank (`peer`). `allreduce`
     names a stage and pipeline; `step` names nothing; `U` uses `mb` for its number.
     `span` is where the action came from; it takes no part in equality or hashing.
@@ -126,21 +129,22 @@ class Action(NamedTuple):
     pipeline: str | None = None
     peer: int | None = None
     of: Kind | None = None
+    chunk: int | None = None
     span: Span | None = None
     fused: bool = False
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Action):
             return NotImplemented
-        return self[:6] == other[:6]
+        return self[:7] == other[:7]
 
     def __ne__(self, other: object) -> bool:
         if not isinstance(other, Action):
             return NotImplemented
-        return self[:6] != other[:6]
+        return self[:7] != other[:7]
 
     def __hash__(self) -> int:
-        return hash(self[:6])
+        return hash(self[:7])
 
     def __repr__(self) -> str:
         return f"Action({self.text()})"
@@ -151,7 +155,7 @@ class Action(NamedTuple):
             return self
         if self.of is None:
             raise InternalError(f"{self} names no compute op")
-        return Action(self.of, self.mb, self.stage, self.pipeline, span=self.span)
+        return Action(self.of, self.mb, self.stage, self.pipeline, chunk=self.chunk, span=self.span)
 
     def unfused(self) -> Action:
         """This action without the `fused` mark."""
@@ -160,21 +164,22 @@ class Action(NamedTuple):
     def text(self) -> str:
         """The one-token text form; `Action.parse(a.text()) == a`."""
         kind = self.kind
+        mb = self.mb if self.chunk is None else f"{self.mb}.{self.chunk}"
         if kind in COMPUTE_KINDS:  # the common case, without Enum's `.value` descriptor
             fused = "&" if self.fused else ""
-            return f"{fused}{_TOKENS[kind]}{self.mb}@{self.stage}/{self.pipeline}"
+            return f"{fused}{_TOKENS[kind]}{mb}@{self.stage}/{self.pipeline}"
         if kind is Kind.STEP:
             return "step"
         if kind in STASH_KINDS:
             to = "" if self.peer is None else f">{self.peer}"
-            return f"{kind.value}{self.mb}@{self.stage}/{self.pipeline}{to}"
+            return f"{kind.value}{mb}@{self.stage}/{self.pipeline}{to}"
         if kind is Kind.U:
             return f"U{self.mb}@{self.stage}/{self.pipeline}"
         if kind is Kind.ALLREDUCE:
             return f"allreduce@{self.stage}/{self.pipeline}"
         assert self.of is not None
         return (
-            f"{_TOKENS[kind]}:{_TOKENS[self.of]}{self.mb}@{self.stage}/{self.pipeline}"
+            f"{_TOKENS[kind]}:{_TOKENS[self.of]}{mb}@{self.stage}/{self.pipeline}"
             f"{_ARROWS.get(kind, '<')}{self.peer}"
         )
 
@@ -195,17 +200,22 @@ class Action(NamedTuple):
         if g["u_mb"] is not None:
             return Action(Kind.U, int(g["u_mb"]), int(g["u_stage"]), g["u_pipe"], span=span)
         op_kind, mb, stage, pipe = Kind(g["op"]), int(g["mb"]), int(g["stage"]), g["pipe"]
+        chunk = None if g["chunk"] is None else int(g["chunk"])
         if g["comm"] is None and op_kind in STASH_KINDS:
+            if chunk is not None:
+                raise ValueError(f"evictions do not name a chunk: {token!r}")
             return _stash_action(token, op_kind, mb, stage, pipe, g, span)
         if g["comm"] is None:
-            return Action(op_kind, mb, stage, pipe, span=span, fused=bool(g["fused"]))
+            return Action(
+                op_kind, mb, stage, pipe, chunk=chunk, span=span, fused=bool(g["fused"])
+            )
         if g["fused"]:
             raise ValueError(f"only a compute action can be fused (`&`): {token!r}")
         comm = Kind(g["comm"])
         wants = ">" if comm in (Kind.SEND, Kind.SIGNAL) else "<"
         if g["arrow"] != wants:
             raise ValueError(f"`{comm.value}` takes `{wants}`, not `{g['arrow']}`: {token!r}")
-        return Action(comm, mb, stage, pipe, int(g["peer"]), op_kind, span=span)
+        return Action(comm, mb, stage, pipe, int(g["peer"]), op_kind, chunk, span=span)
 
 
 def _stash_action(
@@ -226,7 +236,7 @@ _TOKEN = re.compile(
     rf"(?P<step>step)"
     rf"|allreduce@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
     rf"|U(?P<u_mb>\d+)@(?P<u_stage>\d+)/(?P<u_pipe>{_NAME})"
-    rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWRPEHL])(?P<mb>\d+)@(?P<stage>\d+)/(?P<pipe>{_NAME})"
+    rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWRPEHL])(?P<mb>\d+)(?:\.(?P<chunk>\d+))?@(?P<stage>\d+)/(?P<pipe>{_NAME})"
     rf"(?:(?P<arrow>[<>])(?P<peer>\d+))?"
 )
 
@@ -313,6 +323,58 @@ class Dependency:
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class Chunks:
+    """How a schedule splits every micro-batch into sequence chunks (`chunks C`).
+
+    A chunk is a contiguous span of a micro-batch's tokens. Its forward on a stage needs
+    the keys and values of the chunks before it on that stage, and its backward hands
+    their gradients back, so backwards run last chunk first. `split` says how the spans
+    are cut: `tokens` (equal lengths) or `compute` (equal work; later chunks are shorter,
+    since they attend to a longer prefix). Work depends on the share `attention` of a
+    whole micro-batch's op spent in attention (the cost model's `A`): a span over the
+    token fractions [a, b) does `(1 - A) * (b - a) + A * (b^2 - a^2)` of the op's work,
+    causal attention growing with the square of the prefix.
+    """
+
+    count: int
+    split: str = "tokens"
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def bounds(self, attention: float) -> tuple[float, ...]:
+        """The chunks' boundaries as fractions of the sequence: count + 1 values, 0 to 1."""
+        n = self.count
+        if self.split == "tokens" or attention <= 0.0:
+            return tuple(c / n for c in range(n + 1))
+        a = attention  # solve (1 - a) t + a t^2 = c / n for t
+        return tuple(((1 - a) ** 2 + 4 * a * c / n) ** 0.5 / (2 * a) - (1 - a) / (2 * a)
+                     for c in range(n)) + (1.0,)
+
+    def tokens(self, attention: float) -> tuple[float, ...]:
+        """Each chunk's share of the micro-batch's tokens (and so of its activations)."""
+        b = self.bounds(attention)
+        return tuple(b[c + 1] - b[c] for c in range(self.count))
+
+    def work(self, attention: float) -> tuple[float, ...]:
+        """Each chunk's share of a whole micro-batch's op time."""
+        b, a = self.bounds(attention), attention
+        return tuple(
+            (1 - a) * (b[c + 1] - b[c]) + a * (b[c + 1] ** 2 - b[c] ** 2) for c in range(self.count)
+        )
+
+    def token_bounds(self, length: int, attention: float) -> tuple[int, ...]:
+        """The boundaries in tokens for a sequence of `length` (each chunk at least one
+        token; ValueError when the sequence is shorter than the chunks)."""
+        if length < self.count:
+            raise ValueError(f"{self.count} chunks need a sequence of at least {self.count} tokens")
+        cuts = [round(t * length) for t in self.bounds(attention)]
+        for c in range(1, self.count + 1):  # at least one token each, from the front
+            cuts[c] = max(cuts[c], cuts[c - 1] + 1)
+        for c in range(self.count - 1, 0, -1):  # and from the back
+            cuts[c] = min(cuts[c], cuts[c + 1] - 1)
+        return tuple(cuts)
+
+
 MAX_TIME = 1e15
 """The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
 
@@ -321,7 +383,8 @@ MAX_TIME = 1e15
 class CostModel:
     """Time of each op kind (`F`, `B`, `W`, `R`, `P`), of one transfer (`C`), and of an
     overlapped forward-backward pair (`FB`, for the forward's stage; without it a pair
-    takes the sum of its ops).
+    takes the sum of its ops). `A` is no time but a share: how much of an op's work on
+    a whole micro-batch is attention, which splits it over sequence chunks (`Chunks`).
 
     Entries are (kind, stage or None, time); a later entry overrides an earlier one, and a
     per-stage entry overrides a per-kind one. Unit costs by default, transfers free.
@@ -334,6 +397,7 @@ class CostModel:
         ("R", None, 1.0),
         ("P", None, 1.0),
         ("C", None, 0.0),
+        ("A", None, 0.0),
     )
     _table: dict[tuple[str, int | None], float] = field(
         default_factory=dict, compare=False, hash=False, repr=False
@@ -359,6 +423,24 @@ class CostModel:
         compound's time, `FB` or the sum of its ops, is the simulator's.)"""
         kind = op.kind
         return 0.0 if kind in STASH_KINDS else self.of(kind.value, op.stage)
+
+    def timer(self, chunks: Chunks | None) -> Callable[[Action], float]:
+        """`time`, for a schedule split into `chunks`: an op on a chunk takes the chunk's
+        share of its kind's time (`Chunks.work`, with the stage's attention share `A`)."""
+        if chunks is None:
+            return self.time
+        shares = {
+            stage: chunks.work(self.of("A", stage)) for stage in self.stages() | {None}
+        }
+        default = shares[None]
+
+        def time(op: Action) -> float:
+            base = self.time(op)
+            if op.chunk is None:
+                return base
+            return base * shares.get(op.stage, default)[op.chunk]
+
+        return time
 
     def stages(self) -> set[int]:
         """The stages that per-stage entries name."""
@@ -403,6 +485,9 @@ class Program:
     frozen: tuple[int, ...] | None = None
     """The ranks that hold the model's frozen part (`frozen on ...`), ascending; None when
     the schedule has none. Each micro-batch's `P` runs on one of them."""
+    chunks: Chunks | None = None
+    """How micro-batches split into sequence chunks (`chunks C`); None: they do not, and
+    compute actions name no chunk."""
 
     @property
     def num_microbatches(self) -> int:
@@ -434,12 +519,14 @@ class Program:
         """Every op the schedule must run, in (micro-batch, stage, kind) order (a
         micro-batch's `P` first)."""
         frozen = self.frozen is not None
+        chunks = (None,) if self.chunks is None else tuple(range(self.chunks.count))
         for mb, pipe in enumerate(self.assignment):
             if frozen:
                 yield Action(Kind.P, mb, 0, pipe)
             for stage in range(self.num_stages):
-                for kind in self.kinds:
-                    yield Action(kind, mb, stage, pipe)
+                for chunk in chunks:
+                    for kind in self.kinds:
+                        yield Action(kind, mb, stage, pipe, chunk=chunk)
 
     def inputs_of(self, op: Action) -> tuple[Action, ...]:
         """The compute ops whose results `op` consumes (its data dependencies).
@@ -447,28 +534,37 @@ class Program:
         F(m, s) needs F(m, s-1), and F(m, 0) needs P(m, 0) when there is a frozen part;
         P needs nothing; B(m, s) needs B(m, s+1) (the loss on the last stage) and
         F(m, s), and R(m, s) when recompute is on; W(m, s) needs B(m, s); R(m, s) needs
-        F(m, s).
+        F(m, s). With sequence chunks, each of these is about the same chunk, and on
+        its stage F(m, c) also needs F(m, c-1) (the keys and values of the tokens before
+        it) and B(m, c) needs B(m, c+1) (which hands back their gradients).
         """
-        mb, stage, pipe = op.mb, op.stage, op.pipeline
+        mb, stage, pipe, chunk = op.mb, op.stage, op.pipeline, op.chunk
         assert stage is not None
+        deps: list[Action] = []
         if op.kind is Kind.F:
             if stage > 0:
-                return (Action(Kind.F, mb, stage - 1, pipe),)
-            return (Action(Kind.P, mb, 0, pipe),) if self.frozen is not None else ()
-        if op.kind is Kind.P:
-            return ()
-        if op.kind is Kind.B:
-            deps = [Action(Kind.F, mb, stage, pipe)]
+                deps.append(Action(Kind.F, mb, stage - 1, pipe, chunk=chunk))
+            elif self.frozen is not None:
+                deps.append(Action(Kind.P, mb, 0, pipe))
+            if chunk:
+                deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk - 1))
+        elif op.kind is Kind.P:
+            pass
+        elif op.kind is Kind.B:
+            deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk))
             if Kind.R in self.kinds:
-                deps.append(Action(Kind.R, mb, stage, pipe))
+                deps.append(Action(Kind.R, mb, stage, pipe, chunk=chunk))
             if stage + 1 < self.num_stages:
-                deps.append(Action(Kind.B, mb, stage + 1, pipe))
-            return tuple(deps)
-        if op.kind is Kind.W:
-            return (Action(Kind.B, mb, stage, pipe),)
-        if op.kind is Kind.R:
-            return (Action(Kind.F, mb, stage, pipe),)
-        raise InternalError(f"{op} is not a compute op")
+                deps.append(Action(Kind.B, mb, stage + 1, pipe, chunk=chunk))
+            if chunk is not None and self.chunks is not None and chunk + 1 < self.chunks.count:
+                deps.append(Action(Kind.B, mb, stage, pipe, chunk=chunk + 1))
+        elif op.kind is Kind.W:
+            deps.append(Action(Kind.B, mb, stage, pipe, chunk=chunk))
+        elif op.kind is Kind.R:
+            deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk))
+        else:
+            raise InternalError(f"{op} is not a compute op")
+        return tuple(deps)
 
     def dump(self) -> str:
         """The text dump: one line per rank, actions as tokens (`Action.parse` reads each
@@ -499,6 +595,12 @@ class Program:
             doc["weights"] = self.weights.text()
         if self.frozen is not None:
             doc["frozen"] = list(self.frozen)
+        if self.chunks is not None:
+            doc["chunks"] = {
+                "count": self.chunks.count,
+                "split": self.chunks.split,
+                "attention": self.costs.of("A"),
+            }
         # The ranks last, one a line, by json's C encoder (an indented dump is the
         # pure-Python one: seconds at 10^5 actions).
         ranks = ",\n  ".join(json.dumps([a.text() for a in actions]) for actions in self.ranks)
@@ -510,6 +612,7 @@ class Program:
         doc = json.loads(text)
         if doc.get("format") != "pipelang-program/1":
             raise ValueError("not a pipelang program (missing format pipelang-program/1)")
+        chunks = doc.get("chunks")
         return Program(
             name=doc["name"],
             source=doc["source"],
@@ -524,4 +627,8 @@ class Program:
             partition=tuple(doc["partition"]) if doc.get("partition") is not None else None,
             weights=WeightPolicy.parse(doc["weights"]) if "weights" in doc else None,
             frozen=tuple(doc["frozen"]) if doc.get("frozen") is not None else None,
+            costs=CostModel().merged(
+                None if chunks is None else CostModel((("A", None, float(chunks["attention"])),))
+            ),
+            chunks=None if chunks is None else Chunks(chunks["count"], chunks["split"]),
         )

@@ -7,6 +7,12 @@ its load `L` brings them back. A recompute `R` rebuilds what its F dropped: coun
 forwards it changes nothing (the F is still held); counted in bytes it adds the stage's
 activations over the stage input the F kept.
 
+Counts are in micro-batches: with sequence chunks (`chunks C`), a chunk's forward holds
+its share of the micro-batch's tokens (`Chunks.tokens`), so a chunked schedule compares
+with an unchunked one directly. (A chunk's activations include the keys and values the
+later chunks of its micro-batch read; backwards run last chunk first, so they are freed
+by the chunk's own backward, after every chunk that reads them.)
+
 Everything that counts activations asks here: `simulate` (peak activations), `validate`
 (`--max-activations`, E0308), `evictions` (the partner's side, over time), the squeeze
 orders (their memory bound) and the planner (peak bytes).
@@ -37,26 +43,43 @@ def change(kind: Kind, freed_by: Kind = Kind.B) -> int:
     return 0
 
 
-def held(actions: Iterable[Action], freed_by: Kind = Kind.B) -> Iterator[int]:
-    """After each action, how many forwards the rank holds."""
-    count = 0
+def shares(program: Program, attention: float | None = None) -> Sequence[float] | None:
+    """Each chunk's share of a micro-batch's activations, by chunk; None without chunks.
+    `attention` overrides the schedule's own `A` (a `--cost` given on the command line)."""
+    if program.chunks is None:
+        return None
+    return program.chunks.tokens(program.costs.of("A") if attention is None else attention)
+
+
+def held(
+    actions: Iterable[Action], freed_by: Kind = Kind.B, tokens: Sequence[float] | None = None
+) -> Iterator[float]:
+    """After each action, how many forwards (micro-batches) the rank holds; `tokens` are
+    the chunks' shares (`shares`) in a chunked schedule."""
+    count: float = 0
     for action in actions:
-        count += change(action.kind, freed_by)
+        delta = change(action.kind, freed_by)
+        if delta and tokens is not None and action.chunk is not None:
+            count += delta * tokens[action.chunk]
+        else:
+            count += delta
         yield count
 
 
-def peak(actions: Iterable[Action], freed_by: Kind = Kind.B) -> int:
-    """The most forwards the rank holds at once along `actions`."""
-    return max(held(actions, freed_by), default=0)
+def peak(
+    actions: Iterable[Action], freed_by: Kind = Kind.B, tokens: Sequence[float] | None = None
+) -> float:
+    """The most forwards (micro-batches) the rank holds at once along `actions`."""
+    return max(held(actions, freed_by, tokens), default=0)
 
 
 def holding(actions: Iterable[Action], freed_by: Kind = Kind.B) -> list[Action]:
     """The forwards (or loads) still held after the last of `actions`, oldest first: who
     makes up the count `held` gives, for messages."""
-    kept: dict[tuple[int | None, int | None, str | None], Action] = {}
+    kept: dict[tuple[int | None, int | None, str | None, int | None], Action] = {}
     for action in actions:
         delta = change(action.kind, freed_by)
-        key = (action.mb, action.stage, action.pipeline)
+        key = (action.mb, action.stage, action.pipeline, action.chunk)
         if delta > 0:
             kept[key] = action
         elif delta < 0:
@@ -69,19 +92,21 @@ def peak_bytes(
     freed_by: Kind,
     kept: Sequence[float],
     recomputed: Sequence[float] | None = None,
+    tokens: Sequence[float] | None = None,
 ) -> float:
     """The most bytes of activations held at once along `actions`: `kept[stage]` from a
     forward to the op that frees it, and with recomputation also `recomputed[stage]`
-    from the R to that op."""
+    from the R to that op; a chunk (`tokens`, `shares`) holds its share of either."""
     total = top = 0.0
     for action in actions:
         stage = action.stage or 0
+        part = 1.0 if tokens is None or action.chunk is None else tokens[action.chunk]
         delta = change(action.kind, freed_by)
         if recomputed is not None:
             if action.kind is Kind.R:
-                total += recomputed[stage]
+                total += part * recomputed[stage]
             elif action.kind is freed_by:
-                total -= recomputed[stage]
-        total += delta * kept[stage]
+                total -= part * recomputed[stage]
+        total += delta * part * kept[stage]
         top = max(top, total)
     return top

@@ -442,6 +442,12 @@ class _Build(Transformer[Token, Any]):
                 f"the cost of `{kind}` is too large: a time is at most 10^15",
                 self._tok(value),
             )
+        if str(kind) == "A" and float(value) > 1:
+            raise fail(
+                "E0209",
+                f"`A` is the share of attention in a chunk's work, between 0 and 1, not {value}",
+                self._tok(value),
+            )
         return ast.CostItem(span, str(kind), stage, float(value))
 
     def _pipeline_decl(
@@ -488,6 +494,11 @@ class _Build(Transformer[Token, Any]):
 
     def _frozen_ranks(self, span: Span, ranks: ast.Range) -> ast.Frozen:
         return ast.Frozen(span, ranks)
+
+    def _chunks_decl(
+        self, span: Span, count: ast.Expr, split: Token | None, when: ast.Expr | None
+    ) -> ast.ChunksDecl:
+        return ast.ChunksDecl(span, count, "tokens" if split is None else str(split), when)
 
     def _order_rank(self, span: Span, var: Token, body: tuple[ast.Stmt, ...]) -> ast.OrderRank:
         return ast.OrderRank(span, str(var), body)
@@ -565,12 +576,13 @@ class _Build(Transformer[Token, Any]):
             named = named or key is not None
             if key is None and index < 2 and not named:
                 key = ("mb", "stage")[index]
-            if key not in ("mb", "stage") or key in values:
+            if key not in ("mb", "stage", "chunk") or key in values:
                 raise fail(
                     "E0103",
                     f"bad argument to `{kind}`",
                     value.span,
-                    help="ops take `(mb)`, `(mb, stage)`, or named `mb=` and `stage=`",
+                    help="ops take `(mb)`, `(mb, stage)`, or named `mb=` and `stage=`, "
+                    "and `chunk=` in a schedule with `chunks`",
                 )
             values[key] = value
         if kind == "U" and "mb" in values:
@@ -580,7 +592,9 @@ class _Build(Transformer[Token, Any]):
                 values["mb"].span,
                 help="write `U()`, or `U(stage=s)` on a rank that holds several stages",
             )
-        return ast.OpCall(span, kind, values.get("mb"), values.get("stage"), slot)
+        return ast.OpCall(
+            span, kind, values.get("mb"), values.get("stage"), slot, values.get("chunk")
+        )
 
     def _evict(self, span: Span, op: ast.OpCall, partner: ast.Expr) -> ast.Evict:
         if op.kind != "E":

@@ -19,7 +19,7 @@ instead. One pass in topological order, linear in the number of ops and dependen
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -108,13 +108,18 @@ class Timeline:
         """Time `rank` waits within the iteration: makespan - busy."""
         return self.makespan - self.busy(rank)
 
-    def peak_activations(self, rank: int) -> int:
+    def peak_activations(self, rank: int) -> int | float:
         """The most forwards whose backward has not run yet, along `rank`'s order; with
         evictions, over time, less those evicted and plus those held for a partner
-        (`evictions.peak_activations`)."""
+        (`evictions.peak_activations`); with sequence chunks, in micro-batches, each
+        chunk its share of the tokens (`memory.shares`)."""
         if self._stash_peaks is not None:
             return self._stash_peaks[rank]
-        return memory.peak(self.program.ranks[rank])
+        return as_number(memory.peak(self.program.ranks[rank], tokens=self._tokens))
+
+    @cached_property
+    def _tokens(self) -> Sequence[float] | None:
+        return memory.shares(self.program, self.costs.of("A"))
 
     @cached_property
     def _stash_peaks(self) -> list[int] | None:
@@ -143,13 +148,13 @@ class Timeline:
         return {
             "schedule": self.program.name,
             "params": dict(self.program.params),
-            "makespan": _number(self.makespan),
-            "bubble_ratio": _number(self.bubble_ratio),
+            "makespan": as_number(self.makespan),
+            "bubble_ratio": as_number(self.bubble_ratio),
             "ranks": [
                 {
                     "rank": r,
-                    "busy": _number(self.busy(r)),
-                    "idle": _number(self.idle(r)),
+                    "busy": as_number(self.busy(r)),
+                    "idle": as_number(self.idle(r)),
                     "peak_activations": self.peak_activations(r),
                     "weight_copies": self.weight_copies(r),
                     "peak_weight_versions": self.peak_weight_versions(r),
@@ -189,13 +194,13 @@ class Timeline:
             notes.append(f"... and {len(self._by_rank) - GRID_RANKS} more ranks")
         if unit > shortest:
             notes.append(
-                f"(one cell = {_number(unit)} time units, to keep the grid within "
+                f"(one cell = {as_number(unit)} time units, to keep the grid within "
                 f"{GRID_CELLS} cells; ops shorter than a cell may not show)"
             )
         return "\n".join([render_rows(rows, width_limit), *notes])
 
 
-def _number(value: float) -> int | float:
+def as_number(value: float) -> int | float:
     """JSON-friendly: 33 rather than 33.0, and no float noise past 6 decimals."""
     rounded = round(value, 6)
     return int(rounded) if float(rounded).is_integer() else rounded
@@ -221,7 +226,7 @@ def simulate(
     `link`, when given, times each transfer instead of the single `C` (the planner gives
     every stage boundary the time of the link between its two ranks' devices).
     """
-    times = _durations(graph, costs)
+    times = _durations(program, graph, costs)
     start = _start_times(graph, times, costs.of("C"), stash_link(program, graph, costs, link))
     if len(start) < graph.listed:
         raise InternalError("simulated an op graph with a cycle: `validate` did not run")
@@ -257,10 +262,11 @@ def stash_link(
     return timed
 
 
-def _durations(graph: OpGraph, costs: CostModel) -> list[float]:
+def _durations(program: Program, graph: OpGraph, costs: CostModel) -> list[float]:
     """The time of every op; a compound's whole time goes to its first op and its fused
     ops take none, so that whatever follows any of them waits for the whole compound."""
-    times = [costs.time(op) for op in graph.ops]
+    time = costs.timer(program.chunks)
+    times = [time(op) for op in graph.ops]
     members: dict[int, list[int]] = {}
     for node, head in enumerate(graph.heads):
         if head != node:

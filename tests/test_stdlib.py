@@ -403,6 +403,7 @@ VALID = {
     "pipemare": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=3)],
     "bpipe": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=7)],
     "diffusionpipe": [dict(D=4, N=8), dict(D=1, N=1), dict(D=5, N=7, h=2), dict(D=3, N=6, h=1)],
+    "seq1f1b": [dict(D=4, N=8), dict(D=1, N=1), dict(D=3, N=5, C=3), dict(D=6, N=2, C=1)],
 }
 
 INVALID = [
@@ -447,6 +448,8 @@ INVALID = [
     ("bpipe", dict(D=4, N=3), "BPipe balances 1F1B's steady phase: it needs N >= D"),
     ("diffusionpipe", dict(D=4, h=5), "DiffusionPipe needs 1 <= h <= D"),
     ("diffusionpipe", dict(N=0), "DiffusionPipe needs at least one micro-batch"),
+    ("seq1f1b", dict(C=0), "Seq1F1B needs at least one chunk per micro-batch"),
+    ("seq1f1b", dict(N=0), "Seq1F1B needs at least one micro-batch"),
 ]
 
 

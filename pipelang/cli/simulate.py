@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelang import memory
+from pipelang.simulate import as_number
 from pipelang.cli.args import (
     add_schedule_arguments,
     add_slot_model_arguments,
@@ -98,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if len(rows) > TABLE_RANKS:
         console.print(f"... and {len(rows) - TABLE_RANKS} more ranks (--json lists every rank)")
     if Kind.W in program.kinds:
-        held = [memory.peak(actions, Kind.W) for actions in program.ranks]
+        tokens = memory.shares(program, timeline.costs.of("A"))
+        held = [as_number(memory.peak(actions, Kind.W, tokens)) for actions in program.ranks]
         if held != [timeline.peak_activations(r) for r in range(program.num_ranks)]:
             shown = ", ".join(map(str, held[:TABLE_RANKS]))
             if len(held) > TABLE_RANKS:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pipelang import ast
 from pipelang.diagnostics import fail
 from pipelang.evaluate import Env, Scope
-from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline
+from pipelang.ir import STASH_KINDS, Action, Chunks, CostModel, Dependency, Kind, Pipeline
 
 _make = tuple.__new__
 """Builds an Action without NamedTuple's Python-level __new__: this runs once per op."""
@@ -34,6 +34,8 @@ class Layout:
     """(pipeline, rank) -> the stages of that pipeline the rank holds, ascending."""
     frozen: tuple[int, ...] | None = None
     """The ranks that hold the frozen part (`Program.frozen`); None without one."""
+    chunks: Chunks | None = None
+    """How micro-batches split into sequence chunks (`Program.chunks`); None: not."""
 
     def op(
         self,
@@ -43,11 +45,25 @@ class Layout:
         stage: int | None,
         rank: int | None,
         fused: bool = False,
+        chunk: int | None = None,
     ) -> Action:
         """The Action an op statement names; `rank` picks the stage when it is left out;
         `fused` joins it to the action before it (`&`, `BW`)."""
         if kind is Kind.P:
+            if chunk is not None:
+                raise fail("E0319", "`P` runs on a whole micro-batch and names no chunk", call.span)
             return self._frozen_op(call, mb, stage)
+        if kind in STASH_KINDS and self.chunks is not None:
+            raise fail(
+                "E0211",
+                "sequence chunks do not combine with evictions (`E`, `L`) yet",
+                call.span,
+                help="drop the eviction, or the `chunks` declaration",
+            )
+        if (chunk is None) != (self.chunks is None) or (
+            chunk is not None and not 0 <= chunk < self.chunks.count  # type: ignore[union-attr]
+        ):
+            raise self.chunk_error(call, chunk)
         # The fast path first: this runs once per op of the schedule.
         if mb is not None and 0 <= mb < len(self.assignment):
             pipeline = self.assignment[mb]
@@ -55,11 +71,39 @@ class Layout:
                 stages = self.local_stages.get((pipeline, rank), ())  # type: ignore[arg-type]
                 if len(stages) == 1:
                     return _make(
-                        Action, (kind, mb, stages[0], pipeline, None, None, call.span, fused)
+                        Action,
+                        (kind, mb, stages[0], pipeline, None, None, chunk, call.span, fused),
                     )
             elif 0 <= stage < self.num_stages:
-                return _make(Action, (kind, mb, stage, pipeline, None, None, call.span, fused))
+                return _make(
+                    Action, (kind, mb, stage, pipeline, None, None, chunk, call.span, fused)
+                )
         raise self._bad_op(call, mb, stage, rank)
+
+    def chunk_error(self, call: ast.OpCall, chunk: int | None) -> Exception:
+        """An op that names a chunk where there are none, names none where there are,
+        or names one that does not exist (E0319)."""
+        if self.chunks is None:
+            return fail(
+                "E0319",
+                f"`{call.kind}` names a chunk, but the schedule does not split micro-batches",
+                call.span,
+                help="declare the chunks (`chunks 4`), or drop `chunk=`",
+            )
+        if chunk is None:
+            return fail(
+                "E0319",
+                f"`{call.kind}` names no chunk, and the schedule splits every micro-batch "
+                f"into {self.chunks.count}",
+                call.span,
+                help=f"write `{call.kind}(mb, chunk=c)` with c in 0..{self.chunks.count}",
+            )
+        return fail(
+            "E0319",
+            f"chunk {chunk} does not exist",
+            call.span,
+            notes=(f"chunks are 0..{self.chunks.count}",),
+        )
 
     def _frozen_op(self, call: ast.OpCall, mb: int | None, stage: int | None) -> Action:
         """`P(mb)`: the frozen forward that feeds F(mb, 0), on whichever rank lists it
@@ -80,7 +124,7 @@ class Layout:
             )
         if mb is None or not 0 <= mb < len(self.assignment):
             raise self._bad_op(call, mb, 0, None)
-        return _make(Action, (Kind.P, mb, 0, self.assignment[mb], None, None, call.span, False))
+        return Action(Kind.P, mb, 0, self.assignment[mb], span=call.span)
 
     def update(
         self, call: ast.OpCall, stage: int | None, rank: int, counts: dict[tuple[int, str], int]

@@ -3,10 +3,11 @@
 The compiler replays the schedule in time with its own cost model (the `cost` line):
 whenever a rank is idle it runs, among its ops whose inputs are ready, the one that comes
 first by `prefer` (op kinds, first wins) and then by the `priority` keys (integer
-expressions over `mb`, `stage` and `rank`, smallest first). A forward that would bring a
-new micro-batch onto the rank (a forward of the rank's first stage of its pipeline) is
-held back while `cap` micro-batches are in flight there (between that forward and the
-backward of the same stage); later stages of a micro-batch in flight are never held, so
+expressions over `mb`, `stage`, `rank` and `chunk`, smallest first). A forward that would
+bring a new micro-batch onto the rank (a forward of the rank's first stage of its
+pipeline) is held back while `cap` micro-batches are in flight there (between that
+forward and the backward of the same stage; with sequence chunks, `cap` counts chunks,
+Seq1F1B's unit of work); later stages of a micro-batch in flight are never held, so
 wave and V placements do not stall on their own second chunk. Frozen forwards (`P`) are
 in one pool that every rank holding the frozen part draws from, so by default (`P` last
 in `prefer`) an idle holder fills its bubble with the next micro-batch's frozen work.
@@ -97,6 +98,7 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
     events: list[tuple[float, int, int, int]] = [(0.0, 1, r.index, _IDLE) for r in ranks]
     done = 0
     comm = layout.costs.of("C")
+    op_time = layout.costs.timer(layout.chunks)
     while events:
         time, _, rank_index, finished = heapq.heappop(events)
         if finished != _IDLE:
@@ -120,9 +122,9 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
             continue
         rank_of[chosen] = rank.index
         op = ops[chosen]
-        end = time + layout.costs.time(op)
+        end = time + op_time(op)
         rank.free_at = end
-        rank.order.append(Action(op.kind, op.mb, op.stage, op.pipeline, span=order.span))
+        rank.order.append(op._replace(span=order.span))
         heapq.heappush(events, (end, 0, rank.index, chosen))
         heapq.heappush(events, (end, 1, rank.index, _IDLE))
     if done < len(ops):
@@ -182,6 +184,7 @@ def _skeleton(layout: Layout) -> Program:
         layout.kinds,
         (),
         frozen=layout.frozen,
+        chunks=layout.chunks,
     )
 
 
@@ -190,9 +193,9 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
         if order.prefer.count(kind) > 1:
             raise fail("E0102", f"`{kind}` is listed twice in `prefer`", order.span)
     prefer = order.prefer + tuple(k for k in _DEFAULT_PREFER if k not in order.prefer)
-    why = "in a greedy `priority`, `mb`, `stage` and `rank` are the op's"
+    why = "in a greedy `priority`, `mb`, `stage`, `rank` and `chunk` are the op's"
     scope = layout.scope
-    for name in ("mb", "stage", "rank"):
+    for name in ("mb", "stage", "rank", "chunk"):
         scope = scope.with_name(name, order.span, why=why)
     keys = [compile_int(expr, scope) for expr in order.priority]
     rank_of: dict[tuple[str | None, int | None], int] = {
@@ -201,7 +204,12 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
 
     def key_of(op: Action) -> tuple[int, ...]:
         env: Env = dict(layout.env)
-        env.update(mb=op.mb or 0, stage=op.stage or 0, rank=rank_of[(op.pipeline, op.stage)])
+        env.update(
+            mb=op.mb or 0,
+            stage=op.stage or 0,
+            rank=rank_of[(op.pipeline, op.stage)],
+            chunk=op.chunk or 0,
+        )
         return (prefer.index(op.kind.value), *(k(env) for k in keys))
 
     return key_of
@@ -210,7 +218,8 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
 def _caps(order: ast.OrderGreedy, layout: Layout) -> list[int]:
     """Each rank's cap: the `cap` expression compiled once, evaluated per rank."""
     if order.cap is None:
-        return [len(layout.assignment) * layout.num_stages] * layout.num_ranks
+        chunks = 1 if layout.chunks is None else layout.chunks.count
+        return [len(layout.assignment) * layout.num_stages * chunks] * layout.num_ranks
     why = "in a greedy `cap`, `rank` is the rank the cap is for"
     cap_of = compile_int(order.cap, layout.scope.with_name("rank", order.span, why=why))
     env: Env = dict(layout.env)

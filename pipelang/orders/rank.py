@@ -37,6 +37,7 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
             slot: int | None,
             fused: bool,
             peer: int | None,
+            chunk: int | None,
         ) -> None:
             if slot is not None:
                 raise fail(
@@ -48,7 +49,7 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
             if kind is Kind.U:
                 actions.append(layout.update(call, stage, rank, updates))  # noqa: B023
                 return
-            action = layout.op(call, kind, mb, stage, rank, fused)  # noqa: B023
+            action = layout.op(call, kind, mb, stage, rank, fused, chunk)  # noqa: B023
             actions.append(action if peer is None else action._replace(peer=peer))  # noqa: B023
 
         env = dict(layout.env)

@@ -42,7 +42,10 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
                 slot: int | None,
                 fused: bool,
                 peer: int | None,
+                chunk: int | None,
             ) -> None:
+                if chunk is not None:
+                    raise layout.chunk_error(call, chunk)
                 if kind is Kind.U:
                     raise fail(
                         "E0103",

@@ -20,9 +20,11 @@ from pipelang.evaluate import (
 )
 from pipelang.ir import Kind
 
-Emit = Callable[[ast.OpCall, Kind, int | None, int | None, int | None, bool, int | None], None]
+Emit = Callable[
+    [ast.OpCall, Kind, int | None, int | None, int | None, bool, int | None, int | None], None
+]
 """Called once per op an op statement runs: (statement, kind, mb, stage, slot, fused,
-partner), unset ones None; `fused` joins the op to the one emitted before it (`&`,
+partner, chunk), unset ones None; `fused` joins the op to the one emitted before it (`&`,
 `BW`); `partner` is the rank an `E(i) -> rank p` evicts to."""
 Block = Callable[[Env, Emit], None]
 
@@ -141,8 +143,9 @@ def _op(
 ) -> Block:
     """One op; `BW` is a B with its W fused to it (a full backward), `fused` joins the
     (first) op to the one before it, `partner` is where an `E` evicts to."""
-    mb, stage, slot = (
-        None if e is None else compile_int(e, scope) for e in (stmt.mb, stmt.stage, stmt.slot)
+    mb, stage, slot, chunk = (
+        None if e is None else compile_int(e, scope)
+        for e in (stmt.mb, stmt.stage, stmt.slot, stmt.chunk)
     )
     kinds = ((Kind.B, fused), (Kind.W, True)) if stmt.kind == "BW" else ((Kind(stmt.kind), fused),)
 
@@ -153,7 +156,8 @@ def _op(
             None if slot is None else slot(env),
         )
         peer = None if partner is None else partner(env)
+        part = None if chunk is None else chunk(env)
         for kind, joined in kinds:
-            emit(stmt, kind, *args, joined, peer)
+            emit(stmt, kind, *args, joined, peer, part)
 
     return run

@@ -10,7 +10,8 @@ before v starts", in one list per reason:
 - `order`: u comes right before v in one rank's list;
 - `data`: v consumes u's result (`Program.inputs_of`): F(m,s) -> F(m,s+1),
   F(m,s) -> B(m,s), B(m,s+1) -> B(m,s), B(m,s) -> W(m,s), F(m,s) -> R(m,s) -> B(m,s),
-  P(m,0) -> F(m,0) (frozen work);
+  P(m,0) -> F(m,0) (frozen work); with sequence chunks each per chunk, and on one stage
+  F(m.c-1) -> F(m.c) and B(m.c+1) -> B(m.c);
   for evicted activations (BPipe), F(m,s) -> E(m,s) -> H(m,s) -> L(m,s) and
   E(m,s) -> L(m,s), and L(m,s) -> R(m,s), L(m,s) -> B(m,s) (the stash kinds are nodes
   too, `ir.GRAPH_KINDS`);
@@ -47,8 +48,8 @@ import networkx as nx
 from pipelang.diagnostics import InternalError
 from pipelang.ir import GRAPH_KINDS, Action, Kind, Program
 
-Key = tuple[Kind, int | None, int | None, str | None]
-"""An op's identity without its span: (kind, micro-batch, stage, pipeline)."""
+Key = tuple[Kind, int | None, int | None, str | None, int | None]
+"""An op's identity without its span: (kind, micro-batch, stage, pipeline, chunk)."""
 
 Edge = tuple[int, int]
 """(u, v) by op number: u must end before v starts."""
@@ -56,7 +57,7 @@ Edge = tuple[int, int]
 
 def op_key(action: Action) -> Key:
     """The identity of a compute op, cheap to hash."""
-    return (action.kind, action.mb, action.stage, action.pipeline)
+    return (action.kind, action.mb, action.stage, action.pipeline, action.chunk)
 
 
 class Message(NamedTuple):
@@ -222,7 +223,7 @@ def op_graph(program: Program) -> OpGraph:
             kind = action.kind
             if kind not in compute:
                 continue
-            key = (kind, action.mb, action.stage, action.pipeline)
+            key = (kind, action.mb, action.stage, action.pipeline, action.chunk)
             node = index.get(key)
             if node is None:
                 node = index[key] = len(ops)
@@ -234,7 +235,7 @@ def op_graph(program: Program) -> OpGraph:
             if previous >= 0:
                 order.append((previous, node))
             previous = node
-    data = _data_edges(index, program.num_stages)
+    data = _data_edges(index, program.num_stages, program.chunks and program.chunks.count)
     data += _compound_edges(data, heads)
     after = _after_edges(program, index)
     listed = len(order) + sum(1 for rank in set(ranks))  # one edge fewer than ops per rank
@@ -251,25 +252,37 @@ def op_graph(program: Program) -> OpGraph:
     )
 
 
-def _data_edges(index: Mapping[Key, int], num_stages: int) -> list[Edge]:
+def _data_edges(index: Mapping[Key, int], num_stages: int, chunks: int | None) -> list[Edge]:
     """`Program.inputs_of` by key, with R counted wherever it is listed (an absent op has
-    no edges anyway); inlined, since it runs once per op of large schedules."""
+    no edges anyway); inlined, since it runs once per op of large schedules. `chunks`
+    is the number of sequence chunks (None: micro-batches are not split)."""
     edges: list[Edge] = []
     get, add = index.get, edges.append
     f, b, w, p = Kind.F, Kind.B, Kind.W, Kind.P
-    for (kind, mb, stage, pipe), v in index.items():
+    last = None if chunks is None else chunks - 1
+    for (kind, mb, stage, pipe, c), v in index.items():
         if stage is None:
             raise InternalError(f"compute op without a stage: {kind.value}{mb}")
         if kind is f:
-            inputs: tuple[Key, ...] = ((f if stage else p, mb, stage - 1 if stage else 0, pipe),)
+            inputs: tuple[Key, ...] = (
+                (f, mb, stage - 1, pipe, c) if stage else (p, mb, 0, pipe, None),
+            )
+            if c:
+                inputs += ((f, mb, stage, pipe, c - 1),)
         elif kind is b:
-            inputs = ((f, mb, stage, pipe), (Kind.R, mb, stage, pipe), (Kind.L, mb, stage, pipe))
+            inputs = (
+                (f, mb, stage, pipe, c),
+                (Kind.R, mb, stage, pipe, c),
+                (Kind.L, mb, stage, pipe, c),
+            )
             if stage + 1 < num_stages:
-                inputs += ((b, mb, stage + 1, pipe),)
+                inputs += ((b, mb, stage + 1, pipe, c),)
+            if c is not None and c != last:
+                inputs += ((b, mb, stage, pipe, c + 1),)
         elif kind is w:
-            inputs = ((b, mb, stage, pipe),)
+            inputs = ((b, mb, stage, pipe, c),)
         else:
-            inputs = _more_inputs(kind, mb, stage, pipe)
+            inputs = _more_inputs(kind, mb, stage, pipe, c)
         for key in inputs:
             u = get(key)
             if u is not None:
@@ -277,19 +290,21 @@ def _data_edges(index: Mapping[Key, int], num_stages: int) -> list[Edge]:
     return edges
 
 
-def _more_inputs(kind: Kind, mb: int | None, stage: int, pipe: str | None) -> tuple[Key, ...]:
+def _more_inputs(
+    kind: Kind, mb: int | None, stage: int, pipe: str | None, c: int | None
+) -> tuple[Key, ...]:
     """The inputs of R, P and of the stash kinds: R(m,s) needs F(m,s), and L(m,s) if the
     activations were evicted; P needs nothing; E(m,s) needs F(m,s); the partner's H(m,s)
     needs E(m,s); L(m,s) needs E(m,s) and H(m,s)."""
     if kind is Kind.P:
         return ()
     if kind is Kind.E:
-        return ((Kind.F, mb, stage, pipe),)
+        return ((Kind.F, mb, stage, pipe, c),)
     if kind is Kind.H:
-        return ((Kind.E, mb, stage, pipe),)
+        return ((Kind.E, mb, stage, pipe, c),)
     if kind is Kind.L:
-        return ((Kind.E, mb, stage, pipe), (Kind.H, mb, stage, pipe))
-    return ((Kind.F, mb, stage, pipe), (Kind.L, mb, stage, pipe))
+        return ((Kind.E, mb, stage, pipe, c), (Kind.H, mb, stage, pipe, c))
+    return ((Kind.F, mb, stage, pipe, c), (Kind.L, mb, stage, pipe, c))
 
 
 def _compound_edges(data: list[Edge], heads: list[int]) -> list[Edge]:

@@ -23,10 +23,12 @@ from typing import TypeVar
 from pipelang import ast
 from pipelang.diagnostics import Label, fail
 from pipelang.evaluate import (
+    BOOL,
     MAX_OPS,
     Env,
     Scope,
     Value,
+    compile_expr,
     compile_int,
     constant_scope,
     eval_range,
@@ -35,7 +37,16 @@ from pipelang.evaluate import (
     op_limit,
     too_large,
 )
-from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program, WeightPolicy
+from pipelang.ir import (
+    Action,
+    Chunks,
+    CostModel,
+    Dependency,
+    Kind,
+    Pipeline,
+    Program,
+    WeightPolicy,
+)
 from pipelang.orders import Layout
 from pipelang.orders.greedy import expand_greedy_order
 from pipelang.orders.rank import expand_rank_order
@@ -66,7 +77,9 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         _single(schedule, ast.Microbatches, "microbatches"), pipelines, scope, env
     )
     frozen = _frozen(schedule, scope, env, num_ranks)
-    total = len(assignment) * (num_stages * len(kinds) + (frozen is not None))
+    chunks = _chunks(schedule, scope, env)
+    count = 1 if chunks is None else chunks.count
+    total = len(assignment) * (num_stages * len(kinds) * count + (frozen is not None))
     if total > max_ops():
         raise too_large(
             f"the schedule has {total} ops, more than the limit of {max_ops()}", schedule.span
@@ -76,7 +89,18 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         for s, r in enumerate(p.placement):
             local[(p.name, r)] = (*local.get((p.name, r), ()), s)
     layout = Layout(
-        scope, env, num_ranks, num_stages, pipelines, assignment, kinds, costs, (), local, frozen
+        scope,
+        env,
+        num_ranks,
+        num_stages,
+        pipelines,
+        assignment,
+        kinds,
+        costs,
+        (),
+        local,
+        frozen,
+        chunks,
     )
     layout = dataclasses.replace(layout, after=_after(schedule, layout))
     order = _order(schedule)
@@ -84,9 +108,7 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         ranks = expand_rank_order(order, layout)
     elif isinstance(order, ast.OrderGreedy):
         ranks = expand_greedy_order(order, layout)
-    elif frozen is None:
-        ranks = expand_repeat_order(order, layout)
-    else:
+    elif frozen is not None:
         raise fail(
             "E0210",
             "an `order repeat` cannot place frozen work: its `P` ops run on any rank "
@@ -94,6 +116,17 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
             order.span,
             help="write the order with `order rank` or `order greedy`",
         )
+    elif chunks is not None:
+        raise fail(
+            "E0211",
+            "an `order repeat` cannot place sequence chunks: its block is one micro-batch's "
+            "ops, and a chunked micro-batch's ops also wait on each other on one stage",
+            order.span,
+            labels=(Label(chunks.span, "chunks declared here"),) if chunks.span else (),
+            help="write the order with `order rank` or `order greedy`",
+        )
+    else:
+        ranks = expand_repeat_order(order, layout)
     params = tuple((p.name, bindings[p.name]) for p in schedule.params)
     return Program(
         schedule.name,
@@ -111,6 +144,7 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         partition=_partition(schedule, scope, env, num_stages),
         weights=_weights(schedule, scope, env),
         frozen=frozen,
+        chunks=chunks,
     )
 
 
@@ -218,6 +252,36 @@ def _frozen(
             help="drop the `frozen` line, or make the schedule synchronous",
         )
     return tuple(sorted(holders))
+
+
+def _chunks(schedule: ast.Schedule, scope: Scope, env: Env) -> Chunks | None:
+    """The `chunks` declaration: at least one chunk, and not (yet) with frozen work,
+    evictions or asynchronous weights (E0211); None without one."""
+    decl = _optional(schedule, ast.ChunksDecl, "chunks")
+    if decl is None:
+        return None
+    count = compile_int(decl.count, scope)(env)
+    if count < 1:
+        raise fail(
+            "E0211",
+            f"`chunks {count}`: a micro-batch splits into at least one chunk",
+            decl.count.span,
+            help="`chunks 1` is the unsplit micro-batch; Seq1F1B uses 4",
+        )
+    for other, what in ((ast.Frozen, "frozen work"), (ast.Weights, "asynchronous weights")):
+        clash = next((d for d in schedule.body if isinstance(d, other)), None)
+        if clash is not None:
+            raise fail(
+                "E0211",
+                f"sequence chunks do not combine with {what} yet",
+                decl.span,
+                labels=(Label(clash.span, f"{what} here"),),
+                help="drop one of the two declarations",
+            )
+    split = decl.split
+    if decl.when is not None and not compile_expr(decl.when, scope, BOOL)(env):
+        split = "tokens"
+    return Chunks(count, split, decl.span)
 
 
 def _weights(schedule: ast.Schedule, scope: Scope, env: Env) -> WeightPolicy | None:
@@ -474,4 +538,5 @@ def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Actio
     assert call.mb is not None  # `_check_after_op`
     mb = compile_int(call.mb, scope)(env)
     stage = None if call.stage is None else compile_int(call.stage, scope)(env)
-    return layout.op(call, Kind(call.kind), mb, stage, None)
+    chunk = None if call.chunk is None else compile_int(call.chunk, scope)(env)
+    return layout.op(call, Kind(call.kind), mb, stage, None, chunk=chunk)

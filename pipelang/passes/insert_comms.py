@@ -60,13 +60,16 @@ def insert_comms(program: Program, graph: OpGraph) -> Program:
         for (producer, consumer, _, _, data), at in zip(
             sent, _receive_steps(graph, sent), strict=True
         ):
-            kind, mb, stage, pipeline, _, _, span, _ = ops[producer]
+            kind, mb, stage, pipeline, _, _, chunk, span, _ = ops[producer]
             send, recv = (Kind.SEND, Kind.RECV) if data else (Kind.SIGNAL, Kind.WAIT)
             send_after[steps[producer]].append(
-                make(Action, (send, mb, stage, pipeline, dst, kind, span, False))
+                make(Action, (send, mb, stage, pipeline, dst, kind, chunk, span, False))
             )
             receive_before[at].append(
-                make(Action, (recv, mb, stage, pipeline, src, kind, ops[consumer].span, False))
+                make(
+                    Action,
+                    (recv, mb, stage, pipeline, src, kind, chunk, ops[consumer].span, False),
+                )
             )
     spliced = map(_splice, program.ranks, before, after)
     return dataclasses.replace(program, ranks=tuple(spliced))

@@ -9,7 +9,8 @@ that caused it; they come sorted by position.
 Checks, by code: E0301 wrong rank (or an op the schedule does not have), E0302
 duplicate, E0303 missing, E0309 undeclared op kind, E0304 B before its F, E0305 W before
 its B or R outside F..B, E0317 a frozen forward `P` on a rank that does not hold the
-frozen part, E0318 a stage-0 F before its own P on one rank, E0306 deadlock, E0308 too
+frozen part, E0318 a stage-0 F before its own P on one rank, E0320 a chunk's F before
+the F of the chunk before it or its B before the B of the chunk after it, E0306 deadlock, E0308 too
 many activations; evictions (`pipelang.evictions`): E0315 an `E`/`L` out of place, E0316
 a bad partner; weight versions (`pipelang.weights`): E0313 an update that cannot apply,
 E0314 more versions than declared. The deadlock check needs a sound graph, so it runs
@@ -35,7 +36,7 @@ from pipelang.deadlock import describe_cycle, find_cycle
 from pipelang.diagnostics import Diagnostic, Label, label, listing, merged
 from pipelang.evictions import check_evictions
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
-from pipelang.passes.build_dag import Edge, Key, OpGraph
+from pipelang.passes.build_dag import Edge, Key, OpGraph, op_key
 from pipelang.source import Span
 from pipelang.weights import check_weights
 
@@ -94,6 +95,7 @@ _MANY = {
     "E0309": "ops use an op kind the schedule does not declare",
     "E0317": "frozen forwards run on ranks that do not hold the frozen part",
     "E0318": "forwards run before the frozen forward that makes their input",
+    "E0320": "chunks of one micro-batch run out of order",
 }
 
 
@@ -138,7 +140,8 @@ def _listed_right(program: Program, graph: OpGraph) -> bool:
 def _needed(program: Program) -> int:
     """How many ops the schedule must run: every kind on every (micro-batch, stage), and
     a `P` per micro-batch when it has a frozen part."""
-    per_mb = program.num_stages * len(program.kinds) + (program.frozen is not None)
+    chunks = 1 if program.chunks is None else program.chunks.count
+    per_mb = program.num_stages * len(program.kinds) * chunks + (program.frozen is not None)
     return program.num_microbatches * per_mb
 
 
@@ -174,18 +177,19 @@ def _take_census(program: Program) -> _Census:
             kind, mb, stage, pipe = action.kind, action.mb, action.stage, action.pipeline
             if kind not in compute:
                 continue
+            key = op_key(action)
             if kind not in declared:
                 problems.append(_undeclared(action, rank))
             if kind is Kind.P and stage == 0 and travels.get(mb) == pipe:
                 if rank not in holders:
                     problems.append(_not_a_holder(program, action, rank))
-                    misplaced.add((kind, mb, stage, pipe))
+                    misplaced.add(key)
                     continue
             elif owner.get((stage, pipe)) != rank or travels.get(mb) != pipe:
                 problems.append(_misplaced(program, owner, action, rank))
-                misplaced.add((kind, mb, stage, pipe))
+                misplaced.add(key)
                 continue
-            first = placed.setdefault((kind, mb, stage, pipe), (rank, step, action))
+            first = placed.setdefault(key, (rank, step, action))
             if first[1] != step or first[0] != rank:
                 problems.append(_duplicate(first, action, rank, step))
     return _Census(placed, misplaced, problems)
@@ -281,12 +285,10 @@ def _missing(program: Program, census: _Census) -> list[Diagnostic]:
         return []
     found = _missing_frozen(program, census)
     absent: dict[int, list[Action]] = defaultdict(list)
-    for mb, pipe in enumerate(program.assignment):
-        for stage, rank in enumerate(program.pipeline(pipe).placement):
-            for kind in program.kinds:
-                key = (kind, mb, stage, pipe)
-                if key not in census.placed and key not in census.misplaced:
-                    absent[rank].append(Action(kind, mb, stage, pipe))
+    for op in program.compute_ops():
+        key = op_key(op)
+        if op.kind is not Kind.P and key not in census.placed and key not in census.misplaced:
+            absent[program.rank_of(op.stage, op.pipeline)].append(op)  # type: ignore[arg-type]
     names = [k.value for k in program.kinds]
     kinds = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
     return found + [
@@ -309,8 +311,8 @@ def _missing_frozen(program: Program, census: _Census) -> list[Diagnostic]:
     absent = [
         Action(Kind.P, mb, 0, pipe)
         for mb, pipe in enumerate(program.assignment)
-        if (Kind.P, mb, 0, pipe) not in census.placed
-        and (Kind.P, mb, 0, pipe) not in census.misplaced
+        if (Kind.P, mb, 0, pipe, None) not in census.placed
+        and (Kind.P, mb, 0, pipe, None) not in census.misplaced
     ]
     if not absent:
         return []
@@ -365,6 +367,17 @@ _ORDER_RULES = {
         "the backward is listed here",
         at_needed=True,
     ),
+    (Kind.F, Kind.F): _OrderRule(
+        "E0320",
+        "`{needer}` runs before `{needed}`, whose keys and values it reads, on rank {rank}",
+        "the chunk before it is listed here",
+    ),
+    (Kind.B, Kind.B): _OrderRule(
+        "E0320",
+        "`{needer}` runs before `{needed}`, which hands it the gradients of its keys and "
+        "values, on rank {rank}",
+        "the chunk after it is listed here",
+    ),
 }
 """Keyed by (kind of the needed op, kind of the op that needs it)."""
 
@@ -378,16 +391,21 @@ def _order_problems(graph: OpGraph) -> list[_Problem]:
         _order_problem(ops[u], ops[v], ranks[v])
         for u, v in graph.data
         if u > v and ranks[u] == ranks[v] and ops[u][1:4] == ops[v][1:4]
-    ]
+    ]  # (one micro-batch, stage and pipeline: its chunks too, in order)
 
 
 def _order_problems_in(census: _Census) -> list[_Problem]:
     """`_order_problems` for any program: between the occurrences on the right rank."""
     problems = []
     placed = census.placed
-    for (kind, mb, stage, pipe), (rank, step, needer) in placed.items():
-        for needed_kind in _NEEDS.get(kind, ()):
-            found = placed.get((needed_kind, mb, stage, pipe))
+    for (kind, mb, stage, pipe, chunk), (rank, step, needer) in placed.items():
+        needs = [(k, chunk) for k in _NEEDS.get(kind, ())]
+        if kind is Kind.F and chunk:
+            needs.append((Kind.F, chunk - 1))
+        elif kind is Kind.B and chunk is not None:
+            needs.append((Kind.B, chunk + 1))
+        for needed_kind, needed_chunk in needs:
+            found = placed.get((needed_kind, mb, stage, pipe, needed_chunk))
             if found is not None and found[0] == rank and found[1] > step:
                 problems.append(_order_problem(found[2], needer, rank))
     return problems
@@ -430,19 +448,22 @@ def _edges_of(graph: OpGraph, problems: list[_Problem]) -> frozenset[Edge]:
 def _memory(program: Program, cap: int) -> list[Diagnostic]:
     """E0308: per rank, the first op after which more than `cap` forwards await their B."""
     diagnostics = []
+    tokens = memory.shares(program)
     for rank, actions in enumerate(program.ranks):
-        for at, count in enumerate(memory.held(actions)):
-            if count > cap:
+        for at, count in enumerate(memory.held(actions, tokens=tokens)):
+            if count > cap + 1e-9:
                 held = memory.holding(actions[: at + 1])
-                diagnostics.append(_too_many(rank, actions[at], held, cap))
+                diagnostics.append(_too_many(rank, actions[at], count, held, cap))
                 break
     return diagnostics
 
 
-def _too_many(rank: int, action: Action, in_flight: list[Action], cap: int) -> Diagnostic:
+def _too_many(
+    rank: int, action: Action, count: float, in_flight: list[Action], cap: int
+) -> Diagnostic:
     return Diagnostic(
         "E0308",
-        f"rank {rank} holds {len(in_flight)} activations after `{action}`, more than the "
+        f"rank {rank} holds {round(count, 6):g} activations after `{action}`, more than the "
         f"cap of {cap}",
         action.span,
         notes=(f"forwards whose backward has not run yet: {listing(in_flight)}",),
