@@ -10,6 +10,7 @@ Each action becomes one call on the runtime `rt`, with the action's token as a c
     step                    rt.step()
     E3@0/main>3             rt.evict(mb=3, stage=0, pipeline="main", to=3)
     U2@1/main               rt.update(stage=1, pipeline="main", version=3)
+    F3.1@0/main             rt.forward(mb=3, stage=0, pipeline="main", chunk=1)
 
 (`update` belongs to asynchronous schedules; its `version` counts the copy's updates from
 1 in each iteration; see docs/runtime.md.)
@@ -79,8 +80,9 @@ def action_call(action: Action) -> str:
         return f"rt.allreduce({where})"
     if kind is Kind.U:
         return f"rt.update({where}, version={(action.mb or 0) + 1})"
+    part = "" if action.chunk is None else f", chunk={action.chunk}"
     if kind.is_compute:
-        return f"rt.{_METHODS[kind]}(mb={action.mb}, {where})"
+        return f"rt.{_METHODS[kind]}(mb={action.mb}, {where}{part})"
     if kind in _STASH_METHODS:
         to = "" if kind is not Kind.E else f", to={action.peer}"
         return f"rt.{_STASH_METHODS[kind]}(mb={action.mb}, {where}{to})"
@@ -91,7 +93,7 @@ def action_call(action: Action) -> str:
     method = _TRANSFERS.get((kind, action.of))  # type: ignore[arg-type]
     if method is None:
         raise InternalError(f"the runtime cannot move the result of {action}")
-    return f"rt.{method}(mb={action.mb}, {where}, {peer})"
+    return f"rt.{method}(mb={action.mb}, {where}, {peer}{part})"
 
 
 def render_rank_program(program: Program, rank: int) -> str:
@@ -133,7 +135,8 @@ def stream_op_call(op: StreamOp, world: int) -> str:
         named = "".join(
             f', {_ROLE[(kind, out)]}="{a.slot}"' for a, out in data if a.slot.startswith("d")
         )
-        return f"rt.{_METHODS[kind]}(mb={action.mb}, {where}{named})"
+        part = "" if action.chunk is None else f", chunk={action.chunk}"
+        return f"rt.{_METHODS[kind]}(mb={action.mb}, {where}{named}{part})"
     assert action.peer is not None
     peer = action.peer % world
     if kind is Kind.SIGNAL:

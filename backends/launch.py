@@ -127,7 +127,7 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             f"`{program.name}` runs a frozen part (`P`), which needs at least one "
             "layer: --frozen-layers 1 or more"
         )
-    refusal = eviction_refusal(program, config)
+    refusal = eviction_refusal(program, config) or chunks_refusal(program, config)
     if refusal is not None:
         raise RunError(refusal)
     if config.mixed_precision and program.weights is not None:
@@ -237,6 +237,34 @@ def eviction_refusal(program: Program, config: RunConfig) -> str | None:
             f"`{program.name}` evicts activations (`{evicts}`) and recomputes forwards "
             "(`R`): a forward that will be recomputed saves nothing to evict, and the "
             "runtime does not move a recomputed forward's input yet"
+        )
+    return None
+
+
+def chunks_refusal(program: Program, config: RunConfig) -> str | None:
+    """Why the runtime cannot run `program`'s sequence chunks with `config`, or None."""
+    if program.chunks is None:
+        return None
+    count = program.chunks.count
+    if not config.model.startswith("gpt:"):
+        return (
+            f"`{program.name}` splits micro-batches into {count} sequence chunks, which the "
+            "runtime runs on the built-in GPT (`--model gpt:SIZE`), whose attention reads "
+            f"the keys and values of earlier chunks; `--model {config.model}` cannot yet"
+        )
+    if Kind.R in program.kinds:
+        return (
+            f"`{program.name}` splits micro-batches into sequence chunks and recomputes "
+            "(`R`): the runtime cannot recompute a chunk over its cached keys and values yet"
+        )
+    from pipelang.backends.models import GPT_SIZES
+
+    size = GPT_SIZES.get(config.model.partition(":")[2])
+    seq_len = config.seq_len or (size.seq_len if size is not None else count)
+    if seq_len < count:
+        return (
+            f"`{program.name}` splits each sequence into {count} chunks, more than its "
+            f"{seq_len} tokens: raise --seq-len or lower the chunks"
         )
     return None
 

@@ -20,14 +20,17 @@ of (seed, step, micro-batch), so every rank and the `--check` reference see the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as functional
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from pipelang.backends.data import DataError, check_tokens, sample_batch, synthetic_batch
 from pipelang.backends.model_error import ModelError
@@ -62,6 +65,39 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+@dataclass
+class SequenceChunk:
+    """A forward over one sequence chunk of a micro-batch (`chunks C`, Seq1F1B): its
+    tokens start at position `start`, and each attention block reads the keys and values
+    the chunks before it made on this stage (`past`, by block) besides its own, which it
+    files in `made`. Blocks see it through `sequence_chunk()`; the runtime keeps the
+    tensors between chunks (backends/runtime.py)."""
+
+    start: int
+    past: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
+    """Per block (by `id`), the (keys, values) of every earlier chunk, oldest first."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Per block (by `id`), this chunk's own (keys, values), as computed (with autograd)."""
+
+
+_CHUNK: contextvars.ContextVar[SequenceChunk | None] = contextvars.ContextVar(
+    "sequence_chunk", default=None
+)
+
+
+@contextlib.contextmanager
+def sequence_chunk(chunk: SequenceChunk) -> Iterator[SequenceChunk]:
+    """Run the model's layers over one sequence chunk: `Embedding` offsets positions by
+    `chunk.start`, and `Block` attends over the cached keys and values. A module call
+    takes no extra arguments through an nn.Sequential, so they travel in a context
+    variable, set only around one stage's forward."""
+    token = _CHUNK.set(chunk)
+    try:
+        yield chunk
+    finally:
+        _CHUNK.reset(token)
+
+
 class Embedding(nn.Module):
     """Token plus learned position embedding: ids (batch, seq) -> (batch, seq, width)."""
 
@@ -71,7 +107,9 @@ class Embedding(nn.Module):
         self.positions = nn.Embedding(seq_len, cfg.width)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        where = torch.arange(ids.shape[-1], device=ids.device)
+        chunk = _CHUNK.get()
+        start = 0 if chunk is None else chunk.start
+        where = torch.arange(start, start + ids.shape[-1], device=ids.device)
         return self.tokens(ids) + self.positions(where)
 
 
@@ -95,9 +133,26 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln_attn(x)).split(width, dim=-1)
         shape = (batch, seq, self.heads, width // self.heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        attn = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        chunk = _CHUNK.get()
+        if chunk is None:
+            attn = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            attn = self._chunk_attention(chunk, q, k, v)
         x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, width))
         return x + self.out(functional.gelu(self.fc(self.ln_mlp(x))))
+
+    def _chunk_attention(
+        self, chunk: SequenceChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention of one chunk's queries over the keys and values of the chunks
+        before it and its own: query i (position start + i) sees keys 0..start + i."""
+        chunk.made[id(self)] = (k, v)
+        past = chunk.past.get(id(self), [])
+        keys = torch.cat([*(p[0] for p in past), k], dim=2)
+        values = torch.cat([*(p[1] for p in past), v], dim=2)
+        # lower-right causal: the last query sees every key (SDPA keeps its fused kernels)
+        mask = causal_lower_right(q.shape[2], keys.shape[2])
+        return functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 class Head(nn.Module):

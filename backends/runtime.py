@@ -18,6 +18,13 @@ model from the seed and keeps only those stages, so the replicas of a stage (Chi
   replicas; `step` waits for those sums, runs the optimizer and clears the gradients.
 - `update` (asynchronous schedules only, which have no `step`) applies one stage copy's
   gathered gradients and makes a new version of its weights (backends/versions.py).
+- With sequence chunks (`chunks C`, Seq1F1B), the compute and transfer actions name a
+  chunk, and a forward runs the stage over that span of the micro-batch's tokens
+  (`models.sequence_chunk`): its attention reads the keys and values the chunks before
+  it made on this stage, as leaves of its own graph, so that its backward leaves their
+  gradients there; the backward of the earlier chunk (which runs later) feeds them into
+  its graph together with its output gradient. Each chunk's loss is scaled by its share
+  of the tokens, so the chunks' gradients sum to the micro-batch's.
 """
 
 from __future__ import annotations
@@ -39,14 +46,21 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipelang.backends.checkpoint import Held, held_by_model, load
-from pipelang.backends.models import LayeredModel, ModelSpec, Shapes, plan_stages
+from pipelang.backends.models import (
+    LayeredModel,
+    ModelSpec,
+    SequenceChunk,
+    Shapes,
+    plan_stages,
+    sequence_chunk,
+)
 from pipelang.backends.optim import SGD, Adam, CapturableAdam, CapturableSGD, Optimizer
 from pipelang.backends.precision import copy_back, master_weights
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import Handle, Transport, peer_failures
 from pipelang.backends.versions import CopyVersions, installed
 from pipelang.diagnostics import InternalError
-from pipelang.ir import Kind, Program
+from pipelang.ir import Action, Kind, Program
 from pipelang.weights import weight_versions
 
 DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
@@ -173,6 +187,15 @@ class StageCopy:
             copy_back(self.params, self.masters)
 
 
+Key = tuple[int, int, str, int | None]
+"""What a forward saves is filed under (micro-batch, stage, pipeline, chunk); the chunk
+is None unless the schedule splits micro-batches into sequence chunks."""
+
+Value = tuple[str, int, int, str, int | None]
+"""A value in flight between actions: (kind of the op that made it, micro-batch, stage,
+pipeline, chunk), `("F", 3, 1, "main", None)` is the output of F3@1/main."""
+
+
 @dataclass(slots=True)
 class Saved:
     """What a forward keeps for its backward: input, output (or scaled loss), output grad."""
@@ -182,6 +205,12 @@ class Saved:
     dy: torch.Tensor | None = None
     params: list[nn.Parameter] | None = None
     """Asynchronous schedules: the weight version the forward read."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Sequence chunks: per attention block (by `id`), the keys and values this chunk
+    made, in its graph (outputs of its backward besides `y`)."""
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Sequence chunks: the same keys and values as leaves, which later chunks read and
+    leave their gradients on."""
 
 
 @dataclass(slots=True)
@@ -354,11 +383,18 @@ class RankRuntime:
         self.group_sizes = {
             stage: len(set(program.replicas(stage))) * config.dp for stage, _ in self.copies
         }
-        self.saved: dict[tuple[int, int, str], Saved] = {}
+        self.saved: dict[Key, Saved] = {}
+        self.chunk_bounds: tuple[int, ...] | None = None
+        """The token boundaries of the sequence chunks (`Chunks.token_bounds`); None
+        without chunks."""
+        if program.chunks is not None:
+            self.chunk_bounds = program.chunks.token_bounds(
+                self.model.seq_len, program.costs.of("A")
+            )
         counts = config.count_activations or program.first_eviction() is not None
         self.stash = Stash() if counts else None
         """Saved activations per forward, for evictions and their byte count."""
-        self.values: dict[tuple[str, int, int, str], torch.Tensor] = {}
+        self.values: dict[Value, torch.Tensor] = {}
         self.reducing: list[tuple[StageCopy, torch.Tensor, list[torch.Tensor], Handle]] = []
         self.losses: list[tuple[int, torch.Tensor]] = []
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -449,17 +485,19 @@ class RankRuntime:
         """Finish the iteration: wait for sends, check nothing is left; losses by mb."""
         with peer_failures():
             self.transport.end_step()
-        left = [f"{k[0]}{k[1]}@{k[2]}/{k[3]}" for k in self.values] + [
-            f"F{mb}@{s}/{p}" for mb, s, p in self.saved
+        left = [Action(Kind(k[0]), k[1], k[2], k[3], chunk=k[4]).text() for k in self.values] + [
+            Action(Kind.F, mb, s, p, chunk=c).text() for mb, s, p, c in self.saved
         ]
         if self.stash is not None:
-            left += [f"H{mb}@{s}/{p}" for mb, s, p in self.stash.held]
+            left += [f"H{mb}@{s}/{p}" for mb, s, p, _ in self.stash.held]
         for versions in self.versions.values():
             versions.end_iteration()
         if left or self.reducing or not (self.stepped or self.versions):
             what = ", ".join(left) if left else "no `step` action ran"
             raise InternalError(f"rank {self.rank} ended step {self.step_index} unfinished: {what}")
-        losses = {mb: float(loss) for mb, loss in self.losses}
+        losses: dict[int, float] = {}
+        for mb, loss in self.losses:  # a chunked micro-batch's loss is its chunks' sum
+            losses[mb] = losses.get(mb, 0.0) + float(loss)
         self.losses.clear()
         if self.span_ns is not None:
             self.span_ns = (self.span_ns[0], perf_counter_ns() - self.t0)
@@ -498,12 +536,18 @@ class RankRuntime:
 
     # ---- compute --------------------------------------------------------------------------
 
-    def _batch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input ids and targets of micro-batch `mb`: from the static buffers when a
-        driver loads them (`load_inputs`, graph mode), else made now."""
+    def _batch(self, mb: int, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ids and targets of micro-batch `mb` (of its sequence chunk `chunk`): from
+        the static buffers when a driver loads them (`load_inputs`, graph mode), else made
+        now."""
         if self.inputs:
-            return self.inputs[mb]
-        return self.model.batch(self.step_index, self.first_mb + mb, self.device)
+            ids, targets = self.inputs[mb]
+        else:
+            ids, targets = self.model.batch(self.step_index, self.first_mb + mb, self.device)
+        if chunk is None or self.chunk_bounds is None:
+            return ids, targets
+        start, end = self.chunk_bounds[chunk], self.chunk_bounds[chunk + 1]
+        return ids[:, start:end], targets[:, start:end]
 
     def load_inputs(self, step: int) -> None:
         """Copy step `step`'s ids and targets into static buffers, one pair per
@@ -519,40 +563,75 @@ class RankRuntime:
                 self.inputs[mb][0].copy_(ids)
                 self.inputs[mb][1].copy_(targets)
 
-    def input_key(self, mb: int, stage: int, pipeline: str) -> tuple[str, int, int, str]:
+    def input_key(self, mb: int, stage: int, pipeline: str, chunk: int | None = None) -> Value:
         """The value a forward of `stage` reads: the stage before's output, or for stage
         0 of a schedule with a frozen part, the frozen part's (`P`)."""
         if stage == 0 and self.program.frozen is not None:
-            return ("P", mb, 0, pipeline)
-        return ("F", mb, stage - 1, pipeline)
+            return ("P", mb, 0, pipeline, None)
+        return ("F", mb, stage - 1, pipeline, chunk)
 
-    def _stage_input(self, mb: int, copy: StageCopy) -> torch.Tensor:
+    def _stage_input(self, mb: int, copy: StageCopy, chunk: int | None) -> torch.Tensor:
         if copy.first and self.program.frozen is None:
-            return self._batch(mb)[0]
-        value = self.values.pop(self.input_key(mb, copy.stage, copy.pipeline))
+            return self._batch(mb, chunk)[0]
+        value = self.values.pop(self.input_key(mb, copy.stage, copy.pipeline, chunk))
         if copy.first:  # the frozen part's output: no gradient flows back into it
             return value
         return value.detach().requires_grad_(True)
 
-    def _scaled_loss(self, mb: int, logits: torch.Tensor, record: bool) -> torch.Tensor:
+    def _scaled_loss(
+        self, mb: int, logits: torch.Tensor, record: bool, chunk: int | None = None
+    ) -> torch.Tensor:
         """The loss of one micro-batch scaled by 1/(N*K) (K = `--dp`): the one place the
-        loss is scaled. The allreduce then sums the K data-parallel copies' gradients."""
-        loss = self.model.loss(logits, self._batch(mb)[1])
+        loss is scaled. The allreduce then sums the K data-parallel copies' gradients.
+        A sequence chunk's loss is weighted by its share of the tokens."""
+        loss = self.model.loss(logits, self._batch(mb, chunk)[1])
+        if chunk is not None and self.chunk_bounds is not None:
+            bounds = self.chunk_bounds
+            loss = loss * ((bounds[chunk + 1] - bounds[chunk]) / bounds[-1])
         if record:
             self.losses.append((self.first_mb + mb, loss.detach()))
         return loss * self.scale
 
-    def _run_stage(self, mb: int, copy: StageCopy, x: torch.Tensor, record: bool) -> torch.Tensor:
+    def _run_stage(
+        self, mb: int, copy: StageCopy, x: torch.Tensor, record: bool, chunk: int | None = None
+    ) -> torch.Tensor:
         y = copy.module(x)
         if copy.last:
-            return self._scaled_loss(mb, y, record)
+            return self._scaled_loss(mb, y, record, chunk)
         return y
 
+    def _chunk_forward(self, mb: int, copy: StageCopy, x: torch.Tensor, chunk: int) -> None:
+        """F of one sequence chunk: the stage over its tokens, attending over the keys and
+        values of the chunks before it (their leaves), its own kept as leaves in turn."""
+        assert self.chunk_bounds is not None
+        stage, pipeline = copy.stage, copy.pipeline
+        past: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for c in range(chunk):
+            for block, kv in self.saved[(mb, stage, pipeline, c)].kept.items():
+                past.setdefault(block, []).append(kv)
+        start = self.chunk_bounds[chunk]
+        with (
+            sequence_chunk(SequenceChunk(start, past)) as context,
+            self._recording(mb, copy, chunk),
+        ):
+            y = self._run_stage(mb, copy, x, record=True, chunk=chunk)
+        kept = {
+            block: (k.detach().requires_grad_(True), v.detach().requires_grad_(True))
+            for block, (k, v) in context.made.items()
+        }
+        self.saved[(mb, stage, pipeline, chunk)] = Saved(x, y, made=context.made, kept=kept)
+        self._measure()
+        if not copy.last:
+            self.values[("F", mb, stage, pipeline, chunk)] = y.detach()
+
     @_compute
-    def forward(self, mb: int, stage: int, pipeline: str) -> None:
+    def forward(self, mb: int, stage: int, pipeline: str, chunk: int | None = None) -> None:
         """F: run the stage; keep its input and output; publish the output."""
         copy = self.copies[(stage, pipeline)]
-        x = self._stage_input(mb, copy)
+        x = self._stage_input(mb, copy, chunk)
+        if chunk is not None:
+            self._chunk_forward(mb, copy, x, chunk)
+            return
         params = copy.params
         on: AbstractContextManager[None] = contextlib.nullcontext()
         if self.delays:  # --predict-weights: run on the weights the gradient will meet
@@ -563,16 +642,16 @@ class RankRuntime:
             if self.recomputes:
                 with torch.no_grad():
                     y = self._run_stage(mb, copy, x, record=True)
-                saved = self.saved[(mb, stage, pipeline)] = Saved(x, None)
+                saved = self.saved[(mb, stage, pipeline, None)] = Saved(x, None)
             else:
                 with self._recording(mb, copy):
                     y = self._run_stage(mb, copy, x, record=True)
-                saved = self.saved[(mb, stage, pipeline)] = Saved(x, y)
+                saved = self.saved[(mb, stage, pipeline, None)] = Saved(x, y)
                 self._measure()
         if self.versions:
             saved.params = params
         if not copy.last:
-            self.values[("F", mb, stage, pipeline)] = y.detach()
+            self.values[("F", mb, stage, pipeline, None)] = y.detach()
 
     @_compute
     def frozen_forward(self, mb: int, stage: int, pipeline: str) -> None:
@@ -580,13 +659,13 @@ class RankRuntime:
         is the input of F(mb, 0)."""
         assert self.frozen is not None, "P on a rank without the frozen part"
         with torch.no_grad():
-            self.values[("P", mb, stage, pipeline)] = self.frozen(self._batch(mb)[0])
+            self.values[("P", mb, stage, pipeline, None)] = self.frozen(self._batch(mb)[0])
 
     @_compute
     def recompute(self, mb: int, stage: int, pipeline: str) -> None:
         """R: redo the forward from the kept input, this time building the graph."""
         copy = self.copies[(stage, pipeline)]
-        saved = self.saved[(mb, stage, pipeline)]
+        saved = self.saved[(mb, stage, pipeline, None)]
         versions = self.versions.get((stage, pipeline))
         if versions is None or not versions.stash or saved.params is None:
             saved.y = self._run_stage(mb, copy, saved.x, record=False)
@@ -595,40 +674,55 @@ class RankRuntime:
             saved.y = self._run_stage(mb, copy, saved.x, record=False)
 
     @_compute
-    def backward(self, mb: int, stage: int, pipeline: str) -> None:
+    def backward(self, mb: int, stage: int, pipeline: str, chunk: int | None = None) -> None:
         """B: input gradient, plus the weight gradient unless the program splits off W."""
         copy = self.copies[(stage, pipeline)]
-        key = (mb, stage, pipeline)
+        key = (mb, stage, pipeline, chunk)
         saved = self.saved[key]
         if saved.y is None:
             raise InternalError(f"B{mb}@{stage}/{pipeline} ran before its recompute")
-        dy = None if copy.last else self.values.pop(("B", mb, stage + 1, pipeline))
+        dy = None if copy.last else self.values.pop(("B", mb, stage + 1, pipeline, chunk))
+        outputs, grads = _chunk_outputs(saved, dy)
+        earlier = [  # the keys and values of the chunks before it
+            t
+            for c in range(chunk or 0)
+            for kv in self.saved[(mb, stage, pipeline, c)].kept.values()
+            for t in kv
+        ]
         if not self.split_backward:
-            torch.autograd.backward(saved.y, dy)
+            torch.autograd.backward(outputs, grads)
             del self.saved[key]
             self._forget(key)
             if not copy.first:
                 assert saved.x.grad is not None
-                self.values[("B", mb, stage, pipeline)] = saved.x.grad
+                self.values[("B", mb, stage, pipeline, chunk)] = saved.x.grad
             if saved.params is not None:
                 self.versions[(stage, pipeline)].collect(saved.params)
                 saved.y = saved.params = None  # frees the graph and its version
             return
-        if not copy.first:
-            (dx,) = torch.autograd.grad(saved.y, [saved.x], dy, retain_graph=True)
-            self.values[("B", mb, stage, pipeline)] = dx
+        inputs = ([] if copy.first else [saved.x]) + earlier
+        if inputs:
+            found = torch.autograd.grad(
+                outputs, inputs, grads, retain_graph=True, allow_unused=True
+            )
+            if not copy.first:
+                self.values[("B", mb, stage, pipeline, chunk)] = found[0]
+            for leaf, grad in zip(inputs[1 - copy.first :], found[1 - copy.first :], strict=True):
+                if grad is not None:
+                    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
         saved.dy = dy
 
     @_compute
-    def weight_grad(self, mb: int, stage: int, pipeline: str) -> None:
+    def weight_grad(self, mb: int, stage: int, pipeline: str, chunk: int | None = None) -> None:
         """W: accumulate the parameter gradients from the graph B kept."""
         copy = self.copies[(stage, pipeline)]
-        saved = self.saved.pop((mb, stage, pipeline))
-        self._forget((mb, stage, pipeline))
+        saved = self.saved.pop((mb, stage, pipeline, chunk))
+        self._forget((mb, stage, pipeline, chunk))
         assert saved.y is not None
         params = saved.params if saved.params is not None else copy.params
         if params:  # a stage without weights (an activation alone) has no W to do
-            torch.autograd.backward(saved.y, saved.dy, inputs=params)
+            outputs, grads = _chunk_outputs(saved, saved.dy)
+            torch.autograd.backward(outputs, grads, inputs=params)
         if saved.params is not None:
             self.versions[(stage, pipeline)].collect(params)
             saved.y = saved.params = None
@@ -645,46 +739,60 @@ class RankRuntime:
 
     # ---- communication --------------------------------------------------------------------
 
-    def _shape(self, stage: int) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.shapes[stage]
+    def shape_of(self, stage: int, chunk: int | None = None) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape of stage `stage`'s output (-1: stage 0's input): of one sequence
+        chunk's tokens when `chunk` is given (the sequence is the second dimension)."""
+        shape, dtype = self.shapes[stage]
+        if chunk is None or self.chunk_bounds is None:
+            return shape, dtype
+        length = self.chunk_bounds[chunk + 1] - self.chunk_bounds[chunk]
+        return (shape[0], length, *shape[2:]), dtype
 
-    def _send(self, key: tuple[str, int, int, str], peer: int) -> None:
+    def _send(self, key: Value, peer: int) -> None:
         tensor = self.values.pop(key)
         self.transport.send(tensor, peer)
 
-    def _recv(self, key: tuple[str, int, int, str], stage_output: int, peer: int) -> None:
-        shape, dtype = self._shape(stage_output)
+    def _recv(self, key: Value, stage_output: int, peer: int) -> None:
+        shape, dtype = self.shape_of(stage_output, key[4])
         self.values[key] = self.transport.recv(shape, dtype, peer)
 
     @_comm
-    def send_activation(self, mb: int, stage: int, pipeline: str, to: int) -> None:
+    def send_activation(
+        self, mb: int, stage: int, pipeline: str, to: int, chunk: int | None = None
+    ) -> None:
         """send:F: send the output of F(mb, stage) to the rank of stage + 1."""
-        self._send(("F", mb, stage, pipeline), to)
+        self._send(("F", mb, stage, pipeline, chunk), to)
 
     @_comm
-    def recv_activation(self, mb: int, stage: int, pipeline: str, src: int) -> None:
+    def recv_activation(
+        self, mb: int, stage: int, pipeline: str, src: int, chunk: int | None = None
+    ) -> None:
         """recv:F: receive the output of F(mb, stage), the input of stage + 1."""
-        self._recv(("F", mb, stage, pipeline), stage, src)
+        self._recv(("F", mb, stage, pipeline, chunk), stage, src)
 
     @_comm
     def send_frozen(self, mb: int, stage: int, pipeline: str, to: int) -> None:
         """send:P: send the frozen part's output for micro-batch `mb` to stage 0's rank."""
-        self._send(("P", mb, stage, pipeline), to)
+        self._send(("P", mb, stage, pipeline, None), to)
 
     @_comm
     def recv_frozen(self, mb: int, stage: int, pipeline: str, src: int) -> None:
         """recv:P: receive the frozen part's output, the input of F(mb, 0)."""
-        self._recv(("P", mb, stage, pipeline), -1, src)
+        self._recv(("P", mb, stage, pipeline, None), -1, src)
 
     @_comm
-    def send_grad(self, mb: int, stage: int, pipeline: str, to: int) -> None:
+    def send_grad(
+        self, mb: int, stage: int, pipeline: str, to: int, chunk: int | None = None
+    ) -> None:
         """send:B: send the input gradient B(mb, stage) made to the rank of stage - 1."""
-        self._send(("B", mb, stage, pipeline), to)
+        self._send(("B", mb, stage, pipeline, chunk), to)
 
     @_comm
-    def recv_grad(self, mb: int, stage: int, pipeline: str, src: int) -> None:
+    def recv_grad(
+        self, mb: int, stage: int, pipeline: str, src: int, chunk: int | None = None
+    ) -> None:
         """recv:B: receive the gradient of stage - 1's output, made by B(mb, stage)."""
-        self._recv(("B", mb, stage, pipeline), stage - 1, src)
+        self._recv(("B", mb, stage, pipeline, chunk), stage - 1, src)
 
     @_comm
     def signal(self, op: str, mb: int, stage: int, pipeline: str, to: int) -> None:
@@ -698,18 +806,22 @@ class RankRuntime:
 
     # ---- evicted activations (BPipe; backends/stash.py) -------------------------------------
 
-    def _recording(self, mb: int, copy: StageCopy) -> AbstractContextManager[None]:
-        """File the tensors a forward saves under (mb, stage, pipeline) when counting."""
+    def _recording(
+        self, mb: int, copy: StageCopy, chunk: int | None = None
+    ) -> AbstractContextManager[None]:
+        """File the tensors a forward saves under (mb, stage, pipeline, chunk) when
+        counting."""
         if self.stash is None:
             return contextlib.nullcontext()
-        name = f"F{mb}@{copy.stage}/{copy.pipeline}"
-        return self.stash.recording((mb, copy.stage, copy.pipeline), name, copy.module)
+        key: Key = (mb, copy.stage, copy.pipeline, chunk)
+        name = Action(Kind.F, *key[:3], chunk=chunk).text()
+        return self.stash.recording(key, name, copy.module)
 
     def _measure(self) -> None:
         if self.stash is not None:
             self.stash.measure(set(self.saved))
 
-    def _forget(self, key: tuple[int, int, str]) -> None:
+    def _forget(self, key: Key) -> None:
         if self.stash is not None:
             self.stash.entries.pop(key, None)
 
@@ -731,7 +843,7 @@ class RankRuntime:
     @_action
     def evict(self, mb: int, stage: int, pipeline: str, to: int) -> None:
         """E: copy the forward's activations into one buffer and free their storages."""
-        key = (mb, stage, pipeline)
+        key: Key = (mb, stage, pipeline, None)
         saved = self.saved[key]
         keep = None if self.copies[(stage, pipeline)].last else saved.y
         self.values[("E", *key)] = self._stash().evict(key, keep)
@@ -739,34 +851,35 @@ class RankRuntime:
     @_comm
     def send_evicted(self, mb: int, stage: int, pipeline: str, to: int) -> None:
         """send:E: send the evicted activations to the partner."""
-        self._send_bytes(self.values.pop(("E", mb, stage, pipeline)), to)
+        self._send_bytes(self.values.pop(("E", mb, stage, pipeline, None)), to)
 
     @_comm
     def recv_evicted(self, mb: int, stage: int, pipeline: str, src: int) -> None:
         """recv:E: on the partner, receive activations another rank evicts."""
-        self.values[("E", mb, stage, pipeline)] = self._recv_bytes(src)
+        self.values[("E", mb, stage, pipeline, None)] = self._recv_bytes(src)
 
     @_action
     def hold(self, mb: int, stage: int, pipeline: str) -> None:
         """H: keep the received activations until the owner loads them back."""
         stash = self._stash()
-        stash.held[(mb, stage, pipeline)] = self.values.pop(("E", mb, stage, pipeline))
+        key: Key = (mb, stage, pipeline, None)
+        stash.held[key] = self.values.pop(("E", *key))
         self._measure()
 
     @_comm
     def send_held(self, mb: int, stage: int, pipeline: str, to: int) -> None:
         """send:H: send the held activations back to their owner; stop holding them."""
-        self._send_bytes(self._stash().held.pop((mb, stage, pipeline)), to)
+        self._send_bytes(self._stash().held.pop((mb, stage, pipeline, None)), to)
 
     @_comm
     def recv_held(self, mb: int, stage: int, pipeline: str, src: int) -> None:
         """recv:H: on the owner, receive its activations back from the partner."""
-        self.values[("H", mb, stage, pipeline)] = self._recv_bytes(src)
+        self.values[("H", mb, stage, pipeline, None)] = self._recv_bytes(src)
 
     @_action
     def load(self, mb: int, stage: int, pipeline: str) -> None:
         """L: give the forward's storages their bytes back, for the backward."""
-        key = (mb, stage, pipeline)
+        key: Key = (mb, stage, pipeline, None)
         self._stash().load(key, self.values.pop(("H", *key)))
         self._measure()
 
@@ -997,3 +1110,19 @@ def full_model_names(model: LayeredModel) -> dict[str, torch.Tensor]:
     return {
         k: v.detach().cpu().clone() for k, v in nn.Sequential(*model.layers).state_dict().items()
     }
+
+
+def _chunk_outputs(
+    saved: Saved, dy: torch.Tensor | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """What a backward differentiates: the forward's output with its gradient (None: the
+    loss), and for a sequence chunk also the keys and values it made, with the gradients
+    the later chunks left on their leaves (those no later chunk read have none)."""
+    assert saved.y is not None
+    outputs, grads = [saved.y], [dy]
+    for block, made in saved.made.items():
+        for tensor, leaf in zip(made, saved.kept[block], strict=True):
+            if leaf.grad is not None:
+                outputs.append(tensor)
+                grads.append(leaf.grad)
+    return outputs, grads

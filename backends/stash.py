@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-Key = tuple[int, int, str]
+Key = tuple[int, int, str, int | None]
 """(micro-batch, stage, pipeline) of one forward."""
 
 

@@ -78,7 +78,8 @@ class _NoTransport:
 
 
 def value_shape(value: str, shapes: Shapes) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of a data value (`pipelang.streams.value_boundary`)."""
+    """Shape and dtype of a data value (`pipelang.streams.value_boundary`); of a sequence
+    chunk's value, the whole sequence's (an upper bound, which sizes its slot)."""
     return shapes[value_boundary(value)]
 
 
@@ -369,7 +370,8 @@ class StreamExecutor:
     # ---- slots -----------------------------------------------------------------------------
 
     def _view(self, p: _Process, slot: str, value: str) -> torch.Tensor:
-        shape, dtype = value_shape(value, self.shapes)
+        """`slot` as the tensor of `value` (a sequence chunk's value is that chunk's)."""
+        shape, dtype = p.runtime.shape_of(value_boundary(value), value_key(value)[4])
         nbytes = math.prod(shape) * dtype.itemsize
         return p.buffers[slot][:nbytes].view(dtype).view(shape)
 
@@ -399,4 +401,6 @@ def _run_action(rt: RankRuntime, action: Action) -> None:
         Kind.R: rt.recompute,
         Kind.P: rt.frozen_forward,
     }[action.kind]
+    if action.chunk is not None:
+        where["chunk"] = action.chunk
     method(mb=action.mb, **where)  # type: ignore[arg-type]

@@ -45,7 +45,7 @@ from pipelang.backends.runtime import RankResult, RankRuntime, RunConfig, StageC
 from pipelang.backends.transport import DistTransport, PeerFailure, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
-from pipelang.streams import value_boundary
+from pipelang.streams import value_boundary, value_key
 
 Slots = Mapping[str, tuple[int, ...]]
 """Slot name -> the stage boundaries whose values it holds (b: the output of stage b)."""
@@ -90,7 +90,7 @@ class StreamRankRuntime(RankRuntime):
         """One-element signal buffers, one per direction and peer, kept for replays."""
         self.waited: dict[str, int] = {}
         """Per stream: how many of its works (from the first) are waited for."""
-        self.views: dict[tuple[str, int | str], torch.Tensor] = {}
+        self.views: dict[tuple[str, int | str] | tuple[str, int, int | None], torch.Tensor] = {}
         """(slot, stage boundary or value) -> the slot viewed as that value."""
 
     # ---- the driver: eager steps, one capture, replays -------------------------------------
@@ -186,13 +186,14 @@ class StreamRankRuntime(RankRuntime):
         report.slot_bytes = sum(b.numel() for b in self.slots.values())
         return report
 
-    def _view(self, slot: str, boundary: int) -> torch.Tensor:
-        """`slot` as a tensor of the output of stage `boundary` (shape and dtype); made once
-        (slots never move) and kept, since a view costs a few microseconds per op."""
-        key = (slot, boundary)
+    def _view(self, slot: str, boundary: int, chunk: int | None = None) -> torch.Tensor:
+        """`slot` as a tensor of the output of stage `boundary` (shape and dtype), of one
+        sequence chunk's tokens when `chunk` is given; made once (slots never move) and
+        kept, since a view costs a few microseconds per op."""
+        key = (slot, boundary, chunk)
         view = self.views.get(key)
         if view is None:
-            shape, dtype = self.shapes[boundary]
+            shape, dtype = self.shape_of(boundary, chunk)
             view = self.slots[slot][: _nbytes((shape, dtype))].view(dtype).view(shape)
             self.views[key] = view
         return view
@@ -200,7 +201,8 @@ class StreamRankRuntime(RankRuntime):
     def _value_view(self, slot: str, value: str) -> torch.Tensor:
         view = self.views.get((slot, value))
         if view is None:
-            view = self.views[(slot, value)] = self._view(slot, value_boundary(value))
+            chunk = value_key(value)[4]
+            view = self.views[(slot, value)] = self._view(slot, value_boundary(value), chunk)
         return view
 
     # ---- events ----------------------------------------------------------------------------
@@ -286,33 +288,48 @@ class StreamRankRuntime(RankRuntime):
     # ---- compute: slots in, slots out --------------------------------------------------------
 
     def forward(  # type: ignore[override]
-        self, mb: int, stage: int, pipeline: str, x: str | None = None, y: str | None = None
+        self,
+        mb: int,
+        stage: int,
+        pipeline: str,
+        x: str | None = None,
+        y: str | None = None,
+        chunk: int | None = None,
     ) -> None:
         if x is not None:
-            self.values[self.input_key(mb, stage, pipeline)] = self._view(x, stage - 1).clone()
-        super().forward(mb=mb, stage=stage, pipeline=pipeline)
+            key = self.input_key(mb, stage, pipeline, chunk)
+            self.values[key] = self._view(x, stage - 1, key[4]).clone()
+        super().forward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
         if y is not None:
-            self._view(y, stage).copy_(self.values.pop(("F", mb, stage, pipeline)))
+            self._view(y, stage, chunk).copy_(self.values.pop(("F", mb, stage, pipeline, chunk)))
 
     def frozen_forward(  # type: ignore[override]
         self, mb: int, stage: int, pipeline: str, y: str | None = None
     ) -> None:
         super().frozen_forward(mb=mb, stage=stage, pipeline=pipeline)
         if y is not None:
-            self._view(y, -1).copy_(self.values.pop(("P", mb, stage, pipeline)))
+            self._view(y, -1).copy_(self.values.pop(("P", mb, stage, pipeline, None)))
 
     def backward(  # type: ignore[override]
-        self, mb: int, stage: int, pipeline: str, dy: str | None = None, dx: str | None = None
+        self,
+        mb: int,
+        stage: int,
+        pipeline: str,
+        dy: str | None = None,
+        dx: str | None = None,
+        chunk: int | None = None,
     ) -> None:
         if dy is not None:
-            incoming = self._view(dy, stage)
+            incoming = self._view(dy, stage, chunk)
             # a split backward keeps dy until W, when the slot may hold another value
-            self.values[("B", mb, stage + 1, pipeline)] = (
+            self.values[("B", mb, stage + 1, pipeline, chunk)] = (
                 incoming.clone() if self.split_backward else incoming
             )
-        super().backward(mb=mb, stage=stage, pipeline=pipeline)
+        super().backward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
         if dx is not None:
-            self._view(dx, stage - 1).copy_(self.values.pop(("B", mb, stage, pipeline)))
+            self._view(dx, stage - 1, chunk).copy_(
+                self.values.pop(("B", mb, stage, pipeline, chunk))
+            )
 
     def end_step(self) -> dict[int, float]:
         self.issued.clear()

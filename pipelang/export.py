@@ -19,7 +19,8 @@ def to_json(program: Program) -> str:
     An asynchronous schedule's weight updates are in the list too, as
     `{"op": "U", "update": k, "stage", "pipeline"}` (the copy's k-th update, from 0), and
     evictions as `{"op": "E", "mb", "stage", "pipeline", "to": p}` and `{"op": "L", ...}`
-    (the partner's holds are the compiler's, and left out). An op that starts together
+    (the partner's holds are the compiler's, and left out); with sequence chunks every
+    op has its `"chunk"`. An op that starts together
     with the one before it (the W of a fused `BW`, either op of an overlapped `F & B`
     after the first) has `"fused": true`: the order replays exactly from this.
 
@@ -45,6 +46,8 @@ def _json_op(a: Action) -> dict[str, object]:
         "stage": a.stage,
         "pipeline": a.pipeline,
     }
+    if a.chunk is not None:  # a schedule with sequence chunks
+        op["chunk"] = a.chunk
     if a.kind is Kind.E:
         op["to"] = a.peer
     if a.fused:  # starts with the op before it: a fused `BW`, an overlapped `F & B`
@@ -75,6 +78,11 @@ def to_torch_csv(program: Program) -> str:
         raise ExportError(
             f"torch's CSV format has no frozen (forward-only) work; `{program.name}` runs "
             "a frozen part with `P`"
+        )
+    if program.chunks is not None:
+        raise ExportError(
+            f"torch's CSV format has no sequence chunks; `{program.name}` splits every "
+            f"micro-batch into {program.chunks.count} (`chunks`)"
         )
     evicts = next((a for acts in program.ranks for a in acts if a.kind is Kind.E), None)
     if evicts is not None:

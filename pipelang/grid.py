@@ -32,7 +32,7 @@ def op_labeler(program: Program) -> Callable[[int, Action], str]:
     def label(rank: int, action: Action) -> str:
         if not action.kind.is_compute:
             return action.text()
-        text = f"{action.kind.value}{action.mb}{short.get(action.pipeline or '', '')}"
+        text = f"{action.kind.value}{action.unit()}{short.get(action.pipeline or '', '')}"
         if held[(rank, action.pipeline or "")] > 1:
             text += f".s{action.stage}"
         return text

@@ -157,6 +157,10 @@ class Action(NamedTuple):
             raise InternalError(f"{self} names no compute op")
         return Action(self.of, self.mb, self.stage, self.pipeline, chunk=self.chunk, span=self.span)
 
+    def unit(self) -> str:
+        """The micro-batch, with its chunk if it names one: `3`, or `3.1` for chunk 1."""
+        return str(self.mb) if self.chunk is None else f"{self.mb}.{self.chunk}"
+
     def unfused(self) -> Action:
         """This action without the `fused` mark."""
         return self._replace(fused=False) if self.fused else self
@@ -206,9 +210,7 @@ class Action(NamedTuple):
                 raise ValueError(f"evictions do not name a chunk: {token!r}")
             return _stash_action(token, op_kind, mb, stage, pipe, g, span)
         if g["comm"] is None:
-            return Action(
-                op_kind, mb, stage, pipe, chunk=chunk, span=span, fused=bool(g["fused"])
-            )
+            return Action(op_kind, mb, stage, pipe, chunk=chunk, span=span, fused=bool(g["fused"]))
         if g["fused"]:
             raise ValueError(f"only a compute action can be fused (`&`): {token!r}")
         comm = Kind(g["comm"])
@@ -346,9 +348,11 @@ class Chunks:
         n = self.count
         if self.split == "tokens" or attention <= 0.0:
             return tuple(c / n for c in range(n + 1))
-        a = attention  # solve (1 - a) t + a t^2 = c / n for t
-        return tuple(((1 - a) ** 2 + 4 * a * c / n) ** 0.5 / (2 * a) - (1 - a) / (2 * a)
-                     for c in range(n)) + (1.0,)
+        a = attention  # solve (1 - a) t + a t^2 = c / n for t; the last cut is the end
+        cuts = [
+            ((1 - a) ** 2 + 4 * a * c / n) ** 0.5 / (2 * a) - (1 - a) / (2 * a) for c in range(n)
+        ]
+        return (*cuts, 1.0)
 
     def tokens(self, attention: float) -> tuple[float, ...]:
         """Each chunk's share of the micro-batch's tokens (and so of its activations)."""
@@ -429,9 +433,7 @@ class CostModel:
         share of its kind's time (`Chunks.work`, with the stage's attention share `A`)."""
         if chunks is None:
             return self.time
-        shares = {
-            stage: chunks.work(self.of("A", stage)) for stage in self.stages() | {None}
-        }
+        shares = {stage: chunks.work(self.of("A", stage)) for stage in self.stages() | {None}}
         default = shares[None]
 
         def time(op: Action) -> float:

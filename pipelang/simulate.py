@@ -40,7 +40,7 @@ class RankStats(NamedTuple):
     rank: int
     busy: float
     idle: float
-    peak_activations: int
+    peak_activations: int | float
     weight_copies: int
 
 

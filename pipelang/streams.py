@@ -259,12 +259,13 @@ def value_boundary(value: str) -> int:
     """The stage boundary whose tensor a data value is (its shape is the runtime's
     `shapes[boundary]`): `F3@1/p` is stage 1's output (1), `B3@1/p` the gradient of stage
     1's input (0), `P3@0/p` the frozen part's output, stage 0's input (-1)."""
-    kind, _, stage, _ = value_key(value)
+    kind, _, stage, _, _ = value_key(value)
     return stage if kind == "F" else stage - 1
 
 
-def value_key(value: str) -> tuple[str, int, int, str]:
-    """The runtime's key of a data value: `F0@1/main` -> ("F", 0, 1, "main")."""
+def value_key(value: str) -> tuple[str, int, int, str, int | None]:
+    """The runtime's key of a data value: `F0@1/main` -> ("F", 0, 1, "main", None), and
+    `F0.2@1/main` (chunk 2) -> ("F", 0, 1, "main", 2)."""
     action = Action.parse(value)
     assert action.mb is not None and action.stage is not None and action.pipeline is not None
-    return (action.kind.value, action.mb, action.stage, action.pipeline)
+    return (action.kind.value, action.mb, action.stage, action.pipeline, action.chunk)

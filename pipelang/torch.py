@@ -61,6 +61,11 @@ class PipelineSchedule:
                 f"`{program.name}` runs a frozen part (`P`); PipelineSchedule does not "
                 "run frozen work yet (`pipelang run` does)"
             )
+        if program.chunks is not None:
+            raise ValueError(
+                f"`{program.name}` splits micro-batches into sequence chunks; "
+                "PipelineSchedule does not run chunks yet (`pipelang run` does, on its GPT)"
+            )
         evicts = program.first_eviction()
         if evicts is not None:
             raise ValueError(

@@ -140,7 +140,8 @@ def replayed(program: Program, text: str) -> Program:
             kind = Kind(op["op"])
             mb = op["update"] if kind is Kind.U else op["mb"]
             fused = op.get("fused", False)
-            actions.append(Action(kind, mb, op["stage"], op["pipeline"], op.get("to"), fused=fused))
+            where = (op["stage"], op["pipeline"], op.get("to"))
+            actions.append(Action(kind, mb, *where, chunk=op.get("chunk"), fused=fused))
         ranks.append(tuple(actions))
     return dataclasses.replace(program, ranks=tuple(ranks))
 

@@ -133,8 +133,10 @@ def test_check_catches_a_wrong_gradient(
     it; Adam would not), and replicas that never synchronise (with Adam)."""
     original = RankRuntime._scaled_loss
 
-    def doubled(self: RankRuntime, mb: int, logits: torch.Tensor, record: bool) -> torch.Tensor:
-        return 2 * original(self, mb, logits, record)
+    def doubled(
+        self: RankRuntime, mb: int, logits: torch.Tensor, record: bool, chunk: int | None
+    ) -> torch.Tensor:
+        return 2 * original(self, mb, logits, record, chunk)
 
     monkeypatch.setattr(RankRuntime, "_scaled_loss", doubled)
     status = run(stdlib("1f1b", D=2, N=4), "--check", "--backend", "local", "--optimizer", "sgd")

@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelang import memory
-from pipelang.simulate import as_number
 from pipelang.cli.args import (
     add_schedule_arguments,
     add_slot_model_arguments,
@@ -22,6 +21,7 @@ from pipelang.cli.args import (
 )
 from pipelang.compiler import SCHEDULE_DONE
 from pipelang.ir import Kind
+from pipelang.simulate import as_number
 
 HELP = "replay a schedule with a cost model: makespan, bubbles, memory"
 

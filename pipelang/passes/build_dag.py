@@ -235,7 +235,8 @@ def op_graph(program: Program) -> OpGraph:
             if previous >= 0:
                 order.append((previous, node))
             previous = node
-    data = _data_edges(index, program.num_stages, program.chunks and program.chunks.count)
+    chunks = None if program.chunks is None else program.chunks.count
+    data = _data_edges(index, program.num_stages, chunks)
     data += _compound_edges(data, heads)
     after = _after_edges(program, index)
     listed = len(order) + sum(1 for rank in set(ranks))  # one edge fewer than ops per rank

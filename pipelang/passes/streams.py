@@ -143,31 +143,37 @@ class _Lowering:
 
     def _compute(self, action: Action) -> None:
         program, kind = self.program, action.kind
-        mb, stage, pipe = action.mb, action.stage, action.pipeline
+        mb, stage, pipe, chunk = action.mb, action.stage, action.pipeline, action.chunk
         assert stage is not None
         last = stage == program.num_stages - 1
         saved_by = Kind.R if Kind.R in program.kinds and kind is not Kind.R else Kind.F
         reads: list[tuple[str, str]] = []
         writes: list[tuple[str, str]] = []
+        # A chunk's forward reads the keys and values the chunks before it saved, and
+        # its backward leaves their gradients there (on the compute stream, in order).
+        earlier = [("s", _token(saved_by, mb, stage, pipe, c)) for c in range(chunk or 0)]
         if kind is Kind.P:  # the frozen part's output: stage 0's input, saved by its F
             writes.append(("d", _token(Kind.P, mb, stage, pipe)))
         elif kind is Kind.F:
             if stage > 0:
-                reads.append(("d", _token(Kind.F, mb, stage - 1, pipe)))
+                reads.append(("d", _token(Kind.F, mb, stage - 1, pipe, chunk)))
             elif program.frozen is not None:
                 reads.append(("d", _token(Kind.P, mb, stage, pipe)))
-            writes.append(("s", _token(Kind.F, mb, stage, pipe)))
+            reads.extend(earlier)
+            writes.append(("s", _token(Kind.F, mb, stage, pipe, chunk)))
             if not last:
-                writes.append(("d", _token(Kind.F, mb, stage, pipe)))
+                writes.append(("d", _token(Kind.F, mb, stage, pipe, chunk)))
         elif kind is Kind.R:
-            reads.append(("s", _token(Kind.F, mb, stage, pipe)))
-            writes.append(("s", _token(Kind.R, mb, stage, pipe)))
+            reads.append(("s", _token(Kind.F, mb, stage, pipe, chunk)))
+            writes.append(("s", _token(Kind.R, mb, stage, pipe, chunk)))
         else:  # B, W
             if kind is Kind.B and not last:
-                reads.append(("d", _token(Kind.B, mb, stage + 1, pipe)))
-            reads.append(("s", _token(saved_by, mb, stage, pipe)))
+                reads.append(("d", _token(Kind.B, mb, stage + 1, pipe, chunk)))
+            reads.append(("s", _token(saved_by, mb, stage, pipe, chunk)))
+            if kind is Kind.B:
+                reads.extend(earlier)
             if kind is Kind.B and stage > 0:
-                writes.append(("d", _token(Kind.B, mb, stage, pipe)))
+                writes.append(("d", _token(Kind.B, mb, stage, pipe, chunk)))
         accumulates = kind is Kind.W or (kind is Kind.B and Kind.W not in program.kinds)
         updates = (f"g{stage}/{pipe}",) if accumulates and self.sync_grads else ()
         for cls, value in reads:
@@ -283,8 +289,10 @@ class _Lowering:
         return Access(slot, value)
 
 
-def _token(kind: Kind, mb: int | None, stage: int, pipe: str | None) -> str:
-    return Action(kind, mb, stage, pipe).text()
+def _token(
+    kind: Kind, mb: int | None, stage: int, pipe: str | None, chunk: int | None = None
+) -> str:
+    return Action(kind, mb, stage, pipe, chunk=chunk).text()
 
 
 def _reduced_at_step(program: Program, rank: int, dp: int) -> list[tuple[int, str]]:

@@ -86,10 +86,12 @@ def _compute(lines: list[str], timeline: Timeline, base: int, scale: float) -> N
         pid = base + rank
         kind = a.kind
         append(
-            f'{{"name":"{kind.value}{a.mb}@{a.stage}/{a.pipeline}","cat":"{kind.value}",'
+            f'{{"name":"{kind.value}{a.unit()}@{a.stage}/{a.pipeline}","cat":"{kind.value}",'
             f'"ph":"X","pid":{pid},"tid":{pid * 1000},"ts":{start * scale:.3f},'
             f'"dur":{(end - start) * scale:.3f},"args":{{"kind":{kind_names[kind]},'
-            f'"mb":{a.mb},"stage":{a.stage},"pipeline":"{a.pipeline}"}}}}'
+            f'"mb":{a.mb},"stage":{a.stage},"pipeline":"{a.pipeline}"'
+            + ("" if a.chunk is None else f',"chunk":{a.chunk}')
+            + "}}"
         )
 
 
@@ -101,7 +103,7 @@ def _simulated_comms(timeline: Timeline) -> list[Comm]:
     comm: list[Comm] = []
     append = comm.append
     for src, dst, sent, used, of in transfers(timeline):
-        token = f"{of.kind.value}{of.mb}@{of.stage}/{of.pipeline}"
+        token = f"{of.kind.value}{of.unit()}@{of.stage}/{of.pipeline}"
         arrival = sent + delay
         key = (token, src, dst)
         append((sent, False, src, arrival, f"send:{token}>{dst}", "send", key))

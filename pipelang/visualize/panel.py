@@ -88,12 +88,16 @@ def simulated(timeline: Timeline) -> Panel:
 
 
 def cost_note(timeline: Timeline) -> str:
-    """The times of the kinds the program runs, and the transfer time: `F=1 B=2 C=0`."""
+    """The times of the kinds the program runs, and the transfer time: `F=1 B=2 C=0`
+    (and attention's share `A` when micro-batches split into sequence chunks)."""
     costs = timeline.costs
     kinds = [k.value for k in timeline.program.kinds]
     if timeline.program.frozen is not None:
         kinds.append("P")
-    text = " ".join(f"{k}={number(costs.of(k))}" for k in [*kinds, "C"])
+    kinds.append("C")
+    if timeline.program.chunks is not None:
+        kinds.append("A")
+    text = " ".join(f"{k}={number(costs.of(k))}" for k in kinds)
     if any(stage is not None for _, stage, _ in costs.entries):
         text += " (some per stage)"
     return f"costs {text}"
@@ -110,18 +114,18 @@ def transfers(timeline: Timeline) -> Iterator[Transfer]:
     ends = {}
     for e in timeline.events:
         a = e.action
-        ends[(a.kind, a.mb, a.stage, a.pipeline)] = e
+        ends[(a.kind, a.mb, a.stage, a.pipeline, a.chunk)] = e
     last = timeline.program.num_stages - 1
     for e in timeline.events:
         a = e.action
         if a.kind is Kind.F:  # stage 0's input is the frozen part's output, if any
             key = (
-                (Kind.F, a.mb, a.stage - 1, a.pipeline)
+                (Kind.F, a.mb, a.stage - 1, a.pipeline, a.chunk)
                 if a.stage
-                else (Kind.P, a.mb, 0, a.pipeline)
+                else (Kind.P, a.mb, 0, a.pipeline, None)
             )
         elif a.kind is Kind.B and a.stage is not None and a.stage < last:
-            key = (Kind.B, a.mb, a.stage + 1, a.pipeline)
+            key = (Kind.B, a.mb, a.stage + 1, a.pipeline, a.chunk)
         else:
             continue
         source = ends.get(key)

@@ -232,12 +232,12 @@ def _boxes(
         y = top + rank * row + band * h
         append(
             f'<rect class="{cls} {c}" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" '
-            f'height="{h:.1f}"><title>{head}{kind.value}{a.mb}@{a.stage}/{a.pipeline} '
-            f"on rank {rank}\n{what[kind]}, micro-batch {a.mb}, stage {a.stage}, pipeline "
+            f'height="{h:.1f}"><title>{head}{kind.value}{a.unit()}@{a.stage}/{a.pipeline} '
+            f"on rank {rank}\n{what[kind]}, micro-batch {a.unit()}, stage {a.stage}, pipeline "
             f"{a.pipeline}\nstart {number(start)}{unit}, end {number(end)}{unit}"
             "</title></rect>"
         )
-        label = str(a.mb)
+        label = a.unit()
         size = min(font, (w - 3) / (0.62 * len(label)), h * 0.8)
         if size < 6.5:
             continue
