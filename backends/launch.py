@@ -127,6 +127,12 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             f"`{program.name}` runs a frozen part (`P`), which needs at least one "
             "layer: --frozen-layers 1 or more"
         )
+    shapes = program.shapes
+    if shapes is not None and config.seq_len is not None and config.seq_len < max(shapes.lengths):
+        raise RunError(
+            f"--seq-len {config.seq_len}: `{program.name}` has micro-batches of "
+            f"{max(shapes.lengths)} tokens; give at least that, or leave --seq-len out"
+        )
     refusal = eviction_refusal(program, config) or chunks_refusal(program, config)
     if refusal is not None:
         raise RunError(refusal)
@@ -246,6 +252,11 @@ def chunks_refusal(program: Program, config: RunConfig) -> str | None:
     if program.chunks is None:
         return None
     count = program.chunks.count
+    if program.shapes is not None:
+        return (
+            f"`{program.name}` has sequence chunks and micro-batches of different lengths: "
+            "the runtime cannot run the two together yet"
+        )
     if not config.model.startswith("gpt:"):
         return (
             f"`{program.name}` splits micro-batches into {count} sequence chunks, which the "
@@ -448,9 +459,13 @@ def step_progress(program: Program, config: RunConfig, title: str, err: Console)
 
 
 def tokens_per_step(program: Program, config: RunConfig) -> int:
-    """The tokens one step trains on: micro-batches x copies x sequences x length."""
+    """The tokens one step trains on: micro-batches x copies x sequences x length (each
+    micro-batch's where they differ)."""
     from pipelang.backends.models import plan_stages
 
+    if program.shapes is not None:
+        shapes = program.shapes
+        return config.dp * sum(shapes.tokens(mb) for mb in range(program.num_microbatches))
     seq_len = plan_stages(config.spec, program.num_stages, config.partition).seq_len
     return program.num_microbatches * config.dp * config.micro_batch_size * seq_len
 

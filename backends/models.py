@@ -316,6 +316,10 @@ class ModelSpec:
     frozen_layers: int = 0
     """The model's first layers that are its frozen part (a schedule's `frozen` line):
     built without gradients, run by `P` ops, and left out of the stages."""
+    shapes: tuple[tuple[int, int], ...] | None = None
+    """(samples, length) of each micro-batch of a step when they differ (a schedule's
+    `lengths`, DynaPipe); micro-batch m of a step with more (`--dp`) has shape m mod
+    their count. None: every one is `micro_batch_size` x `seq_len`."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -375,19 +379,17 @@ class LayeredModel:
 
     def batch(self, step: int, mb: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and next-token targets of micro-batch `mb` of step `step`."""
+        size, length = self.shape(mb)
         if self.spec.data is not None:
-            return sample_batch(
-                self.spec.data,
-                self.spec.seed,
-                step,
-                mb,
-                self.spec.micro_batch_size,
-                self.seq_len,
-                device,
-            )
-        return synthetic_batch(
-            self.spec.seed, step, mb, self.spec.micro_batch_size, self.seq_len, self.vocab, device
-        )
+            return sample_batch(self.spec.data, self.spec.seed, step, mb, size, length, device)
+        return synthetic_batch(self.spec.seed, step, mb, size, length, self.vocab, device)
+
+    def shape(self, mb: int) -> tuple[int, int]:
+        """(samples, tokens each) of micro-batch `mb` (`ModelSpec.shapes`)."""
+        shapes = self.spec.shapes
+        if shapes is None:
+            return self.spec.micro_batch_size, self.seq_len
+        return shapes[mb % len(shapes)]
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch: the model's own, or the mean cross-entropy of

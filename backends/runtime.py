@@ -113,6 +113,8 @@ class RunConfig:
     predict_weights: bool = False
     """`--predict-weights`: asynchronous schedules run each forward on weights predicted
     for the update its gradient meets (XPipe; backends/versions.py)."""
+    batch_shapes: tuple[tuple[int, int], ...] | None = None
+    """(samples, length) of each micro-batch when the schedule's differ (`for_program`)."""
     frozen_layers: int | None = None
     """`--frozen-layers K`: the model's first K layers are the frozen part that a
     schedule's `P` ops run (default 1 for a schedule with a `frozen` line; see
@@ -123,17 +125,30 @@ class RunConfig:
         dtype = self.mixed_precision or self.dtype  # what the stages compute in
         size = self.micro_batch_size
         frozen = self.frozen_layers or 0
-        return ModelSpec(self.model, self.seq_len, size, dtype, self.seed, self.data, frozen)
+        shapes = self.batch_shapes
+        return ModelSpec(
+            self.model, self.seq_len, size, dtype, self.seed, self.data, frozen, shapes
+        )
 
     def for_program(self, program: Program) -> RunConfig:
         """This config completed by the schedule: its `partition` line unless
-        `--partition` is given, and one frozen layer for a schedule with a `frozen` line
-        unless `--frozen-layers` is given."""
+        `--partition` is given, one frozen layer for a schedule with a `frozen` line
+        unless `--frozen-layers` is given, and its micro-batches' shapes where they
+        differ (the largest samples and length then size the buffers, and the length the
+        model's positions unless `--seq-len` is given)."""
         config = self
         if config.partition is None and program.partition is not None:
             config = replace(config, partition=program.partition)
         if config.frozen_layers is None and program.frozen is not None:
             config = replace(config, frozen_layers=1)
+        shapes = program.shapes
+        if shapes is not None and config.batch_shapes is None:
+            config = replace(
+                config,
+                batch_shapes=tuple(zip(shapes.samples, shapes.lengths, strict=True)),
+                micro_batch_size=max(shapes.samples),
+                seq_len=config.seq_len or max(shapes.lengths),
+            )
         return config
 
     @property
@@ -739,10 +754,16 @@ class RankRuntime:
 
     # ---- communication --------------------------------------------------------------------
 
-    def shape_of(self, stage: int, chunk: int | None = None) -> tuple[tuple[int, ...], torch.dtype]:
-        """The shape of stage `stage`'s output (-1: stage 0's input): of one sequence
-        chunk's tokens when `chunk` is given (the sequence is the second dimension)."""
+    def shape_of(
+        self, stage: int, chunk: int | None = None, mb: int | None = None
+    ) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape of stage `stage`'s output (-1: stage 0's input): of micro-batch `mb`'s
+        samples and tokens where micro-batches differ (`ModelSpec.shapes`), of one
+        sequence chunk's tokens when `chunk` is given (batch and sequence are the first
+        two dimensions)."""
         shape, dtype = self.shapes[stage]
+        if mb is not None and self.config.batch_shapes is not None:
+            shape = (*self.model.shape(mb), *shape[2:])
         if chunk is None or self.chunk_bounds is None:
             return shape, dtype
         length = self.chunk_bounds[chunk + 1] - self.chunk_bounds[chunk]
@@ -753,7 +774,7 @@ class RankRuntime:
         self.transport.send(tensor, peer)
 
     def _recv(self, key: Value, stage_output: int, peer: int) -> None:
-        shape, dtype = self.shape_of(stage_output, key[4])
+        shape, dtype = self.shape_of(stage_output, key[4], key[1])
         self.values[key] = self.transport.recv(shape, dtype, peer)
 
     @_comm

@@ -371,7 +371,8 @@ class StreamExecutor:
 
     def _view(self, p: _Process, slot: str, value: str) -> torch.Tensor:
         """`slot` as the tensor of `value` (a sequence chunk's value is that chunk's)."""
-        shape, dtype = p.runtime.shape_of(value_boundary(value), value_key(value)[4])
+        _, mb, _, _, chunk = value_key(value)
+        shape, dtype = p.runtime.shape_of(value_boundary(value), chunk, mb)
         nbytes = math.prod(shape) * dtype.itemsize
         return p.buffers[slot][:nbytes].view(dtype).view(shape)
 

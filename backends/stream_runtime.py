@@ -90,7 +90,7 @@ class StreamRankRuntime(RankRuntime):
         """One-element signal buffers, one per direction and peer, kept for replays."""
         self.waited: dict[str, int] = {}
         """Per stream: how many of its works (from the first) are waited for."""
-        self.views: dict[tuple[str, int | str] | tuple[str, int, int | None], torch.Tensor] = {}
+        self.views: dict[tuple[object, ...], torch.Tensor] = {}
         """(slot, stage boundary or value) -> the slot viewed as that value."""
 
     # ---- the driver: eager steps, one capture, replays -------------------------------------
@@ -186,14 +186,17 @@ class StreamRankRuntime(RankRuntime):
         report.slot_bytes = sum(b.numel() for b in self.slots.values())
         return report
 
-    def _view(self, slot: str, boundary: int, chunk: int | None = None) -> torch.Tensor:
+    def _view(
+        self, slot: str, boundary: int, chunk: int | None = None, mb: int | None = None
+    ) -> torch.Tensor:
         """`slot` as a tensor of the output of stage `boundary` (shape and dtype), of one
-        sequence chunk's tokens when `chunk` is given; made once (slots never move) and
-        kept, since a view costs a few microseconds per op."""
-        key = (slot, boundary, chunk)
+        sequence chunk's tokens when `chunk` is given, of micro-batch `mb`'s shape where
+        they differ; made once (slots never move) and kept, since a view costs a few
+        microseconds per op."""
+        key = (slot, boundary, chunk, None if self.config.batch_shapes is None else mb)
         view = self.views.get(key)
         if view is None:
-            shape, dtype = self.shape_of(boundary, chunk)
+            shape, dtype = self.shape_of(boundary, chunk, mb)
             view = self.slots[slot][: _nbytes((shape, dtype))].view(dtype).view(shape)
             self.views[key] = view
         return view
@@ -201,8 +204,9 @@ class StreamRankRuntime(RankRuntime):
     def _value_view(self, slot: str, value: str) -> torch.Tensor:
         view = self.views.get((slot, value))
         if view is None:
-            chunk = value_key(value)[4]
-            view = self.views[(slot, value)] = self._view(slot, value_boundary(value), chunk)
+            _, mb, _, _, chunk = value_key(value)
+            boundary = value_boundary(value)
+            view = self.views[(slot, value)] = self._view(slot, boundary, chunk, mb)
         return view
 
     # ---- events ----------------------------------------------------------------------------
@@ -298,17 +302,19 @@ class StreamRankRuntime(RankRuntime):
     ) -> None:
         if x is not None:
             key = self.input_key(mb, stage, pipeline, chunk)
-            self.values[key] = self._view(x, stage - 1, key[4]).clone()
+            self.values[key] = self._view(x, stage - 1, key[4], mb).clone()
         super().forward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
         if y is not None:
-            self._view(y, stage, chunk).copy_(self.values.pop(("F", mb, stage, pipeline, chunk)))
+            self._view(y, stage, chunk, mb).copy_(
+                self.values.pop(("F", mb, stage, pipeline, chunk))
+            )
 
     def frozen_forward(  # type: ignore[override]
         self, mb: int, stage: int, pipeline: str, y: str | None = None
     ) -> None:
         super().frozen_forward(mb=mb, stage=stage, pipeline=pipeline)
         if y is not None:
-            self._view(y, -1).copy_(self.values.pop(("P", mb, stage, pipeline, None)))
+            self._view(y, -1, None, mb).copy_(self.values.pop(("P", mb, stage, pipeline, None)))
 
     def backward(  # type: ignore[override]
         self,
@@ -320,14 +326,14 @@ class StreamRankRuntime(RankRuntime):
         chunk: int | None = None,
     ) -> None:
         if dy is not None:
-            incoming = self._view(dy, stage, chunk)
+            incoming = self._view(dy, stage, chunk, mb)
             # a split backward keeps dy until W, when the slot may hold another value
             self.values[("B", mb, stage + 1, pipeline, chunk)] = (
                 incoming.clone() if self.split_backward else incoming
             )
         super().backward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
         if dx is not None:
-            self._view(dx, stage - 1, chunk).copy_(
+            self._view(dx, stage - 1, chunk, mb).copy_(
                 self.values.pop(("B", mb, stage, pipeline, chunk))
             )
 

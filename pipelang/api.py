@@ -47,11 +47,13 @@ def compile_schedule(
     stop_after: str | None = None,
     dp: int = 1,
     max_ops: int = MAX_OPS,
+    shapes: tuple[tuple[int, int], ...] | None = None,
 ) -> Compilation:
     """Run the passes on a schedule (path or stdlib name) with `-p`-style string params;
     `dp` is the data-parallel copies a stream program is lowered for; a schedule of more
-    than `max_ops` ops is refused (E0106)."""
-    options = Options(dict(params or {}), max_activations, dp, max_ops)
+    than `max_ops` ops is refused (E0106); `shapes` are the micro-batches' (samples,
+    length), instead of the schedule's `lengths` and `sizes` lines."""
+    options = Options(dict(params or {}), max_activations, dp, max_ops, shapes)
     return run_passes(load_file(sched), options, stop_after)
 
 

@@ -274,6 +274,15 @@ class ChunksDecl(Node):
 
 
 @dataclass(frozen=True, slots=True)
+class ShapeList(Node):
+    """`lengths L0, L1, ...` or `sizes S0, S1, ...`: one value per micro-batch, its
+    sequence length in tokens or its number of samples."""
+
+    what: str
+    values: tuple[Expr, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class OrderRank(Node):
     """`order rank r { ... }`: each rank's order written out with loops."""
 
@@ -314,6 +323,7 @@ Decl = (
     | Weights
     | Frozen
     | ChunksDecl
+    | ShapeList
     | Order
 )
 

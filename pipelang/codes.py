@@ -196,6 +196,17 @@ CODES: dict[str, Code] = {
             "write the order with `order rank` or `order greedy`. Chunks do not combine "
             "with frozen work, evictions (`E`, `L`) or asynchronous weights yet.",
         ),
+        Code(
+            "E0212",
+            "bad micro-batch shapes",
+            "`lengths L0, L1, ...` gives each micro-batch's sequence length in tokens and "
+            "`sizes S0, S1, ...` its number of samples (default 1 each), for micro-batches "
+            "of different shapes (DynaPipe). Each gives exactly one value per micro-batch, "
+            "every value at least 1, and `sizes` needs `lengths`. A `--lengths FILE` (one "
+            "`LENGTH` or `SAMPLES LENGTH` line per micro-batch, as `pipelang pack` writes "
+            "it) stands for both lines and must also list as many micro-batches as the "
+            "schedule has: set N to its count.",
+        ),
         # 03xx: the order
         Code(
             "E0301",

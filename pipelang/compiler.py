@@ -38,6 +38,9 @@ class Options:
     """Data-parallel copies the stream program is lowered for (`streams`)."""
     max_ops: int = MAX_OPS
     """The most ops the schedule may have (E0106 past it; `--max-ops`)."""
+    shapes: tuple[tuple[int, int], ...] | None = None
+    """(samples, length) of every micro-batch (`--lengths FILE`), instead of the
+    schedule's `lengths` and `sizes` lines."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ def _expand_orders(c: Compilation) -> Compilation:
     from pipelang.passes.expand_orders import expand_orders
 
     assert c.params is not None
-    return dataclasses.replace(c, program=expand_orders(c.file, c.params, c.options.max_ops))
+    program = expand_orders(c.file, c.params, c.options.max_ops, c.options.shapes)
+    return dataclasses.replace(c, program=program)
 
 
 def _build_dag(c: Compilation) -> Compilation:

@@ -379,6 +379,38 @@ class Chunks:
         return tuple(cuts)
 
 
+@dataclass(frozen=True, slots=True)
+class BatchShapes:
+    """Micro-batches that differ in shape (DynaPipe): micro-batch i holds `samples[i]`
+    sequences of `lengths[i]` tokens (padded to it). Its ops take the time and memory of
+    that shape, relative to the cost model's reference, one sequence of `S` tokens (the
+    longest length when the model gives no `S`): the linear work grows with its tokens,
+    attention's share `A` with samples x length^2.
+    """
+
+    samples: tuple[int, ...]
+    lengths: tuple[int, ...]
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def reference(self, costs: CostModel) -> float:
+        """The tokens of the reference sequence: the cost model's `S`, else the longest."""
+        given = costs.of("S")
+        return given if given > 0 else float(max(self.lengths))
+
+    def tokens(self, mb: int) -> int:
+        return self.samples[mb] * self.lengths[mb]
+
+    def work(self, mb: int, attention: float, reference: float) -> float:
+        """Micro-batch `mb`'s op time over the reference's: `(1 - A) n / S + A s l^2 / S^2`
+        for its n = s x l tokens."""
+        n, length = self.tokens(mb), self.lengths[mb]
+        return (1 - attention) * n / reference + attention * n * length / reference**2
+
+    def memory(self, mb: int, reference: float) -> float:
+        """Micro-batch `mb`'s activations over the reference's: its tokens over `S`."""
+        return self.tokens(mb) / reference
+
+
 MAX_TIME = 1e15
 """The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
 
@@ -388,7 +420,9 @@ class CostModel:
     """Time of each op kind (`F`, `B`, `W`, `R`, `P`), of one transfer (`C`), and of an
     overlapped forward-backward pair (`FB`, for the forward's stage; without it a pair
     takes the sum of its ops). `A` is no time but a share: how much of an op's work on
-    a whole micro-batch is attention, which splits it over sequence chunks (`Chunks`).
+    a whole micro-batch is attention, which splits it over sequence chunks (`Chunks`)
+    and scales it with micro-batch shapes (`BatchShapes`); `S` is no time either: the
+    tokens of the reference micro-batch the times are for, with shapes (0: the longest).
 
     Entries are (kind, stage or None, time); a later entry overrides an earlier one, and a
     per-stage entry overrides a per-kind one. Unit costs by default, transfers free.
@@ -402,6 +436,7 @@ class CostModel:
         ("P", None, 1.0),
         ("C", None, 0.0),
         ("A", None, 0.0),
+        ("S", None, 0.0),
     )
     _table: dict[tuple[str, int | None], float] = field(
         default_factory=dict, compare=False, hash=False, repr=False
@@ -428,19 +463,36 @@ class CostModel:
         kind = op.kind
         return 0.0 if kind in STASH_KINDS else self.of(kind.value, op.stage)
 
-    def timer(self, chunks: Chunks | None) -> Callable[[Action], float]:
-        """`time`, for a schedule split into `chunks`: an op on a chunk takes the chunk's
-        share of its kind's time (`Chunks.work`, with the stage's attention share `A`)."""
-        if chunks is None:
+    def timer(
+        self, chunks: Chunks | None, shapes: BatchShapes | None = None
+    ) -> Callable[[Action], float]:
+        """`time`, for a schedule split into `chunks` or with micro-batches of different
+        `shapes`: an op on a chunk takes the chunk's share of its kind's time
+        (`Chunks.work`, with the stage's attention share `A`), an op of a shaped
+        micro-batch its shape's multiple (`BatchShapes.work`)."""
+        if chunks is None and shapes is None:
             return self.time
-        shares = {stage: chunks.work(self.of("A", stage)) for stage in self.stages() | {None}}
-        default = shares[None]
+        stages = self.stages() | {None}
+        shares = {
+            stage: (1.0,) if chunks is None else chunks.work(self.of("A", stage))
+            for stage in stages
+        }
+        factors: dict[tuple[int | None, int], float] = {}
+        if shapes is not None:
+            reference = shapes.reference(self)
+            factors = {
+                (stage, mb): shapes.work(mb, self.of("A", stage), reference)
+                for stage in stages
+                for mb in range(len(shapes.lengths))
+            }
 
         def time(op: Action) -> float:
             base = self.time(op)
-            if op.chunk is None:
-                return base
-            return base * shares.get(op.stage, default)[op.chunk]
+            if op.chunk is not None:
+                base *= shares.get(op.stage, shares[None])[op.chunk]
+            if factors and op.mb is not None and op.kind.is_compute:
+                base *= factors.get((op.stage, op.mb)) or factors[(None, op.mb)]
+            return base
 
         return time
 
@@ -490,6 +542,9 @@ class Program:
     chunks: Chunks | None = None
     """How micro-batches split into sequence chunks (`chunks C`); None: they do not, and
     compute actions name no chunk."""
+    shapes: BatchShapes | None = None
+    """Each micro-batch's samples and sequence length when they differ (`lengths`,
+    `sizes`, `--lengths FILE`); None: every micro-batch has the runtime's one shape."""
 
     @property
     def num_microbatches(self) -> int:
@@ -597,6 +652,13 @@ class Program:
             doc["weights"] = self.weights.text()
         if self.frozen is not None:
             doc["frozen"] = list(self.frozen)
+        if self.shapes is not None:
+            doc["shapes"] = {
+                "samples": list(self.shapes.samples),
+                "lengths": list(self.shapes.lengths),
+                "reference": self.shapes.reference(self.costs),
+                "attention": self.costs.of("A"),
+            }
         if self.chunks is not None:
             doc["chunks"] = {
                 "count": self.chunks.count,
@@ -614,7 +676,13 @@ class Program:
         doc = json.loads(text)
         if doc.get("format") != "pipelang-program/1":
             raise ValueError("not a pipelang program (missing format pipelang-program/1)")
-        chunks = doc.get("chunks")
+        chunks, shapes = doc.get("chunks"), doc.get("shapes")
+        costs: list[tuple[str, int | None, float]] = []
+        for part in (chunks, shapes):
+            if part is not None:
+                costs.append(("A", None, float(part["attention"])))
+        if shapes is not None:
+            costs.append(("S", None, float(shapes["reference"])))
         return Program(
             name=doc["name"],
             source=doc["source"],
@@ -629,8 +697,9 @@ class Program:
             partition=tuple(doc["partition"]) if doc.get("partition") is not None else None,
             weights=WeightPolicy.parse(doc["weights"]) if "weights" in doc else None,
             frozen=tuple(doc["frozen"]) if doc.get("frozen") is not None else None,
-            costs=CostModel().merged(
-                None if chunks is None else CostModel((("A", None, float(chunks["attention"])),))
-            ),
+            costs=CostModel().merged(CostModel(tuple(costs))),
             chunks=None if chunks is None else Chunks(chunks["count"], chunks["split"]),
+            shapes=None
+            if shapes is None
+            else BatchShapes(tuple(shapes["samples"]), tuple(shapes["lengths"])),
         )

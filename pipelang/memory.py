@@ -9,9 +9,11 @@ activations over the stage input the F kept.
 
 Counts are in micro-batches: with sequence chunks (`chunks C`), a chunk's forward holds
 its share of the micro-batch's tokens (`Chunks.tokens`), so a chunked schedule compares
-with an unchunked one directly. (A chunk's activations include the keys and values the
-later chunks of its micro-batch read; backwards run last chunk first, so they are freed
-by the chunk's own backward, after every chunk that reads them.)
+with an unchunked one directly; with micro-batches of different shapes (`lengths`), one
+holds its tokens over the reference micro-batch's (`BatchShapes.memory`). (A chunk's
+activations include the keys and values the later chunks of its micro-batch read;
+backwards run last chunk first, so they are freed by the chunk's own backward, after
+every chunk that reads them.)
 
 Everything that counts activations asks here: `simulate` (peak activations), `validate`
 (`--max-activations`, E0308), `evictions` (the partner's side, over time), the squeeze
@@ -22,9 +24,9 @@ orders (their memory bound) and the planner (peak bytes).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import Action, CostModel, Kind, Program
 
 
 def frees(program: Program) -> Kind:
@@ -43,34 +45,46 @@ def change(kind: Kind, freed_by: Kind = Kind.B) -> int:
     return 0
 
 
-def shares(program: Program, attention: float | None = None) -> Sequence[float] | None:
-    """Each chunk's share of a micro-batch's activations, by chunk; None without chunks.
-    `attention` overrides the schedule's own `A` (a `--cost` given on the command line)."""
-    if program.chunks is None:
+Share = Callable[[Action], float]
+"""What one forward's activations count for, in micro-batches (`shares`)."""
+
+
+def shares(program: Program, costs: CostModel | None = None) -> Share | None:
+    """What each forward's activations count for, in micro-batches: a chunk its share of
+    the tokens (`Chunks.tokens`), a shaped micro-batch its tokens over the reference's
+    (`BatchShapes.memory`), both multiplied; None when every forward counts 1. `costs`
+    stands for the schedule's own (a `--cost A=... ,S=...` from the command line)."""
+    chunks, shapes = program.chunks, program.shapes
+    if chunks is None and shapes is None:
         return None
-    return program.chunks.tokens(program.costs.of("A") if attention is None else attention)
+    costs = program.costs if costs is None else costs
+    parts = (1.0,) if chunks is None else chunks.tokens(costs.of("A"))
+    reference = 1.0 if shapes is None else shapes.reference(costs)
+
+    def share(action: Action) -> float:
+        part = 1.0 if action.chunk is None else parts[action.chunk]
+        if shapes is not None and action.mb is not None:
+            part *= shapes.memory(action.mb, reference)
+        return part
+
+    return share
 
 
 def held(
-    actions: Iterable[Action], freed_by: Kind = Kind.B, tokens: Sequence[float] | None = None
+    actions: Iterable[Action], freed_by: Kind = Kind.B, share: Share | None = None
 ) -> Iterator[float]:
-    """After each action, how many forwards (micro-batches) the rank holds; `tokens` are
-    the chunks' shares (`shares`) in a chunked schedule."""
+    """After each action, how many forwards (micro-batches) the rank holds; `share` is
+    what each counts for (`shares`) where they differ."""
     count: float = 0
     for action in actions:
         delta = change(action.kind, freed_by)
-        if delta and tokens is not None and action.chunk is not None:
-            count += delta * tokens[action.chunk]
-        else:
-            count += delta
+        count += delta * share(action) if delta and share is not None else delta
         yield count
 
 
-def peak(
-    actions: Iterable[Action], freed_by: Kind = Kind.B, tokens: Sequence[float] | None = None
-) -> float:
+def peak(actions: Iterable[Action], freed_by: Kind = Kind.B, share: Share | None = None) -> float:
     """The most forwards (micro-batches) the rank holds at once along `actions`."""
-    return max(held(actions, freed_by, tokens), default=0)
+    return max(held(actions, freed_by, share), default=0)
 
 
 def holding(actions: Iterable[Action], freed_by: Kind = Kind.B) -> list[Action]:
@@ -92,15 +106,15 @@ def peak_bytes(
     freed_by: Kind,
     kept: Sequence[float],
     recomputed: Sequence[float] | None = None,
-    tokens: Sequence[float] | None = None,
+    share: Share | None = None,
 ) -> float:
     """The most bytes of activations held at once along `actions`: `kept[stage]` from a
     forward to the op that frees it, and with recomputation also `recomputed[stage]`
-    from the R to that op; a chunk (`tokens`, `shares`) holds its share of either."""
+    from the R to that op; where forwards differ (`shares`), each its share of either."""
     total = top = 0.0
     for action in actions:
         stage = action.stage or 0
-        part = 1.0 if tokens is None or action.chunk is None else tokens[action.chunk]
+        part = 1.0 if share is None else share(action)
         delta = change(action.kind, freed_by)
         if recomputed is not None:
             if action.kind is Kind.R:

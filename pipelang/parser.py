@@ -500,6 +500,12 @@ class _Build(Transformer[Token, Any]):
     ) -> ast.ChunksDecl:
         return ast.ChunksDecl(span, count, "tokens" if split is None else str(split), when)
 
+    def _lengths_decl(self, span: Span, *values: ast.Expr) -> ast.ShapeList:
+        return ast.ShapeList(span, "lengths", values)
+
+    def _sizes_decl(self, span: Span, *values: ast.Expr) -> ast.ShapeList:
+        return ast.ShapeList(span, "sizes", values)
+
     def _order_rank(self, span: Span, var: Token, body: tuple[ast.Stmt, ...]) -> ast.OrderRank:
         return ast.OrderRank(span, str(var), body)
 

@@ -19,7 +19,7 @@ instead. One pass in topological order, linear in the number of ops and dependen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -115,11 +115,11 @@ class Timeline:
         chunk its share of the tokens (`memory.shares`)."""
         if self._stash_peaks is not None:
             return self._stash_peaks[rank]
-        return as_number(memory.peak(self.program.ranks[rank], tokens=self._tokens))
+        return as_number(memory.peak(self.program.ranks[rank], share=self._share))
 
     @cached_property
-    def _tokens(self) -> Sequence[float] | None:
-        return memory.shares(self.program, self.costs.of("A"))
+    def _share(self) -> memory.Share | None:
+        return memory.shares(self.program, self.costs)
 
     @cached_property
     def _stash_peaks(self) -> list[int] | None:
@@ -265,7 +265,7 @@ def stash_link(
 def _durations(program: Program, graph: OpGraph, costs: CostModel) -> list[float]:
     """The time of every op; a compound's whole time goes to its first op and its fused
     ops take none, so that whatever follows any of them waits for the whole compound."""
-    time = costs.timer(program.chunks)
+    time = costs.timer(program.chunks, program.shapes)
     times = [time(op) for op in graph.ops]
     members: dict[int, list[int]] = {}
     for node, head in enumerate(graph.heads):

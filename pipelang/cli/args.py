@@ -139,6 +139,38 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)",
     )
     add_param_options(parser, "set a schedule parameter; repeat for several (-p D=4 -p N=8)")
+    parser.add_argument(
+        "--lengths",
+        type=path,
+        metavar="FILE",
+        help="micro-batches of different shapes: one line per micro-batch, `LENGTH` or "
+        "`SAMPLES LENGTH` (what `pipelang pack` writes); replaces the schedule's "
+        "`lengths` and `sizes` lines",
+    )
+
+
+def read_lengths(file: Path) -> tuple[tuple[int, int], ...]:
+    """A `--lengths` file: per micro-batch, `LENGTH` or `SAMPLES LENGTH`, whole numbers
+    of at least 1; `#` starts a comment. A malformed line is a usage error naming it."""
+    try:
+        text = file.read_text()
+    except OSError as err:
+        raise UsageError(f"--lengths {file}: cannot read it ({err.strerror})") from None
+    shapes = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2 or not all(w.isdigit() and int(w) >= 1 for w in words):
+            raise UsageError(
+                f"{file}:{number}: expected `LENGTH` or `SAMPLES LENGTH` (whole numbers of "
+                f"at least 1), found `{line.strip()}`"
+            )
+        values = [int(w) for w in words]
+        shapes.append((1, values[0]) if len(values) == 1 else (values[0], values[1]))
+    if not shapes:
+        raise UsageError(f"--lengths {file}: the file lists no micro-batch")
+    return tuple(shapes)
 
 
 def add_max_activations(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +192,7 @@ def compile_args(args: argparse.Namespace, stop_after: str | None = None) -> Com
         stop_after=stop_after,
         dp=getattr(args, "dp", 1),
         max_ops=args.max_ops,
+        shapes=None if args.lengths is None else read_lengths(args.lengths),
     )
 
 
@@ -178,7 +211,7 @@ def parse_cost(spec: str) -> CostModel:
     """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
     entries: list[tuple[str, int | None, float]] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        match = re.fullmatch(r"(FB|[FBWRPCELA])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
+        match = re.fullmatch(r"(FB|[FBWRPCELAS])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
         if match is None:
             raise UsageError(
                 f"`--cost {spec}`: cannot read `{item}`; expected e.g. "

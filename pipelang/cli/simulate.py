@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if len(rows) > TABLE_RANKS:
         console.print(f"... and {len(rows) - TABLE_RANKS} more ranks (--json lists every rank)")
     if Kind.W in program.kinds:
-        tokens = memory.shares(program, timeline.costs.of("A"))
-        held = [as_number(memory.peak(actions, Kind.W, tokens)) for actions in program.ranks]
+        share = memory.shares(program, timeline.costs)
+        held = [as_number(memory.peak(actions, Kind.W, share)) for actions in program.ranks]
         if held != [timeline.peak_activations(r) for r in range(program.num_ranks)]:
             shown = ", ".join(map(str, held[:TABLE_RANKS]))
             if len(held) > TABLE_RANKS:

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from pipelang import ast
 from pipelang.diagnostics import fail
 from pipelang.evaluate import Env, Scope
-from pipelang.ir import STASH_KINDS, Action, Chunks, CostModel, Dependency, Kind, Pipeline
+from pipelang.ir import (
+    STASH_KINDS,
+    Action,
+    BatchShapes,
+    Chunks,
+    CostModel,
+    Dependency,
+    Kind,
+    Pipeline,
+)
 
 _make = tuple.__new__
 """Builds an Action without NamedTuple's Python-level __new__: this runs once per op."""
@@ -36,6 +45,8 @@ class Layout:
     """The ranks that hold the frozen part (`Program.frozen`); None without one."""
     chunks: Chunks | None = None
     """How micro-batches split into sequence chunks (`Program.chunks`); None: not."""
+    shapes: BatchShapes | None = None
+    """The micro-batches' shapes when they differ (`Program.shapes`), for their times."""
 
     def op(
         self,

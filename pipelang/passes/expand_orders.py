@@ -39,6 +39,7 @@ from pipelang.evaluate import (
 )
 from pipelang.ir import (
     Action,
+    BatchShapes,
     Chunks,
     CostModel,
     Dependency,
@@ -56,15 +57,21 @@ DeclT = TypeVar("DeclT", bound=ast.Node)
 
 
 def expand_orders(
-    file: ast.File, bindings: Mapping[str, Value], most_ops: int = MAX_OPS
+    file: ast.File,
+    bindings: Mapping[str, Value],
+    most_ops: int = MAX_OPS,
+    shapes: tuple[tuple[int, int], ...] | None = None,
 ) -> Program:
     """Evaluate the declarations of the schedule and run its order, refusing schedules of
-    more than `most_ops` ops (E0106)."""
+    more than `most_ops` ops (E0106); `shapes` (samples, length per micro-batch, from
+    `--lengths FILE`) stand for the schedule's `lengths` and `sizes` lines."""
     with nesting_limit(file.schedule.span), op_limit(most_ops):
-        return _expand(file, bindings)
+        return _expand(file, bindings, shapes)
 
 
-def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
+def _expand(
+    file: ast.File, bindings: Mapping[str, Value], given: tuple[tuple[int, int], ...] | None
+) -> Program:
     schedule = file.schedule
     env: Env = dict(bindings)
     scope = constant_scope(env, file.fns)
@@ -78,6 +85,7 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
     )
     frozen = _frozen(schedule, scope, env, num_ranks)
     chunks = _chunks(schedule, scope, env)
+    shapes = _shapes(schedule, scope, env, len(assignment), given)
     count = 1 if chunks is None else chunks.count
     total = len(assignment) * (num_stages * len(kinds) * count + (frozen is not None))
     if total > max_ops():
@@ -101,6 +109,7 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         local,
         frozen,
         chunks,
+        shapes,
     )
     layout = dataclasses.replace(layout, after=_after(schedule, layout))
     order = _order(schedule)
@@ -145,6 +154,7 @@ def _expand(file: ast.File, bindings: Mapping[str, Value]) -> Program:
         weights=_weights(schedule, scope, env),
         frozen=frozen,
         chunks=chunks,
+        shapes=shapes,
     )
 
 
@@ -282,6 +292,64 @@ def _chunks(schedule: ast.Schedule, scope: Scope, env: Env) -> Chunks | None:
     if decl.when is not None and not compile_expr(decl.when, scope, BOOL)(env):
         split = "tokens"
     return Chunks(count, split, decl.span)
+
+
+def _shapes(
+    schedule: ast.Schedule,
+    scope: Scope,
+    env: Env,
+    count: int,
+    given: tuple[tuple[int, int], ...] | None,
+) -> BatchShapes | None:
+    """The micro-batches' shapes: `given` (`--lengths FILE`), else the `lengths` and
+    `sizes` lines, one value of at least 1 per micro-batch (E0212); None without them."""
+    decls = {d.what: d for d in schedule.body if isinstance(d, ast.ShapeList)}
+    microbatches = _single(schedule, ast.Microbatches, "microbatches")
+    if given is not None:
+        if len(given) != count:
+            raise fail(
+                "E0212",
+                f"--lengths gives {len(given)} micro-batches, but the schedule has {count}",
+                microbatches.span,
+                help="give one line per micro-batch, or as many micro-batches "
+                f"(`-p N={len(given)}`)",
+            )
+        return BatchShapes(tuple(s for s, _ in given), tuple(n for _, n in given))
+    if not decls:
+        return None
+    for what in ("lengths", "sizes"):
+        found = [d for d in schedule.body if isinstance(d, ast.ShapeList) and d.what == what]
+        if len(found) > 1:
+            raise fail("E0207", f"schedule `{schedule.name}` has two `{what}` lines", found[1].span)
+    if "lengths" not in decls:
+        raise fail(
+            "E0212",
+            "`sizes` without `lengths`: a micro-batch's shape needs its sequence length",
+            decls["sizes"].span,
+            help="add `lengths L0, L1, ...`, one per micro-batch",
+        )
+    values = {}
+    for what, decl in decls.items():
+        if len(decl.values) != count:
+            raise fail(
+                "E0212",
+                f"`{what}` gives {len(decl.values)} values, but the schedule has {count} "
+                "micro-batches",
+                decl.span,
+                labels=(Label(microbatches.span, f"{count} micro-batches here"),),
+                help="give one value per micro-batch",
+            )
+        values[what] = tuple(compile_int(v, scope)(env) for v in decl.values)
+        for value, expr in zip(values[what], decl.values, strict=True):
+            if value < 1:
+                raise fail(
+                    "E0212",
+                    f"a micro-batch of {value} {'tokens' if what == 'lengths' else 'samples'}",
+                    expr.span,
+                    help=f"every value of `{what}` is at least 1",
+                )
+    samples = values.get("sizes", (1,) * count)
+    return BatchShapes(samples, values["lengths"], decls["lengths"].span)
 
 
 def _weights(schedule: ast.Schedule, scope: Scope, env: Env) -> WeightPolicy | None:

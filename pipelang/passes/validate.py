@@ -448,9 +448,9 @@ def _edges_of(graph: OpGraph, problems: list[_Problem]) -> frozenset[Edge]:
 def _memory(program: Program, cap: int) -> list[Diagnostic]:
     """E0308: per rank, the first op after which more than `cap` forwards await their B."""
     diagnostics = []
-    tokens = memory.shares(program)
+    share = memory.shares(program)
     for rank, actions in enumerate(program.ranks):
-        for at, count in enumerate(memory.held(actions, tokens=tokens)):
+        for at, count in enumerate(memory.held(actions, share=share)):
             if count > cap + 1e-9:
                 held = memory.holding(actions[: at + 1])
                 diagnostics.append(_too_many(rank, actions[at], count, held, cap))

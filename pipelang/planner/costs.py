@@ -211,9 +211,9 @@ def peak_memory(
     kept, recomputed = activations, None
     if Kind.R in program.kinds:
         kept, recomputed = [0.0, *stage_outputs(profile, counts)[:-1]], activations
-    freed_by, tokens = memory.frees(program), memory.shares(program)
+    freed_by, share = memory.frees(program), memory.shares(program)
     peaks = []
     for rank, actions in enumerate(program.ranks):
         state = sum(weights[s] for s, _ in program.stage_copies(rank)) * state_factor
-        peaks.append(state + memory.peak_bytes(actions, freed_by, kept, recomputed, tokens))
+        peaks.append(state + memory.peak_bytes(actions, freed_by, kept, recomputed, share))
     return peaks
