@@ -400,11 +400,14 @@ class BatchShapes:
     def tokens(self, mb: int) -> int:
         return self.samples[mb] * self.lengths[mb]
 
-    def work(self, mb: int, attention: float, reference: float) -> float:
-        """Micro-batch `mb`'s op time over the reference's: `(1 - A) n / S + A s l^2 / S^2`
-        for its n = s x l tokens."""
+    def work(self, mb: int, attention: float, reference: float, fixed: float = 0.0) -> float:
+        """Micro-batch `mb`'s op time over the reference's:
+        `O + (1 - O) ((1 - A) n / S + A s l^2 / S^2)` for its n = s x l tokens, where `O`
+        (`fixed`) is the share of the reference's time that does not shrink with a
+        smaller micro-batch (launches, latency)."""
         n, length = self.tokens(mb), self.lengths[mb]
-        return (1 - attention) * n / reference + attention * n * length / reference**2
+        scaled = (1 - attention) * n / reference + attention * n * length / reference**2
+        return fixed + (1 - fixed) * scaled
 
     def memory(self, mb: int, reference: float) -> float:
         """Micro-batch `mb`'s activations over the reference's: its tokens over `S`."""
@@ -422,7 +425,8 @@ class CostModel:
     takes the sum of its ops). `A` is no time but a share: how much of an op's work on
     a whole micro-batch is attention, which splits it over sequence chunks (`Chunks`)
     and scales it with micro-batch shapes (`BatchShapes`); `S` is no time either: the
-    tokens of the reference micro-batch the times are for, with shapes (0: the longest).
+    tokens of the reference micro-batch the times are for, with shapes (0: the longest),
+    and `O` the share of the reference's time that a smaller micro-batch still takes.
 
     Entries are (kind, stage or None, time); a later entry overrides an earlier one, and a
     per-stage entry overrides a per-kind one. Unit costs by default, transfers free.
@@ -437,6 +441,7 @@ class CostModel:
         ("C", None, 0.0),
         ("A", None, 0.0),
         ("S", None, 0.0),
+        ("O", None, 0.0),
     )
     _table: dict[tuple[str, int | None], float] = field(
         default_factory=dict, compare=False, hash=False, repr=False
@@ -481,7 +486,7 @@ class CostModel:
         if shapes is not None:
             reference = shapes.reference(self)
             factors = {
-                (stage, mb): shapes.work(mb, self.of("A", stage), reference)
+                (stage, mb): shapes.work(mb, self.of("A", stage), reference, self.of("O", stage))
                 for stage in stages
                 for mb in range(len(shapes.lengths))
             }

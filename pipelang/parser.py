@@ -442,10 +442,10 @@ class _Build(Transformer[Token, Any]):
                 f"the cost of `{kind}` is too large: a time is at most 10^15",
                 self._tok(value),
             )
-        if str(kind) == "A" and float(value) > 1:
+        if str(kind) in ("A", "O") and float(value) > 1:
             raise fail(
                 "E0209",
-                f"`A` is the share of attention in a chunk's work, between 0 and 1, not {value}",
+                f"`{kind}` is a share of an op's work, between 0 and 1, not {value}",
                 self._tok(value),
             )
         return ast.CostItem(span, str(kind), stage, float(value))

@@ -20,6 +20,7 @@ from pipelang.cli import (
     explain,
     export,
     import_torch,
+    pack,
     plan,
     profile,
     simulate,
@@ -45,6 +46,7 @@ COMMANDS = {
     "import-torch": import_torch,
     "profile": profile,
     "plan": plan,
+    "pack": pack,
 }
 
 EXAMPLES = """\

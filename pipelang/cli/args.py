@@ -211,7 +211,7 @@ def parse_cost(spec: str) -> CostModel:
     """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
     entries: list[tuple[str, int | None, float]] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        match = re.fullmatch(r"(FB|[FBWRPCELAS])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
+        match = re.fullmatch(r"(FB|[FBWRPCELASO])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
         if match is None:
             raise UsageError(
                 f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
@@ -220,8 +220,8 @@ def parse_cost(spec: str) -> CostModel:
         kind, stage, value = match.groups()
         if not float(value) <= MAX_TIME:
             raise UsageError(f"`--cost {spec}`: `{item}` is too large; a time is at most 1e15")
-        if kind == "A" and float(value) > 1:
-            raise UsageError(f"`--cost {spec}`: `A` is attention's share of the work, 0 to 1")
+        if kind in ("A", "O") and float(value) > 1:
+            raise UsageError(f"`--cost {spec}`: `{kind}` is a share of the work, 0 to 1")
         entries.append((kind, None if stage is None else int(stage), float(value)))
     return CostModel(tuple(entries))
 

@@ -1,0 +1,159 @@
+"""`pipelang pack`: group sequence lengths into micro-batches for a schedule (DynaPipe)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from pipelang.cli.args import (
+    UsageError,
+    add_param_options,
+    parse_cost,
+    parse_params,
+    path,
+    positive,
+    schedule_name,
+    write_output,
+)
+from pipelang.ir import CostModel
+
+HELP = "group sequence lengths into micro-batches of different shapes for a schedule"
+
+DESCRIPTION = """\
+Dynamic micro-batching (DynaPipe): reads one iteration's sequence lengths (a file, one
+whole number a line), groups them into micro-batches of different shapes (SAMPLES
+sequences padded to LENGTH tokens) and orders them to minimise the schedule's simulated
+makespan while no rank holds more than --max-tokens activation tokens. Writes the
+micro-batches as a --lengths file (`SAMPLES LENGTH` a line) that simulate, check, run
+and compile take, with the N to run them with (-p N=...). Prints the result next to two
+baselines under the same cap: fixed-size batches (k sequences in the file's order,
+padded to their longest; the best k) and packed sequences (concatenated into sequences
+of one length, the best of the longest sequence and twice it).
+
+Times come from the schedule's cost line and --cost: F, B, W for one sequence of S
+tokens (default: the longest), A the share of attention in it, O the share that a
+smaller micro-batch still takes (launches, latency); docs/language.md, "Micro-batches
+of different shapes"."""
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "sched",
+        type=schedule_name,
+        metavar="SCHED",
+        help="a .pipe file or stdlib schedule with a parameter N (its micro-batches)",
+    )
+    add_param_options(parser, "set a schedule parameter other than N (-p D=4)")
+    parser.add_argument(
+        "--sequences",
+        type=path,
+        required=True,
+        metavar="FILE",
+        help="the sequence lengths to pack: one whole number of tokens a line",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=positive,
+        required=True,
+        metavar="T",
+        help="the most activation tokens any rank may hold at once (the memory cap)",
+    )
+    parser.add_argument(
+        "--cost",
+        metavar="SPEC",
+        help="cost entries over the schedule's, e.g. F=1,B=2,A=0.3,O=0.05,S=4096",
+    )
+    parser.add_argument(
+        "-o", dest="out", type=path, metavar="FILE", help="write the --lengths file here"
+    )
+
+
+def read_sequences(file: Path) -> list[int]:
+    """The lengths in a `--sequences` file; a bad line is a usage error naming it."""
+    try:
+        text = file.read_text()
+    except OSError as err:
+        raise UsageError(f"--sequences {file}: cannot read it ({err.strerror})") from None
+    lengths = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        word = line.split("#", 1)[0].strip()
+        if not word:
+            continue
+        if not word.isdigit() or int(word) < 1:
+            raise UsageError(f"{file}:{number}: expected a length in tokens, found `{word}`")
+        lengths.append(int(word))
+    if not lengths:
+        raise UsageError(f"--sequences {file}: the file lists no sequence")
+    return lengths
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelang.pack import best_of, fixed_batches, pack, packed_sequences, with_reference
+
+    params = parse_params(args.params)
+    if "N" in params:
+        raise UsageError("-p N=...: pack chooses the micro-batches; leave N out")
+    lengths = read_sequences(args.sequences)
+    costs = with_reference(parse_cost(args.cost) if args.cost else CostModel(()), lengths)
+    try:
+        best = pack(lengths, args.sched, params, costs, args.max_tokens)
+    except ValueError as err:
+        raise UsageError(f"pack: {err}") from None
+    longest = max(lengths)
+    baselines = {
+        "fixed-size batches": best_of(
+            lengths,
+            args.sched,
+            params,
+            costs,
+            args.max_tokens,
+            [fixed_batches(lengths, k) for k in (1, 2, 4, 8, 16, 32, 64)],
+        ),
+        "packed sequences": best_of(
+            lengths,
+            args.sched,
+            params,
+            costs,
+            args.max_tokens,
+            [packed_sequences(lengths, n) for n in (longest, 2 * longest)],
+        ),
+    }
+    table = Table(
+        title=f"{len(lengths)} sequences, {sum(lengths)} tokens, --max-tokens {args.max_tokens}"
+    )
+    for column in (
+        "packing",
+        "micro-batches",
+        "makespan",
+        "peak tokens",
+        "padding",
+        "time vs pack",
+    ):
+        table.add_column(column, justify="left" if column == "packing" else "right")
+    for name, found in (("dynamic (pack)", best), *baselines.items()):
+        if found is None:
+            table.add_row(name, "-", "no packing fits", "-", "-", "-")
+            continue
+        table.add_row(
+            name,
+            str(len(found.shapes)),
+            f"{found.makespan:.4g}",
+            f"{found.peak_tokens:.0f}",
+            f"{found.padding:.1%}",
+            f"{found.makespan / best.makespan:.2f}x",
+        )
+    Console(highlight=False).print(table)
+    if args.out:
+        write_output(args.out, best.lines())
+        print(
+            f"wrote {args.out}: {len(best.shapes)} micro-batches; run them with "
+            f"-p N={len(best.shapes)} --lengths {args.out}"
+        )
+    else:
+        print(best.lines(), end="")
+    return 0
