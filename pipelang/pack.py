@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from pipelang import api
 from pipelang.diagnostics import PipelangError
+from pipelang.evaluate import MAX_OPS
 from pipelang.ir import BatchShapes, CostModel
 
 Shape = tuple[int, int]
@@ -62,13 +63,18 @@ def evaluate(
     shapes: Sequence[Shape],
     costs: CostModel,
     real_tokens: int,
+    max_ops: int = MAX_OPS,
 ) -> Packing | None:
     """`shapes` run by the schedule with N = their count, under the schedule's costs with
     `costs` over them: the simulated makespan and peak tokens; None when the schedule
     refuses that many micro-batches (a Chimera needs a multiple of D, say)."""
     try:
         compiled = api.compile_schedule(
-            sched, {**params, "N": str(len(shapes))}, shapes=tuple(shapes), stop_after="validate"
+            sched,
+            {**params, "N": str(len(shapes))},
+            shapes=tuple(shapes),
+            stop_after="validate",
+            max_ops=max_ops,
         )
     except PipelangError:
         return None
@@ -95,10 +101,12 @@ def pack(
     params: Mapping[str, str],
     costs: CostModel,
     max_tokens: int,
+    max_ops: int = MAX_OPS,
 ) -> Packing:
     """The best packing of `lengths` for the schedule (see the module docstring), with
     `costs` over the schedule's (`with_reference` fixes `S`); ValueError when no packing
-    fits `max_tokens` (a sequence longer than it, say)."""
+    fits `max_tokens` (a sequence longer than it, say). Every candidate is compiled
+    within `max_ops` ops (E0106 past it: the candidate is skipped)."""
     if not lengths or min(lengths) < 1:
         raise ValueError("pack needs at least one sequence, each at least one token long")
     if max(lengths) > max_tokens:
@@ -119,7 +127,7 @@ def pack(
                 if ordered in seen:
                     continue
                 seen.add(ordered)
-                found = evaluate(sched, params, ordered, costs, sum(lengths))
+                found = evaluate(sched, params, ordered, costs, sum(lengths), max_ops)
                 if _better(found, best, max_tokens):
                     best = found
     if best is None:
@@ -156,13 +164,14 @@ def best_of(
     costs: CostModel,
     max_tokens: int,
     candidates: Sequence[tuple[Shape, ...]],
+    max_ops: int = MAX_OPS,
 ) -> Packing | None:
     """The fastest of `candidates` (packings of `lengths`) that keeps every rank within
     `max_tokens`; None if none does."""
     costs = with_reference(costs, lengths)
     best = None
     for shapes in candidates:
-        found = evaluate(sched, params, shapes, costs, sum(lengths))
+        found = evaluate(sched, params, shapes, costs, sum(lengths), max_ops)
         if _better(found, best, max_tokens):
             best = found
     return best

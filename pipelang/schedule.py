@@ -16,9 +16,10 @@ from pipelang.compiler import Compilation
 from pipelang.ir import MAX_TIME, Action, CostModel
 from pipelang.simulate import Timeline
 
-COST_KINDS = ("F", "B", "W", "R", "C", "FB", "E", "L")
-"""The keys a cost model takes: op kinds, a transfer (C), an overlapped pair (FB), and an
-evicted activation's trips (E, L); see `pipelang simulate --help`."""
+COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "A", "S", "O")
+"""The keys a cost model takes: op kinds, a transfer (C), an overlapped pair (FB), an
+evicted activation's trips (E, L), and the shares and reference that split work over
+sequence chunks and micro-batch shapes (A, S, O; docs/language.md "Costs")."""
 
 Costs = Mapping[str, float | Sequence[float]]
 """`{"F": 1, "B": 2}`, or per stage `{"F": [1, 2, 1, 1]}` (one time per stage)."""
@@ -129,6 +130,8 @@ def _time(kind: str, value: object) -> float:
         raise ValueError(f"cost {kind}: {value!r} is not a non-negative number")
     if not value <= MAX_TIME:
         raise ValueError(f"cost {kind}: {value!r} is too large; a time is at most 1e15")
+    if kind in ("A", "O") and value > 1:
+        raise ValueError(f"cost {kind}: {value!r} is a share of an op's work, 0 to 1")
     return float(value)
 
 

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = read_sequences(args.sequences)
     costs = with_reference(parse_cost(args.cost) if args.cost else CostModel(()), lengths)
     try:
-        best = pack(lengths, args.sched, params, costs, args.max_tokens)
+        best = pack(lengths, args.sched, params, costs, args.max_tokens, args.max_ops)
     except ValueError as err:
         raise UsageError(f"pack: {err}") from None
     longest = max(lengths)
@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             costs,
             args.max_tokens,
             [fixed_batches(lengths, k) for k in (1, 2, 4, 8, 16, 32, 64)],
+            args.max_ops,
         ),
         "packed sequences": best_of(
             lengths,
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             costs,
             args.max_tokens,
             [packed_sequences(lengths, n) for n in (longest, 2 * longest)],
+            args.max_ops,
         ),
     }
     table = Table(
