@@ -150,27 +150,35 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_lengths(file: Path) -> tuple[tuple[int, int], ...]:
-    """A `--lengths` file: per micro-batch, `LENGTH` or `SAMPLES LENGTH`, whole numbers
-    of at least 1; `#` starts a comment. A malformed line is a usage error naming it."""
+    """A `--lengths` file: per micro-batch, `LENGTH` or `SAMPLES LENGTH`."""
+    rows = read_number_rows(file, "--lengths", "`LENGTH` or `SAMPLES LENGTH`", 2, "micro-batch")
+    return tuple((1, row[0]) if len(row) == 1 else (row[0], row[1]) for row in rows)
+
+
+def read_number_rows(
+    file: Path, option: str, expected: str, most: int, what: str
+) -> list[list[int]]:
+    """The rows of a file of whole numbers of at least 1, 1 to `most` a line (`#` starts
+    a comment, blank lines are skipped); unreadable, malformed or empty is a usage error
+    naming the file and line."""
     try:
         text = file.read_text()
     except OSError as err:
-        raise UsageError(f"--lengths {file}: cannot read it ({err.strerror})") from None
-    shapes = []
+        raise UsageError(f"{option} {file}: cannot read it ({err.strerror})") from None
+    rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        if len(words) > 2 or not all(w.isdigit() and int(w) >= 1 for w in words):
+        if len(words) > most or not all(w.isdigit() and int(w) >= 1 for w in words):
             raise UsageError(
-                f"{file}:{number}: expected `LENGTH` or `SAMPLES LENGTH` (whole numbers of "
-                f"at least 1), found `{line.strip()}`"
+                f"{file}:{number}: expected {expected} (whole numbers of at least 1), "
+                f"found `{line.strip()}`"
             )
-        values = [int(w) for w in words]
-        shapes.append((1, values[0]) if len(values) == 1 else (values[0], values[1]))
-    if not shapes:
-        raise UsageError(f"--lengths {file}: the file lists no micro-batch")
-    return tuple(shapes)
+        rows.append([int(w) for w in words])
+    if not rows:
+        raise UsageError(f"{option} {file}: the file lists no {what}")
+    return rows
 
 
 def add_max_activations(parser: argparse.ArgumentParser) -> None:

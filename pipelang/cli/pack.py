@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -15,6 +14,7 @@ from pipelang.cli.args import (
     parse_params,
     path,
     positive,
+    read_number_rows,
     schedule_name,
     write_output,
 )
@@ -73,32 +73,14 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def read_sequences(file: Path) -> list[int]:
-    """The lengths in a `--sequences` file; a bad line is a usage error naming it."""
-    try:
-        text = file.read_text()
-    except OSError as err:
-        raise UsageError(f"--sequences {file}: cannot read it ({err.strerror})") from None
-    lengths = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        word = line.split("#", 1)[0].strip()
-        if not word:
-            continue
-        if not word.isdigit() or int(word) < 1:
-            raise UsageError(f"{file}:{number}: expected a length in tokens, found `{word}`")
-        lengths.append(int(word))
-    if not lengths:
-        raise UsageError(f"--sequences {file}: the file lists no sequence")
-    return lengths
-
-
 def run(args: argparse.Namespace) -> int:
     from pipelang.pack import best_of, fixed_batches, pack, packed_sequences, with_reference
 
     params = parse_params(args.params)
     if "N" in params:
         raise UsageError("-p N=...: pack chooses the micro-batches; leave N out")
-    lengths = read_sequences(args.sequences)
+    rows = read_number_rows(args.sequences, "--sequences", "a length in tokens", 1, "sequence")
+    lengths = [row[0] for row in rows]
     costs = with_reference(parse_cost(args.cost) if args.cost else CostModel(()), lengths)
     try:
         best = pack(lengths, args.sched, params, costs, args.max_tokens, args.max_ops)
