@@ -106,9 +106,10 @@ class Action(NamedTuple):
     """One thing a rank does.
 
     Compute actions use `kind`, `mb`, `stage`, `pipeline`, and `chunk` in a schedule
-    that splits micro-batches into sequence chunks (None otherwise). Communication actions name the
-    compute op whose result they move (`of`) and the other rank (`peer`). `allreduce`
-    names a stage and pipeline; `step` names nothing; `U` uses `mb` for its number.
+    that splits micro-batches into sequence chunks (None otherwise). Communication
+    actions name the compute op whose result they move (`of`) and the other rank
+    (`peer`). `allreduce` names a stage and pipeline; `step` names nothing; `U` uses `mb`
+    for its number.
     `span` is where the action came from; it takes no part in equality or hashing.
 
     `fused` marks a compute action that starts together with the one before it on its
@@ -168,7 +169,7 @@ class Action(NamedTuple):
     def text(self) -> str:
         """The one-token text form; `Action.parse(a.text()) == a`."""
         kind = self.kind
-        mb = self.mb if self.chunk is None else f"{self.mb}.{self.chunk}"
+        mb = self.unit()
         if kind in COMPUTE_KINDS:  # the common case, without Enum's `.value` descriptor
             fused = "&" if self.fused else ""
             return f"{fused}{_TOKENS[kind]}{mb}@{self.stage}/{self.pipeline}"

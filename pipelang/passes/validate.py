@@ -297,8 +297,9 @@ def _missing(program: Program, census: _Census) -> list[Diagnostic]:
             f"rank {rank} never runs "
             + (f"`{ops[0]}`" if len(ops) == 1 else f"{len(ops)} required ops: {listing(ops)}"),
             program.order_span,
-            help=f"add them to rank {rank}'s order: every micro-batch needs {kinds} on every "
-            "stage of its pipeline",
+            help=f"add them to rank {rank}'s order: every micro-batch"
+            + (" (each of its chunks)" if program.chunks is not None else "")
+            + f" needs {kinds} on every stage of its pipeline",
         )
         for rank, ops in sorted(absent.items())
     ]

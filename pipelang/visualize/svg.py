@@ -222,6 +222,12 @@ def _boxes(
     head = "model: " if cls != "op" else ""
     what = {k: f"{k.value} ({style.KIND_NAME.get(k, k.value)})" for k in Kind}
     px, variant, count, append = scale.px, pal.variant, len(pal.names), parts.append
+    shapes = timeline.program.shapes
+    shape_text = (
+        [""]
+        if shapes is None
+        else [f" ({s} x {n} tokens)" for s, n in zip(shapes.samples, shapes.lengths, strict=True)]
+    )
     for (rank, a, start, end), (band, of) in zip(
         timeline.events, bands(timeline.events), strict=True
     ):
@@ -233,7 +239,8 @@ def _boxes(
         append(
             f'<rect class="{cls} {c}" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" '
             f'height="{h:.1f}"><title>{head}{kind.value}{a.unit()}@{a.stage}/{a.pipeline} '
-            f"on rank {rank}\n{what[kind]}, micro-batch {a.unit()}, stage {a.stage}, pipeline "
+            f"on rank {rank}\n{what[kind]}, micro-batch {a.unit()}"
+            f"{shape_text[(a.mb or 0) if shapes else 0]}, stage {a.stage}, pipeline "
             f"{a.pipeline}\nstart {number(start)}{unit}, end {number(end)}{unit}"
             "</title></rect>"
         )
