@@ -69,11 +69,15 @@ except ImportError:  # run as a script from the repository root
     from results import write_block  # type: ignore[no-redef]
 
 SECTION = "## Planner"
-MODEL = "pipelang.planner.demo:unbalanced_short"
+MODELS = {
+    "short": ("pipelang.planner.demo:unbalanced_short", 120 * 2**20),
+    "skewed": ("pipelang.planner.demo:skewed", 300 * 2**20),
+}
+"""`--model`: the demo model and the memory cap that leaves GPipe out for it."""
+MODEL, MAX_MEMORY = MODELS["short"]
 MICRO_BATCH_SIZE = 8
 SEQ_LEN = 128
 MICROBATCHES = 8
-MAX_MEMORY = 120 * 2**20
 WARMUP, TIMED = 2, 6
 
 
@@ -205,7 +209,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="short",
+        help="short: one heavy block of six layers (the default); skewed: the heavy blocks "
+        "in the second half, so the even split is far from the best (its own block)",
+    )
     args = parser.parse_args()
+    global MODEL, MAX_MEMORY
+    MODEL, MAX_MEMORY = MODELS[args.model]
     began = time.perf_counter()
     load_before = os.getloadavg()
     options = ProfileOptions(
@@ -309,23 +322,33 @@ def main() -> None:
 
     wins = sum(a < b for a, b in zip(measured[planner_name], measured[even_name], strict=True))
 
-    heavy = profile.layers[1]
-    lights = profile.layers[2:-1]
+    blocks = sorted(profile.layers[1:-1], key=lambda c: c.forward_ms + c.full_backward_ms)
+    lights = blocks[: max(1, len(blocks) // 2)]
+    heavy = blocks[-1]
     ratio = (heavy.forward_ms + heavy.full_backward_ms) / statistics.median(
         c.forward_ms + c.full_backward_ms for c in lights
     )
+    best_name = top_names[0]
+    best_wins = sum(a < b for a, b in zip(measured[best_name], measured[even_name], strict=True))
+    noise = max(relative_spread(measured[n]) for n in (planner_name, even_name))
+    gap = even.time_ms / one_f_one_b.time_ms - 1
+    heading = "### Predicted vs measured (CPU, gloo)"
+    if args.model != "short":
+        heading = f"### Predicted vs measured, {args.model} model (CPU, gloo)"
     lines = [
-        "### Predicted vs measured (CPU, gloo)",
+        heading,
         "",
         f"- Machine: {os.cpu_count()}-core {platform.machine()} VM; "
         f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after",
         f"- torch {torch.__version__}, Python {platform.python_version()}, 1 thread per rank",
-        f"- Command: `python benchmarks/plan_vs_measured.py --rounds {args.rounds}` "
+        f"- Command: `python benchmarks/plan_vs_measured.py --rounds {args.rounds}"
+        + ("" if args.model == "short" else f" --model {args.model}")
+        + "` "
         f"({minutes:.1f} min)",
         f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         f"- Model `{MODEL}` ({layers} layers), micro-batches of {MICRO_BATCH_SIZE} x "
         f"{profile.seq_len} tokens (`--seq-len {SEQ_LEN}`: a light block's forward "
-        f"{statistics.median(c.forward_ms for c in lights):.1f} ms; the heavy block, 4x "
+        f"{statistics.median(c.forward_ms for c in lights):.1f} ms; a heavy block, 4x "
         f"the arithmetic, measured {ratio:.1f}x a light block's forward + backward), "
         f"N = {MICROBATCHES}, SGD, memory cap {MAX_MEMORY // 2**20} MiB"
         + (f" (GPipe D=2: {gpipe_out[0]})" if gpipe_out else "")
@@ -362,12 +385,17 @@ def main() -> None:
         f"{even.partition}: predicted {one_f_one_b.time_ms:.1f} vs {even.time_ms:.1f} ms "
         f"({100 * (even.time_ms / one_f_one_b.time_ms - 1):+.0f}%); measured, min "
         f"{faster(min)}, median {faster(statistics.median)}; faster in {wins} of the "
-        f"{args.rounds} rounds (the two run one after the other in each).",
+        f"{args.rounds} rounds (the two run one after the other in each). The predicted "
+        f"gap is {100 * gap:.0f}%, {gap / noise:.1f}x the larger of the two runs' noise "
+        f"({100 * noise:.0f}%).",
+        f"- The planner's choice ({best_name}, {plans[best_name].candidate.label}) against "
+        f"the stdlib 1F1B with the even split: faster in {best_wins} of the {args.rounds} "
+        "rounds.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        replace_block("### Predicted vs measured (CPU, gloo)", text)
+        replace_block(heading, text)
 
 
 def uncalibrated_profile(profile: Profile) -> Profile:
