@@ -33,6 +33,8 @@ gaps against the measured ones and the run-to-run noise. Verdicts use the lowest
 
     python benchmarks/plan_vs_measured.py             # ~10 min; replaces its RESULTS.md part
     python benchmarks/plan_vs_measured.py --no-write  # print only
+    python benchmarks/plan_vs_measured.py --model skewed --rounds 4
+        # demo:skewed (work in the second half; 300 MiB cap), its own RESULTS.md block
 """
 
 from __future__ import annotations

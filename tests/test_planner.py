@@ -242,6 +242,33 @@ def test_data_parallel_copies_add_the_allreduce_over_every_copy() -> None:
     assert best.candidate.label == "1f1b D=1 N=2 dp=4"
 
 
+def test_the_copies_allreduce_takes_the_slow_link_between_nodes() -> None:
+    # Two nodes of two devices: 1 TB/s inside a node, 1 GB/s between, no latency. Copy k
+    # of a pipeline runs on the k-th block of devices, so two copies of a 2-rank 1F1B
+    # sit one per node and every stage's replicas sum their gradients across the slow
+    # link; four one-rank copies form one ring whose slowest hop crosses it.
+    fast, slow = Link(1e12, 0.0), Link(1e9, 0.0)
+    node = [0, 0, 1, 1]
+    topology = Topology(
+        tuple(f"d{i}" for i in range(4)),
+        (1e12,) * 4,
+        tuple(
+            tuple(None if a == b else fast if node[a] == node[b] else slow for b in range(4))
+            for a in range(4)
+        ),
+    )
+    inputs = Inputs(
+        make_profile([1.0] * 4, output=0.0), topology, 8, schedules=("1f1b",), data_parallel=True
+    )
+    plans = {(p.candidate.ranks, p.candidate.dp): p for p in Planner(inputs).search().plans}
+    # (4 + 1) x 6 ms of 1F1B, then 2 MB per stage over two replicas at 1 GB/s: 2 ms
+    # (at the in-node 1 TB/s it would be 0.002 ms).
+    assert plans[(2, 2)].time_ms == pytest.approx(5 * 6 + 2)
+    assert {plans[(2, 2)].devices[0] // 2} == {0}  # copy 0 on node 0, copy 1 on node 1
+    # 2 x 12 ms, then 4 MB over a ring of four whose hop between nodes is 1 GB/s: 6 ms.
+    assert plans[(1, 4)].time_ms == pytest.approx(2 * 12 + 6)
+
+
 def test_copies_left_out_by_the_time_budget_are_listed() -> None:
     inputs = Inputs(
         make_profile([1.0] * 4), uniform_topology(4), 8, schedules=("1f1b",), data_parallel=True
