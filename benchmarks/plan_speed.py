@@ -14,6 +14,8 @@ and N up to 512 within 30 s on this 2-core machine.
     python benchmarks/plan_speed.py             # replaces the speed part of "Planner" in RESULTS.md
     python benchmarks/plan_speed.py --no-write  # print only
     python benchmarks/plan_speed.py --data-parallel  # the same with copies planned too
+    python benchmarks/plan_speed.py --growth    # search time and memory against devices
+                                                # and layers, no budget (issue 20 item 5)
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 
@@ -65,6 +70,66 @@ def cluster(devices: int) -> Topology:
     )
 
 
+GROWTH = (
+    *((devices, 126) for devices in (16, 64, 256, 1024)),
+    *((256, blocks) for blocks in (30, 62)),
+)
+"""(devices, transformer blocks) points of `--growth`: N = devices, `--data-parallel`."""
+
+
+def one_search(devices: int, blocks: int) -> None:
+    """Child of `--growth`: the whole search, no time budget; prints seconds, peak RSS
+    (MiB), candidates and the best plan."""
+    started = time.perf_counter()
+    inputs = Inputs(synthetic_profile(blocks), cluster(devices), devices, data_parallel=True)
+    result = Planner(inputs, time_budget=0).search()
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    total = len(result.plans) + len(result.rejected)
+    print(f"{seconds:.1f}|{peak:.0f}|{total}|{result.plans[0].candidate.label}")
+
+
+def growth(write: bool) -> None:
+    """Search time and peak memory against devices and layers, each in its own process."""
+    load_before = os.getloadavg()
+    rows = []
+    for devices, blocks in GROWTH:
+        code = f"from benchmarks.plan_speed import one_search; one_search({devices}, {blocks})"
+        out = (
+            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        seconds, peak, total, best = out.split("|")
+        rows.append(
+            f"| {devices} | {blocks + 2} | {devices} | {total} | {seconds} | {peak} | {best} |"
+        )
+        print(rows[-1], flush=True)
+    heading = "### Search growth with devices and layers (`--data-parallel`, no budget)"
+    lines = [
+        heading,
+        "",
+        f"- Machine: {os.cpu_count()}-core {platform.machine()} VM; load average "
+        f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after",
+        f"- torch {torch.__version__}, Python {platform.python_version()}",
+        "- Command: `python benchmarks/plan_speed.py --growth`",
+        f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+        "- The synthetic profile with its number of transformer blocks varied (layers = "
+        "blocks + 2), clusters of 8-GPU nodes, N = devices, copies planned too, no time "
+        "budget (`Planner(..., time_budget=0).search()`), each point in a fresh process "
+        "(peak RSS is that process's). The goal of issue 20 is the 1024-device row "
+        "within 10 s.",
+        "",
+        "| devices | layers | N | candidates | seconds | peak RSS MiB | best plan |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if write:
+        replace_block(heading, text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
@@ -73,7 +138,15 @@ def main() -> None:
         action="store_true",
         help="plan copies of pipelines too (`pipelang plan --data-parallel`); its own block",
     )
+    parser.add_argument(
+        "--growth",
+        action="store_true",
+        help="time the whole search (no budget) against devices and layers; its own block",
+    )
     args = parser.parse_args()
+    if args.growth:
+        growth(not args.no_write)
+        return
     flag = " --data-parallel" if args.data_parallel else ""
     heading = f"### Search speed{' with `--data-parallel`' if args.data_parallel else ''}"
     load_before = os.getloadavg()
