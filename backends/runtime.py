@@ -698,12 +698,6 @@ class RankRuntime:
             raise InternalError(f"B{mb}@{stage}/{pipeline} ran before its recompute")
         dy = None if copy.last else self.values.pop(("B", mb, stage + 1, pipeline, chunk))
         outputs, grads = _chunk_outputs(saved, dy)
-        earlier = [  # the keys and values of the chunks before it
-            t
-            for c in range(chunk or 0)
-            for kv in self.saved[(mb, stage, pipeline, c)].kept.values()
-            for t in kv
-        ]
         if not self.split_backward:
             torch.autograd.backward(outputs, grads)
             del self.saved[key]
@@ -715,14 +709,20 @@ class RankRuntime:
                 self.versions[(stage, pipeline)].collect(saved.params)
                 saved.y = saved.params = None  # frees the graph and its version
             return
-        inputs = ([] if copy.first else [saved.x]) + earlier
-        if inputs:
+        own = [] if copy.first else [saved.x]
+        earlier = [  # the keys and values of the chunks before it: their gradients, now
+            t
+            for c in range(chunk or 0)
+            for kv in self.saved[(mb, stage, pipeline, c)].kept.values()
+            for t in kv
+        ]
+        if own or earlier:
             found = torch.autograd.grad(
-                outputs, inputs, grads, retain_graph=True, allow_unused=True
+                outputs, own + earlier, grads, retain_graph=True, allow_unused=True
             )
-            if not copy.first:
+            if own:
                 self.values[("B", mb, stage, pipeline, chunk)] = found[0]
-            for leaf, grad in zip(inputs[1 - copy.first :], found[1 - copy.first :], strict=True):
+            for leaf, grad in zip(earlier, found[len(own) :], strict=True):
                 if grad is not None:
                     leaf.grad = grad if leaf.grad is None else leaf.grad + grad
         saved.dy = dy

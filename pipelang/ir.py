@@ -402,17 +402,25 @@ class BatchShapes:
         return self.samples[mb] * self.lengths[mb]
 
     def work(self, mb: int, attention: float, reference: float, fixed: float = 0.0) -> float:
-        """Micro-batch `mb`'s op time over the reference's:
-        `O + (1 - O) ((1 - A) n / S + A s l^2 / S^2)` for its n = s x l tokens, where `O`
-        (`fixed`) is the share of the reference's time that does not shrink with a
-        smaller micro-batch (launches, latency)."""
-        n, length = self.tokens(mb), self.lengths[mb]
-        scaled = (1 - attention) * n / reference + attention * n * length / reference**2
-        return fixed + (1 - fixed) * scaled
+        """Micro-batch `mb`'s op time over the reference's (`shape_work`)."""
+        return shape_work(self.samples[mb], self.lengths[mb], attention, reference, fixed)
 
     def memory(self, mb: int, reference: float) -> float:
         """Micro-batch `mb`'s activations over the reference's: its tokens over `S`."""
         return self.tokens(mb) / reference
+
+
+def shape_work(
+    samples: int, length: int, attention: float, reference: float, fixed: float = 0.0
+) -> float:
+    """The op time of a micro-batch of `samples` sequences of `length` tokens over the
+    reference's (one sequence of `reference` tokens):
+    `O + (1 - O) ((1 - A) n / S + A s l^2 / S^2)` for its n = s x l tokens, where `O`
+    (`fixed`) is the share of the reference's time that does not shrink with a smaller
+    micro-batch (launches, latency) and `A` attention's share."""
+    n = samples * length
+    scaled = (1 - attention) * n / reference + attention * n * length / reference**2
+    return fixed + (1 - fixed) * scaled
 
 
 MAX_TIME = 1e15

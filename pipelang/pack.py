@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pipelang import api
 from pipelang.diagnostics import PipelangError
 from pipelang.evaluate import MAX_OPS
-from pipelang.ir import BatchShapes, CostModel
+from pipelang.ir import CostModel, shape_work
 
 Shape = tuple[int, int]
 """(samples, length) of one micro-batch."""
@@ -198,8 +198,7 @@ class _Model:
     fixed: float
 
     def time(self, samples: int, length: int) -> float:
-        shape = BatchShapes((samples,), (length,))
-        return self.per * shape.work(0, self.attention, self.reference, self.fixed)
+        return self.per * shape_work(samples, length, self.attention, self.reference, self.fixed)
 
 
 def _stages(sched: str, params: Mapping[str, str], costs: CostModel) -> tuple[int, _Model]:
