@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything pipelang has to show on a GPU, in one call of the device tool (one start-up):
 # the CUDA tests, then the local backend against one process with each rank's saved
-# activations (issue 6), then graph replay against eager steps (issue 14). Logs and the
+# activations (issue 6), then graph replay against eager steps (issue 14). The CUDA tests
+# include a plan made from this GPU's own profile, run end to end (issue 20). Logs and the
 # rewritten RESULTS.md land in $OUT.
 #
 # Here, once (lark is the one dependency the GPU image lacks; docs/runtime.md, "On a GPU"):

@@ -5,7 +5,8 @@ an embedding, 126 equal transformer blocks and a head, with the block's times an
 those of a GPT-2-medium block (width 1024, 4 x 1024 tokens per micro-batch) scaled to
 round numbers. The cluster is N nodes x 8 GPUs (NVLink inside, a network between). The
 search is everything `pipelang plan` does before writing the file: every candidate
-(schedule, D dividing the device count, v/f/w) screened, the best three refined and
+(schedule, D dividing the device count, v/f/w) bounded from below and, unless the bound
+shows it slower than three plans already found, screened; the best three refined and
 simulated at N, under a time budget of 25 s (`pipelang plan`'s default until 2026-11-25,
 now 8 s; a candidate whose screening would end past it is left out, one whose simulation
 at N would is kept extrapolated; the table counts both). The bar (issue 8): D up to 64
@@ -86,7 +87,8 @@ def one_search(devices: int, blocks: int) -> None:
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     total = len(result.plans) + len(result.rejected)
-    print(f"{seconds:.1f}|{peak:.0f}|{total}|{result.plans[0].candidate.label}")
+    pruned = sum(r.reason.startswith("not simulated") for r in result.rejected)
+    print(f"{seconds:.1f}|{peak:.0f}|{total}|{pruned}|{result.plans[0].candidate.label}")
 
 
 def growth(write: bool) -> None:
@@ -100,9 +102,10 @@ def growth(write: bool) -> None:
             .stdout.strip()
             .splitlines()[-1]
         )
-        seconds, peak, total, best = out.split("|")
+        seconds, peak, total, pruned, best = out.split("|")
         rows.append(
-            f"| {devices} | {blocks + 2} | {devices} | {total} | {seconds} | {peak} | {best} |"
+            f"| {devices} | {blocks + 2} | {devices} | {total} | {pruned} | {seconds} | {peak} "
+            f"| {best} |"
         )
         print(rows[-1], flush=True)
     heading = "### Search growth with devices and layers (`--data-parallel`, no budget)"
@@ -118,10 +121,11 @@ def growth(write: bool) -> None:
         "blocks + 2), clusters of 8-GPU nodes, N = devices, copies planned too, no time "
         "budget (`Planner(..., time_budget=0).search()`), each point in a fresh process "
         "(peak RSS is that process's). The goal of issue 20 is the 1024-device row "
-        "within 10 s.",
+        "within 10 s. `pruned`: candidates the lower bound left out unsimulated "
+        "(`pipelang/planner/bound.py`).",
         "",
-        "| devices | layers | N | candidates | seconds | peak RSS MiB | best plan |",
-        "|---|---|---|---|---|---|---|",
+        "| devices | layers | N | candidates | pruned | seconds | peak RSS MiB | best plan |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     text = "\n".join(lines) + "\n"
@@ -160,9 +164,10 @@ def main() -> None:
         best = result.plans[0]
         total = len(result.plans) + len(result.rejected)
         skipped = sum(r.reason.startswith("not searched") for r in result.rejected)
+        pruned = sum(r.reason.startswith("not simulated") for r in result.rejected)
         exact = sum(p.exact for p in result.plans)
         rows.append(
-            f"| {devices} | {n} | {total} | {skipped} | {exact} | {seconds:.1f} | "
+            f"| {devices} | {n} | {total} | {pruned} | {skipped} | {exact} | {seconds:.1f} | "
             f"{best.candidate.label} | {best.time_ms:.0f} |"
         )
         print(rows[-1], flush=True)
@@ -177,11 +182,12 @@ def main() -> None:
         "- Synthetic 128-layer profile, clusters of 8-GPU nodes; every candidate screened, "
         "the best 3 refined and simulated at N (`Planner.search` with the CLI's default "
         "25 s budget: the whole of `pipelang plan` but reading the inputs and writing "
-        "the file).",
+        "the file). `pruned`: left out unsimulated by the lower bound "
+        "(`pipelang/planner/bound.py`).",
         "",
-        "| devices | N | candidates | skipped (budget) | simulated at N | seconds | best plan "
-        "| predicted ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| devices | N | candidates | pruned | skipped (budget) | simulated at N | seconds "
+        "| best plan | predicted ms |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     text = "\n".join(lines) + "\n"

@@ -146,3 +146,32 @@ def test_nccl_one_rank_saves_and_resumes_in_graph_mode(
     resumed = ("--steps", "8", "--resume", str(tmp_path), "--check")
     assert run(program, *options, *resumed) == 0
     assert "check OK" in capsys.readouterr().out
+
+
+def test_a_plan_from_this_gpus_profile_runs_on_it(tmp_path: Path) -> None:
+    """Issue 20's GPU topology example, end to end: profile `gpt:small` on this GPU,
+    plan it for a node of two GPUs of this kind (no note that the profile is from
+    another kind), and run the written plan on the local backend against one process."""
+    from tests.test_cli import pipelang_cmd
+
+    proc = pipelang_cmd(
+        "profile", "--model", "gpt:small", "--device", "cuda", "--repeats", "3",
+        "-o", "p.json", cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "t.yaml").write_text(
+        f"nodes: 1\ngpus_per_node: 2\nmemory: 40GiB\nkind: {torch.cuda.get_device_name()}\n"
+        "intra_node: {bandwidth: 300GB/s, latency: 2us}\n"
+    )
+    proc = pipelang_cmd(
+        "plan", "--profile", "p.json", "--topology", "t.yaml", "--micro-batches", "8",
+        "-o", "best.pipe", cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "another kind" not in proc.stderr
+    proc = pipelang_cmd(
+        "run", "best.pipe", "--model", "gpt:small", "--backend", "local", "--check",
+        "--steps", "3", cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted" in proc.stdout + proc.stderr

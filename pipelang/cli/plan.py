@@ -34,9 +34,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
         type=path,
         required=True,
         metavar="T.yaml",
-        help="the devices (count, memory, optional kind and relative speed) and the links "
-        "between them (docs/planner.md); a profile from another kind of device is noted, "
-        "and faster devices get more layers",
+        help="the devices (count, memory, optional kind, relative speed, node and "
+        "datacenter) and the links between them, by pair or by class: within a node, "
+        "across nodes, across datacenters (docs/planner.md); a profile from another kind "
+        "of device is noted, and faster devices get more layers",
     )
     parser.add_argument(
         "--micro-batches",
@@ -86,7 +87,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "under a tenth of the heaviest one's work), said under the table",
     )
     parser.add_argument(
-        "--all", action="store_true", help="also list every candidate left out, and why"
+        "--all",
+        action="store_true",
+        help="also list every candidate left out, and why (a failed `require`, the memory "
+        "cap, the time budget, or a lower bound above the fastest plans found)",
     )
     parser.add_argument(
         "--json",

@@ -69,9 +69,19 @@ def expand_orders(
         return _expand(file, bindings, shapes)
 
 
-def _expand(
+def schedule_layout(
+    file: ast.File, bindings: Mapping[str, Value], most_ops: int = MAX_OPS
+) -> Layout:
+    """The schedule's declarations evaluated without running its order: placement,
+    micro-batches, kinds and costs (what `pipelang plan` bounds a candidate from; its
+    `after` dependencies are left empty)."""
+    with nesting_limit(file.schedule.span), op_limit(most_ops):
+        return _layout(file, bindings, None)
+
+
+def _layout(
     file: ast.File, bindings: Mapping[str, Value], given: tuple[tuple[int, int], ...] | None
-) -> Program:
+) -> Layout:
     schedule = file.schedule
     env: Env = dict(bindings)
     scope = constant_scope(env, file.fns)
@@ -111,7 +121,16 @@ def _expand(
         chunks,
         shapes,
     )
+    return layout
+
+
+def _expand(
+    file: ast.File, bindings: Mapping[str, Value], given: tuple[tuple[int, int], ...] | None
+) -> Program:
+    schedule = file.schedule
+    layout = _layout(file, bindings, given)
     layout = dataclasses.replace(layout, after=_after(schedule, layout))
+    frozen, chunks = layout.frozen, layout.chunks
     order = _order(schedule)
     if isinstance(order, ast.OrderRank):
         ranks = expand_rank_order(order, layout)
@@ -141,20 +160,20 @@ def _expand(
         schedule.name,
         file.source.path,
         params,
-        num_ranks,
-        num_stages,
-        pipelines,
-        assignment,
-        kinds,
+        layout.num_ranks,
+        layout.num_stages,
+        layout.pipelines,
+        layout.assignment,
+        layout.kinds,
         ranks,
         layout.after,
-        costs,
+        layout.costs,
         order.span,
-        partition=_partition(schedule, scope, env, num_stages),
-        weights=_weights(schedule, scope, env),
+        partition=_partition(schedule, layout.scope, layout.env, layout.num_stages),
+        weights=_weights(schedule, layout.scope, layout.env),
         frozen=frozen,
         chunks=chunks,
-        shapes=shapes,
+        shapes=layout.shapes,
     )
 
 

@@ -9,7 +9,12 @@ quadratic assignment problem). It starts from rank r on the r-th fastest device 
 on device r when all are equally fast) and improves by swapping two ranks' devices, or
 moving a rank to an unused device as fast as its own, while any such step lowers the
 cost: a local optimum, found in a few sweeps. So a plan with fewer ranks than devices
-runs on the fastest ones.
+runs on the fastest ones. On devices of different speed the search also asks for the
+mapping that weighs links only (`links_first`: the ranks placed greedily from several
+seats, heaviest traffic first, each onto the free device with the cheapest links to
+those placed, then improved as above with any device free to take a rank), and keeps
+the one the simulator finds faster: a slower device beside a fast one can beat a fast
+device across a slow link.
 """
 
 from __future__ import annotations
@@ -34,29 +39,114 @@ def mapping_cost(traffic: Traffic, devices: Sequence[int], topology: Topology) -
     return total
 
 
+SEATS = 16
+"""The most seats a links-first mapping starts from (one per kind of device)."""
+
+Neighbours = Mapping[int, list[tuple[int, float, int]]]
+"""rank -> (other rank, bytes, messages) of the traffic between them."""
+
+
 def map_ranks(
-    traffic: Traffic, num_ranks: int, topology: Topology, sweeps: int = 20
+    traffic: Traffic,
+    num_ranks: int,
+    topology: Topology,
+    sweeps: int = 20,
+    links_first: bool = False,
 ) -> tuple[int, ...]:
-    """Device of every rank (distinct devices), a local minimum of `mapping_cost`."""
+    """Device of every rank (distinct devices), a local minimum of `mapping_cost`:
+    from rank r on the r-th fastest device, a rank moving only to a free device as fast
+    as its own; or with `links_first`, the best of the greedy starts (see the module
+    docstring), speed only breaking ties."""
     if num_ranks > topology.size:
         raise ValueError(f"{num_ranks} ranks on {topology.size} devices")
     neighbours: dict[int, list[tuple[int, float, int]]] = defaultdict(list)
     for (a, b), (size, messages) in traffic.items():
         neighbours[a].append((b, size, messages))
         neighbours[b].append((a, size, messages))
-    fastest = sorted(range(topology.size), key=lambda d: -topology.speed_of(d))
-    devices, free = fastest[:num_ranks], fastest[num_ranks:]
+    if not links_first:
+        fastest = sorted(range(topology.size), key=lambda d: -topology.speed_of(d))
+        return _improve(neighbours, fastest[:num_ranks], topology, sweeps, False)
+    found = []
+    for seat in _seats(topology):
+        start = _greedy(neighbours, num_ranks, seat, topology)
+        devices = _improve(neighbours, start, topology, sweeps, True)
+        speed = sum(topology.speed_of(d) for d in devices)
+        found.append((mapping_cost(traffic, devices, topology), -speed, devices))
+    return min(found)[2]
+
+
+def _seats(topology: Topology) -> list[int]:
+    """One device of each kind (its speed and the links of its row), at most `SEATS`."""
+    kinds: dict[tuple[object, ...], int] = {}
+    for device in range(topology.size):
+        row = sorted(
+            (link.bandwidth, link.latency) for link in topology.links[device] if link is not None
+        )
+        kinds.setdefault((topology.speed_of(device), tuple(row)), device)
+        if len(kinds) == SEATS:
+            break
+    return list(kinds.values())
+
+
+def _link_cost(
+    neighbours: Neighbours, devices: Sequence[int], rank: int, device: int, topology: Topology
+) -> float:
+    """Seconds `rank`'s traffic to the placed ranks (device >= 0) spends on links, with
+    `rank` on `device`."""
+    total = 0.0
+    for other, size, messages in neighbours.get(rank, ()):
+        there = devices[other]
+        if there >= 0 and there != device:
+            link = topology.link(device, there)
+            total += size / link.bandwidth + messages * link.latency
+    return total
+
+
+def _greedy(neighbours: Neighbours, num_ranks: int, seat: int, topology: Topology) -> list[int]:
+    """Rank 0 on `seat`; then, the rank with the most traffic to those placed first, each
+    on the free device with the cheapest links to them (the faster on a tie)."""
+    devices = [-1] * num_ranks
+    devices[0] = seat
+    free = sorted(set(range(topology.size)) - {seat})
+    for _ in range(num_ranks - 1):
+        weight = {
+            rank: sum(size for other, size, _ in neighbours.get(rank, ()) if devices[other] >= 0)
+            for rank in range(num_ranks)
+            if devices[rank] < 0
+        }
+        rank = max(weight, key=weight.__getitem__)
+        device = min(
+            free,
+            key=lambda d: (
+                _link_cost(neighbours, devices, rank, d, topology),
+                -topology.speed_of(d),
+            ),
+        )
+        devices[rank] = device
+        free.remove(device)
+    return devices
+
+
+def _improve(
+    neighbours: Neighbours, devices: list[int], topology: Topology, sweeps: int, any_speed: bool
+) -> tuple[int, ...]:
+    """Swaps and moves to free devices while `mapping_cost` falls (see the module
+    docstring); a move to a slower device only with `any_speed`."""
+    num_ranks = len(devices)
+    used = set(devices)
+    free = [
+        d
+        for d in sorted(range(topology.size), key=lambda d: -topology.speed_of(d))
+        if d not in used
+    ]
     speed = topology.speed_of
 
     def cost_of(rank: int, device: int, skip: int = -1) -> float:
-        total = 0.0
-        for other, size, messages in neighbours[rank]:
-            if other == skip:
-                continue
-            there = devices[other]
-            if there != device:
-                link = topology.link(device, there)
-                total += size / link.bandwidth + messages * link.latency
+        if skip < 0:
+            return _link_cost(neighbours, devices, rank, device, topology)
+        held, devices[skip] = devices[skip], -1
+        total = _link_cost(neighbours, devices, rank, device, topology)
+        devices[skip] = held
         return total
 
     for _ in range(sweeps):
@@ -70,7 +160,7 @@ def map_ranks(
                     devices[a], devices[b] = q, p
                     improved = True
             for index, device in enumerate(free):
-                if speed(device) < speed(devices[a]):
+                if speed(device) < speed(devices[a]) and not any_speed:
                     continue
                 if cost_of(a, device) < cost_of(a, devices[a]) - 1e-15:
                     free[index], devices[a] = devices[a], device

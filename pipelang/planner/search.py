@@ -16,6 +16,13 @@ For every candidate (a stdlib schedule with D ranks and its other parameters, se
 5. computes each device's peak memory: weights (times the optimizer's state factor) of
    the stage copies it holds, plus the activations in flight along its order.
 
+Before any of that, every candidate is bounded from below (`bound.py`: its layout and
+its stage costs at the DP's first cut, no compile), and they are screened in the order
+of their bounds: when a bound exceeds the time of the `exact_top` best plans found so
+far, the candidate cannot enter the top and is not simulated. With copies planned,
+they are searched first (the smallest pipelines first, the quickest), so that what they
+find bounds the larger pipelines.
+
 Large schedules are first screened on two smaller micro-batch counts and extrapolated
 linearly to N (exact for schedules whose time grows by a fixed amount per micro-batch,
 as every stdlib schedule does past its warm-up); the best few are then improved by a
@@ -40,7 +47,10 @@ from dataclasses import dataclass, field, replace
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
-from pipelang.ir import Action, CostModel, Kind, Program
+from pipelang.ir import Action, CostModel, Kind, Pipeline
+from pipelang.orders import Layout
+from pipelang.passes.expand_orders import schedule_layout
+from pipelang.planner.bound import iteration_bound
 from pipelang.planner.costs import (
     OpCosts,
     allreduce_end,
@@ -198,6 +208,23 @@ class Prediction:
     transfers: list[float] = field(default_factory=list)
 
 
+class Leaders:
+    """The times of the `size` fastest plans that fit, found so far by a search and the
+    searches of its copies: a candidate bounded above the slowest of them is not
+    simulated."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.times: list[float] = []
+
+    def add(self, time_ms: float) -> None:
+        self.times = sorted([*self.times, time_ms])[: self.size]
+
+    def last(self) -> float:
+        """The slowest of the leaders; infinite until there are `size` of them."""
+        return self.times[-1] if len(self.times) == self.size else math.inf
+
+
 class Planner:
     """Runs the search; keeps the compiled programs and parsed files it reuses."""
 
@@ -210,9 +237,11 @@ class Planner:
         time_budget: float | None = None,
         dp: int = 1,
         world: Topology | None = None,
+        leaders: Leaders | None = None,
     ) -> None:
         """`dp` > 1: plan copies of a pipeline; `inputs` then holds one copy's devices (the
-        first of `world`'s, the whole cluster) and micro-batches."""
+        first of `world`'s, the whole cluster) and micro-batches. `leaders`: the best
+        times found so far, shared with the search that plans these copies."""
         self.inputs = inputs
         self.dp = dp
         self.world = world or inputs.topology
@@ -224,31 +253,65 @@ class Planner:
         self.costs = OpCosts(inputs.profile, inputs.optimizer)
         """The cost model the search asks (planner/costs.py)."""
         self._files: dict[str, ast.File] = {}
-        self._compiled: dict[Candidate, Compilation] = {}
+        self._compiled: dict[Candidate, tuple[CostModel | None, Compilation]] = {}
+        """Each candidate's last compilation, and the costs its order was expanded under
+        (None when the order does not depend on them)."""
+        self._layouts: dict[Candidate, Layout | str] = {}
+        self._first_cuts: dict[int, tuple[int, ...]] = {}
+        self.leaders = leaders or Leaders(exact_top)
 
     # ---- the whole search -------------------------------------------------------------
 
     def search(self, progress: Callable[[str, int, int, str], None] | None = None) -> SearchResult:
-        """Screen every candidate, then refine and simulate the best at N (see the
-        module docstring). With a time budget, a candidate whose screening would end
-        past it, judged from the same schedule at a smaller D, is left out with that
-        reason, and a shortlisted one whose simulation at N would is kept extrapolated."""
+        """Screen every candidate that its bound does not leave out, then refine and
+        simulate the best at N (see the module docstring); with `data_parallel`, the
+        copies first. With a time budget, a candidate whose screening would end past it,
+        judged from the same schedule at a smaller D, is left out with that reason, and
+        a shortlisted one whose simulation at N would is kept extrapolated."""
         started = time.perf_counter()
         deadline = started + (self.time_budget or math.inf)
-        # With copies to plan after the single pipelines, these get half of the budget.
-        share = 0.5 if self.inputs.data_parallel else 1.0
-        screening = started + share * (self.time_budget or math.inf)
+        final: list[Plan] = []
+        rejected: list[Rejected] = []
+        if self.inputs.data_parallel:
+            # Copies first, with up to half of the budget: the smallest pipelines are
+            # the quickest to search, and their times bound the larger ones.
+            for copies in self._copies(started + 0.5 * (self.time_budget or math.inf)):
+                final.extend(copies.plans)
+                rejected.extend(copies.rejected)
+        own = self._search_pipelines(progress, deadline)
+        final.extend(own.plans)
+        rejected.extend(own.rejected)
+        final.sort(key=lambda p: p.time_ms)
+        return SearchResult(tuple(final), tuple(rejected), time.perf_counter() - started)
+
+    def _search_pipelines(
+        self, progress: Callable[[str, int, int, str], None] | None, deadline: float
+    ) -> SearchResult:
+        """The search over one pipeline on the planner's devices (`search` without the
+        copies)."""
+        started = time.perf_counter()
         screened: list[Plan] = []
         rejected: list[Rejected] = []
         costs: dict[tuple[str, Params], list[tuple[float, float]]] = {}
-        listed = list(candidates(self.inputs, self.dp))
+        # The most promising first (the lowest bound), so that the leaders are soon fast
+        # and the bound leaves out more.
+        bounds = {c: self.bound(c) for c in candidates(self.inputs, self.dp)}
+        listed = sorted(bounds, key=bounds.__getitem__)
         for done, candidate in enumerate(listed):
             if progress is not None:
                 progress("screening", done, len(listed), candidate.label)
+            bound = bounds[candidate]
+            if bound > self.leaders.last():
+                why = (
+                    f"not simulated: it takes at least {bound:.4g} ms, more than the "
+                    f"{self.leaders.size} fastest plans found"
+                )
+                rejected.append(Rejected(candidate, why))
+                continue
             family = (candidate.schedule, candidate.params[2:])
             ops = self._ops(candidate, sum(self._probe_sizes(candidate)))
             estimate = _scaled(costs.get(family, []), ops)
-            if time.perf_counter() + estimate > screening:
+            if time.perf_counter() + estimate > deadline:
                 why = f"not searched: screening would take about {estimate:.0f} s, past the"
                 rejected.append(Rejected(candidate, why + " time budget"))
                 continue
@@ -258,6 +321,8 @@ class Planner:
             if isinstance(outcome, Plan):
                 screened.append(outcome)
                 self._screen_cost[candidate] = costs[family]
+                if self.fits(outcome) is None:
+                    self.leaders.add(outcome.time_ms)
             else:
                 rejected.append(outcome)
         fitting = sorted((p for p in screened if self.fits(p) is None), key=lambda p: p.time_ms)
@@ -266,7 +331,10 @@ class Planner:
             if reason is not None:
                 rejected.append(Rejected(plan.candidate, reason, memory=True))
         final: list[Plan] = []
-        shortlist = fitting[: self.exact_top]
+        # Refined and simulated at N: the best few, unless plans found by the searches
+        # of copies are already faster.
+        top = [p for p in fitting[: self.exact_top] if p.time_ms <= self.leaders.last()]
+        shortlist, rest = top, fitting[len(top) :]
         for done, plan in enumerate(shortlist):
             if progress is not None:
                 progress("simulating at N", done, len(shortlist), plan.candidate.label)
@@ -274,6 +342,11 @@ class Planner:
             refined = self.refine(plan, min(deadline, time.perf_counter() + share))
             full_ops = self._ops(plan.candidate, self.inputs.micro_batches)
             estimate = _scaled(self._screen_cost.get(plan.candidate, []), full_ops)
+            if refined.exact and self._cost_dependent(refined.candidate):
+                # The order expanded again under the costs of the plan's own partition
+                # and devices, as the written plan's will be (screening reused the
+                # order expanded for the first cut).
+                refined = self.predict(refined.candidate, refined.partition, refined.devices, True)
             if refined.exact or time.perf_counter() + estimate > deadline:
                 final.append(refined)
                 continue
@@ -283,12 +356,7 @@ class Planner:
             else:
                 rejected.append(Rejected(exact.candidate, str(self.fits(exact)), memory=True))
         final.sort(key=lambda p: p.time_ms)
-        final.extend(fitting[self.exact_top :])
-        if self.inputs.data_parallel:
-            for copies in self._copies(deadline):
-                final.extend(copies.plans)
-                rejected.extend(copies.rejected)
-            final.sort(key=lambda p: p.time_ms)
+        final.extend(rest)
         return SearchResult(tuple(final), tuple(rejected), time.perf_counter() - started)
 
     def _copies(self, deadline: float) -> Iterable[SearchResult]:
@@ -319,7 +387,7 @@ class Planner:
             micro_batches=n // copies,
             data_parallel=False,
         )
-        return Planner(
+        planner = Planner(
             inputs,
             self.exact_top,
             self.refine_steps,
@@ -327,7 +395,10 @@ class Planner:
             time_budget,
             dp=copies,
             world=self.inputs.topology,
+            leaders=self.leaders,
         )
+        planner._files = self._files  # the parsed stdlib files
+        return planner
 
     def _ops(self, candidate: Candidate, micro_batches: int) -> float:
         return float(micro_batches * candidate.stages * (3 if self._split_w(candidate) else 2))
@@ -359,39 +430,65 @@ class Planner:
         try:
             # Cut without transfers first: a greedy order needs costs to be expanded, and
             # the mapping needs the expanded program's traffic.
-            counts = best_partition(
-                self.costs.layer_time, candidate.stages, self.inputs.micro_batches
-            ).counts
+            counts = self._first_cut(candidate.stages)
             n = self._probe_sizes(candidate)[-1]
             costs = self.costs.cost_model(counts, self._split_w(candidate))
             probe = self._compile(candidate.with_n(n), costs, True).need_program()
             traffic = program_traffic(probe, self.inputs.profile, counts, self.inputs.micro_batches)
-            devices = map_ranks(traffic, candidate.ranks, self.inputs.topology)
-            counts = self._cut(candidate, probe, devices)
-            return self.predict(candidate, counts, devices, full=False, reorder=False)
+            topology = self.inputs.topology
+            mappings = {map_ranks(traffic, candidate.ranks, topology)}
+            if topology.speeds and candidate.ranks < topology.size:
+                # A slower device on a faster link may win: the simulator judges.
+                mappings.add(map_ranks(traffic, candidate.ranks, topology, links_first=True))
+            plans = [
+                self.predict(
+                    candidate, self._cut(candidate, probe.pipelines, devices), devices, False, False
+                )
+                for devices in sorted(mappings)
+            ]
+            return min(plans, key=lambda plan: (self.fits(plan) is not None, plan.time_ms))
         except PipelangError as err:  # a schedule that does not compile at these sizes
             return Rejected(candidate, err.diagnostics[0].message)
 
     def refine(self, plan: Plan, deadline: float = math.inf) -> Plan:
-        """Move single layers across stage boundaries while the simulator says the
-        iteration gets shorter (at most `refine_steps` tries, and not past `deadline`
-        on `time.perf_counter`). Layers leave the slowest stages first."""
+        """Move single layers across stage boundaries, and on devices of different
+        speeds move ranks between devices, while the simulator says the iteration gets
+        shorter (at most `refine_steps` tries, and not past `deadline` on
+        `time.perf_counter`). Layers leave the slowest stages first."""
         best, tries = plan, 0
         improved = True
         while improved and tries < self.refine_steps:
             improved = False
-            loads = sums(self.costs.layer_time, best.partition)
-            for moved in _neighbours(best.partition, loads):
+            for counts, devices in self._neighbours(best):
                 if tries >= self.refine_steps or time.perf_counter() > deadline:
                     return best
                 tries += 1
-                trial = self.predict(
-                    plan.candidate, moved, plan.devices, full=plan.exact, reorder=False
-                )
+                trial = self.predict(plan.candidate, counts, devices, plan.exact, reorder=False)
                 if trial.time_ms < best.time_ms - 1e-9 and self.fits(trial) is None:
                     best, improved = trial, True
                     break
         return best
+
+    def _neighbours(self, plan: Plan) -> Iterable[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(partition, devices) one step from the plan's: a layer moved across one
+        boundary; then, on devices of different speeds, two ranks' devices swapped or
+        one rank moved to a free device (one of each kind of free device), each cut
+        again by the DP and then with a layer moved from that cut (the DP's objective is
+        1F1B's, so on its own it can hide a better mapping). The mapping's own search
+        weighs links only: these moves let the simulator weigh a device's speed against
+        its links."""
+        loads = sums(self.costs.layer_time, plan.partition)
+        for moved in _neighbours(plan.partition, loads):
+            yield moved, plan.devices
+        topology = self.inputs.topology
+        if not topology.speeds:
+            return
+        pipelines = self._pipelines(plan.candidate)
+        for devices in _mapping_moves(plan.devices, topology):
+            counts = self._cut(plan.candidate, pipelines, devices)
+            yield counts, devices
+            for moved in _neighbours(counts, sums(self.costs.layer_time, counts)):
+                yield moved, devices
 
     def predict(
         self,
@@ -448,13 +545,58 @@ class Planner:
         body = self._file(candidate.schedule).schedule.body
         return any(isinstance(d, ast.Ops) and "W" in d.kinds for d in body)
 
+    def _cost_dependent(self, candidate: Candidate) -> bool:
+        """Whether the schedule's order depends on the costs (greedy, or squeezed)."""
+        return any(
+            isinstance(d, ast.OrderGreedy) or (isinstance(d, ast.OrderRepeat) and d.squeeze)
+            for d in self._file(candidate.schedule).schedule.body
+        )
+
     def _require(self, candidate: Candidate) -> str | None:
-        """The message of the first `require` that fails at these parameters, if any."""
-        try:
-            run_passes(self._file(candidate.schedule), _options(candidate), "resolve-params")
-        except PipelangError as err:
-            return err.diagnostics[0].message
-        return None
+        """The message of the first `require` that fails at these parameters (or of the
+        first error in the schedule's declarations), if any."""
+        layout = self._layout(candidate)
+        return layout if isinstance(layout, str) else None
+
+    def _layout(self, candidate: Candidate) -> Layout | str:
+        """The candidate's declarations evaluated (its order not run), or why they fail."""
+        if candidate not in self._layouts:
+            file = self._file(candidate.schedule)
+            try:
+                params = run_passes(file, _options(candidate), "resolve-params").params
+                assert params is not None
+                self._layouts[candidate] = schedule_layout(file, params, PLANNER_MAX_OPS)
+            except PipelangError as err:
+                self._layouts[candidate] = err.diagnostics[0].message
+        return self._layouts[candidate]
+
+    def _first_cut(self, stages: int) -> tuple[int, ...]:
+        """The DP's partition without transfers (at every device's speed 1)."""
+        if stages not in self._first_cuts:
+            layers = self.costs.layer_time
+            self._first_cuts[stages] = best_partition(
+                layers, stages, self.inputs.micro_batches
+            ).counts
+        return self._first_cuts[stages]
+
+    def bound(self, candidate: Candidate) -> float:
+        """A lower bound on the candidate's iteration (`bound.py`) at the DP's first
+        cut, every stage at the fastest device's speed, transfers free; 0 when its
+        declarations fail (`screen` then says why)."""
+        layout = self._layout(candidate)
+        if isinstance(layout, str) or candidate.stages > len(self.costs.layer_time):
+            return 0.0
+        placement = layout.pipelines[0].placement
+        crossing = [placement[s] != placement[s + 1] for s in range(len(placement) - 1)]
+        topology = self.inputs.topology
+        fastest = max(topology.speed_of(d) for d in range(topology.size))
+        stage_costs = self.costs.stage_costs(
+            self._first_cut(candidate.stages),
+            self._split_w(candidate),
+            crossing,
+            [fastest] * candidate.stages,
+        )
+        return iteration_bound(layout, stage_costs)
 
     def _probe_sizes(self, candidate: Candidate) -> list[int]:
         big_n = self.inputs.micro_batches
@@ -470,25 +612,27 @@ class Planner:
         self, candidate: Candidate, costs: CostModel | None = None, reorder: bool = False
     ) -> Compilation:
         """The schedule expanded and validated at these parameters (its program and op
-        graph), kept for reuse. A greedy order depends on the costs: with `reorder` it is
-        expanded again under `costs` (the local search reuses the order found for the
-        DP's partition)."""
+        graph), kept for reuse. A greedy or squeezed order depends on the costs: with
+        `reorder` it is expanded again under `costs` unless it already was (the local
+        search reuses the order found for the partition it starts from)."""
         file = self._file(candidate.schedule)
-        greedy = any(isinstance(d, ast.OrderGreedy) for d in file.schedule.body)
-        if candidate in self._compiled and not (greedy and reorder):
-            return self._compiled[candidate]
-        if greedy and costs is not None:
+        depends = self._cost_dependent(candidate)
+        if candidate in self._compiled:
+            under, compiled = self._compiled[candidate]
+            if not (depends and reorder) or under == costs:
+                return compiled
+        if depends and costs is not None:
             file = _with_costs(file, costs)
         compiled = run_passes(file, _options(candidate), "validate")
-        self._compiled[candidate] = compiled
+        self._compiled[candidate] = (costs if depends else None, compiled)
         return compiled
 
     def _cut(
-        self, candidate: Candidate, program: Program, devices: Sequence[int]
+        self, candidate: Candidate, pipelines: Sequence[Pipeline], devices: Sequence[int]
     ) -> tuple[int, ...]:
         """The DP partition, each boundary timed on the link between the devices of the
         ranks that hold its two stages in the first pipeline."""
-        placement = program.pipelines[0].placement
+        placement = pipelines[0].placement
         topology = self.inputs.topology
         outputs = [c.output_bytes for c in self.inputs.profile.layers]
 
@@ -508,40 +652,48 @@ class Planner:
             candidate.stages,
             self.inputs.micro_batches,
             cut,
-            speeds=self._stage_speeds(program, devices),
+            speeds=self._stage_speeds(pipelines, devices),
         )
         return split.counts
 
     def plan_speeds(self, plan: Plan) -> list[float] | None:
         """Each stage's device speed in `plan` (`_stage_speeds`); None on a topology of
         one speed."""
-        if not self.inputs.topology.speeds:
-            return None
-        return self._stage_speeds(self._compile(plan.candidate).need_program(), plan.devices)
+        return self._stage_speeds(self._pipelines(plan.candidate), plan.devices)
 
-    def _stage_speeds(self, program: Program, devices: Sequence[int]) -> list[float] | None:
+    def _pipelines(self, candidate: Candidate) -> tuple[Pipeline, ...]:
+        """The candidate's pipelines (which rank holds each stage), from its layout."""
+        layout = self._layout(candidate)
+        assert not isinstance(layout, str), layout
+        return layout.pipelines
+
+    def _stage_speeds(
+        self, pipelines: Sequence[Pipeline], devices: Sequence[int]
+    ) -> list[float] | None:
         """Each stage's speed: that of the slowest device holding a copy of it (a stage's
         cost is one per stage, for all its replicas); None on a topology of one speed."""
         topology = self.inputs.topology
         if not topology.speeds:
             return None
         return [
-            min(topology.speed_of(devices[rank]) for rank in program.replicas(stage))
-            for stage in range(program.num_stages)
+            min(topology.speed_of(devices[p.placement[stage]]) for p in pipelines)
+            for stage in range(len(pipelines[0].placement))
         ]
 
     def _simulate(
         self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
     ) -> Prediction:
         split_w = self._split_w(candidate)
-        compiled = self._compile(candidate, self.costs.cost_model(counts, split_w), reorder)
+        # Placement and replicas do not depend on the order: any compilation gives them.
+        shape = self._compile(candidate, self.costs.cost_model(counts, split_w)).need_program()
+        placement = shape.pipelines[0].placement
+        crossing = [placement[s] != placement[s + 1] for s in range(len(counts) - 1)]
+        speeds = self._stage_speeds(shape.pipelines, devices)
+        costs = self.costs.cost_model(counts, split_w, crossing, speeds)
+        # A greedy order is expanded under the costs simulated: device speeds, host costs.
+        compiled = self._compile(candidate, costs, reorder)
         program, graph = compiled.need_program(), compiled.graph
         assert graph is not None
-        placement = program.pipelines[0].placement
-        crossing = [placement[s] != placement[s + 1] for s in range(len(counts) - 1)]
-        costs = self.costs.cost_model(
-            counts, split_w, crossing, self._stage_speeds(program, devices)
-        )
         topology = self.inputs.topology
         outputs = stage_outputs(self.inputs.profile, counts)
         cache: dict[tuple[Kind, int, int, int], float] = {}
@@ -638,6 +790,26 @@ def _with_costs(file: ast.File, costs: CostModel) -> ast.File:
     )
     schedule = replace(file.schedule, body=(*file.schedule.body, ast.Cost(span, items)))
     return replace(file, schedule=schedule)
+
+
+def _mapping_moves(devices: tuple[int, ...], topology: Topology) -> Iterable[tuple[int, ...]]:
+    """Mappings one step away: two ranks' devices swapped, or one rank on a free device
+    (of the free devices alike in speed and in their links to the used ones, only the
+    first)."""
+    for a in range(len(devices)):
+        for b in range(a + 1, len(devices)):
+            swapped = list(devices)
+            swapped[a], swapped[b] = devices[b], devices[a]
+            yield tuple(swapped)
+    used = set(devices)
+    kinds: dict[tuple[object, ...], int] = {}
+    for device in range(topology.size):
+        if device not in used:
+            links = tuple(topology.links[device][u] for u in devices)
+            kinds.setdefault((topology.speed_of(device), links), device)
+    for rank in range(len(devices)):
+        for device in kinds.values():
+            yield (*devices[:rank], device, *devices[rank + 1 :])
 
 
 def _neighbours(counts: tuple[int, ...], loads: Sequence[float]) -> Iterable[tuple[int, ...]]:

@@ -1,7 +1,7 @@
 """The cluster a plan runs on: devices, their memory, and the link between every pair.
 
 Read from YAML (`pipelang plan --topology T.yaml`) in one of two forms. The full form
-lists the devices and the links; pairs not listed use `default_link`:
+lists the devices and the links:
 
     devices:
       - {name: a, memory: 80GiB, kind: H100, speed: 2}   # `kind`, `speed`: optional
@@ -9,6 +9,13 @@ lists the devices and the links; pairs not listed use `default_link`:
     links:
       - {between: [a, b], bandwidth: 300GB/s, latency: 2us}
     default_link: {bandwidth: 25GB/s, latency: 10us}
+
+Links come in classes. A device may name its `node` and its `datacenter`; a pair not
+listed under `links` then takes `intra_node` (one node), `inter_node` (two nodes of one
+datacenter, or of no named one) or `inter_datacenter` (two datacenters), each given at
+the top level, and `default_link` when its class is not given or the devices name no
+node. `link_classes` names links that any link may then name instead of spelling
+them out (`intra_node: nvlink`, `{between: [a, b], class: nvlink}`).
 
 The shorthand is N nodes of G GPUs each, one link inside a node and one between nodes;
 the devices are named `node0.gpu0`, `node0.gpu1`, ..., node by node:
@@ -22,9 +29,10 @@ the devices are named `node0.gpu0`, `node0.gpu1`, ..., node by node:
     datacenters: 2                                     # optional: nodes split evenly
     inter_datacenter: {bandwidth: 1GB/s, latency: 20ms}  # needed with datacenters > 1
 
-A device's `kind` names what it is; `pipelang plan` notes a profile measured on another
-kind (the layer times would not hold there). Its `speed` (default 1) is how many times
-faster than the profiled device it runs the layers: the partition gives it more.
+The shorthand takes `link_classes` too. A device's `kind` names what it is; `pipelang
+plan` notes a profile measured on another kind (the layer times would not hold there).
+Its `speed` (default 1) is how many times faster than the profiled device it runs the
+layers: the partition gives it more.
 
 Every problem is E0402 and points at the line of the YAML file that causes it.
 """
@@ -129,6 +137,8 @@ def parse_topology(source: SourceFile) -> Topology:
     if not isinstance(root, yaml.MappingNode):
         raise reader.error("a topology is a mapping: `devices:` ... or `nodes:` ...", root)
     keys = reader.mapping(root)
+    if "link_classes" in keys:
+        reader.read_classes(keys["link_classes"])
     if "nodes" in keys:
         return _shorthand(reader, root, keys)
     if "devices" in keys:
@@ -140,6 +150,7 @@ def parse_topology(source: SourceFile) -> Topology:
 
 
 _LINK_KEYS = {"bandwidth", "latency"}
+_CLASSES = ("intra_node", "inter_node", "inter_datacenter")
 _MEMORY = positive(parse_bytes, "a device's memory")
 
 
@@ -157,6 +168,7 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
             "speed",
             "datacenters",
             "inter_datacenter",
+            "link_classes",
         },
     )
     nodes = reader.count(keys, "nodes", root)
@@ -196,7 +208,7 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
 
 
 def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
-    reader.only(root, keys, {"devices", "links", "default_link"})
+    reader.only(root, keys, {"devices", "links", "default_link", "link_classes", *_CLASSES})
     devices = keys["devices"]
     if not isinstance(devices, yaml.SequenceNode) or not devices.value:
         raise reader.error("`devices` is a non-empty list of {name, memory}", devices)
@@ -204,12 +216,19 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
     memory: list[float] = []
     kinds: list[str] = []
     speeds: list[float] = []
+    places: list[tuple[str | None, str | None]] = []  # (node, datacenter)
     for node in devices.value:
         if not isinstance(node, yaml.MappingNode):
             raise reader.error("a device is a mapping {name: ..., memory: ...}", node)
         entry = reader.mapping(node)
-        reader.only(node, entry, {"name", "memory", "kind", "speed"})
+        reader.only(node, entry, {"name", "memory", "kind", "speed", "node", "datacenter"})
         kinds.append(reader.text(entry["kind"]) if "kind" in entry else "")
+        places.append(
+            (
+                reader.text(entry["node"]) if "node" in entry else None,
+                reader.text(entry["datacenter"]) if "datacenter" in entry else None,
+            )
+        )
         speeds.append(reader.value(entry["speed"], parse_speed) if "speed" in entry else 1.0)
         name = reader.text(reader.need(entry, "name", node))
         if name in names:
@@ -220,7 +239,7 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
     table: list[list[Link | None]] = [[None] * size for _ in range(size)]
     for node in _items(reader, keys.get("links"), "links"):
         entry = reader.mapping(node)
-        reader.only(node, entry, {"between", *_LINK_KEYS})
+        reader.only(node, entry, {"between", "class", *_LINK_KEYS})
         pair = reader.need(entry, "between", node)
         ends = pair.value if isinstance(pair, yaml.SequenceNode) else []
         if len(ends) != 2:
@@ -231,16 +250,21 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
         table[a][b] = table[b][a] = reader.link(node, entry)
     default = keys.get("default_link")
     fallback = reader.link(default) if default is not None else None
+    classes = {name: reader.link(keys[name]) for name in _CLASSES if name in keys}
     for a in range(size):
         for b in range(size):
             if a != b and table[a][b] is None:
-                if fallback is None:
+                kind = _class_of(places[a], places[b])
+                found = classes.get(kind, fallback) if kind is not None else fallback
+                if found is None:
+                    where = f"`{kind}` or " if kind is not None else ""
                     raise reader.error(
-                        f"no link between `{names[a]}` and `{names[b]}`; list it under "
-                        "`links` or give a `default_link`",
+                        f"no link between `{names[a]}` and `{names[b]}`"
+                        + (f" ({_CLASS_TEXT[kind]})" if kind is not None else "")
+                        + f"; give {where}a `default_link`, or list the pair under `links`",
                         root,
                     )
-                table[a][b] = fallback
+                table[a][b] = found
     links = tuple(tuple(row) for row in table)
     return Topology(
         tuple(names),
@@ -249,6 +273,22 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
         tuple(kinds) if any(kinds) else (),
         tuple(speeds) if any(s != 1.0 for s in speeds) else (),
     )
+
+
+_CLASS_TEXT = {
+    "intra_node": "one node",
+    "inter_node": "two nodes of one datacenter",
+    "inter_datacenter": "two datacenters",
+}
+
+
+def _class_of(a: tuple[str | None, str | None], b: tuple[str | None, str | None]) -> str | None:
+    """The link class of two devices' (node, datacenter): None unless both name a node."""
+    if a[0] is None or b[0] is None:
+        return None
+    if a[1] is not None and b[1] is not None and a[1] != b[1]:
+        return "inter_datacenter"
+    return "intra_node" if a[0] == b[0] and a[1] == b[1] else "inter_node"
 
 
 def _items(reader: _Reader, node: yaml.Node | None, key: str) -> list[yaml.MappingNode]:
@@ -278,6 +318,16 @@ class _Reader:
 
     def __init__(self, source: SourceFile) -> None:
         self.source = source
+        self.classes: dict[str, Link] = {}
+        """The file's `link_classes`, by name."""
+
+    def read_classes(self, node: yaml.Node) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.error("`link_classes` maps names to links {bandwidth, latency}", node)
+        for name, value in self.mapping(node).items():
+            if not isinstance(value, yaml.MappingNode):
+                raise self.error(f"link class `{name}` is a mapping {{bandwidth, latency}}", value)
+            self.classes[name] = self.link(value)
 
     def error(self, message: str, node: yaml.Node) -> PipelangError:
         start, end = node.start_mark.index, node.end_mark.index
@@ -328,11 +378,26 @@ class _Reader:
         return int(text)
 
     def link(self, node: yaml.Node, entry: dict[str, yaml.Node] | None = None) -> Link:
+        """A link: a mapping {bandwidth, latency}, or the name of a link class (as a
+        plain value, or a `links` entry's `class`)."""
+        if entry is None and isinstance(node, yaml.ScalarNode):
+            return self.named(node)
         if entry is None:
             if not isinstance(node, yaml.MappingNode):
                 raise self.error("a link is a mapping {bandwidth: ..., latency: ...}", node)
             entry = self.mapping(node)
             self.only(node, entry, _LINK_KEYS)
+        if "class" in entry:
+            if _LINK_KEYS & entry.keys():
+                raise self.error("a link names a `class` or gives its bandwidth, not both", node)
+            return self.named(entry["class"])
         bandwidth = self.value(self.need(entry, "bandwidth", node), parse_bandwidth)
         latency = self.value(entry["latency"], parse_seconds) if "latency" in entry else 0.0
         return Link(bandwidth, latency)
+
+    def named(self, node: yaml.Node) -> Link:
+        name = self.text(node)
+        if name not in self.classes:
+            known = ", ".join(self.classes) if self.classes else "none (no `link_classes`)"
+            raise self.error(f"unknown link class `{name}`; the classes are {known}", node)
+        return self.classes[name]
