@@ -926,6 +926,26 @@ default_link: {bandwidth: 100GB/s, latency: 5us}
 """
 
 
+CLASSES = """\
+link_classes:
+  nvlink: {bandwidth: 300GB/s, latency: 2us}
+  wan: {bandwidth: 1GB/s, latency: 20ms}
+devices:
+  - {name: a0, memory: 80GiB, kind: H100, speed: 2, node: a, datacenter: east}
+  - {name: a1, memory: 80GiB, kind: H100, speed: 2, node: a, datacenter: east}
+  - {name: b0, memory: 40GiB, kind: A100, node: b, datacenter: east}
+  - {name: c0, memory: 40GiB, kind: A100, node: c, datacenter: west}
+  - {name: c1, memory: 40GiB, kind: A100, node: c, datacenter: west}
+  - {name: x, memory: 16GiB}
+intra_node: nvlink
+inter_node: {bandwidth: 25GB/s, latency: 10us}
+inter_datacenter: wan
+default_link: {bandwidth: 10GB/s}
+links:
+  - {between: [b0, c0], class: nvlink}
+"""
+
+
 def test_mixed_devices_get_layers_in_proportion_to_speed(tmp_path: Path) -> None:
     """Two devices twice as fast as two others, 12 equal layers: 4, 4, 2, 2, every stage
     equally long; the even split (3 each) leaves the slow devices the bottleneck, and
@@ -958,8 +978,17 @@ def test_mixed_devices_get_layers_in_proportion_to_speed(tmp_path: Path) -> None
         (MIXED.replace("100GB/s", "0GB/s"), 6, "a bandwidth must be positive"),
         (MIXED.replace("kind: A100}", "kind: A100, color: red}", 1), 4, "unknown key `color`"),
         (MIXED.replace("name: old1", "name: old0"), 5, "device `old0` is listed twice"),
+        (CLASSES.replace("inter_datacenter: wan", "inter_datacenter: satellite"), 13,
+         "unknown link class `satellite`; the classes are nvlink, wan"),
+        (CLASSES.replace("class: nvlink}", "class: nvlink, bandwidth: 1GB/s}"), 16,
+         "a link names a `class` or gives its bandwidth, not both"),
+        (CLASSES.replace("  wan: {bandwidth: 1GB/s, latency: 20ms}", "  wan: {bandwidth: 0GB/s}"),
+         3, "a bandwidth must be positive"),
+        (CLASSES.replace("inter_datacenter: wan\n", "").replace("default_link:", "# "), 1,
+         "no link between `a0` and `c0` (two datacenters)"),
+        (CLASSES.replace("node: b,", "node: b, rack: 3,"), 7, "unknown key `rack`"),
     ],
-)
+)  # fmt: skip
 def test_bad_device_entries_name_their_line(
     tmp_path: Path, text: str, line: int, message: str
 ) -> None:
@@ -1002,26 +1031,6 @@ def test_datacenters_in_the_shorthand(tmp_path: Path) -> None:
         assert message in err.value.diagnostics[0].message
 
 
-CLASSES = """\
-link_classes:
-  nvlink: {bandwidth: 300GB/s, latency: 2us}
-  wan: {bandwidth: 1GB/s, latency: 20ms}
-devices:
-  - {name: a0, memory: 80GiB, kind: H100, speed: 2, node: a, datacenter: east}
-  - {name: a1, memory: 80GiB, kind: H100, speed: 2, node: a, datacenter: east}
-  - {name: b0, memory: 40GiB, kind: A100, node: b, datacenter: east}
-  - {name: c0, memory: 40GiB, kind: A100, node: c, datacenter: west}
-  - {name: c1, memory: 40GiB, kind: A100, node: c, datacenter: west}
-  - {name: x, memory: 16GiB}
-intra_node: nvlink
-inter_node: {bandwidth: 25GB/s, latency: 10us}
-inter_datacenter: wan
-default_link: {bandwidth: 10GB/s}
-links:
-  - {between: [b0, c0], class: nvlink}
-"""
-
-
 def test_link_classes_in_the_full_form(tmp_path: Path) -> None:
     """Devices that name their node and datacenter take the class of link between them;
     a listed pair keeps its own link, a device without a node the default."""
@@ -1035,34 +1044,6 @@ def test_link_classes_in_the_full_form(tmp_path: Path) -> None:
     assert topology.link(index("b0"), index("c0")) == nvlink  # listed under `links`
     assert topology.link(index("c0"), index("x")) == Link(10e9, 0.0)  # no node: the default
     assert topology.speeds == (2.0, 2.0, 1.0, 1.0, 1.0, 1.0)
-
-
-@pytest.mark.parametrize(
-    ("change", "line", "message"),
-    [
-        (("inter_datacenter: wan", "inter_datacenter: satellite"), 13,
-         "unknown link class `satellite`; the classes are nvlink, wan"),
-        (("class: nvlink}", "class: nvlink, bandwidth: 1GB/s}"), 16,
-         "a link names a `class` or gives its bandwidth, not both"),
-        (("  wan: {bandwidth: 1GB/s, latency: 20ms}", "  wan: {bandwidth: 0GB/s}"), 3,
-         "a bandwidth must be positive"),
-        (("inter_datacenter: wan\n", ""), 1, "no link between `a0` and `c0` (two datacenters)"),
-        (("a1, memory: 80GiB", "a0, memory: 80GiB"), 6, "device `a0` is listed twice"),
-        (("node: b,", "node: b, rack: 3,"), 7, "unknown key `rack`"),
-    ],
-)  # fmt: skip
-def test_bad_link_classes_name_their_line(
-    tmp_path: Path, change: tuple[str, str], line: int, message: str
-) -> None:
-    text = CLASSES.replace(*change)
-    if "no link" in message:
-        text = text.replace("default_link: {bandwidth: 10GB/s}\n", "")
-    (tmp_path / "t.yaml").write_text(text)
-    with pytest.raises(PipelangError) as err:
-        load_topology(tmp_path / "t.yaml")
-    diag = err.value.diagnostics[0]
-    assert diag.code == "E0402" and message in diag.message, diag.message
-    assert diag.span is not None and diag.span.line == line
 
 
 def test_two_datacenters_keep_the_slow_link_off_the_critical_path(tmp_path: Path) -> None:
