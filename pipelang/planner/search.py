@@ -275,7 +275,8 @@ class Planner:
         if self.inputs.data_parallel:
             # Copies first, with up to half of the budget: the smallest pipelines are
             # the quickest to search, and their times bound the larger ones.
-            for copies in self._copies(started + 0.5 * (self.time_budget or math.inf)):
+            half = started + 0.5 * (self.time_budget or math.inf)
+            for copies in self._copies(half, progress):
                 final.extend(copies.plans)
                 rejected.extend(copies.rejected)
         own = self._search_pipelines(progress, deadline)
@@ -359,7 +360,9 @@ class Planner:
         final.extend(rest)
         return SearchResult(tuple(final), tuple(rejected), time.perf_counter() - started)
 
-    def _copies(self, deadline: float) -> Iterable[SearchResult]:
+    def _copies(
+        self, deadline: float, progress: Callable[[str, int, int, str], None] | None = None
+    ) -> Iterable[SearchResult]:
         """The searches with W > 1 data-parallel copies, one per W dividing both the
         device count and N (see `with_copies`), the most copies (the smallest pipelines,
         the quickest to search) first."""
@@ -374,7 +377,7 @@ class Planner:
                 out = tuple(Rejected(c, why) for c in candidates(planner.inputs, copies))
                 yield SearchResult((), out, 0.0)
                 continue
-            yield planner.search()
+            yield planner.search(progress)
 
     def with_copies(self, copies: int, time_budget: float | None = None) -> Planner:
         """A planner of `copies` data-parallel copies of a pipeline: on the first devices /
