@@ -1161,3 +1161,40 @@ def test_partition_and_mapping_on_mixed_devices_against_brute_force(schedule: st
         ratios.append(plan.time_ms / best)
     assert max(ratios) < 1.05, ratios
     assert sum(r < 1 + 1e-9 for r in ratios) >= 10, ratios
+
+
+NODE_CLASSES = """\
+nodes:
+  - {count: 2, gpus_per_node: 4, memory: 80GiB, kind: H100, speed: 2, datacenter: east}
+  - {count: 1, memory: 40GiB, kind: A100, datacenter: west}
+gpus_per_node: 8
+intra_node: {bandwidth: 300GB/s}
+inter_node: {bandwidth: 25GB/s}
+inter_datacenter: {bandwidth: 1GB/s, latency: 20ms}
+"""
+
+
+def test_classes_of_nodes_in_the_shorthand(tmp_path: Path) -> None:
+    """`nodes` as a list of node classes, each with its count, GPUs, memory, kind, speed
+    and datacenter (the top level's `gpus_per_node` and the rest as defaults)."""
+    (tmp_path / "t.yaml").write_text(NODE_CLASSES)
+    topology = load_topology(tmp_path / "t.yaml")
+    assert topology.names[:5] == (*(f"node0.gpu{g}" for g in range(4)), "node1.gpu0")
+    assert topology.names[-1] == "node2.gpu7" and topology.size == 16
+    assert topology.speeds == (2.0,) * 8 + (1.0,) * 8
+    assert topology.kinds == ("H100",) * 8 + ("A100",) * 8
+    assert topology.memory == (80 * 2**30,) * 8 + (40 * 2**30,) * 8
+    assert topology.link(0, 1) == Link(300e9, 0.0)  # one node
+    assert topology.link(0, 4) == Link(25e9, 0.0)  # two nodes of `east`
+    assert topology.link(4, 8) == Link(1e9, 20e-3)  # east and west
+    assert topology.link(8, 15) == Link(300e9, 0.0)
+    for change, message in [
+        (("nodes:\n", "datacenters: 2\nnodes:\n"), "each class names its `datacenter`"),
+        (("{count: 1, ", "{"), "missing `count`"),
+        (("datacenter: west}", "site: west}"), "unknown key `site`"),
+        (("gpus_per_node: 8\n", ""), "missing `gpus_per_node`"),
+    ]:
+        (tmp_path / "t.yaml").write_text(NODE_CLASSES.replace(*change))
+        with pytest.raises(PipelangError) as err:
+            load_topology(tmp_path / "t.yaml")
+        assert message in err.value.diagnostics[0].message, err.value.diagnostics[0].message

@@ -29,6 +29,10 @@ the devices are named `node0.gpu0`, `node0.gpu1`, ..., node by node:
     datacenters: 2                                     # optional: nodes split evenly
     inter_datacenter: {bandwidth: 1GB/s, latency: 20ms}  # needed with datacenters > 1
 
+`nodes` may also be a list of classes of nodes, each `{count, gpus_per_node, memory,
+kind, speed, datacenter}` (all but `count` optional where the top level gives them; a
+class without `datacenter` is in no named one); the nodes are numbered class by class.
+
 The shorthand takes `link_classes` too. A device's `kind` names what it is; `pipelang
 plan` notes a profile measured on another kind (the layer times would not hold there).
 Its `speed` (default 1) is how many times faster than the profiled device it runs the
@@ -39,6 +43,7 @@ Every problem is E0402 and points at the line of the YAML file that causes it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +156,8 @@ def parse_topology(source: SourceFile) -> Topology:
 
 _LINK_KEYS = {"bandwidth", "latency"}
 _CLASSES = ("intra_node", "inter_node", "inter_datacenter")
+_NODE_KEYS = ("gpus_per_node", "memory", "kind", "speed")
+"""What a class of nodes gives, or takes from the shorthand's top level."""
 _MEMORY = positive(parse_bytes, "a device's memory")
 
 
@@ -171,40 +178,95 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
             "link_classes",
         },
     )
-    nodes = reader.count(keys, "nodes", root)
-    gpus = reader.count(keys, "gpus_per_node", root)
-    sites = reader.count(keys, "datacenters", root) if "datacenters" in keys else 1
-    if nodes % sites:
-        raise reader.error(
-            f"{nodes} nodes do not split evenly over {sites} datacenters", keys["datacenters"]
-        )
-    per_site = nodes // sites
-    memory = reader.value(reader.need(keys, "memory", root), _MEMORY)
-    intra = reader.link(reader.need(keys, "intra_node", root)) if gpus > 1 else None
-    inter = reader.link(reader.need(keys, "inter_node", root)) if per_site > 1 else None
-    far = reader.link(reader.need(keys, "inter_datacenter", root)) if sites > 1 else None
-    size = nodes * gpus
+    spec = keys["nodes"]
+    if isinstance(spec, yaml.SequenceNode):
+        if "datacenters" in keys:
+            raise reader.error(
+                "with classes of nodes, each class names its `datacenter`; `datacenters` "
+                "splits a number of nodes",
+                keys["datacenters"],
+            )
+        groups = []
+        for item in _items(reader, spec, "nodes"):
+            entry = reader.mapping(item)
+            reader.only(item, entry, {"count", *_NODE_KEYS, "datacenter"})
+            defaults = {key: keys[key] for key in _NODE_KEYS if key in keys}
+            count = reader.count(entry, "count", item)
+            groups.append(_node_class(reader, item, {**defaults, **entry}, count))
+        if not groups:
+            raise reader.error("`nodes` is a number, or a non-empty list of node classes", spec)
+    else:
+        nodes = reader.count(keys, "nodes", root)
+        sites = reader.count(keys, "datacenters", root) if "datacenters" in keys else 1
+        if nodes % sites:
+            raise reader.error(
+                f"{nodes} nodes do not split evenly over {sites} datacenters", keys["datacenters"]
+            )
+        _, gpus, capacity, kind, speed, _ = _node_class(reader, root, keys, nodes // sites)
+        groups = [
+            (nodes // sites, gpus, capacity, kind, speed, str(site) if sites > 1 else None)
+            for site in range(sites)
+        ]
+    site_of: list[str | None] = []  # per node
+    node_of: list[int] = []  # per device
+    memory: list[float] = []
+    kinds: list[str] = []
+    speeds: list[float | None] = []
+    for count, gpus, capacity, kind, speed, site in groups:
+        for _ in range(count):
+            site_of.append(site)
+            node_of.extend([len(site_of) - 1] * gpus)
+            memory.extend([capacity] * gpus)
+            kinds.extend([kind] * gpus)
+            speeds.extend([speed] * gpus)
+    size = len(node_of)
     if size > 4096:
-        raise reader.error(f"{size} devices; the planner takes at most 4096", keys["nodes"])
-    names = tuple(f"node{n}.gpu{g}" for n in range(nodes) for g in range(gpus))
+        raise reader.error(f"{size} devices; the planner takes at most 4096", spec)
+    per_site = Counter(site_of)
+    intra = reader.link(reader.need(keys, "intra_node", root)) if size > len(site_of) else None
+    inter = (
+        reader.link(reader.need(keys, "inter_node", root)) if max(per_site.values()) > 1 else None
+    )
+    far = reader.link(reader.need(keys, "inter_datacenter", root)) if len(per_site) > 1 else None
+    names, gpu = [], Counter[int]()
+    for node in node_of:
+        names.append(f"node{node}.gpu{gpu[node]}")
+        gpu[node] += 1
 
     def between(a: int, b: int) -> Link | None:
         if a == b:
             return None
-        if a // gpus == b // gpus:
+        p, q = node_of[a], node_of[b]
+        if p == q:
             return intra
-        return inter if a // gpus // per_site == b // gpus // per_site else far
+        return inter if site_of[p] == site_of[q] else far
 
     links = tuple(tuple(between(a, b) for b in range(size)) for a in range(size))
+    given = any(s is not None for s in speeds)
+    return Topology(
+        tuple(names),
+        tuple(memory),
+        links,
+        tuple(kinds) if any(kinds) else (),
+        tuple(1.0 if s is None else s for s in speeds) if given else (),
+    )
+
+
+NodeClass = tuple[int, int, float, str, "float | None", "str | None"]
+"""(nodes, GPUs per node, memory, kind, speed or None, datacenter or None)."""
+
+
+def _node_class(
+    reader: _Reader, node: yaml.Node, keys: dict[str, yaml.Node], count: int
+) -> NodeClass:
+    """`count` nodes whose `gpus_per_node`, `memory` and optional `kind`, `speed` and
+    `datacenter` are in `keys` (errors point into `node`)."""
+    gpus = reader.count(keys, "gpus_per_node", node)
+    memory = reader.value(reader.need(keys, "memory", node), _MEMORY)
     kind = reader.text(keys["kind"]) if "kind" in keys else ""
     speed = reader.value(keys["speed"], parse_speed) if "speed" in keys else None
-    return Topology(
-        names,
-        (memory,) * size,
-        links,
-        (kind,) * size if kind else (),
-        (speed,) * size if speed is not None else (),
-    )
+    site = reader.text(keys["datacenter"]) if "datacenter" in keys else None
+    return count, gpus, memory, kind, speed, site
 
 
 def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
