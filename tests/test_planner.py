@@ -595,6 +595,27 @@ def test_plan_command_prints_the_ranking_and_the_reason_gpipe_is_out(tmp_path: P
     assert {p["dp"] for p in doc["plans"]} == {1, 2}
 
 
+def test_plan_command_says_why_candidates_were_left_out(tmp_path: Path) -> None:
+    """Under the table, the candidates left out by the lower bound and by `require`
+    are counted; `--all` lists each with its reason."""
+    _, topology = write_inputs(tmp_path)
+    topology.write_text(
+        "nodes: 2\ngpus_per_node: 4\nmemory: 1GiB\nintra_node: {bandwidth: 10GB/s}\n"
+        "inter_node: {bandwidth: 1GB/s}\n"
+    )
+    proc = plan_cmd(tmp_path, "--data-parallel", "--micro-batches", "16")
+    assert proc.returncode == 0, proc.stderr  # type: ignore[attr-defined]
+    found = re.search(
+        r"(\d+) more left out: (\d+) by the lower bound \(slower than the fastest plans "
+        r"found\), (\d+) by their schedule's `require` or the model's size",
+        proc.stdout,  # type: ignore[attr-defined]
+    )
+    assert found and int(found[1]) == int(found[2]) + int(found[3]) and int(found[2]) > 0
+    proc = plan_cmd(tmp_path, "--data-parallel", "--micro-batches", "16", "--all")
+    out = proc.stdout  # type: ignore[attr-defined]
+    assert "not simulated: it takes at least" in out and "more left out" not in out
+
+
 def test_plan_command_on_idle_devices_and_data_parallel_copies(tmp_path: Path) -> None:
     _, topology = write_inputs(tmp_path)
     # Four devices, four layers, 1F1B only, N = 8: over a 1 MB/s link every transfer of
