@@ -228,14 +228,14 @@ def _print_tables(result: object, planner: object, top: int, show_all: bool) -> 
     if others and not show_all:
         bound = sum(r.reason.startswith("not simulated") for r in others)
         budget = sum(r.reason.startswith("not searched") for r in others)
-        parts = [
+        counts = [
             f"{bound} by the lower bound (slower than the fastest plans found)" * bool(bound),
             f"{budget} by the time budget" * bool(budget),
             f"{len(others) - bound - budget} by their schedule's `require` or the model's size"
             * bool(len(others) - bound - budget),
         ]
         _console.print(
-            f"{len(others)} more left out: {', '.join(p for p in parts if p)} (--all lists them)",
+            f"{len(others)} more left out: {', '.join(c for c in counts if c)} (--all lists them)",
             markup=False,
         )
     if any(not p.exact for p in result.plans[:top]):
