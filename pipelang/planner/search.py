@@ -589,14 +589,12 @@ class Planner:
         layout = self._layout(candidate)
         if isinstance(layout, str) or candidate.stages > len(self.costs.layer_time):
             return 0.0
-        placement = layout.pipelines[0].placement
-        crossing = [placement[s] != placement[s + 1] for s in range(len(placement) - 1)]
         topology = self.inputs.topology
         fastest = max(topology.speed_of(d) for d in range(topology.size))
         stage_costs = self.costs.stage_costs(
             self._first_cut(candidate.stages),
             self._split_w(candidate),
-            crossing,
+            _crossing(layout.pipelines),
             [fastest] * candidate.stages,
         )
         return iteration_bound(layout, stage_costs)
@@ -687,12 +685,9 @@ class Planner:
         self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
     ) -> Prediction:
         split_w = self._split_w(candidate)
-        # Placement and replicas do not depend on the order: any compilation gives them.
-        shape = self._compile(candidate, self.costs.cost_model(counts, split_w)).need_program()
-        placement = shape.pipelines[0].placement
-        crossing = [placement[s] != placement[s + 1] for s in range(len(counts) - 1)]
-        speeds = self._stage_speeds(shape.pipelines, devices)
-        costs = self.costs.cost_model(counts, split_w, crossing, speeds)
+        pipelines = self._pipelines(candidate)
+        speeds = self._stage_speeds(pipelines, devices)
+        costs = self.costs.cost_model(counts, split_w, _crossing(pipelines), speeds)
         # A greedy order is expanded under the costs simulated: device speeds, host costs.
         compiled = self._compile(candidate, costs, reorder)
         program, graph = compiled.need_program(), compiled.graph
@@ -793,6 +788,12 @@ def _with_costs(file: ast.File, costs: CostModel) -> ast.File:
     )
     schedule = replace(file.schedule, body=(*file.schedule.body, ast.Cost(span, items)))
     return replace(file, schedule=schedule)
+
+
+def _crossing(pipelines: Sequence[Pipeline]) -> list[bool]:
+    """Whether each stage boundary of the first pipeline joins two ranks."""
+    placement = pipelines[0].placement
+    return [placement[s] != placement[s + 1] for s in range(len(placement) - 1)]
 
 
 def _mapping_moves(devices: tuple[int, ...], topology: Topology) -> Iterable[tuple[int, ...]]:
