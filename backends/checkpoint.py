@@ -11,12 +11,20 @@ for a parameter (the layer counted over the whole model, as `--check` names it) 
 `--dp` copies) write one entry between them (DCP keeps one of equal keys), and a checkpoint
 loads into any schedule, rank count or partition over the same model: each rank reads the
 entries of the layers it holds.
+
+DCP keeps its index, `.metadata`, as a pickle, and its own reader unpickles it whole:
+a crafted file would run whatever it names. pipelang reads it with `_MetadataUnpickler`,
+which builds only the classes DCP's metadata is made of and refuses anything else before
+it is created; tensors are read with `torch.load(weights_only=True)` by DCP itself, and
+only entries that the metadata calls tensors are ever asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import pickle
 import re
 import warnings
 from collections.abc import Iterable, Iterator
@@ -142,8 +150,11 @@ def load(held: Iterable[Held], path: str) -> None:
         for key, value in _wanted(h)
         if key in saved or key.startswith("model.")
     }
+    missing = sorted(k for k in state if k not in saved)
+    if missing:
+        raise CheckpointError(f"`{path}` has no tensor `{missing[0]}`")
     with _one_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=_reader(path), no_dist=not dist.is_initialized())
     for h in held:
         for i, (name, param) in enumerate(zip(h.names, h.params, strict=True)):
             param.copy_(state[f"model.{name}"])
@@ -202,18 +213,75 @@ def _info(path: Path) -> dict[str, int | str]:
     return dict(info)
 
 
-def _saved_keys(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every tensor entry of checkpoint `path`."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` and nothing else: `find_class` admits DCP's metadata
+    dataclasses, `torch.Size`, torch's dtypes and layouts and paths (the classes
+    `dcp.save` writes there), and refuses any other global before it is looked up, so no
+    function named in the file is ever called."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "StorageMeta",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        if name in self._ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it names `{module}.{name}`, which DCP metadata never holds")
+
+
+def _read_metadata(path: str) -> object:
+    """DCP's metadata of checkpoint `path`, read by `_MetadataUnpickler`."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as err:  # DCP raises several kinds for a missing or bad file
+        data = (Path(path) / ".metadata").read_bytes()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as err:  # a missing file, bad pickle, refused class, bad arguments
         raise CheckpointError(f"`{path}` is not a readable DCP checkpoint: {err}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"`{path}` is not a readable DCP checkpoint: no Metadata in it")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+def _reader(path: str) -> object:
+    """DCP's file reader for checkpoint `path`, with its metadata read by
+    `_read_metadata` (built here: DCP takes a second to import)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: object, **kwargs: object) -> object:
+            metadata = _read_metadata(str(self.path))
+            metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
+            return metadata
+
+    return Reader(path)
+
+
+def _saved_keys(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every tensor entry of checkpoint `path`."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _read_metadata(path)
     return {
         key: (tuple(entry.size), entry.properties.dtype)
-        for key, entry in metadata.state_dict_metadata.items()
+        for key, entry in metadata.state_dict_metadata.items()  # type: ignore[attr-defined]
         if isinstance(entry, TensorStorageMetadata)
     }
 

@@ -147,6 +147,42 @@ def test_resume_and_save_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "checkpoints do not save yet" in capsys.readouterr().err
 
 
+class _Touch:
+    """Unpickling this runs `touch PATH`: what a crafted `.metadata` could do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.mark.parametrize("where", ["metadata", "inside"])
+def test_a_checkpoint_whose_metadata_would_run_code_is_refused_unread(
+    saved: Path, where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pickle
+    import shutil
+
+    crafted = tmp_path / "step-2"
+    shutil.copytree(saved / "step-2", crafted)
+    marker = tmp_path / "ran"
+    if where == "metadata":  # the whole file
+        payload: object = _Touch(marker)
+    else:  # hidden inside a real Metadata, where DCP's reader would build it too
+        payload = FileSystemReader(str(crafted)).read_metadata()
+        payload.planner_data = _Touch(marker)  # type: ignore[attr-defined]
+    (crafted / ".metadata").write_bytes(pickle.dumps(payload))
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--steps", "4", "--resume", str(crafted)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert "is not a readable DCP checkpoint: it names `posix.system`" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 def test_an_interrupted_run_says_where_to_resume(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT) stops every rank and names the latest complete checkpoint."""
     import signal
