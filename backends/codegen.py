@@ -32,6 +32,7 @@ import jinja2
 from pipelang import __version__
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
+from pipelang.source import one_line
 from pipelang.streams import StreamOp, StreamProgram, value_boundary
 
 _METHODS = {
@@ -197,7 +198,7 @@ def _header(program: Program, rank: int) -> dict[str, object]:
     """What both templates say about the program and the rank at their top."""
     return {
         "version": __version__,
-        "source": program.source,
+        "source": one_line(program.source),
         "name": program.name,
         "params": _params(program),
         "rank": rank,

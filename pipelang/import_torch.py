@@ -30,7 +30,7 @@ from pipelang import ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import fail
 from pipelang.parser import parse_text, read_source
-from pipelang.source import SourceFile, Span
+from pipelang.source import SourceFile, Span, one_line
 
 _COMPUTE = re.compile(r"(\d+)([FIBW])(\d+)")
 _OVERLAP = re.compile(r"\((\d+)(F)(\d+);(\d+)([IB])(\d+)\)OVERLAP_F_B")
@@ -179,7 +179,7 @@ def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> str:
     # A full backward in a split schedule is `BW`: its B and W as one action.
     letters = {"F": "F", "I": "B", "B": "BW" if layout.split_w else "B", "W": "W"}
     lines = [
-        f"# Imported from torch's CSV schedule `{origin}`: {_count(ranks, 'rank')}, "
+        f"# Imported from torch's CSV schedule `{one_line(origin)}`: {_count(ranks, 'rank')}, "
         f"{_count(stages, 'stage')}, {_count(layout.num_microbatches, 'micro-batch')}.",
         "#",
         "# Written by `pipelang import-torch`; each rank's order is its row of the CSV.",
@@ -253,7 +253,7 @@ _KEYWORDS = frozenset(
 
 def schedule_name(path: Path) -> str:
     """An identifier made from the file's name: `zbv-4x8.csv` -> `zbv_4x8`."""
-    name = re.sub(r"\W", "_", path.stem)
+    name = re.sub(r"[^A-Za-z0-9_]", "_", path.stem)
     if name in _KEYWORDS or not re.match(r"[A-Za-z_]", name):
         return f"imported_{name}"
     return name

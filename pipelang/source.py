@@ -6,6 +6,15 @@ import bisect
 from dataclasses import dataclass, field
 
 
+def one_line(text: str) -> str:
+    """`text` as it may go into a line of a generated file (a comment of a written `.pipe`
+    or rank program): every character that is not printable, line breaks among them, is
+    written as its Python escape, so text from a user's input can never end the line."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class SourceFile:
     """The text of one `.pipe` file and the name to print for it.

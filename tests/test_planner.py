@@ -1219,3 +1219,22 @@ def test_classes_of_nodes_in_the_shorthand(tmp_path: Path) -> None:
         with pytest.raises(PipelangError) as err:
             load_topology(tmp_path / "t.yaml")
         assert message in err.value.diagnostics[0].message, err.value.diagnostics[0].message
+
+
+def test_text_from_the_inputs_cannot_add_lines_to_the_written_plan(tmp_path: Path) -> None:
+    """A newline (or a carriage return, which the compiler reads as one) in the profile's
+    model or a device's name stays inside its comment line: the plan passes `check` and
+    holds no `fn` the inputs smuggled in."""
+    profile = dataclasses.replace(make_profile([1.0, 1.0]), model="m\nfn evil() = 1\r# x")
+    (tmp_path / "p.json").write_text(profile.to_json())
+    (tmp_path / "t.yaml").write_text(
+        'devices:\n  - {name: "a\\nfn bad() = 2", memory: 1GiB}\n'
+        '  - {name: "b\\u2028c", memory: 1GiB}\n'
+        "default_link: {bandwidth: 10GB/s}\n"
+    )
+    proc = plan_cmd(tmp_path, "--schedules", "1f1b")
+    assert proc.returncode == 0, proc.stderr  # type: ignore[attr-defined]
+    text = (tmp_path / "best.pipe").read_text()
+    assert "m\\nfn evil() = 1\\r# x" in text and "a\\nfn bad() = 2" in text
+    assert not [line for line in text.splitlines() if line.lstrip().startswith("fn")]
+    assert pipelang_cmd("check", "best.pipe", cwd=tmp_path).returncode == 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pipelang import __version__, api
 from pipelang.planner.search import Plan, Planner
 from pipelang.planner.units import format_bytes
+from pipelang.source import one_line
 
 
 def plan_source(plan: Plan, planner: Planner, profile_name: str, topology_name: str) -> str:
@@ -79,7 +80,7 @@ def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str)
         "  mean, so `pipelang simulate` on this file can differ slightly.",
         "",
     ]
-    return "".join(f"# {line}".rstrip() + "\n" for line in lines)
+    return "".join(f"# {one_line(line)}".rstrip() + "\n" for line in lines)
 
 
 HEADER = "# Plan from `pipelang plan`"
