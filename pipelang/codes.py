@@ -207,6 +207,14 @@ CODES: dict[str, Code] = {
             "it) stands for both lines and must also list as many micro-batches as the "
             "schedule has: set N to its count.",
         ),
+        Code(
+            "E0213",
+            "bad sequence list",
+            "`pipelang pack --sequences FILE` reads one sequence length in tokens per line "
+            "(a whole number from 1 to 10^15; `#` starts a comment, blank lines are "
+            "skipped). A line with another word, a number out of range, or a file that "
+            "lists no sequence cannot be packed.",
+        ),
         # 03xx: the order
         Code(
             "E0301",

@@ -42,6 +42,10 @@ class SourceFile:
         index = bisect.bisect_right(self._line_starts, offset) - 1
         return index + 1, offset - self._line_starts[index] + 1
 
+    def line_start(self, line: int) -> int:
+        """The offset of a 1-based line's first character."""
+        return self._line_starts[min(max(line, 1), len(self._line_starts)) - 1]
+
     def line_text(self, line: int) -> str:
         """The text of a 1-based line, without its newline."""
         if not 1 <= line <= len(self._line_starts):

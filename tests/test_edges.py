@@ -21,4 +21,6 @@ def test_a_file_name_cannot_add_lines_to_a_rank_program(tmp_path: Path) -> None:
     text = (tmp_path / "out" / "rank0.py").read_text()
     assert "\\nimport os\\r" in text.splitlines()[0]
     module = ast.parse(text)
-    assert not [n for n in ast.walk(module) if isinstance(n, ast.Import) and n.names[0].name == "os"]
+    assert not [
+        n for n in ast.walk(module) if isinstance(n, ast.Import) and n.names[0].name == "os"
+    ]

@@ -18,6 +18,7 @@ from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
 from pipelang.compiler import Compilation
 from pipelang.evaluate import MAX_OPS
 from pipelang.ir import COMPUTE_KINDS, MAX_TIME, CostModel, Program
+from pipelang.readers import read_number_rows
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RunConfig
@@ -150,35 +151,9 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_lengths(file: Path) -> tuple[tuple[int, int], ...]:
-    """A `--lengths` file: per micro-batch, `LENGTH` or `SAMPLES LENGTH`."""
-    rows = read_number_rows(file, "--lengths", "`LENGTH` or `SAMPLES LENGTH`", 2, "micro-batch")
+    """A `--lengths` file: per micro-batch, `LENGTH` or `SAMPLES LENGTH` (E0212)."""
+    rows = read_number_rows(file, "E0212", "`LENGTH` or `SAMPLES LENGTH`", 2, "micro-batch")
     return tuple((1, row[0]) if len(row) == 1 else (row[0], row[1]) for row in rows)
-
-
-def read_number_rows(
-    file: Path, option: str, expected: str, most: int, what: str
-) -> list[list[int]]:
-    """The rows of a file of whole numbers of at least 1, 1 to `most` a line (`#` starts
-    a comment, blank lines are skipped); unreadable, malformed or empty is a usage error
-    naming the file and line."""
-    try:
-        text = file.read_text()
-    except OSError as err:
-        raise UsageError(f"{option} {file}: cannot read it ({err.strerror})") from None
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        if len(words) > most or not all(w.isdigit() and int(w) >= 1 for w in words):
-            raise UsageError(
-                f"{file}:{number}: expected {expected} (whole numbers of at least 1), "
-                f"found `{line.strip()}`"
-            )
-        rows.append([int(w) for w in words])
-    if not rows:
-        raise UsageError(f"{option} {file}: the file lists no {what}")
-    return rows
 
 
 def add_max_activations(parser: argparse.ArgumentParser) -> None:

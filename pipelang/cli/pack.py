@@ -14,11 +14,11 @@ from pipelang.cli.args import (
     parse_params,
     path,
     positive,
-    read_number_rows,
     schedule_name,
     write_output,
 )
 from pipelang.ir import CostModel
+from pipelang.readers import read_number_rows
 
 HELP = "group sequence lengths into micro-batches of different shapes for a schedule"
 
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     params = parse_params(args.params)
     if "N" in params:
         raise UsageError("-p N=...: pack chooses the micro-batches; leave N out")
-    rows = read_number_rows(args.sequences, "--sequences", "a length in tokens", 1, "sequence")
+    rows = read_number_rows(args.sequences, "E0213", "a length in tokens", 1, "sequence")
     lengths = [row[0] for row in rows]
     costs = with_reference(parse_cost(args.cost) if args.cost else CostModel(()), lengths)
     try:

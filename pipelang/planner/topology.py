@@ -51,15 +51,15 @@ from typing import TypeVar
 
 import yaml
 
-from pipelang.diagnostics import PipelangError, fail
+from pipelang.diagnostics import PipelangError, fail, listing
 from pipelang.planner.units import (
-    UnitError,
     parse_bandwidth,
     parse_bytes,
     parse_seconds,
     parse_speed,
     positive,
 )
+from pipelang.readers import ReadError, read_source, whole_number
 from pipelang.source import SourceFile, Span
 
 T = TypeVar("T")
@@ -122,11 +122,7 @@ class Topology:
 
 def load_topology(path: Path) -> Topology:
     """Read and check a topology YAML file; every problem is E0402."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise fail("E0402", f"cannot read the topology `{path}`: {err}") from None
-    return parse_topology(SourceFile.of(str(path), text))
+    return parse_topology(read_source(path, "E0402"))
 
 
 def parse_topology(source: SourceFile) -> Topology:
@@ -139,6 +135,8 @@ def parse_topology(source: SourceFile) -> Topology:
         problem = getattr(err, "problem", None) or str(err)
         raise fail("E0402", f"the topology is not valid YAML: {problem}", span) from None
     reader = _Reader(source)
+    if root is None:
+        raise fail("E0402", f"the topology `{source.path}` is empty", help=reader.HELP)
     if not isinstance(root, yaml.MappingNode):
         raise reader.error("a topology is a mapping: `devices:` ... or `nodes:` ...", root)
     keys = reader.mapping(root)
@@ -154,6 +152,9 @@ def parse_topology(source: SourceFile) -> Topology:
     )
 
 
+MAX_DEVICES = 4096
+"""The most devices a topology lists (checked before any per-device work)."""
+
 _LINK_KEYS = {"bandwidth", "latency"}
 _CLASSES = ("intra_node", "inter_node", "inter_datacenter")
 _NODE_KEYS = ("gpus_per_node", "memory", "kind", "speed")
@@ -164,7 +165,6 @@ _MEMORY = positive(parse_bytes, "a device's memory")
 def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
     reader.only(
         root,
-        keys,
         {
             "nodes",
             "gpus_per_node",
@@ -189,7 +189,7 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
         groups = []
         for item in _items(reader, spec, "nodes"):
             entry = reader.mapping(item)
-            reader.only(item, entry, {"count", *_NODE_KEYS, "datacenter"})
+            reader.only(item, {"count", *_NODE_KEYS, "datacenter"})
             defaults = {key: keys[key] for key in _NODE_KEYS if key in keys}
             count = reader.count(entry, "count", item)
             groups.append(_node_class(reader, item, {**defaults, **entry}, count))
@@ -207,6 +207,9 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
             (nodes // sites, gpus, capacity, kind, speed, str(site) if sites > 1 else None)
             for site in range(sites)
         ]
+    size = sum(count * gpus for count, gpus, *_ in groups)
+    if size > MAX_DEVICES:
+        raise reader.error(f"{size:,} devices; the planner takes at most {MAX_DEVICES}", spec)
     site_of: list[str | None] = []  # per node
     node_of: list[int] = []  # per device
     memory: list[float] = []
@@ -219,9 +222,6 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
             memory.extend([capacity] * gpus)
             kinds.extend([kind] * gpus)
             speeds.extend([speed] * gpus)
-    size = len(node_of)
-    if size > 4096:
-        raise reader.error(f"{size} devices; the planner takes at most 4096", spec)
     per_site = Counter(site_of)
     intra = reader.link(reader.need(keys, "intra_node", root)) if size > len(site_of) else None
     inter = (
@@ -270,11 +270,16 @@ def _node_class(
 
 
 def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -> Topology:
-    reader.only(root, keys, {"devices", "links", "default_link", "link_classes", *_CLASSES})
+    reader.only(root, {"devices", "links", "default_link", "link_classes", *_CLASSES})
     devices = keys["devices"]
     if not isinstance(devices, yaml.SequenceNode) or not devices.value:
         raise reader.error("`devices` is a non-empty list of {name, memory}", devices)
+    if len(devices.value) > MAX_DEVICES:
+        raise reader.error(
+            f"{len(devices.value):,} devices; the planner takes at most {MAX_DEVICES}", devices
+        )
     names: list[str] = []
+    index: dict[str, int] = {}
     memory: list[float] = []
     kinds: list[str] = []
     speeds: list[float] = []
@@ -283,7 +288,7 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
         if not isinstance(node, yaml.MappingNode):
             raise reader.error("a device is a mapping {name: ..., memory: ...}", node)
         entry = reader.mapping(node)
-        reader.only(node, entry, {"name", "memory", "kind", "speed", "node", "datacenter"})
+        reader.only(node, {"name", "memory", "kind", "speed", "node", "datacenter"})
         kinds.append(reader.text(entry["kind"]) if "kind" in entry else "")
         places.append(
             (
@@ -293,40 +298,56 @@ def _full(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]) -
         )
         speeds.append(reader.value(entry["speed"], parse_speed) if "speed" in entry else 1.0)
         name = reader.text(reader.need(entry, "name", node))
-        if name in names:
+        if name in index:
             raise reader.error(f"device `{name}` is listed twice", entry["name"])
+        index[name] = len(names)
         names.append(name)
         memory.append(reader.value(reader.need(entry, "memory", node), _MEMORY))
     size = len(names)
-    table: list[list[Link | None]] = [[None] * size for _ in range(size)]
+    listed: list[tuple[int, int, Link]] = []
     for node in _items(reader, keys.get("links"), "links"):
         entry = reader.mapping(node)
-        reader.only(node, entry, {"between", "class", *_LINK_KEYS})
+        reader.only(node, {"between", "class", *_LINK_KEYS})
         pair = reader.need(entry, "between", node)
         ends = pair.value if isinstance(pair, yaml.SequenceNode) else []
         if len(ends) != 2:
             raise reader.error("`between` names two devices: [a, b]", pair)
-        a, b = (_device(reader, names, end) for end in ends)
+        a, b = (_device(reader, index, end) for end in ends)
         if a == b:
             raise reader.error("a link joins two different devices", pair)
-        table[a][b] = table[b][a] = reader.link(node, entry)
+        listed.append((a, b, reader.link(node, entry)))
     default = keys.get("default_link")
     fallback = reader.link(default) if default is not None else None
     classes = {name: reader.link(keys[name]) for name in _CLASSES if name in keys}
+
+    def by_class(a: int, b: int) -> Link | None:
+        kind = _class_of(places[a], places[b])
+        return classes.get(kind, fallback) if kind is not None else fallback
+
+    # Devices in one place (node, datacenter) share a row but for the place's own
+    # members: one row per place is computed, and copied per device (size^2 stays fast).
+    rows: dict[tuple[str | None, str | None], tuple[int, list[Link | None]]] = {}
+    table: list[list[Link | None]] = []
     for a in range(size):
-        for b in range(size):
-            if a != b and table[a][b] is None:
-                kind = _class_of(places[a], places[b])
-                found = classes.get(kind, fallback) if kind is not None else fallback
-                if found is None:
-                    where = f"`{kind}` or " if kind is not None else ""
-                    raise reader.error(
-                        f"no link between `{names[a]}` and `{names[b]}`"
-                        + (f" ({_CLASS_TEXT[kind]})" if kind is not None else "")
-                        + f"; give {where}a `default_link`, or list the pair under `links`",
-                        root,
-                    )
-                table[a][b] = found
+        if places[a] not in rows:
+            rows[places[a]] = (a, [by_class(a, b) for b in range(size)])
+        first, row = rows[places[a]]
+        table.append(list(row))
+        table[a][first] = by_class(a, first)
+        table[a][a] = None
+    for a, b, link in listed:
+        table[a][b] = table[b][a] = link
+    for a in range(size):
+        if table[a].count(None) > 1:
+            b = next(b for b, link in enumerate(table[a]) if link is None and b != a)
+            kind = _class_of(places[a], places[b])
+            where = f"`{kind}` or " if kind is not None else ""
+            raise reader.error(
+                f"no link between `{names[a]}` and `{names[b]}`"
+                + (f" ({_CLASS_TEXT[kind]})" if kind is not None else "")
+                + f"; give {where}a `default_link`, or list the pair under `links`",
+                root,
+            )
     links = tuple(tuple(row) for row in table)
     return Topology(
         tuple(names),
@@ -364,11 +385,11 @@ def _items(reader: _Reader, node: yaml.Node | None, key: str) -> list[yaml.Mappi
     return list(node.value)
 
 
-def _device(reader: _Reader, names: list[str], node: yaml.Node) -> int:
+def _device(reader: _Reader, index: dict[str, int], node: yaml.Node) -> int:
     name = reader.text(node)
-    if name not in names:
-        raise reader.error(f"no device named `{name}`; devices are {', '.join(names)}", node)
-    return names.index(name)
+    if name not in index:
+        raise reader.error(f"no device named `{name}`; devices are {listing(list(index))}", node)
+    return index[name]
 
 
 def _span_at(source: SourceFile, index: int) -> Span:
@@ -377,6 +398,8 @@ def _span_at(source: SourceFile, index: int) -> Span:
 
 class _Reader:
     """Reads YAML nodes into values; every error points at the node's text."""
+
+    HELP = "see docs/planner.md"
 
     def __init__(self, source: SourceFile) -> None:
         self.source = source
@@ -399,7 +422,7 @@ class _Reader:
         line_end = self.source.text.find("\n", start)
         if line_end >= 0:
             end = min(end, max(line_end, start + 1))
-        return fail("E0402", message, Span(self.source, start, end), help="see docs/planner.md")
+        return fail("E0402", message, Span(self.source, start, end), help=self.HELP)
 
     def mapping(self, node: yaml.MappingNode) -> dict[str, yaml.Node]:
         found: dict[str, yaml.Node] = {}
@@ -410,11 +433,12 @@ class _Reader:
             found[name] = value
         return found
 
-    def only(self, node: yaml.Node, keys: dict[str, yaml.Node], allowed: set[str]) -> None:
-        for key in keys:
-            if key not in allowed:
+    def only(self, node: yaml.MappingNode, allowed: set[str]) -> None:
+        """Refuse a key of mapping `node` outside `allowed`, pointing at the key."""
+        for key, _ in node.value:
+            if self.text(key) not in allowed:
                 raise self.error(
-                    f"unknown key `{key}`; expected {', '.join(sorted(allowed))}", node
+                    f"unknown key `{key.value}`; expected {', '.join(sorted(allowed))}", key
                 )
 
     def need(self, keys: dict[str, yaml.Node], key: str, node: yaml.Node) -> yaml.Node:
@@ -430,14 +454,15 @@ class _Reader:
     def value(self, node: yaml.Node, parse: Callable[[object], T]) -> T:
         try:
             return parse(self.text(node))
-        except UnitError as err:
+        except ReadError as err:
             raise self.error(str(err), node) from None
 
     def count(self, keys: dict[str, yaml.Node], key: str, node: yaml.Node) -> int:
         text = self.text(self.need(keys, key, node))
-        if not text.isdigit() or int(text) < 1:
-            raise self.error(f"`{key}` is a whole number of at least 1, not `{text}`", keys[key])
-        return int(text)
+        try:
+            return whole_number(text, 1, MAX_DEVICES, f"`{key}`")
+        except ReadError as err:
+            raise self.error(str(err), keys[key]) from None
 
     def link(self, node: yaml.Node, entry: dict[str, yaml.Node] | None = None) -> Link:
         """A link: a mapping {bandwidth, latency}, or the name of a link class (as a
@@ -448,7 +473,7 @@ class _Reader:
             if not isinstance(node, yaml.MappingNode):
                 raise self.error("a link is a mapping {bandwidth: ..., latency: ...}", node)
             entry = self.mapping(node)
-            self.only(node, entry, _LINK_KEYS)
+            self.only(node, _LINK_KEYS)
         if "class" in entry:
             if _LINK_KEYS & entry.keys():
                 raise self.error("a link names a `class` or gives its bandwidth, not both", node)

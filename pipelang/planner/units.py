@@ -10,14 +10,33 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from pipelang.readers import ReadError, number
+
 _PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
 
 
-class UnitError(ValueError):
+class UnitError(ReadError):
     """A value whose number or unit cannot be read; the message says what is expected."""
+
+
+MAX_BYTES = 2.0**60
+"""The largest size read (1 EiB): a device's memory, a tensor."""
+MAX_BANDWIDTH = 1e15
+"""The fastest link read, in bytes per second (1 PB/s)."""
+MAX_LATENCY = 1e3
+"""The slowest link's latency read, in seconds."""
+SPEEDS = (1e-3, 1e3)
+"""The range of a device's speed relative to the profiled one."""
+
+
+def _within(value: float, text: object, what: str, least: float, most: float) -> float:
+    try:
+        return number(value, what, least, most)
+    except ReadError:
+        raise UnitError(f"{what} is between {least:g} and {most:g}, not `{text}`") from None
 
 
 def _scale(unit: str) -> float | None:
@@ -34,43 +53,46 @@ def _scale(unit: str) -> float | None:
 
 def parse_bytes(text: object) -> float:
     """`80GiB`, `512MB`, `1e9` (bytes)."""
-    number, unit = _split(text, "a size such as 80GiB, 512MB or 1000000 (bytes)")
-    if not unit:
-        return number
-    per = _scale(unit)
-    if per is None:
-        raise UnitError(f"unknown size unit `{unit}` in `{text}`; use B, KB, MB, GB, KiB, MiB, GiB")
-    return number * per
+    value, unit = _split(text, "a size such as 80GiB, 512MB or 1000000 (bytes)")
+    if unit:
+        per = _scale(unit)
+        if per is None:
+            raise UnitError(
+                f"unknown size unit `{unit}` in `{text}`; use B, KB, MB, GB, KiB, MiB, GiB"
+            )
+        value *= per
+    return _within(value, text, "a size", 0, MAX_BYTES)
 
 
 def parse_bandwidth(text: object) -> float:
     """`300GB/s`, `100Gbit/s`, `25e9` (bytes per second); must be positive."""
     expected = "a bandwidth such as 300GB/s, 100Gbit/s or 25e9 (bytes per second)"
-    number, unit = _split(text, expected)
+    value, unit = _split(text, expected)
     if unit:
         if not unit.endswith("/s"):
             raise UnitError(f"a bandwidth needs `/s`: `{text}`; expected {expected}")
         per = _scale(unit[:-2])
         if per is None:
             raise UnitError(f"unknown bandwidth unit `{unit}` in `{text}`; expected {expected}")
-        number *= per
-    if number <= 0:
+        value *= per
+    if value <= 0:
         raise UnitError(f"a bandwidth must be positive, not `{text}`")
-    return number
+    return _within(value, text, "a bandwidth (bytes per second)", 0, MAX_BANDWIDTH)
 
 
 def parse_seconds(text: object) -> float:
     """`2us`, `1.5ms`, `0.00001` (seconds)."""
-    number, unit = _split(text, "a latency such as 2us, 1.5ms or 0.00001 (seconds)")
+    value, unit = _split(text, "a latency such as 2us, 1.5ms or 0.00001 (seconds)")
     if unit and unit not in _PER_SECOND:
         raise UnitError(f"unknown time unit `{unit}` in `{text}`; use s, ms, us or ns")
-    return number / _PER_SECOND.get(unit, 1.0)
+    return _within(value / _PER_SECOND.get(unit, 1.0), text, "a latency (s)", 0, MAX_LATENCY)
 
 
 def _split(text: object, expected: str) -> tuple[float, str]:
     if isinstance(text, bool) or not isinstance(text, int | float | str):
         raise UnitError(f"expected {expected}, not `{text}`")
-    match = re.fullmatch(_NUMBER + r"\s*(\S*)", str(text).strip())
+    text = str(text).strip()
+    match = re.fullmatch(_NUMBER + r"\s*(\S*)", text) if len(text) <= 100 else None
     if match is None:
         raise UnitError(f"cannot read `{text}`: expected {expected}")
     return float(match.group(1)), match.group(2)
@@ -78,12 +100,10 @@ def _split(text: object, expected: str) -> tuple[float, str]:
 
 def parse_speed(text: object) -> float:
     """`2`, `0.5`: a device's speed relative to the profiled device (1), more than 0."""
-    number, unit = _split(text, "a relative speed such as 1 or 0.5 (the profiled device is 1)")
+    value, unit = _split(text, "a relative speed such as 1 or 0.5 (the profiled device is 1)")
     if unit:
         raise UnitError(f"a speed has no unit (`{text}`): the profiled device is 1")
-    if number <= 0:
-        raise UnitError(f"a speed is more than 0, not `{text}`")
-    return number
+    return _within(value, text, "a speed", *SPEEDS)
 
 
 def positive(parse: Callable[[object], float], what: str) -> Callable[[object], float]:
