@@ -30,12 +30,14 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
     from pipelang.backends.optim import Optimizer
     from pipelang.backends.runtime import RunConfig
 
@@ -219,7 +221,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     `dcp.save` writes there), and refuses any other global before it is looked up, so no
     function named in the file is ever called."""
 
-    _ALLOWED = {
+    _ALLOWED: ClassVar[dict[str, set[str]]] = {
         "torch.distributed.checkpoint.metadata": {
             "Metadata",
             "StorageMeta",
@@ -244,7 +246,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names `{module}.{name}`, which DCP metadata never holds")
 
 
-def _read_metadata(path: str) -> object:
+def _read_metadata(path: str) -> Metadata:
     """DCP's metadata of checkpoint `path`, read by `_MetadataUnpickler`."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -266,9 +268,10 @@ def _reader(path: str) -> object:
     from torch.distributed.checkpoint import FileSystemReader
 
     class Reader(FileSystemReader):
-        def read_metadata(self, *args: object, **kwargs: object) -> object:
+        def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
             metadata = _read_metadata(str(self.path))
-            metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
+            assert metadata.storage_meta is not None
+            metadata.storage_meta.load_id = self.load_id
             return metadata
 
     return Reader(path)
@@ -281,7 +284,7 @@ def _saved_keys(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     metadata = _read_metadata(path)
     return {
         key: (tuple(entry.size), entry.properties.dtype)
-        for key, entry in metadata.state_dict_metadata.items()  # type: ignore[attr-defined]
+        for key, entry in metadata.state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata)
     }
 

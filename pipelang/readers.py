@@ -29,7 +29,7 @@ MAX_DIGITS = 18
 MAX_FILE_BYTES = 64 * 2**20
 """The largest input file read (the 10 s / 1 GiB promise is for files under 1 MiB)."""
 
-_WHOLE = re.compile(r"[0-9]{1,%d}" % MAX_DIGITS)
+_WHOLE = re.compile(rf"[0-9]{{1,{MAX_DIGITS}}}")
 
 
 class ReadError(ValueError):

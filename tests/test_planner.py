@@ -989,7 +989,7 @@ def test_mixed_devices_get_layers_in_proportion_to_speed(tmp_path: Path) -> None
     ("text", "line", "message"),
     [
         (MIXED.replace("speed: 2}", "speed: -2}", 1), 2, "cannot read `-2`"),
-        (MIXED.replace("speed: 2}", "speed: 0}", 1), 2, "a speed is between 0.001 and 1000, not `0`"),
+        (MIXED.replace("speed: 2}", "speed: 0}", 1), 2, "is between 0.001 and 1000, not `0`"),
         (MIXED.replace("speed: 2}", "speed: 2x}", 1), 2, "a speed has no unit"),
         (
             MIXED.replace("memory: 40GiB, kind: A100}", "memory: 0GiB}", 1),
