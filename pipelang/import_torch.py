@@ -32,9 +32,13 @@ from pipelang.diagnostics import fail
 from pipelang.parser import parse_text, read_source
 from pipelang.source import SourceFile, Span, one_line
 
-_COMPUTE = re.compile(r"(\d+)([FIBW])(\d+)")
-_OVERLAP = re.compile(r"\((\d+)(F)(\d+);(\d+)([IB])(\d+)\)OVERLAP_F_B")
-_DROPPED = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)")
+_ID = r"([0-9]{1,9})"  # a stage or micro-batch: ASCII digits, and few (any id past the
+# cell count leaves a hole, found in `_no_holes` without counting up to it)
+_COMPUTE = re.compile(rf"{_ID}([FIBW]){_ID}")
+_OVERLAP = re.compile(rf"\({_ID}(F){_ID};{_ID}([IB]){_ID}\)OVERLAP_F_B")
+_DROPPED = re.compile(
+    rf"{_ID}(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)([0-9]{{0,9}})"
+)
 _OPS_PER_LINE = 5
 
 
@@ -161,13 +165,13 @@ def infer_layout(schedule: TorchSchedule) -> Layout:
 def _no_holes(what: str, code: str, seen: dict[int, Cell]) -> None:
     """`seen` maps each id to a cell using it; ids must be 0..max without holes."""
     top = max(seen)
-    missing = sorted(set(range(top)) - seen.keys())
-    if missing:
+    if top >= len(seen):  # a hole; the first is at most len(seen)
+        first = next(i for i in range(len(seen) + 1) if i not in seen)
         raise fail(
             code,
-            f"{what} {missing[0]} never appears, but {what} {top} does",
+            f"{what} {first} never appears, but {what} {top} does",
             seen[top].span,
-            help=f"{what}s must be numbered 0, 1, ... without holes",
+            help=f"{what.replace('batch', 'batche')}s must be numbered 0, 1, ... without holes",
         )
 
 

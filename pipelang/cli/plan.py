@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from rich.console import Console
 from rich.table import Table
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from pipelang.planner.topology import load_topology
     from pipelang.planner.write import plan_source
 
+    started = time.perf_counter()  # reading the inputs counts against --time-budget
     max_memory = None
     if args.max_memory is not None:
         try:
@@ -133,12 +135,22 @@ def run(args: argparse.Namespace) -> int:
     notes = Console(stderr=True, highlight=False, soft_wrap=True)
     for note in inputs.notes():
         notes.print(f"note: {note}", markup=False)
-    planner = Planner(inputs, time_budget=args.time_budget or None)
+    left = max(args.time_budget - (time.perf_counter() - started), 0.1)
+    planner = Planner(inputs, time_budget=left if args.time_budget else None)
     with work_progress(notes) as update:
         result = planner.search(update)
     if not result.plans:
         reasons = [f"{r.candidate.label}: {r.reason}" for r in result.rejected]
         shown = reasons[:12] + ([f"... and {len(reasons) - 12} more"] if len(reasons) > 12 else [])
+        timed_out = sum(r.time for r in result.rejected)
+        if timed_out:
+            raise fail(
+                "E0403",
+                f"no plan found within --time-budget {args.time_budget:g} s: {timed_out} of "
+                f"the {len(result.rejected)} candidates were not searched for lack of time",
+                notes=tuple(shown),
+                help="raise --time-budget (0: no budget), or plan for fewer devices or layers",
+            )
         raise fail(
             "E0403",
             f"no plan fits: all {len(result.rejected)} candidates were left out",

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+from pipelang.planner import budget
 from pipelang.planner.topology import Topology
 
 Traffic = Mapping[tuple[int, int], tuple[float, int]]
@@ -152,6 +153,7 @@ def _improve(
     for _ in range(sweeps):
         improved = False
         for a in range(num_ranks):
+            budget.check()
             for b in range(a + 1, num_ranks):
                 p, q = devices[a], devices[b]
                 before = cost_of(a, p, b) + cost_of(b, q, a)

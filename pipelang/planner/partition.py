@@ -32,6 +32,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pipelang.planner import budget
+
 CutCost = Callable[[int, int], float]
 """`cut(b, j)`: time of boundary `b` (between stages b and b+1) when the first j layers
 come before it."""
@@ -154,6 +156,7 @@ def _cheapest_transfers(
         if prefix[i] <= cap * rates[0] + 1e-12:
             best[0][i] = prefix[i] / rates[0]
     for s in range(1, stages):
+        budget.check()
         # best[s][i] = min over j of best[s-1][j] + 2 cut(s-1, j), with j < i and the
         # stage j..i within the cap: both ends of j's window only move right with i.
         window: deque[tuple[int, float]] = deque()

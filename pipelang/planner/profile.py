@@ -24,7 +24,6 @@ message, is measured apart by `pipelang.planner.calibrate` and kept as `runtime`
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -32,12 +31,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import clip, fail
+from pipelang.planner.units import MAX_BYTES
+from pipelang.readers import ReadError, file_error, number, read_json, read_source
 
 if TYPE_CHECKING:
     import torch
 
 FORMAT = "pipelang-profile/1"
+MAX_LAYERS = 1024
+"""The most layers a profile lists (checked before the planner's work, which grows with
+the square of the layers)."""
+MAX_MS = 1e9
+"""The longest time a profile gives one layer or runtime cost, in milliseconds (11 days):
+sums over every op of a plan stay far inside the simulator's 10^15."""
 LAYER_FIELDS = (
     "forward_ms",
     "backward_input_ms",
@@ -158,14 +165,12 @@ class RuntimeCosts:
 
 def load_profile(path: Path) -> Profile:
     """Read and check a profile JSON file; every problem is E0401."""
+    source = read_source(path, "E0401")
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as err:
-        raise fail("E0401", f"cannot read the profile `{path}`: {err}") from None
-    except json.JSONDecodeError as err:
-        raise fail(
-            "E0401", f"the profile `{path}` is not JSON: {err.msg} (line {err.lineno})"
-        ) from None
+        doc = read_json(source.text)
+    except ReadError as err:
+        problem = ReadError(f"cannot read the profile `{path}`: {err}", err.offset)
+        raise file_error("E0401", source, problem) from None
     return profile_from_dict(doc, str(path))
 
 
@@ -180,13 +185,18 @@ def profile_from_dict(doc: object, where: str = "the profile") -> Profile:
     layers = doc.get("layers")
     if not isinstance(layers, list) or not layers:
         raise fail("E0401", f"`{where}` has no `layers` list")
+    if len(layers) > MAX_LAYERS:
+        raise fail("E0401", f"`{where}` has {len(layers):,} layers; the planner takes {MAX_LAYERS}")
+    costs = tuple(_layer(entry, i, where) for i, entry in enumerate(layers))
+    if not sum(c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in costs) > 0:
+        raise fail("E0401", f"`{where}`: every layer takes 0 ms; a plan needs some time to divide")
     return Profile(
         model=str(doc.get("model", "?")),
         device=str(doc.get("device", "?")),
         dtype=str(doc.get("dtype", "float32")),
         micro_batch_size=_whole(doc.get("micro_batch_size", 0), where, "micro_batch_size"),
         seq_len=_whole(doc.get("seq_len", 0), where, "seq_len"),
-        layers=tuple(_layer(entry, i, where) for i, entry in enumerate(layers)),
+        layers=costs,
         torch=str(doc.get("torch", "")),
         threads=_whole(doc.get("threads", 0), where, "threads"),
         repeats=_whole(doc.get("repeats", 0), where, "repeats"),
@@ -205,7 +215,12 @@ def _runtime(entry: object, where: str) -> RuntimeCosts | None:
     if not isinstance(entry, dict):
         raise fail("E0401", f"`{where}`: `runtime` must be an object")
     values = {
-        key: _number(entry.get(key, 0.0), f"`{where}`: `runtime.{key}`") for key in RUNTIME_FIELDS
+        key: _number(
+            entry.get(key, 0.0),
+            f"`{where}`: `runtime.{key}`",
+            MAX_BYTES if key.endswith("_bytes") else MAX_MS,
+        )
+        for key in RUNTIME_FIELDS
     }
     scale = _number(entry.get("compute_scale", 1.0), f"`{where}`: `runtime.compute_scale`")
     if scale <= 0:
@@ -218,12 +233,14 @@ def _runtime(entry: object, where: str) -> RuntimeCosts | None:
     )
 
 
-def _number(value: object, what: str) -> float:
-    """`value` as a finite number of at least 0, else E0401 naming `what`."""
-    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else -1
-    if not math.isfinite(number) or number < 0:
-        raise fail("E0401", f"{what} must be a number of at least 0, not {value!r}")
-    return number
+def _number(value: object, what: str, most: float = MAX_MS) -> float:
+    """`value` as a number from 0 to `most`, else E0401 naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail("E0401", f"{what} must be a number, not {clip(repr(value))}")
+    try:
+        return number(float(value), what, 0, most)
+    except ReadError as err:
+        raise fail("E0401", str(err)) from None
 
 
 def _whole(value: object, where: str, key: str) -> int:
@@ -243,16 +260,8 @@ def _layer(entry: object, index: int, where: str) -> LayerCost:
                 f"`{where}`: layer {index} has no `{key}`",
                 help="every layer needs " + ", ".join(f"`{k}`" for k in LAYER_FIELDS),
             )
-        value = entry[key]
-        number = (
-            float(value) if isinstance(value, int | float) and not isinstance(value, bool) else -1
-        )
-        if not math.isfinite(number) or number < 0:
-            raise fail(
-                "E0401",
-                f"`{where}`: layer {index} `{key}` must be a number of at least 0, not {value!r}",
-            )
-        values[key] = number
+        most = MAX_MS if key.endswith("_ms") else MAX_BYTES
+        values[key] = _number(entry[key], f"`{where}`: layer {index} `{key}`", most)
     optional: dict[str, float | None] = {}
     for key in ("backward_ms", "sgd_step_ms", "adam_step_ms"):
         value = entry.get(key)

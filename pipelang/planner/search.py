@@ -50,6 +50,7 @@ from pipelang.diagnostics import PipelangError
 from pipelang.ir import Action, CostModel, Kind, Pipeline
 from pipelang.orders import Layout
 from pipelang.passes.expand_orders import schedule_layout
+from pipelang.planner import budget
 from pipelang.planner.bound import iteration_bound
 from pipelang.planner.costs import (
     OpCosts,
@@ -133,6 +134,8 @@ class Rejected:
     reason: str
     memory: bool = False
     """Left out by the memory cap (rather than by the schedule or the model)."""
+    time: bool = False
+    """Left out by the time budget: it might have been the best."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +299,13 @@ class Planner:
         costs: dict[tuple[str, Params], list[tuple[float, float]]] = {}
         # The most promising first (the lowest bound), so that the leaders are soon fast
         # and the bound leaves out more.
-        bounds = {c: self.bound(c) for c in candidates(self.inputs, self.dp)}
+        bounds: dict[Candidate, float] = {}
+        for candidate in candidates(self.inputs, self.dp):
+            if time.perf_counter() > deadline:
+                why = "not searched: the time budget ran out before its bound was taken"
+                rejected.append(Rejected(candidate, why, time=True))
+            else:
+                bounds[candidate] = self.bound(candidate)
         listed = sorted(bounds, key=bounds.__getitem__)
         for done, candidate in enumerate(listed):
             if progress is not None:
@@ -314,10 +323,16 @@ class Planner:
             estimate = _scaled(costs.get(family, []), ops)
             if time.perf_counter() + estimate > deadline:
                 why = f"not searched: screening would take about {estimate:.0f} s, past the"
-                rejected.append(Rejected(candidate, why + " time budget"))
+                rejected.append(Rejected(candidate, why + " time budget", time=True))
                 continue
             begun = time.perf_counter()
-            outcome = self.screen(candidate)
+            try:
+                with budget.until(deadline):
+                    outcome = self.screen(candidate)
+            except budget.OutOfTime:
+                why = "not searched: its screening ran past the time budget"
+                rejected.append(Rejected(candidate, why, time=True))
+                continue
             costs[family] = [*costs.get(family, [])[-1:], (ops, time.perf_counter() - begun)]
             if isinstance(outcome, Plan):
                 screened.append(outcome)
@@ -374,7 +389,7 @@ class Planner:
             planner = self.with_copies(copies, None if math.isinf(left) else max(left, 0.0))
             if left <= 0:
                 why = "not searched: the time budget ran out before copies were planned"
-                out = tuple(Rejected(c, why) for c in candidates(planner.inputs, copies))
+                out = tuple(Rejected(c, why, time=True) for c in candidates(planner.inputs, copies))
                 yield SearchResult((), out, 0.0)
                 continue
             yield planner.search(progress)
