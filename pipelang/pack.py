@@ -26,8 +26,13 @@ paper's closed form, and orders the micro-batches as well as cutting them.
 
 from __future__ import annotations
 
+import itertools
+import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from pipelang import api
 from pipelang.diagnostics import PipelangError
@@ -36,6 +41,9 @@ from pipelang.ir import CostModel, shape_work
 
 Shape = tuple[int, int]
 """(samples, length) of one micro-batch."""
+
+MAX_SEQUENCES = 2048
+"""The most sequences one `pack` takes (one iteration's batch), checked before any work."""
 
 BOUNDS = 12
 """How many bounds on one micro-batch's time the search tries (quantiles of them all)."""
@@ -64,10 +72,12 @@ def evaluate(
     costs: CostModel,
     real_tokens: int,
     max_ops: int = MAX_OPS,
+    refused: list[str] | None = None,
 ) -> Packing | None:
     """`shapes` run by the schedule with N = their count, under the schedule's costs with
     `costs` over them: the simulated makespan and peak tokens; None when the schedule
-    refuses that many micro-batches (a Chimera needs a multiple of D, say)."""
+    refuses that many micro-batches (a Chimera needs a multiple of D, say, or the op
+    limit), its reason then added to `refused`."""
     try:
         compiled = api.compile_schedule(
             sched,
@@ -76,7 +86,9 @@ def evaluate(
             stop_after="validate",
             max_ops=max_ops,
         )
-    except PipelangError:
+    except PipelangError as err:
+        if refused is not None:
+            refused.append(f"N={len(shapes)}: {err.diagnostics[0].message}")
         return None
     program = compiled.need_program()
     timeline = compiled.timeline(costs)
@@ -102,13 +114,22 @@ def pack(
     costs: CostModel,
     max_tokens: int,
     max_ops: int = MAX_OPS,
+    deadline: float = math.inf,
 ) -> Packing:
     """The best packing of `lengths` for the schedule (see the module docstring), with
     `costs` over the schedule's (`with_reference` fixes `S`); ValueError when no packing
     fits `max_tokens` (a sequence longer than it, say). Every candidate is compiled
-    within `max_ops` ops (E0106 past it: the candidate is skipped)."""
+    within `max_ops` ops (E0106 past it: the candidate is skipped). One sequence per
+    micro-batch, in the file's order and in the search's three, is tried first: the
+    packing that holds the fewest tokens at once, so the answer is never "nothing fits"
+    when something does. The search stops at `deadline` (on `time.perf_counter`) with
+    the best found so far."""
     if not lengths or min(lengths) < 1:
         raise ValueError("pack needs at least one sequence, each at least one token long")
+    if len(lengths) > MAX_SEQUENCES:
+        raise ValueError(
+            f"{len(lengths):,} sequences; pack takes at most {MAX_SEQUENCES:,} (one iteration's)"
+        )
     if max(lengths) > max_tokens:
         raise ValueError(
             f"a sequence of {max(lengths)} tokens does not fit --max-tokens {max_tokens}"
@@ -118,18 +139,31 @@ def pack(
     stages, model = _stages(sched, params, costs)
     best: Packing | None = None
     seen: set[tuple[Shape, ...]] = set()
-    for token_bound in sorted({max_tokens // k for k in range(1, stages + 1)}):
-        for t_max in _bounds(order, model, token_bound):
-            cut = _cut(order, model, t_max, token_bound, stages)
-            if cut is None:
-                continue
-            for ordered in _orders(cut):
-                if ordered in seen:
-                    continue
-                seen.add(ordered)
-                found = evaluate(sched, params, ordered, costs, sum(lengths), max_ops)
-                if _better(found, best, max_tokens):
-                    best = found
+    alone = tuple((1, n) for n in lengths)
+    cuts = itertools.chain(
+        [alone, *_orders(alone)],
+        (
+            ordered
+            for token_bound in sorted({max_tokens // k for k in range(1, stages + 1)})
+            for t_max in _bounds(order, model, token_bound)
+            if (cut := _cut(order, model, t_max, token_bound, stages)) is not None
+            for ordered in _orders(cut)
+        ),
+    )
+    refused: list[str] = []
+    for ordered in cuts:
+        if ordered in seen:
+            continue
+        if time.perf_counter() > deadline:
+            if best is None:
+                raise ValueError("no packing that fits was found within the time budget")
+            break
+        seen.add(ordered)
+        found = evaluate(sched, params, ordered, costs, sum(lengths), max_ops, refused)
+        if _better(found, best, max_tokens):
+            best = found
+    if best is None and len(refused) == len(seen):
+        raise ValueError(f"the schedule refuses every packing tried: {refused[0]}")
     if best is None:
         raise ValueError(f"no packing keeps every rank within --max-tokens {max_tokens}")
     return best
@@ -165,12 +199,15 @@ def best_of(
     max_tokens: int,
     candidates: Sequence[tuple[Shape, ...]],
     max_ops: int = MAX_OPS,
+    deadline: float = math.inf,
 ) -> Packing | None:
     """The fastest of `candidates` (packings of `lengths`) that keeps every rank within
-    `max_tokens`; None if none does."""
+    `max_tokens`; None if none does, or none was tried before `deadline`."""
     costs = with_reference(costs, lengths)
     best = None
     for shapes in candidates:
+        if time.perf_counter() > deadline:
+            break
         found = evaluate(sched, params, shapes, costs, sum(lengths), max_ops)
         if _better(found, best, max_tokens):
             best = found
@@ -190,7 +227,10 @@ def _better(found: Packing | None, best: Packing | None, max_tokens: int) -> boo
 @dataclass(frozen=True)
 class _Model:
     """The search's closed form of one micro-batch's time on one stage, F + B + W of the
-    schedule's costs (the simulation decides between the cuts it proposes)."""
+    schedule's costs (the simulation decides between the cuts it proposes). By
+    `shape_work`, a run of `count` sequences padded to `length` takes
+    `fixed_time + count * per_sequence(length)`: linear in its count, which keeps the
+    search's work near linear in the sequences."""
 
     per: float
     attention: float
@@ -199,6 +239,24 @@ class _Model:
 
     def time(self, samples: int, length: int) -> float:
         return self.per * shape_work(samples, length, self.attention, self.reference, self.fixed)
+
+    @property
+    def fixed_time(self) -> float:
+        return self.per * self.fixed
+
+    def per_sequence(self, lengths: np.ndarray) -> np.ndarray:
+        """What each more sequence of each length adds to a run's time."""
+        scaled = (1 - self.attention) * lengths / self.reference
+        scaled += self.attention * lengths**2 / self.reference**2
+        return self.per * (1 - self.fixed) * scaled
+
+    def most(self, lengths: np.ndarray, t_max: float, token_bound: int) -> np.ndarray:
+        """The most sequences a run starting at a sequence of each length can hold
+        within `t_max` and `token_bound` (0 where not even one fits)."""
+        slope = self.per_sequence(lengths)
+        by_time = np.floor((t_max - self.fixed_time) / np.maximum(slope, 1e-300) * (1 + 1e-12))
+        by_tokens = token_bound // lengths
+        return np.clip(np.minimum(by_time, by_tokens), 0, len(lengths)).astype(np.int64)
 
 
 def _stages(sched: str, params: Mapping[str, str], costs: CostModel) -> tuple[int, _Model]:
@@ -217,19 +275,22 @@ def _stages(sched: str, params: Mapping[str, str], costs: CostModel) -> tuple[in
     raise ValueError(f"cannot compile `{sched}` to learn its stages")
 
 
+_COUNTS = np.unique(np.round(1.01 ** np.arange(0, 1200))).astype(np.int64)
+"""Run counts whose times `_bounds` takes: every count to 100, then 1% apart."""
+
+
 def _bounds(order: Sequence[int], model: _Model, token_bound: int) -> list[float]:
     """Up to BOUNDS bounds on one micro-batch's time: quantiles of the times of the runs
-    that fit `token_bound`."""
-    times = set()
-    for i, length in enumerate(order):
-        for count in range(1, len(order) - i + 1):
-            if count * length > token_bound:
-                break
-            times.add(model.time(count, length))
-    ranked = sorted(t for t in times if t >= model.time(1, order[0]))
+    that fit `token_bound` (runs of every length in `order`, counts 1% apart past 100)."""
+    lengths = np.unique(np.asarray(order, dtype=np.float64))
+    most = np.minimum(token_bound // lengths, len(order))
+    counts = _COUNTS[most.max() >= _COUNTS]
+    times = model.fixed_time + np.outer(model.per_sequence(lengths), counts)
+    times = np.unique(times[counts[None, :] <= most[:, None]])
+    ranked = times[times >= model.time(1, order[0]) * (1 - 1e-12)]  # as `most` rounds
     if len(ranked) <= BOUNDS:
-        return ranked
-    return [ranked[round(k * (len(ranked) - 1) / (BOUNDS - 1))] for k in range(BOUNDS)]
+        return [float(t) for t in ranked]
+    return [float(ranked[round(k * (len(ranked) - 1) / (BOUNDS - 1))]) for k in range(BOUNDS)]
 
 
 def _cut(
@@ -238,27 +299,30 @@ def _cut(
     """The contiguous runs of `order` (longest first) that minimise
     (stages - 1) * t_max + the sum of their times, each run at most `t_max` long and
     `token_bound` tokens (padded to its first); None when a sequence alone exceeds them.
-    (The first term is fixed by `t_max`; the caller tries several.)"""
+    (The first term is fixed by `t_max`; the caller tries several.) Each run's start
+    relaxes every end it can reach at once: a run's time is linear in its count."""
     n = len(order)
-    inf = float("inf")
-    best = [0.0] + [inf] * n
-    start = [0] * (n + 1)
-    for end in range(1, n + 1):
-        for first in range(end - 1, -1, -1):
-            count, length = end - first, order[first]
-            if count * length > token_bound:
-                break
-            t = model.time(count, length)
-            if t > t_max:
-                break
-            if best[first] + t < best[end]:
-                best[end], start[end] = best[first] + t, first
-    if best[n] == inf:
+    lengths = np.asarray(order, dtype=np.float64)
+    slope = model.per_sequence(lengths)
+    most = model.most(lengths, t_max, token_bound)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    start = np.zeros(n + 1, dtype=np.int64)
+    for first in range(n):
+        reach = min(int(most[first]), n - first)
+        if reach == 0 or best[first] == np.inf:
+            continue
+        ends = slice(first + 1, first + reach + 1)
+        times = best[first] + model.fixed_time + slope[first] * np.arange(1, reach + 1)
+        better = times < best[ends]
+        best[ends] = np.where(better, times, best[ends])
+        start[ends] = np.where(better, first, start[ends])
+    if best[n] == np.inf:
         return None
     runs = []
     end = n
     while end > 0:
-        first = start[end]
+        first = int(start[end])
         runs.append((end - first, order[first]))
         end = first
     return tuple(reversed(runs))

@@ -122,9 +122,9 @@ def test_a_lengths_file_stands_for_the_lines(tmp_path: Path) -> None:
     assert status == 0, err
     status, _, err = run_cli(["check", "1f1b", "-p", "D=2", "-p", "N=4", "--lengths", str(path)])
     assert status == 1 and "E0212" in err and "gives 3 micro-batches" in err
-    path.write_text("4 512 9\n")
+    path.write_text("4 512 9\n")  # a bad value inside a file: exit 1 (docs/language.md)
     status, _, err = run_cli(["check", "1f1b", "--lengths", str(path)])
-    assert status == 2 and "l.txt:1" in err
+    assert status == 1 and "E0212" in err and "l.txt:1:1" in err
 
 
 # ---- pack ----------------------------------------------------------------------------------------

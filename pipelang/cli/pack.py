@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import time
 
 from rich.console import Console
 from rich.table import Table
@@ -15,6 +17,7 @@ from pipelang.cli.args import (
     path,
     positive,
     schedule_name,
+    seconds_or_zero,
     write_output,
 )
 from pipelang.ir import CostModel
@@ -69,6 +72,14 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="cost entries over the schedule's, e.g. F=1,B=2,A=0.3,O=0.05,S=4096",
     )
     parser.add_argument(
+        "--time-budget",
+        type=seconds_or_zero,
+        default=8.0,
+        metavar="SECONDS",
+        help="stop searching past this and answer with the best packing found (default 8, "
+        "so that `pack` answers within about 10 s; 0: none); the baselines share it",
+    )
+    parser.add_argument(
         "-o", dest="out", type=path, metavar="FILE", help="write the --lengths file here"
     )
 
@@ -82,8 +93,18 @@ def run(args: argparse.Namespace) -> int:
     rows = read_number_rows(args.sequences, "E0213", "a length in tokens", 1, "sequence")
     lengths = [row[0] for row in rows]
     costs = with_reference(parse_cost(args.cost) if args.cost else CostModel(()), lengths)
+    started = time.perf_counter()
+    budget = args.time_budget or math.inf
     try:
-        best = pack(lengths, args.sched, params, costs, args.max_tokens, args.max_ops)
+        best = pack(
+            lengths,
+            args.sched,
+            params,
+            costs,
+            args.max_tokens,
+            args.max_ops,
+            deadline=started + 0.7 * budget,
+        )
     except ValueError as err:
         raise UsageError(f"pack: {err}") from None
     longest = max(lengths)
@@ -96,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             args.max_tokens,
             [fixed_batches(lengths, k) for k in (1, 2, 4, 8, 16, 32, 64)],
             args.max_ops,
+            started + 0.85 * budget,
         ),
         "packed sequences": best_of(
             lengths,
@@ -105,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             args.max_tokens,
             [packed_sequences(lengths, n) for n in (longest, 2 * longest)],
             args.max_ops,
+            started + budget,
         ),
     }
     table = Table(
@@ -121,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column, justify="left" if column == "packing" else "right")
     for name, found in (("dynamic (pack)", best), *baselines.items()):
         if found is None:
-            table.add_row(name, "-", "no packing fits", "-", "-", "-")
+            table.add_row(name, "-", "none fits (or out of time)", "-", "-", "-")
             continue
         table.add_row(
             name,
