@@ -154,6 +154,14 @@ def load_factory(name: str) -> Callable[..., object]:
         raise ModelError(
             f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}"
         ) from None
+    except SystemExit as exit_:  # the user's file ended the process: not a success
+        raise ModelError(
+            f"`--model {name}`: importing `{module_name}` called sys.exit({exit_.code!r})"
+        ) from None
+    except Exception as err:  # anything the user's module raises as it runs
+        raise ModelError(
+            f"`--model {name}`: importing `{module_name}` failed: {type(err).__name__}: {err}"
+        ) from None
     if not callable(factory):
         raise ModelError(f"`--model {name}`: `{attr}` is not callable")
     return factory  # type: ignore[no-any-return]
@@ -226,6 +234,8 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
         kwargs["seq_len"] = spec.seq_len
     try:
         returned = factory(**kwargs)
+    except SystemExit as exit_:
+        raise ModelError(f"`--model {name}`: `{attr}()` called sys.exit({exit_.code!r})") from None
     except Exception as err:
         raise ModelError(
             f"`--model {name}`: `{attr}()` failed: {type(err).__name__}: {err}"

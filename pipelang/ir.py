@@ -427,6 +427,19 @@ MAX_TIME = 1e15
 """The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
 
 
+def cost_problem(kind: str, value: float) -> str | None:
+    """What is wrong with cost entry `kind = value`, None when nothing: the one rule for
+    `cost` lines, `--cost` and the API's costs. A time is 0 to 10^15; `A` and `O` are
+    shares, 0 to 1; `S` is tokens, 0 (the longest micro-batch) or at least 1."""
+    if not 0 <= value <= MAX_TIME:  # NaN fails too
+        return f"`{kind}` is {value:g}; a time is between 0 and 10^15"
+    if kind in ("A", "O") and value > 1:
+        return f"`{kind}` is a share of an op's work, between 0 and 1, not {value:g}"
+    if kind == "S" and 0 < value < 1:
+        return f"`S` is the reference's tokens, 0 (the longest) or at least 1, not {value:g}"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """Time of each op kind (`F`, `B`, `W`, `R`, `P`), of one transfer (`C`), and of an

@@ -19,7 +19,7 @@ from lark.tree import Meta
 from pipelang import ast
 from pipelang.diagnostics import Diagnostic, Label, PipelangError, fail
 from pipelang.evaluate import MAX_DIGITS
-from pipelang.ir import MAX_TIME
+from pipelang.ir import cost_problem
 from pipelang.source import SourceFile, Span
 
 MAX_DEPTH = 100
@@ -436,18 +436,9 @@ class _Build(Transformer[Token, Any]):
         return ast.Cost(span, items)
 
     def _cost_item(self, span: Span, kind: Token, stage: Any, value: Token) -> ast.CostItem:
-        if not float(value) <= MAX_TIME:
-            raise fail(
-                "E0209",
-                f"the cost of `{kind}` is too large: a time is at most 10^15",
-                self._tok(value),
-            )
-        if str(kind) in ("A", "O") and float(value) > 1:
-            raise fail(
-                "E0209",
-                f"`{kind}` is a share of an op's work, between 0 and 1, not {value}",
-                self._tok(value),
-            )
+        problem = cost_problem(str(kind), float(value))
+        if problem is not None:
+            raise fail("E0209", f"cost {problem}", self._tok(value))
         return ast.CostItem(span, str(kind), stage, float(value))
 
     def _pipeline_decl(

@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pipelang.compiler import Compilation
-from pipelang.ir import MAX_TIME, Action, CostModel
+from pipelang.diagnostics import PipelangError, clip, fail
+from pipelang.ir import Action, CostModel, cost_problem
+from pipelang.readers import MAX_DIGITS
 from pipelang.simulate import Timeline
 
 COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "A", "S", "O")
@@ -63,75 +65,97 @@ class Schedule:
     def ops(self, rank: int) -> list[Action]:
         """Rank `rank`'s compute ops (F, B, W, R) in order; each has `.kind`, `.mb`,
         `.stage`, `.pipeline`, and `.fused` when it starts together with the op before."""
-        if not 0 <= rank < self.ranks:
-            raise IndexError(f"rank {rank} is not one of the schedule's 0..{self.ranks - 1}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.ranks:
+            raise _usage(f"rank {rank!r} is not one of the schedule's 0..{self.ranks - 1}")
         return [a for a in self.program.ranks[rank] if a.kind.is_compute]
 
     def simulate(self, costs: Costs | None = None) -> Timeline:
         """Replay the schedule in time: `costs` on top of the schedule's own `cost` line
         (unit times and free transfers by default). The Timeline has `makespan`,
         `bubble_ratio`, and per rank `ranks[r].busy`, `.idle`, `.peak_activations`."""
-        model = cost_model(costs)
-        extra = sorted(s for s in model.stages() if s >= self.stages) if model else []
-        if extra:
-            raise ValueError(
-                f"costs for stage {extra[0]}, but the schedule's stages are 0..{self.stages - 1}"
-            )
+        model = cost_model(costs, self.stages)
         return self.compilation.timeline(model)
 
     def export(self, format: str) -> str | dict[str, object]:
         """`"json"`: a dict of every rank's compute ops (what `pipelang export --format
         json` prints); `"torch-csv"`: torch.distributed.pipelining's CSV schedule text."""
-        from pipelang.export import to_json, to_torch_csv
+        from pipelang.export import ExportError, to_json, to_torch_csv
 
         if format == "json":
             doc: dict[str, object] = json.loads(to_json(self.program))
             return doc
         if format == "torch-csv":
-            return to_torch_csv(self.program)
-        raise ValueError(f"no export format {format!r}; use 'json' or 'torch-csv'")
+            try:
+                return to_torch_csv(self.program)
+            except ExportError as err:
+                raise _usage(str(err)) from None
+        raise _usage(f"no export format {format!r}; use 'json' or 'torch-csv'")
 
     def draw(self, path: str | Path, costs: Costs | None = None) -> Path:
         """Draw the simulated timeline to `path`, in the format its suffix names (any
         `pipelang viz` writes: .svg, .html, .png, .json for Perfetto, .txt)."""
         from pipelang.visualize import FORMATS, render
         from pipelang.visualize.panel import simulated
+        from pipelang.visualize.png import MissingMatplotlib, TooLarge
 
         path = Path(path)
         suffix = path.suffix.lower()
         if suffix not in FORMATS:
-            raise ValueError(f"cannot draw to {path}: give a name ending in {', '.join(FORMATS)}")
-        data = render([simulated(self.simulate(costs))], suffix)
-        if isinstance(data, bytes):
-            path.write_bytes(data)
-        else:
-            path.write_text(data)
+            raise _usage(f"cannot draw to {path}: give a name ending in {', '.join(FORMATS)}")
+        try:
+            data = render([simulated(self.simulate(costs))], suffix)
+        except (MissingMatplotlib, TooLarge) as err:
+            raise _usage(str(err)) from None
+        try:
+            if isinstance(data, bytes):
+                path.write_bytes(data)
+            else:
+                path.write_text(data)
+        except OSError as err:
+            raise _usage(f"cannot write `{path}`: {err.strerror}") from None
         return path
 
 
-def cost_model(costs: Costs | None) -> CostModel | None:
-    """A CostModel from `{"F": 1, "B": [2, 2, 3, 2]}`; raises ValueError on a key it
-    does not know or a time that is not a non-negative number."""
+def cost_model(costs: Costs | None, stages: int | None = None) -> CostModel | None:
+    """A CostModel from `{"F": 1, "B": [2, 2, 3, 2]}` (a list gives one time per stage:
+    `stages` of them when it is given); raises PipelangError (E0209) on a key it does not
+    know, a value out of range (`ir.cost_problem`) or a list of the wrong length."""
     if costs is None:
         return None
+    if not isinstance(costs, Mapping):
+        raise fail("E0209", f"costs are a mapping such as {{'F': 1, 'B': 2}}, not {_shown(costs)}")
     entries: list[tuple[str, int | None, float]] = []
     for kind, value in costs.items():
         if kind not in COST_KINDS:
-            raise ValueError(f"no cost {kind!r}; costs are {', '.join(COST_KINDS)}")
+            raise fail("E0209", f"no cost {_shown(kind)}; costs are {', '.join(COST_KINDS)}")
         if isinstance(value, Sequence) and not isinstance(value, str):
+            if stages is not None and len(value) != stages:
+                raise fail(
+                    "E0209",
+                    f"cost `{kind}` lists {len(value)} times; the schedule has {stages} stages "
+                    f"(give one number for all, or one per stage)",
+                )
             entries.extend((kind, stage, _time(kind, t)) for stage, t in enumerate(value))
         else:
             entries.append((kind, None, _time(kind, value)))
     return CostModel(tuple(entries))
 
 
+def _shown(value: object) -> str:
+    return clip(f"`{value!r}`")
+
+
+def _usage(message: str) -> PipelangError:
+    """An API argument that cannot be used, as the CLI's bad command line would be."""
+    return fail("usage", message)
+
+
 def _time(kind: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"cost {kind}: {value!r} is not a non-negative number")
-    if not value <= MAX_TIME:
-        raise ValueError(f"cost {kind}: {value!r} is too large; a time is at most 1e15")
-    if kind in ("A", "O") and value > 1:
-        raise ValueError(f"cost {kind}: {value!r} is a share of an op's work, 0 to 1")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail("E0209", f"cost `{kind}`: {_shown(value)} is not a number")
+    problem = cost_problem(kind, float(value))
+    if problem is not None:
+        raise fail("E0209", f"cost {problem}")
     return float(value)
 
 
@@ -140,5 +164,13 @@ def load(sched: str | Path, **params: int | bool) -> Schedule:
     its parameters as keywords. Raises PipelangError with every problem found."""
     from pipelang.api import compile_schedule
 
-    text = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in params.items()}
+    text = {}
+    for name, value in params.items():
+        if isinstance(value, bool):
+            text[name] = str(value).lower()
+        elif isinstance(value, int) and abs(value) < 10**MAX_DIGITS:
+            text[name] = str(value)
+        else:
+            what = f"over {MAX_DIGITS} digits" if isinstance(value, int) else _shown(value)
+            raise fail("E0203", f"parameter `{name}` is {what}; give an int or a bool")
     return Schedule(compile_schedule(str(sched), text))

@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 from pipelang import memory
 from pipelang.bulk import bulk
-from pipelang.diagnostics import InternalError
+from pipelang.diagnostics import InternalError, fail
 from pipelang.evictions import peak_activations as stash_peaks
 from pipelang.grid import op_labeler, render_rows
-from pipelang.ir import Action, CostModel, Kind, Program
+from pipelang.ir import MAX_TIME, Action, CostModel, Kind, Program
 from pipelang.passes.build_dag import OpGraph
 from pipelang.weights import WeightVersions, weight_versions
 
@@ -232,6 +232,12 @@ def simulate(
         raise InternalError("simulated an op graph with a cycle: `validate` did not run")
     # Ops are numbered in rank order, then in each rank's order; none is listed twice.
     ends = [s + t for s, t in zip(start, times, strict=True)]
+    if not max(ends, default=0.0) <= MAX_TIME:  # inf and NaN too: say so, never print them
+        raise fail(
+            "E0209",
+            f"the schedule's times add up to {max(ends):g}, past 10^15: smaller costs, or "
+            "micro-batch shapes nearer the reference `S`",
+        )
     heads = graph.heads
     for op, head in enumerate(heads):
         if head != op:

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+import pipelang
 from tests.test_cli import GOOD, run_in_process
 
 # ---- text from inputs in written files ----------------------------------------------------
@@ -24,3 +28,220 @@ def test_a_file_name_cannot_add_lines_to_a_rank_program(tmp_path: Path) -> None:
     assert not [
         n for n in ast.walk(module) if isinstance(n, ast.Import) and n.names[0].name == "os"
     ]
+
+
+# ---- limits checked before the work they limit ---------------------------------------------
+
+PROFILE = (
+    '{"format": "pipelang-profile/1", "model": "m", "device": "cpu", "micro_batch_size": 1, '
+    '"seq_len": 1, "layers": [LAYERS]}'
+)
+LAYER = (
+    '{"name": "l", "forward_ms": 1, "backward_input_ms": 1, "backward_weight_ms": 1, '
+    '"activation_bytes": 1000, "weight_bytes": 1000, "output_bytes": 100}'
+)
+
+
+def plan(tmp_path: Path, topology: str, profile: str | None = None) -> tuple[int, str]:
+    (tmp_path / "t.yaml").write_text(topology)
+    (tmp_path / "p.json").write_text(profile or PROFILE.replace("LAYERS", ",".join([LAYER] * 4)))
+    args = ["plan", "--profile", str(tmp_path / "p.json"), "--topology", str(tmp_path / "t.yaml")]
+    status, _, err = run_in_process([*args, "--micro-batches", "4", "-o", str(tmp_path / "o.pipe")])
+    return status, err
+
+
+@pytest.mark.parametrize(
+    ("topology", "message", "line"),
+    [
+        ("nodes: 1000000000\ngpus_per_node: 1\nmemory: 1GiB\n", "`nodes` must be 1 to 4,096", 1),
+        ("nodes: 1\ngpus_per_node: 1000000000\nmemory: 1GiB\n", "`gpus_per_node` must be", 2),
+        (
+            "memory: 1GiB\ngpus_per_node: 1\nnodes:\n  - &a {count: 4000}\n  - *a\n",
+            "8,000 devices; the planner takes at most 4096",
+            4,
+        ),
+        (
+            "devices:\n"
+            + "".join(f"  - {{name: d{i}, memory: 1GiB}}\n" for i in range(5000))
+            + "default_link: {bandwidth: 1GB/s}\n",
+            "5,000 devices",
+            2,
+        ),
+        ("nodes: 2\ngpus_per_node: 1\nmemory: 1GiB\nbogus: 1\n", "unknown key `bogus`", 4),
+        ("# only a comment\n", "the topology", 0),
+        ("nodes: ²\ngpus_per_node: 1\nmemory: 1GiB\n", "expected a whole number, not `²`", 1),
+        (
+            "nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nintra_node: {bandwidth: 1e999GB/s}\n",
+            "a bandwidth (bytes per second) is between 0 and 1e+15",
+            4,
+        ),
+        ("nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nspeed: 1e999\n", "a speed is between", 4),
+        (
+            "nodes: 2\ngpus_per_node: 1\nmemory: 1GiB\ninter_node: {bandwidth: 1GB/s, "
+            "latency: 1e999s}\n",
+            "a latency (s) is between",
+            4,
+        ),
+    ],
+)
+def test_a_topology_past_its_limits_is_one_error_at_its_line(
+    tmp_path: Path, topology: str, message: str, line: int
+) -> None:
+    status, err = plan(tmp_path, topology)
+    assert status == 1 and "E0402" in err and message in err, err
+    if line:
+        assert f"t.yaml:{line}:" in err
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        (",".join([LAYER] * 1025), "1,025 layers; the planner takes 1024"),
+        (LAYER.replace('"forward_ms": 1', '"forward_ms": 1e308'), "must be between 0 and 1e+09"),
+        (LAYER.replace('"forward_ms": 1', '"forward_ms": 1' + "0" * 5000), "more than 18 digits"),
+        (LAYER.replace("1,", "0,").replace("1000", "0").replace("100}", "0}"), "takes 0 ms"),
+        ("[" * 50000, "nests arrays and objects too deep"),
+    ],
+)
+def test_a_profile_past_its_limits_is_one_error(tmp_path: Path, layers: str, message: str) -> None:
+    topology = "nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nintra_node: {bandwidth: 1GB/s}\n"
+    status, err = plan(tmp_path, topology, PROFILE.replace("LAYERS", layers))
+    assert status == 1 and "E0401" in err and message in err, err
+
+
+def test_the_plan_search_stops_at_its_time_budget() -> None:
+    """A budget shorter than one candidate's screening leaves candidates out for time,
+    said as such, instead of running past it."""
+    from pipelang.planner.profile import LayerCost, Profile
+    from pipelang.planner.search import Inputs, Planner
+    from pipelang.planner.topology import Link, Topology
+
+    layers = tuple(LayerCost(f"l{i}", 1.0, 1.0, 1.0, 1e3, 1e3, 1e2) for i in range(256))
+    size = 64
+    link = Link(1e9, 0.0)
+    topology = Topology(
+        tuple(f"d{i}" for i in range(size)),
+        (1e12,) * size,
+        tuple(tuple(None if a == b else link for b in range(size)) for a in range(size)),
+    )
+    profile = Profile("m", "cpu", "float32", 1, 1, layers)
+    result = Planner(Inputs(profile, topology, 64), time_budget=0.05).search()
+    assert any(r.time for r in result.rejected)
+    assert all("time budget" in r.reason for r in result.rejected if r.time)
+
+
+def test_import_torch_finds_a_hole_without_counting_to_a_huge_id(tmp_path: Path) -> None:
+    (tmp_path / "s.csv").write_text("0F0,0F999999999,0B0,0B999999999\n")
+    status, _, err = run_in_process(["import-torch", str(tmp_path / "s.csv")])
+    assert status == 1 and "micro-batch 1 never appears, but micro-batch 999999999 does" in err
+    (tmp_path / "s.csv").write_text("0F0,0F١\n")  # an Arabic-Indic digit is no id
+    status, _, err = run_in_process(["import-torch", str(tmp_path / "s.csv")])
+    assert status == 1 and "E0007" in err
+
+
+# ---- readers and exit statuses ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "message"),
+    [
+        (b"\xef\xbb\xbf4\n4\n", 0, ""),  # a BOM, as .pipe, CSV and YAML accept
+        (b"4\r\n4\r\n", 0, ""),
+        (b"4\n\xb2\n", 1, "E0003"),  # Latin-1 superscript two: not UTF-8
+        ("4\n²\n".encode(), 1, "expected a whole number, not `²`"),
+        (b"4\n" + b"1" * 5000 + b"\n", 1, "has more than 18 digits"),
+        (b"\x00\x01\x02", 1, "it is not text"),
+        (b"0\n4\n", 1, "must be 1 to"),
+        (b"# nothing\n", 1, "lists no micro-batch"),
+    ],
+)
+def test_lengths_files_are_read_whole_and_bad_contents_are_exit_1(
+    tmp_path: Path, content: bytes, status: int, message: str
+) -> None:
+    (tmp_path / "l.txt").write_bytes(content)
+    args = ["simulate", "1f1b", "-p", "D=2", "-p", "N=2", "--lengths", str(tmp_path / "l.txt")]
+    found, _, err = run_in_process(args)
+    assert found == status, err
+    assert message in err
+    pack = ["pack", "1f1b", "-p", "D=2", "--sequences", str(tmp_path / "l.txt")]
+    found, _, err = run_in_process([*pack, "--max-tokens", "100"])
+    assert found == status, err  # the same reader, the same answer
+
+
+def test_pack_finds_the_packing_that_fits_when_one_exists(tmp_path: Path) -> None:
+    """The issue's case: one sequence per micro-batch in file order fits the cap (peak 1663
+    tokens); pack refused it before it tried that."""
+    (tmp_path / "s.txt").write_text("143 38 353 286 906 118 136 353".replace(" ", "\n"))
+    args = ["pack", "1f1b", "-p", "D=4", "--sequences", str(tmp_path / "s.txt")]
+    status, out, err = run_in_process(
+        [*args, "--max-tokens", "1812", "--cost", "F=1,B=2,A=0.3,O=0.05"]
+    )
+    assert status == 0, err
+    assert "dynamic (pack)" in out
+
+
+def test_pack_refuses_more_sequences_than_its_limit_before_working(tmp_path: Path) -> None:
+    (tmp_path / "s.txt").write_text("1\n" * 2049)
+    args = ["pack", "1f1b", "--sequences", str(tmp_path / "s.txt"), "--max-tokens", "10"]
+    status, _, err = run_in_process(args)
+    assert status == 2 and "2,049 sequences; pack takes at most 2,048" in err
+
+
+# ---- numbers at the ends of the float range -------------------------------------------------
+
+
+def test_times_that_add_up_past_the_limit_are_an_error_not_inf(tmp_path: Path) -> None:
+    text = GOOD.replace("{\n", "{\n    lengths 100000000000000000, 1\n", 1)
+    (tmp_path / "s.pipe").write_text(text)
+    status, out, err = run_in_process(["simulate", str(tmp_path / "s.pipe"), "--cost", "S=1"])
+    assert status == 1 and "E0209" in err and "past 10^15" in err and "inf" not in out
+    status, _, err = run_in_process(["simulate", "1f1b", "--cost", "S=0.5"])
+    assert status == 2 and "`S` is the reference's tokens" in err
+
+
+# ---- a user's model that exits or raises ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("import sys\nsys.exit(0)\ndef f(): pass\n", "importing `m.py` called sys.exit(0)"),
+        ("import sys\ndef f():\n    sys.exit(0)\n", "`f()` called sys.exit(0)"),
+        ("raise RuntimeError('boom')\n", "importing `m.py` failed: RuntimeError: boom"),
+    ],
+)
+def test_a_model_file_that_exits_or_raises_is_the_users_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.py").write_text(body)
+    args = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--model", "m.py:f", "--steps", "1"]
+    status, _, err = run_in_process([*args, "--backend", "local"])
+    assert status == 1 and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ---- the Python API raises PipelangError ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "code"),
+    [
+        (lambda s: s.export("nope"), "usage"),
+        (lambda s: s.draw("x.unknownext"), "usage"),
+        (lambda s: s.simulate([1, 2]), "E0209"),
+        (lambda s: s.simulate({"F": [5]}), "E0209"),
+        (lambda s: s.simulate({"F": float("nan")}), "E0209"),
+        (lambda s: s.simulate({"S": 1e-150}), "E0209"),
+        (lambda s: s.simulate({"Q": 1}), "E0209"),
+        (lambda s: s.ops("0"), "usage"),
+        (lambda s: pipelang.load("1f1b", N=10**5000), "E0203"),
+        (lambda s: pipelang.load("chimera", D=2, N=2).export("torch-csv"), "usage"),
+        (lambda s: pipelang.load("nope"), "E0003"),
+    ],
+)
+def test_every_bad_api_input_is_a_pipelang_error(call: Any, code: str) -> None:
+    schedule = pipelang.load("1f1b", D=2, N=2)
+    with pytest.raises(pipelang.PipelangError) as raised:
+        call(schedule)
+    assert raised.value.diagnostics[0].code == code

@@ -17,7 +17,7 @@ from pipelang import api
 from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
 from pipelang.compiler import Compilation
 from pipelang.evaluate import MAX_OPS
-from pipelang.ir import COMPUTE_KINDS, MAX_TIME, CostModel, Program
+from pipelang.ir import COMPUTE_KINDS, CostModel, Program, cost_problem
 from pipelang.readers import read_number_rows
 
 if TYPE_CHECKING:
@@ -201,10 +201,9 @@ def parse_cost(spec: str) -> CostModel:
                 "F=1,B=2,W=1,C=0,FB=2 or F[3]=2 for stage 3"
             )
         kind, stage, value = match.groups()
-        if not float(value) <= MAX_TIME:
-            raise UsageError(f"`--cost {spec}`: `{item}` is too large; a time is at most 1e15")
-        if kind in ("A", "O") and float(value) > 1:
-            raise UsageError(f"`--cost {spec}`: `{kind}` is a share of the work, 0 to 1")
+        problem = cost_problem(kind, float(value))
+        if problem is not None:
+            raise UsageError(f"`--cost {spec}`: {problem}")
         entries.append((kind, None if stage is None else int(stage), float(value)))
     return CostModel(tuple(entries))
 
