@@ -22,7 +22,8 @@ def to_json(program: Program) -> str:
     (the partner's holds are the compiler's, and left out); with sequence chunks every
     op has its `"chunk"`. An op that starts together
     with the one before it (the W of a fused `BW`, either op of an overlapped `F & B`
-    after the first) has `"fused": true`: the order replays exactly from this.
+    after the first) has `"fused": true`: the order replays exactly from this. With
+    micro-batches of different shapes, `"shapes"` lists `{"samples", "length"}` of each.
 
     One op a line: as readable as an indented document, and written by json's C encoder
     (an indented dump goes through the pure-Python one: 20 s for 500,000 ops)."""
@@ -33,7 +34,11 @@ def to_json(program: Program) -> str:
             json.dumps(_json_op(a)) for a in actions if a.kind.is_compute or a.kind in kept
         )
         ranks.append(f'  {{"rank": {r}, "ops": [\n   {ops}\n  ]}}')
-    head = json.dumps({"schedule": program.name, "params": dict(program.params)})
+    doc: dict[str, object] = {"schedule": program.name, "params": dict(program.params)}
+    if program.shapes is not None:  # micro-batches of different shapes, by micro-batch
+        shapes = zip(program.shapes.samples, program.shapes.lengths, strict=True)
+        doc["shapes"] = [{"samples": s, "length": n} for s, n in shapes]
+    head = json.dumps(doc)
     return head[:-1] + ', "ranks": [\n' + ",\n".join(ranks) + "\n]}"
 
 
@@ -83,6 +88,11 @@ def to_torch_csv(program: Program) -> str:
         raise ExportError(
             f"torch's CSV format has no sequence chunks; `{program.name}` splits every "
             f"micro-batch into {program.chunks.count} (`chunks`)"
+        )
+    if program.shapes is not None:
+        raise ExportError(
+            f"torch's CSV format has one micro-batch shape; `{program.name}` gives each "
+            "micro-batch its own (`lengths`, `sizes` or --lengths)"
         )
     evicts = next((a for acts in program.ranks for a in acts if a.kind is Kind.E), None)
     if evicts is not None:

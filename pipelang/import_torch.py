@@ -22,13 +22,15 @@ dropped: pipelang inserts its own transfers and gradient sync. An overlapped pai
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipelang import ast
 from pipelang.compiler import Compilation, Options, run_passes
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import Diagnostic, PipelangError, clip, fail
 from pipelang.parser import parse_text, read_source
 from pipelang.source import SourceFile, Span, one_line
 
@@ -175,7 +177,7 @@ def _no_holes(what: str, code: str, seen: dict[int, Cell]) -> None:
         )
 
 
-def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> str:
+def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> Imported:
     """The `.pipe` text for a torch schedule (see the module docstring)."""
     layout = infer_layout(schedule)
     ranks, stages = len(schedule.ranks), len(layout.placement)
@@ -206,20 +208,54 @@ def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> str:
         f"    microbatches 0..{layout.num_microbatches} -> main",
         "    order rank r {",
     ]
+    origins: list[tuple[int, int, Span]] = []
+    size = sum(len(line) + 1 for line in lines)  # the text's length so far, newlines too
     for rank, row in enumerate(schedule.ranks):
         head = "if" if rank == 0 else "} else if"
         lines.append(f"        {head} r == {rank} {{")
-        ops: list[str] = []
+        size += len(lines[-1]) + 1
+        ops: list[list[tuple[str, Span]]] = []  # statements: (op text, its cell) each
         for c in row:
-            op = f"{letters[c.kind]}(mb={c.mb}, stage={c.stage})"
+            op = (f"{letters[c.kind]}(mb={c.mb}, stage={c.stage})", c.span)
             if c.fused and ops:
-                ops[-1] += f" & {op}"
+                ops[-1].append(op)
             else:
-                ops.append(op)
+                ops.append([op])
         for i in range(0, len(ops), _OPS_PER_LINE):
-            lines.append("            " + " ".join(ops[i : i + _OPS_PER_LINE]))
+            lines.append(_statements(ops[i : i + _OPS_PER_LINE], size, origins))
+            size += len(lines[-1]) + 1
     lines += ["        }", "    }", "}", ""]
-    return "\n".join(lines)
+    return Imported("\n".join(lines), tuple(origins))
+
+
+@dataclass(frozen=True)
+class Imported:
+    """The `.pipe` text `to_pipe` writes, and where each op in it came from."""
+
+    text: str
+    origins: tuple[tuple[int, int, Span], ...]
+    """(start, end) of an op's text, and the CSV cell it came from, in text order."""
+
+    def cell_at(self, offset: int) -> Span | None:
+        """The CSV cell of the op whose text holds `offset`, None outside every op."""
+        index = bisect.bisect_right(self.origins, (offset, math.inf)) - 1
+        if index >= 0 and self.origins[index][0] <= offset < self.origins[index][1]:
+            return self.origins[index][2]
+        return None
+
+
+def _statements(
+    statements: list[list[tuple[str, Span]]], start: int, origins: list[tuple[int, int, Span]]
+) -> str:
+    """One line of op statements (ops fused with `&`) that starts at offset `start` of
+    the text; each op's place and cell go to `origins`."""
+    line = "            "
+    for i, statement in enumerate(statements):
+        for j, (text, cell) in enumerate(statement):
+            line += " & " if j else " " if i else ""
+            origins.append((start + len(line), start + len(line) + len(text), cell))
+            line += text
+    return line
 
 
 def _count(n: int, word: str) -> str:
@@ -263,14 +299,40 @@ def schedule_name(path: Path) -> str:
     return name
 
 
-def import_torch(path: Path, name: str | None = None) -> str:
+def import_torch(path: Path, name: str | None = None) -> Imported:
     """The `.pipe` text for the torch CSV at `path` (not yet checked: see `check_pipe`)."""
+    if name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise fail("usage", f"`{clip(name)}` is not an identifier: a schedule's name")
     schedule = read_torch_csv(read_source(path))
     return to_pipe(schedule, name or schedule_name(path), path.name)
 
 
-def check_pipe(text: str, display: str) -> Compilation:
-    """Parse and validate generated `.pipe` text (raises PipelangError with diagnostics)."""
+def check_pipe(text: str, display: str, imported: Imported | None = None) -> Compilation:
+    """Parse and validate generated `.pipe` text (raises PipelangError with diagnostics).
+    With `imported` (what `to_pipe` made `text` from), a diagnostic that points at an op
+    points at the CSV cell it came from instead: the text itself is never shown."""
     source = SourceFile.of(display, text)
     schedule = next(i for i in parse_text(source) if isinstance(i, ast.Schedule))
-    return run_passes(ast.File(source, schedule, {}), Options(), "validate")
+    try:
+        return run_passes(ast.File(source, schedule, {}), Options(), "validate")
+    except PipelangError as err:
+        if imported is None:
+            raise
+        raise PipelangError([_in_csv(d, source, imported) for d in err.diagnostics]) from None
+
+
+def _in_csv(diagnostic: Diagnostic, source: SourceFile, imported: Imported) -> Diagnostic:
+    """`diagnostic` with its spans in the generated text moved to their CSV cells (a
+    span outside every op is dropped, and its label with it)."""
+
+    def cell(span: Span | None) -> Span | None:
+        if span is None or span.source is not source:
+            return span
+        return imported.cell_at(span.start)
+
+    labels = tuple(
+        replace(label, span=moved)
+        for label in diagnostic.labels
+        if (moved := cell(label.span)) is not None
+    )
+    return replace(diagnostic, span=cell(diagnostic.span), labels=labels)

@@ -261,10 +261,12 @@ class _Model:
 
 def _stages(sched: str, params: Mapping[str, str], costs: CostModel) -> tuple[int, _Model]:
     """The schedule's number of stages, and its cost model for the search."""
+    refused: PipelangError | None = None
     for n in ("1", params.get("D", "4")):
         try:
             compiled = api.compile_schedule(sched, {**params, "N": n}, stop_after="expand-orders")
-        except PipelangError:
+        except PipelangError as err:
+            refused = err
             continue
         program = compiled.need_program()
         merged = program.costs.merged(costs)
@@ -272,7 +274,8 @@ def _stages(sched: str, params: Mapping[str, str], costs: CostModel) -> tuple[in
         per = sum(merged.of(k) for k in kinds)
         model = _Model(per, merged.of("A"), merged.of("S"), merged.of("O"))
         return program.num_stages, model
-    raise ValueError(f"cannot compile `{sched}` to learn its stages")
+    assert refused is not None
+    raise refused  # its diagnostics point into the schedule
 
 
 _COUNTS = np.unique(np.round(1.01 ** np.arange(0, 1200))).astype(np.int64)

@@ -31,6 +31,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipelang.backends.transport import DistTransport, Handle, reduce_ranks
+from pipelang.diagnostics import fail
 from pipelang.ir import Action, Kind
 from pipelang.schedule import Schedule
 
@@ -52,36 +53,48 @@ class PipelineSchedule:
     ) -> None:
         program = schedule.program
         if program.weights is not None:
-            raise ValueError(
+            raise fail(
+                "usage",
                 f"`{program.name}` is asynchronous; PipelineSchedule runs "
-                "synchronous schedules only"
+                "synchronous schedules only",
             )
         if program.frozen is not None:
-            raise ValueError(
+            raise fail(
+                "usage",
                 f"`{program.name}` runs a frozen part (`P`); PipelineSchedule does not "
-                "run frozen work yet (`pipelang run` does)"
+                "run frozen work yet (`pipelang run` does)",
             )
         if program.chunks is not None:
-            raise ValueError(
+            raise fail(
+                "usage",
                 f"`{program.name}` splits micro-batches into sequence chunks; "
-                "PipelineSchedule does not run chunks yet (`pipelang run` does, on its GPT)"
+                "PipelineSchedule does not run chunks yet (`pipelang run` does, on its GPT)",
+            )
+        if program.shapes is not None:
+            raise fail(
+                "usage",
+                f"`{program.name}` gives its micro-batches different shapes; "
+                "PipelineSchedule splits a batch into equal ones (`pipelang run` runs shapes)",
             )
         evicts = program.first_eviction()
         if evicts is not None:
-            raise ValueError(
+            raise fail(
+                "usage",
                 f"`{program.name}` evicts activations (`{evicts}`); "
-                "PipelineSchedule does not move them yet"
+                "PipelineSchedule does not move them yet",
             )
         if not dist.is_initialized():
-            raise RuntimeError(
+            raise fail(
+                "usage",
                 "PipelineSchedule needs an initialised process group "
-                "(torch.distributed.init_process_group, or torchrun)"
+                "(torch.distributed.init_process_group, or torchrun)",
             )
         world = dist.get_world_size()
         if world % program.num_ranks:
-            raise ValueError(
+            raise fail(
+                "usage",
                 f"`{program.name}` has {program.num_ranks} ranks, but the process "
-                f"group has {world} processes (a multiple is needed)"
+                f"group has {world} processes (a multiple is needed)",
             )
         self.program = program
         self.copies_count = world // program.num_ranks
@@ -134,7 +147,7 @@ class PipelineSchedule:
         n = self.program.num_microbatches
         inputs, targets = x.chunk(n), target.chunk(n)
         if len(inputs) != n or len({len(c) for c in inputs}) != 1 or len(targets) != n:
-            raise ValueError(f"a batch of {len(x)} does not split into {n} equal micro-batches")
+            raise fail("usage", f"a batch of {len(x)} does not split into {n} equal micro-batches")
         self.inputs, self.targets = inputs, targets
         self.scale = 1.0 / (n * self.copies_count)
         self.values: dict[tuple[str, int, int, str], torch.Tensor] = {}

@@ -6,6 +6,7 @@ each case failed before its fix."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +244,37 @@ def test_every_bad_api_input_is_a_pipelang_error(call: Any, code: str) -> None:
     with pytest.raises(pipelang.PipelangError) as raised:
         call(schedule)
     assert raised.value.diagnostics[0].code == code
+
+
+# ---- nothing a user gives is dropped in silence ---------------------------------------------
+
+
+def test_exports_keep_micro_batch_shapes_or_refuse_them(tmp_path: Path) -> None:
+    (tmp_path / "l.txt").write_text("2 512\n1 1024\n")
+    args = ["export", "1f1b", "-p", "D=2", "-p", "N=2", "--lengths", str(tmp_path / "l.txt")]
+    status, out, err = run_in_process(args)
+    assert status == 0, err
+    assert json.loads(out)["shapes"] == [
+        {"samples": 2, "length": 512},
+        {"samples": 1, "length": 1024},
+    ]
+    status, _, err = run_in_process([*args, "--format", "torch-csv"])
+    assert status == 2 and "torch's CSV format has one micro-batch shape" in err
+
+
+# ---- errors point at what the user wrote ----------------------------------------------------
+
+
+def test_import_torch_errors_point_at_the_csv_cell(tmp_path: Path) -> None:
+    (tmp_path / "bad.csv").write_text("0F0,0F1,0B0,0B1\n1B0,1F0,1F1,1B1\n")
+    status, _, err = run_in_process(["import-torch", str(tmp_path / "bad.csv")])
+    assert status == 1 and "E0304" in err
+    assert "bad.csv:2:1" in err and "bad.csv:2:5" in err and "<import-torch" not in err
+
+
+def test_pack_on_a_schedule_with_a_syntax_error_points_at_it(tmp_path: Path) -> None:
+    (tmp_path / "s.pipe").write_text(GOOD.replace("microbatches", "microbatchez"))
+    (tmp_path / "s.txt").write_text("10\n20\n")
+    args = ["pack", str(tmp_path / "s.pipe"), "--sequences", str(tmp_path / "s.txt")]
+    status, _, err = run_in_process([*args, "--max-tokens", "100"])
+    assert status == 1 and "E0001" in err and "s.pipe:3:18" in err, err

@@ -523,7 +523,7 @@ def test_import_torch_round_trip(tmp_path: Path, name: str, params: dict[str, in
     exported = to_torch_csv(program(name, **params))
     path = tmp_path / f"{name}.csv"
     path.write_text(exported)
-    text = import_torch(path)
+    text = import_torch(path).text
     assert to_torch_csv(check_pipe(text, "roundtrip.pipe").need_program()) == exported
 
 
@@ -540,7 +540,7 @@ def test_import_torch_reads_torchs_own_csv(tmp_path: Path) -> None:
             for r, row in enumerate(rows)
         )
     )
-    prog = check_pipe(import_torch(path), "torch.pipe").need_program()
+    prog = check_pipe(import_torch(path).text, "torch.pipe").need_program()
     assert our_rows_of(prog) == torch_rows("GPipe", 4, 6)
 
 

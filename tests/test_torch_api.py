@@ -50,9 +50,9 @@ def test_refusals_before_anything_runs() -> None:
     def build(stage: int) -> object:
         raise AssertionError("no stage is built for a refused schedule")
 
-    with pytest.raises(ValueError, match="asynchronous"):
+    with pytest.raises(pipelang.PipelangError, match="asynchronous"):
         PipelineSchedule(pipelang.load("pipedream", D=2, N=4), build, lambda y, t: y)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="evicts activations"):
+    with pytest.raises(pipelang.PipelangError, match="evicts activations"):
         PipelineSchedule(pipelang.load("bpipe"), build, lambda y, t: y)  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="initialised process group"):
+    with pytest.raises(pipelang.PipelangError, match="initialised process group"):
         PipelineSchedule(pipelang.load("1f1b", D=2, N=2), build, lambda y, t: y)  # type: ignore[arg-type]

@@ -31,9 +31,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args.name):
         raise UsageError(f"`--name {args.name}` is not an identifier")
-    text = import_torch(args.csv, args.name)
-    if args.out is None:
-        check_pipe(text, f"<import-torch {args.csv.name}>")
+    imported = import_torch(args.csv, args.name)
+    text = imported.text
+    if args.out is None:  # errors point at the CSV's cells: the text is not shown
+        check_pipe(text, f"<import-torch {args.csv.name}>", imported)
         print(text, end="")
         return 0
     # Written before the check, so that a schedule that fails it can be read and fixed.
