@@ -227,17 +227,19 @@ def simulate(
     every stage boundary the time of the link between its two ranks' devices).
     """
     times = _durations(program, graph, costs)
+    longest = max(times, default=0.0)
+    if not longest <= MAX_TIME:  # inf and NaN too: say so, never print them
+        op = graph.ops[times.index(longest)]
+        raise fail(
+            "E0209",
+            f"`{op}` takes {longest:g} under these costs and shapes, past the 10^15 an op "
+            "may take: smaller costs, or micro-batch shapes nearer the reference `S`",
+        )
     start = _start_times(graph, times, costs.of("C"), stash_link(program, graph, costs, link))
     if len(start) < graph.listed:
         raise InternalError("simulated an op graph with a cycle: `validate` did not run")
     # Ops are numbered in rank order, then in each rank's order; none is listed twice.
     ends = [s + t for s, t in zip(start, times, strict=True)]
-    if not max(ends, default=0.0) <= MAX_TIME:  # inf and NaN too: say so, never print them
-        raise fail(
-            "E0209",
-            f"the schedule's times add up to {max(ends):g}, past 10^15: smaller costs, or "
-            "micro-batch shapes nearer the reference `S`",
-        )
     heads = graph.heads
     for op, head in enumerate(heads):
         if head != op:

@@ -195,7 +195,8 @@ def test_times_that_add_up_past_the_limit_are_an_error_not_inf(tmp_path: Path) -
     text = GOOD.replace("{\n", "{\n    lengths 100000000000000000, 1\n", 1)
     (tmp_path / "s.pipe").write_text(text)
     status, out, err = run_in_process(["simulate", str(tmp_path / "s.pipe"), "--cost", "S=1"])
-    assert status == 1 and "E0209" in err and "past 10^15" in err and "inf" not in out
+    assert status == 1 and "E0209" in err and "past the 10^15 an op may take" in err
+    assert "inf" not in out
     status, _, err = run_in_process(["simulate", "1f1b", "--cost", "S=0.5"])
     assert status == 2 and "`S` is the reference's tokens" in err
 
