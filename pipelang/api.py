@@ -9,7 +9,7 @@ from pipelang import ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import fail
 from pipelang.evaluate import MAX_OPS
-from pipelang.ir import Program
+from pipelang.ir import CostModel, Program
 from pipelang.parser import parse_file, stdlib_dir
 
 
@@ -48,12 +48,14 @@ def compile_schedule(
     dp: int = 1,
     max_ops: int = MAX_OPS,
     shapes: tuple[tuple[int, int], ...] | None = None,
+    costs: CostModel | None = None,
 ) -> Compilation:
     """Run the passes on a schedule (path or stdlib name) with `-p`-style string params;
     `dp` is the data-parallel copies a stream program is lowered for; a schedule of more
     than `max_ops` ops is refused (E0106); `shapes` are the micro-batches' (samples,
-    length), instead of the schedule's `lengths` and `sizes` lines."""
-    options = Options(dict(params or {}), max_activations, dp, max_ops, shapes)
+    length), instead of the schedule's `lengths` and `sizes` lines; `costs` come after
+    its `cost` lines, and orders that depend on the costs are expanded under them."""
+    options = Options(dict(params or {}), max_activations, dp, max_ops, shapes, costs)
     return run_passes(load_file(sched), options, stop_after)
 
 

@@ -41,6 +41,9 @@ class Options:
     shapes: tuple[tuple[int, int], ...] | None = None
     """(samples, length) of every micro-batch (`--lengths FILE`), instead of the
     schedule's `lengths` and `sizes` lines."""
+    costs: CostModel | None = None
+    """Cost entries after the schedule's own `cost` lines (`--cost`): an order that
+    depends on the costs (`order greedy`, `squeeze`) is expanded under them."""
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,15 @@ class Compilation:
 
     def timeline(self, costs: CostModel | None = None, link: Link | None = None) -> Timeline:
         """The simulated timeline of the program under its own `cost` line with `costs`
-        over it (needs `validate` to have run)."""
+        over it, a backward taking B + W where the schedule does not split W off
+        (`CostModel.for_kinds`; needs `validate` to have run)."""
         from pipelang.simulate import simulate
 
         program = self.need_program()
         if self.graph is None:
             raise InternalError("simulating before `build-dag`")
-        return simulate(program, self.graph, program.costs.merged(costs), link)
+        model = program.costs.merged(costs).for_kinds(program.kinds)
+        return simulate(program, self.graph, model, link)
 
     def need_program(self) -> Program:
         if self.program is None:
@@ -95,7 +100,8 @@ def _expand_orders(c: Compilation) -> Compilation:
     from pipelang.passes.expand_orders import expand_orders
 
     assert c.params is not None
-    program = expand_orders(c.file, c.params, c.options.max_ops, c.options.shapes)
+    options = c.options
+    program = expand_orders(c.file, c.params, options.max_ops, options.shapes, options.costs)
     return dataclasses.replace(c, program=program)
 
 

@@ -29,7 +29,7 @@ import enum
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -457,7 +457,7 @@ class CostModel:
     entries: tuple[tuple[str, int | None, float], ...] = (
         ("F", None, 1.0),
         ("B", None, 1.0),
-        ("W", None, 1.0),
+        ("W", None, 0.0),
         ("R", None, 1.0),
         ("P", None, 1.0),
         ("C", None, 0.0),
@@ -522,6 +522,22 @@ class CostModel:
             return base
 
         return time
+
+    def whole_backward(self) -> CostModel:
+        """This model for a schedule that does not split W off its backward: its `B`
+        takes B + W (the zero-bubble paper's convention), so that one cost spec describes
+        one model and every schedule's makespan compares. W is 0 unless given, so a spec
+        without W means the same for every schedule."""
+        if not any(kind == "W" and value for kind, _, value in self.entries):
+            return self
+        stages = [None, *sorted(self.stages())]
+        whole = tuple(("B", s, self.of("B", s) + self.of("W", s)) for s in stages)
+        return CostModel((*self.entries, *whole))
+
+    def for_kinds(self, kinds: Iterable[Kind]) -> CostModel:
+        """The model a schedule with these op kinds is timed by: `whole_backward` unless
+        it splits W off its backward."""
+        return self if Kind.W in kinds else self.whole_backward()
 
     def stages(self) -> set[int]:
         """The stages that per-stage entries name."""

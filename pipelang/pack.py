@@ -270,8 +270,7 @@ def _stages(sched: str, params: Mapping[str, str], costs: CostModel) -> tuple[in
             continue
         program = compiled.need_program()
         merged = program.costs.merged(costs)
-        kinds = [k.value for k in program.kinds if k.value in "FBW"]
-        per = sum(merged.of(k) for k in kinds)
+        per = sum(merged.of(k) for k in "FBW")  # a backward is B + W, split or not
         model = _Model(per, merged.of("A"), merged.of("S"), merged.of("O"))
         return program.num_stages, model
     assert refused is not None

@@ -229,10 +229,10 @@ def simulate(
     times = _durations(program, graph, costs)
     longest = max(times, default=0.0)
     if not longest <= MAX_TIME:  # inf and NaN too: say so, never print them
-        op = graph.ops[times.index(longest)]
+        slowest = graph.ops[times.index(longest)]
         raise fail(
             "E0209",
-            f"`{op}` takes {longest:g} under these costs and shapes, past the 10^15 an op "
+            f"`{slowest}` takes {longest:g} under these costs and shapes, past the 10^15 an op "
             "may take: smaller costs, or micro-batch shapes nearer the reference `S`",
         )
     start = _start_times(graph, times, costs.of("C"), stash_link(program, graph, costs, link))

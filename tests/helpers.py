@@ -144,12 +144,13 @@ def costs(**values: float) -> CostModel:
 
 def replay(program: Program, model: CostModel) -> Timeline:
     """Simulate a Program made outside the compiler (a dump, a hand-built order): build
-    its op graph and validate it first, as the compiler does (raises PipelangError)."""
+    its op graph and validate it first, as the compiler does (raises PipelangError); a
+    backward that is not split takes B + W, as the compiler times it."""
     graph = op_graph(program)
     problems = validate(program, graph, None)
     if problems:
         raise PipelangError(problems)
-    return simulate(program, graph, model)
+    return simulate(program, graph, model.for_kinds(program.kinds))
 
 
 def with_comms(program: Program) -> Program:

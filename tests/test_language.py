@@ -864,7 +864,7 @@ def test_ops_and_cost_lines(tmp_path: Path) -> None:
         1.5,
         3.0,
         4.0,
-        1.0,
+        0.0,  # W is free unless given
         0.25,
     )
 

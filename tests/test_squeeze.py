@@ -27,8 +27,9 @@ REPEAT = re.compile(r"(order repeat \w+(?: every [^{]+?)?) (squeeze )?\{")
 
 
 def compiled(path: Path | str, **params: int) -> Program:
-    """The schedule at `path` with `params`, through `validate`."""
-    options = Options({k: str(v) for k, v in params.items()})
+    """The schedule at `path` with `params`, through `validate`; its order expanded under
+    the papers' unit costs (F = B = W = 1, free transfers), as it is simulated here."""
+    options = Options({k: str(v) for k, v in params.items()}, costs=UNIT)
     return run_passes(api.load_file(str(path)), options, "validate").need_program()
 
 

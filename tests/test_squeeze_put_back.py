@@ -56,7 +56,7 @@ CASES = [
     ("v-half", dict(D=6, N=13), "cost F = 2, B = 1, W = 1, C = 3"),
     ("v-half", dict(D=5, N=8), "cost F = 1.5, B = 2.25, W = 0.75, C = 0.5"),
     ("v-min", dict(D=6, N=13), "cost B = 2, W = 0"),
-    ("v-half", dict(D=6, N=9), "W(i, 0) after B(i, 1) for i in 0..N"),
+    ("v-half", dict(D=6, N=9), "W(i, 0) after B(i, 1) for i in 0..N\n    cost W = 1"),
     ("v-min", dict(D=6, N=13), "cost F = 1, B = 1, W = 2.5, C = 0.25"),
 ]
 

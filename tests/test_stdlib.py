@@ -32,7 +32,7 @@ from pipelang.compiler import Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.export import to_torch_csv
 from pipelang.import_torch import check_pipe, import_torch
-from pipelang.ir import CostModel, Program
+from pipelang.ir import CostModel, Kind, Program
 from pipelang.simulate import Timeline
 from tests.helpers import replay
 
@@ -48,17 +48,36 @@ def load(name: str) -> ast.File:
     return api.load_file(name)
 
 
-def program(name: str, *, validate: bool = True, **params: int) -> Program:
-    """The stdlib schedule `name` with `params`, expanded (and validated by default)."""
-    options = Options({k: str(v) for k, v in params.items()})
+def program(
+    name: str,
+    *,
+    validate: bool = True,
+    costs: tuple[float, float, float] | None = None,
+    **params: int,
+) -> Program:
+    """The stdlib schedule `name` with `params`, expanded (and validated by default); an
+    order that depends on the costs is expanded under `costs` (F, B, W; free transfers),
+    by default `run`'s: F = B = 1, and W = 1 where the schedule splits it off."""
+    given = {k: str(v) for k, v in params.items()}
+    if costs is None:
+        kinds = run_passes(load(name), Options(given), "expand-orders").need_program().kinds
+        costs = (1, 1, 1 if Kind.W in kinds else 0)
+    options = Options(given, costs=unit_costs(*costs))
     stop = "validate" if validate else "expand-orders"
     return run_passes(load(name), options, stop).need_program()
 
 
-def run(prog: Program, F: float = 1, B: float = 1, W: float = 1) -> Timeline:
-    """Simulate with the given op times and free transfers."""
-    costs = CostModel((("F", None, F), ("B", None, B), ("W", None, W), ("C", None, 0.0)))
-    return replay(prog, prog.costs.merged(costs))
+def unit_costs(F: float = 1, B: float = 1, W: float = 1) -> CostModel:
+    """The op times F, B, W and free transfers."""
+    return CostModel((("F", None, F), ("B", None, B), ("W", None, W), ("C", None, 0.0)))
+
+
+def run(prog: Program, F: float = 1, B: float = 1, W: float | None = None) -> Timeline:
+    """Simulate with the given op times and free transfers; W is 1 by default where the
+    schedule splits it off, else 0 (a backward that is not split takes B + W)."""
+    if W is None:
+        W = 1 if Kind.W in prog.kinds else 0
+    return replay(prog, prog.costs.merged(unit_costs(F, B, W)))
 
 
 def span_idle(timeline: Timeline, rank: int) -> float:
@@ -300,9 +319,13 @@ def test_zb_h2(D: int) -> None:
     F = B = W, with 2D-1 activations on rank 0 (N >= 2D-1 so the warm-up fits)."""
     for N in (2 * D - 1, 2 * D, 3 * D):
         for F, B, W in ZB_COSTS:
-            timeline = run(program("zb-h2", D=D, N=N), F=F, B=B, W=W)
-            assert span_idle(timeline, 0) == pytest.approx((D - 1) * (F + B - 2 * W))
+            formula = (D - 1) * (F + B - 2 * W)
+            timeline = run(program("zb-h2", D=D, N=N), F=F, B=B, W=W)  # the F = B = W order
+            assert span_idle(timeline, 0) == pytest.approx(formula)
             assert timeline.peak_activations(0) == 2 * D - 1
+            # expanded under these costs (`--cost`), the greedy order is no worse
+            timeline = run(program("zb-h2", D=D, N=N, costs=(F, B, W)), F=F, B=B, W=W)
+            assert span_idle(timeline, 0) <= formula + 1e-9
 
 
 @pytest.mark.parametrize("D", [2, 4, 6, 8])
@@ -324,7 +347,7 @@ def test_dualpipev_makespan_and_peak() -> None:
     prog = program("dualpipev", D=4, N=8)
     for pair, makespan in ((None, 54), (3, 54), (2, 44)):
         extra = () if pair is None else (("FB", None, float(pair)),)
-        timeline = replay(prog, CostModel((*CostModel().entries, *extra)))
+        timeline = replay(prog, CostModel((*unit_costs().entries, *extra)))
         assert timeline.makespan == makespan
     assert [timeline.peak_activations(r) for r in range(4)] == [9] * 4
 

@@ -165,17 +165,23 @@ def add_max_activations(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def compile_args(args: argparse.Namespace, stop_after: str | None = None) -> Compilation:
-    """Compile the schedule the parsed options name (SCHED, -p, and where the command has
-    them --max-activations and --dp), through pass `stop_after` (default: all)."""
+def compile_args(
+    args: argparse.Namespace, stop_after: str | None = None, sched: str | None = None
+) -> Compilation:
+    """Compile the schedule the parsed options name (SCHED or `sched`, -p, and where the
+    command has them --max-activations, --dp, --lengths and --cost, under which orders
+    that depend on the costs are expanded), through pass `stop_after` (default: all)."""
+    lengths = getattr(args, "lengths", None)
+    cost = getattr(args, "cost", None)
     return api.compile_schedule(
-        args.sched,
+        sched or args.sched,
         parse_params(args.params),
         max_activations=getattr(args, "max_activations", None),
         stop_after=stop_after,
         dp=getattr(args, "dp", 1),
         max_ops=args.max_ops,
-        shapes=None if args.lengths is None else read_lengths(args.lengths),
+        shapes=None if lengths is None else read_lengths(lengths),
+        costs=None if cost is None else parse_cost(cost),
     )
 
 

@@ -12,14 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipelang import api
 from pipelang.cli.args import (
     UsageError,
     add_param_options,
     at_least_zero,
     check_cost_stages,
+    compile_args,
     parse_cost,
-    parse_params,
     path,
     schedule_name,
     write_output,
@@ -161,9 +160,7 @@ def _aligned(model: Timeline, measured: Timeline) -> Timeline:
 
 
 def _compile(sched: str, args: argparse.Namespace) -> Compilation:
-    return api.compile_schedule(
-        sched, parse_params(args.params), stop_after=SCHEDULE_DONE, max_ops=args.max_ops
-    )
+    return compile_args(args, SCHEDULE_DONE, sched)
 
 
 def _replay(program: Program, costs: CostModel) -> Timeline:
@@ -176,4 +173,4 @@ def _replay(program: Program, costs: CostModel) -> Timeline:
     problems = validate(program, graph, None)
     if problems:
         raise PipelangError(problems)
-    return simulate(program, graph, costs)
+    return simulate(program, graph, costs.for_kinds(program.kinds))

@@ -48,6 +48,12 @@ class Layout:
     shapes: BatchShapes | None = None
     """The micro-batches' shapes when they differ (`Program.shapes`), for their times."""
 
+    @property
+    def op_costs(self) -> CostModel:
+        """`costs` as the schedule's ops are timed (`CostModel.for_kinds`): what an order
+        that replays the schedule in time reads, as the simulator does."""
+        return self.costs.for_kinds(self.kinds)
+
     def op(
         self,
         call: ast.OpCall,

@@ -98,7 +98,7 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
     events: list[tuple[float, int, int, int]] = [(0.0, 1, r.index, _IDLE) for r in ranks]
     done = 0
     comm = layout.costs.of("C")
-    op_time = layout.costs.timer(layout.chunks, layout.shapes)
+    op_time = layout.op_costs.timer(layout.chunks, layout.shapes)
     while events:
         time, _, rank_index, finished = heapq.heappop(events)
         if finished != _IDLE:

@@ -223,7 +223,7 @@ def _graph(
             action = slots[slot]
             kind, stage = action.kind, action.stage
             if (kind, stage) not in lengths:
-                lengths[kind, stage] = layout.costs.time(action)
+                lengths[kind, stage] = layout.op_costs.time(action)
             phase = WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
             op = _Op(
                 action,

@@ -61,12 +61,14 @@ def expand_orders(
     bindings: Mapping[str, Value],
     most_ops: int = MAX_OPS,
     shapes: tuple[tuple[int, int], ...] | None = None,
+    costs: CostModel | None = None,
 ) -> Program:
     """Evaluate the declarations of the schedule and run its order, refusing schedules of
     more than `most_ops` ops (E0106); `shapes` (samples, length per micro-batch, from
-    `--lengths FILE`) stand for the schedule's `lengths` and `sizes` lines."""
+    `--lengths FILE`) stand for the schedule's `lengths` and `sizes` lines; `costs` come
+    after its `cost` lines (`--cost`), for the program and for an order that reads them."""
     with nesting_limit(file.schedule.span), op_limit(most_ops):
-        return _expand(file, bindings, shapes)
+        return _expand(file, bindings, shapes, costs)
 
 
 def schedule_layout(
@@ -76,11 +78,14 @@ def schedule_layout(
     micro-batches, kinds and costs (what `pipelang plan` bounds a candidate from; its
     `after` dependencies are left empty)."""
     with nesting_limit(file.schedule.span), op_limit(most_ops):
-        return _layout(file, bindings, None)
+        return _layout(file, bindings, None, None)
 
 
 def _layout(
-    file: ast.File, bindings: Mapping[str, Value], given: tuple[tuple[int, int], ...] | None
+    file: ast.File,
+    bindings: Mapping[str, Value],
+    given: tuple[tuple[int, int], ...] | None,
+    extra_costs: CostModel | None,
 ) -> Layout:
     schedule = file.schedule
     env: Env = dict(bindings)
@@ -88,7 +93,7 @@ def _layout(
     kinds = _kinds(schedule)
     pipelines = _pipelines(_declared(schedule, ast.PipelineDecl, "pipeline"), scope, env)
     num_stages = len(pipelines[0].placement)
-    costs = _costs(schedule, scope, env, num_stages)
+    costs = _costs(schedule, scope, env, num_stages).merged(extra_costs)
     num_ranks = _check_ranks(schedule, pipelines)
     assignment = _assignment(
         _single(schedule, ast.Microbatches, "microbatches"), pipelines, scope, env
@@ -125,10 +130,13 @@ def _layout(
 
 
 def _expand(
-    file: ast.File, bindings: Mapping[str, Value], given: tuple[tuple[int, int], ...] | None
+    file: ast.File,
+    bindings: Mapping[str, Value],
+    given: tuple[tuple[int, int], ...] | None,
+    extra_costs: CostModel | None,
 ) -> Program:
     schedule = file.schedule
-    layout = _layout(file, bindings, given)
+    layout = _layout(file, bindings, given, extra_costs)
     layout = dataclasses.replace(layout, after=_after(schedule, layout))
     frozen, chunks = layout.frozen, layout.chunks
     order = _order(schedule)
