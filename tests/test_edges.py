@@ -70,6 +70,7 @@ def plan(tmp_path: Path, topology: str, profile: str | None = None) -> tuple[int
         ),
         ("nodes: 2\ngpus_per_node: 1\nmemory: 1GiB\nbogus: 1\n", "unknown key `bogus`", 4),
         ("# only a comment\n", "the topology", 0),
+        ("[" * 100000, "nests too deep", 0),
         ("nodes: ²\ngpus_per_node: 1\nmemory: 1GiB\n", "expected a whole number, not `²`", 1),
         (
             "nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\nintra_node: {bandwidth: 1e999GB/s}\n",
@@ -279,3 +280,26 @@ def test_pack_on_a_schedule_with_a_syntax_error_points_at_it(tmp_path: Path) -> 
     args = ["pack", str(tmp_path / "s.pipe"), "--sequences", str(tmp_path / "s.txt")]
     status, _, err = run_in_process([*args, "--max-tokens", "100"])
     assert status == 1 and "E0001" in err and "s.pipe:3:18" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "1f1b", "--steps", "99999999999999999999"],
+        ["run", "1f1b", "--steps", "1000000001"],
+        ["check", "1f1b", "--max-ops", "²"],
+    ],
+)
+def test_numbers_on_the_command_line_are_bounded(argv: list[str]) -> None:
+    status, _, err = run_in_process(argv)
+    assert status == 2 and "error: argument" in err
+
+
+def test_a_memory_cap_of_zero_is_a_bad_command_line(tmp_path: Path) -> None:
+    (tmp_path / "t.yaml").write_text("nodes: 1\ngpus_per_node: 2\nmemory: 1GiB\n")
+    (tmp_path / "p.json").write_text(PROFILE.replace("LAYERS", LAYER))
+    args = ["plan", "--profile", str(tmp_path / "p.json"), "--topology", str(tmp_path / "t.yaml")]
+    status, _, err = run_in_process(
+        [*args, "--micro-batches", "4", "-o", str(tmp_path / "o.pipe"), "--max-memory", "0"]
+    )
+    assert status == 2 and "--max-memory" in err

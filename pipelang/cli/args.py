@@ -18,7 +18,7 @@ from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
 from pipelang.compiler import Compilation
 from pipelang.evaluate import MAX_OPS
 from pipelang.ir import COMPUTE_KINDS, CostModel, Program, cost_problem
-from pipelang.readers import read_number_rows
+from pipelang.readers import ReadError, read_number_rows, whole_number
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RunConfig
@@ -42,14 +42,15 @@ def at_least_zero(text: str) -> int:
     return _whole_number(text, 0)
 
 
-def _whole_number(text: str, least: int) -> int:
+MAX_STEPS = 10**9
+"""The most training steps one `run` takes."""
+
+
+def _whole_number(text: str, least: int, most: int | None = None) -> int:
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
-    return value
+        return whole_number(text.strip(), least, most)
+    except ReadError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def seconds(text: str) -> float:
@@ -346,7 +347,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "stream program, `compile --dump-after streams`, receives posted early); local: "
         "every rank a thread of this process, running its action list (default gloo)",
     )
-    parser.add_argument("--steps", type=positive, default=3, help="training steps (default 3)")
+    parser.add_argument(
+        "--steps",
+        type=lambda text: _whole_number(text, 1, MAX_STEPS),
+        default=3,
+        help=f"training steps (default 3, at most {MAX_STEPS:,})",
+    )
     parser.add_argument(
         "--dp",
         type=positive,

@@ -13,6 +13,7 @@ from rich.table import Table
 from pipelang.cli.args import UsageError, path, positive, seconds_or_zero, write_output
 from pipelang.diagnostics import fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
+from pipelang.planner.units import positive as more_than_0
 from pipelang.progress import work_progress
 
 HELP = "choose schedule, partition and device mapping for a model on a cluster"
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     max_memory = None
     if args.max_memory is not None:
         try:
-            max_memory = parse_bytes(args.max_memory)
+            max_memory = more_than_0(parse_bytes, "--max-memory")(args.max_memory)
         except UnitError as err:
             raise UsageError(f"--max-memory: {err}") from None
     schedules = tuple(FAMILIES)

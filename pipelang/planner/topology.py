@@ -129,6 +129,8 @@ def parse_topology(source: SourceFile) -> Topology:
     """The Topology a YAML text describes (see the module docstring)."""
     try:
         root = yaml.compose(source.text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise fail("E0402", f"the topology `{source.path}` nests too deep") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         span = _span_at(source, mark.index) if mark is not None else None
