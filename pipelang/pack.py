@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,8 +122,9 @@ def pack(
     within `max_ops` ops (E0106 past it: the candidate is skipped). One sequence per
     micro-batch, in the file's order and in the search's three, is tried first: the
     packing that holds the fewest tokens at once, so the answer is never "nothing fits"
-    when something does. The search stops at `deadline` (on `time.perf_counter`) with
-    the best found so far."""
+    when something does; up to `EXACT` sequences, every packing is tried. The best is
+    then improved by moving one micro-batch at a time in the run order. The search
+    stops at `deadline` (on `time.perf_counter`) with the best found so far."""
     if not lengths or min(lengths) < 1:
         raise ValueError("pack needs at least one sequence, each at least one token long")
     if len(lengths) > MAX_SEQUENCES:
@@ -139,34 +140,78 @@ def pack(
     stages, model = _stages(sched, params, costs)
     best: Packing | None = None
     seen: set[tuple[Shape, ...]] = set()
-    alone = tuple((1, n) for n in lengths)
-    cuts = itertools.chain(
-        [alone, *_orders(alone)],
-        (
-            ordered
-            for token_bound in sorted({max_tokens // k for k in range(1, stages + 1)})
-            for t_max in _bounds(order, model, token_bound)
-            if (cut := _cut(order, model, t_max, token_bound, stages)) is not None
-            for ordered in _orders(cut)
-        ),
-    )
     refused: list[str] = []
-    for ordered in cuts:
-        if ordered in seen:
-            continue
+
+    def tried(shapes: tuple[Shape, ...]) -> bool:
+        """Simulate `shapes` unless done before; whether it is the best so far."""
+        nonlocal best
+        if shapes in seen:
+            return False
         if time.perf_counter() > deadline:
             if best is None:
                 raise ValueError("no packing that fits was found within the time budget")
-            break
-        seen.add(ordered)
-        found = evaluate(sched, params, ordered, costs, sum(lengths), max_ops, refused)
+            raise _OutOfTime
+        seen.add(shapes)
+        found = evaluate(sched, params, shapes, costs, sum(lengths), max_ops, refused)
         if _better(found, best, max_tokens):
             best = found
+            return True
+        return False
+
+    alone = tuple((1, n) for n in lengths)
+    if len(lengths) <= EXACT:
+        candidates: Iterable[tuple[Shape, ...]] = _every_packing(order)
+    else:
+        candidates = itertools.chain(
+            [alone, *_orders(alone)],
+            (
+                ordered
+                for token_bound in sorted({max_tokens // k for k in range(1, stages + 1)})
+                for t_max in _bounds(order, model, token_bound)
+                if (cut := _cut(order, model, t_max, token_bound, stages)) is not None
+                for ordered in _orders(cut)
+            ),
+        )
+    try:
+        for shapes in candidates:
+            tried(shapes)
+        while best is not None and any(tried(moved) for moved in _moves(best.shapes)):
+            pass  # the order matters as much as the cut: move a micro-batch while it pays
+    except _OutOfTime:
+        pass
     if best is None and len(refused) == len(seen):
         raise ValueError(f"the schedule refuses every packing tried: {refused[0]}")
     if best is None:
         raise ValueError(f"no packing keeps every rank within --max-tokens {max_tokens}")
     return best
+
+
+EXACT = 5
+"""Up to this many sequences `pack` tries every packing of its kind: each contiguous cut
+of the lengths sorted longest first, in every order (261 simulations at 5)."""
+
+
+class _OutOfTime(Exception):
+    """The search's deadline passed; the best packing so far is the answer."""
+
+
+def _every_packing(order: Sequence[int]) -> Iterator[tuple[Shape, ...]]:
+    """Every contiguous cut of `order` into runs (each padded to its first), in every
+    order of the runs."""
+    n = len(order)
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        starts = [0, *(i + 1 for i, cut in enumerate(cuts) if cut), n]
+        runs = [(b - a, order[a]) for a, b in itertools.pairwise(starts)]
+        yield from dict.fromkeys(itertools.permutations(runs))
+
+
+def _moves(shapes: tuple[Shape, ...]) -> Iterator[tuple[Shape, ...]]:
+    """`shapes` with one micro-batch moved to another place in the run order."""
+    for i, shape in enumerate(shapes):
+        rest = shapes[:i] + shapes[i + 1 :]
+        for j in range(len(shapes)):
+            if j != i:
+                yield (*rest[:j], shape, *rest[j:])
 
 
 def fixed_batches(lengths: Sequence[int], samples: int) -> tuple[Shape, ...]:

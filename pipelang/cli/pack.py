@@ -23,6 +23,9 @@ from pipelang.cli.args import (
 from pipelang.ir import CostModel
 from pipelang.readers import read_number_rows
 
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+"""Sequences per micro-batch the fixed-size baselines try."""
+
 HELP = "group sequence lengths into micro-batches of different shapes for a schedule"
 
 DESCRIPTION = """\
@@ -31,9 +34,10 @@ whole number a line), groups them into micro-batches of different shapes (SAMPLE
 sequences padded to LENGTH tokens) and orders them to minimise the schedule's simulated
 makespan while no rank holds more than --max-tokens activation tokens. Writes the
 micro-batches as a --lengths file (`SAMPLES LENGTH` a line) that simulate, check, run
-and compile take, with the N to run them with (-p N=...). Prints the result next to two
+and compile take, with the N to run them with (-p N=...). Prints the result next to three
 baselines under the same cap: fixed-size batches (k sequences in the file's order,
-padded to their longest; the best k) and packed sequences (concatenated into sequences
+padded to their longest; the best k), the same with the lengths sorted longest first,
+and packed sequences (concatenated into sequences
 of one length, the best of the longest sequence and twice it).
 
 Times come from the schedule's cost line and --cost: F, B, W for one sequence of S
@@ -115,9 +119,19 @@ def run(args: argparse.Namespace) -> int:
             params,
             costs,
             args.max_tokens,
-            [fixed_batches(lengths, k) for k in (1, 2, 4, 8, 16, 32, 64)],
+            [fixed_batches(lengths, k) for k in SIZES],
             args.max_ops,
-            started + 0.85 * budget,
+            started + 0.8 * budget,
+        ),
+        "sorted fixed-size batches": best_of(
+            lengths,
+            args.sched,
+            params,
+            costs,
+            args.max_tokens,
+            [fixed_batches(sorted(lengths, reverse=True), k) for k in SIZES],
+            args.max_ops,
+            started + 0.9 * budget,
         ),
         "packed sequences": best_of(
             lengths,
