@@ -120,7 +120,7 @@ def run_in_process(args: list[str]) -> tuple[int, str, str]:
         (
             ["check", "good.pipe", "--max-activations", "many"],
             2,
-            "expected a whole number, not 'many'",
+            "expected a whole number, not `many`",
             False,
         ),
         (["explain", "E9999"], 2, "no diagnostic code `E9999`", True),
