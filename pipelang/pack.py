@@ -145,12 +145,12 @@ def pack(
     def tried(shapes: tuple[Shape, ...]) -> bool:
         """Simulate `shapes` unless done before; whether it is the best so far."""
         nonlocal best
-        if shapes in seen:
-            return False
         if time.perf_counter() > deadline:
             if best is None:
                 raise ValueError("no packing that fits was found within the time budget")
             raise _OutOfTime
+        if shapes in seen:
+            return False
         seen.add(shapes)
         found = evaluate(sched, params, shapes, costs, sum(lengths), max_ops, refused)
         if _better(found, best, max_tokens):
@@ -206,12 +206,17 @@ def _every_packing(order: Sequence[int]) -> Iterator[tuple[Shape, ...]]:
 
 
 def _moves(shapes: tuple[Shape, ...]) -> Iterator[tuple[Shape, ...]]:
-    """`shapes` with one micro-batch moved to another place in the run order."""
+    """`shapes` with one micro-batch moved to another place in the run order, each
+    different order once per micro-batch (of equal micro-batches side by side, the
+    first moves)."""
     for i, shape in enumerate(shapes):
+        if i and shapes[i - 1] == shape:
+            continue
         rest = shapes[:i] + shapes[i + 1 :]
         for j in range(len(shapes)):
-            if j != i:
-                yield (*rest[:j], shape, *rest[j:])
+            moved = (*rest[:j], shape, *rest[j:])
+            if j != i and moved != shapes:
+                yield moved
 
 
 def fixed_batches(lengths: Sequence[int], samples: int) -> tuple[Shape, ...]:
