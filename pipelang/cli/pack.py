@@ -37,8 +37,9 @@ micro-batches as a --lengths file (`SAMPLES LENGTH` a line) that simulate, check
 and compile take, with the N to run them with (-p N=...). Prints the result next to three
 baselines under the same cap: fixed-size batches (k sequences in the file's order,
 padded to their longest; the best k), the same with the lengths sorted longest first,
-and packed sequences (concatenated into sequences
-of one length, the best of the longest sequence and twice it).
+and packed sequences (concatenated into sequences of one length, the best of the
+longest sequence and twice it). Up to 5 sequences every packing is tried; above, the
+search stops at --time-budget with the best packing found.
 
 Times come from the schedule's cost line and --cost: F, B, W for one sequence of S
 tokens (default: the longest), A the share of attention in it, O the share that a
