@@ -295,10 +295,16 @@ class _Model:
         return self.per * self.fixed
 
     def per_sequence(self, lengths: np.ndarray) -> np.ndarray:
-        """What each more sequence of each length adds to a run's time."""
-        scaled = (1 - self.attention) * lengths / self.reference
-        scaled += self.attention * lengths**2 / self.reference**2
-        return self.per * (1 - self.fixed) * scaled
+        """What each more sequence of each length adds to a run's time: one sequence's
+        `shape_work` less the fixed share (the formula is `shape_work`'s, on arrays)."""
+        one: np.ndarray = shape_work(
+            1,
+            lengths,  # type: ignore[arg-type]
+            self.attention,
+            self.reference,
+            self.fixed,
+        )  # type: ignore[assignment]
+        return self.per * (one - self.fixed)
 
     def most(self, lengths: np.ndarray, t_max: float, token_bound: int) -> np.ndarray:
         """The most sequences a run starting at a sequence of each length can hold

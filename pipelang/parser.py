@@ -20,6 +20,7 @@ from pipelang import ast
 from pipelang.diagnostics import Diagnostic, Label, PipelangError, fail
 from pipelang.evaluate import MAX_DIGITS
 from pipelang.ir import cost_problem
+from pipelang.readers import ReadError, read_text
 from pipelang.source import SourceFile, Span
 
 MAX_DEPTH = 100
@@ -86,24 +87,19 @@ def read_source(path: Path, display: str | None = None, span: Span | None = None
         why = "it is a directory" if path.is_dir() else "no such file"
         raise fail("E0004" if span else "E0003", f"cannot read `{name}`: {why}", span)
     try:
-        if path.stat().st_size > MAX_BYTES:
-            raise fail(
-                "E0106",
-                f"`{name}` is larger than the {MAX_BYTES >> 20} MiB a `.pipe` file may be",
-                span,
-            )
-        text = path.read_bytes().decode("utf-8")
-    except OSError as err:
-        raise fail(
-            "E0004" if span else "E0003", f"cannot read `{name}`: {err.strerror}", span
-        ) from None
-    except UnicodeDecodeError as err:
-        raise fail(
-            "E0003", f"`{name}` is not UTF-8 text (byte {err.start} is invalid)", span
-        ) from None
-    if "\x00" in text:
-        raise fail("E0003", f"`{name}` is binary, not a `.pipe` text file", span)
-    return SourceFile.of(name, text)
+        return SourceFile.of(name, read_text(path, MAX_BYTES))
+    except ReadError as err:
+        if err.reason == "size":
+            message = f"`{name}` is larger than the {MAX_BYTES >> 20} MiB a `.pipe` file may be"
+            raise fail("E0106", message, span) from None
+        if err.reason == "encoding":
+            message = f"`{name}` is not UTF-8 text (byte {err.offset} is invalid)"
+        elif err.reason == "binary":
+            message = f"`{name}` is binary, not a `.pipe` text file"
+        else:
+            message = f"cannot read `{name}`: {err}"
+        code = "E0004" if span and err.reason == "os" else "E0003"
+        raise fail(code, message, span) from None
 
 
 def parse_text(source: SourceFile) -> list[ast.Schedule | ast.FnDecl | ast.Import]:

@@ -4,8 +4,9 @@ Every number a user gives goes through `whole_number` or `number` here, so that 
 limits are the same wherever it is read (docs/language.md, "Limits"): whole numbers are
 ASCII digits, at most 18 of them; other numbers are finite and inside the range their
 caller names. Every text file (a `--lengths` or `--sequences` list, a profile, a
-topology, a torch CSV) is read by `read_text`: UTF-8 with or without a byte-order mark,
-any line endings, at most `MAX_FILE_BYTES`; anything else is one error naming the file.
+topology, a torch CSV, a `.pipe` file) is read by `read_text`: strict UTF-8, no NUL, at
+most `MAX_FILE_BYTES` (a `.pipe` file 1 MiB); `SourceFile.of` then drops a byte-order
+mark and evens out line endings. Anything else is one error naming the file.
 JSON is read by `read_json`, which refuses what Python's own reader would turn into a
 traceback (deep nesting, integers past 18 digits, NaN and Infinity).
 
@@ -21,10 +22,8 @@ import re
 from pathlib import Path
 
 from pipelang.diagnostics import PipelangError, fail
+from pipelang.evaluate import MAX_DIGITS
 from pipelang.source import SourceFile, Span
-
-MAX_DIGITS = 18
-"""Digits of a whole number anywhere: what a 64-bit integer holds."""
 
 MAX_FILE_BYTES = 64 * 2**20
 """The largest input file read (the 10 s / 1 GiB promise is for files under 1 MiB)."""
@@ -33,11 +32,14 @@ _WHOLE = re.compile(rf"[0-9]{{1,{MAX_DIGITS}}}")
 
 
 class ReadError(ValueError):
-    """A value or file that cannot be read; `offset` is where in the file, when known."""
+    """A value or file that cannot be read; `offset` is where in the file, when known;
+    `reason`, for a file: `size`, `encoding`, `binary` or `os`, so that a caller with
+    messages of its own (the `.pipe` reader) can say it its way."""
 
-    def __init__(self, message: str, offset: int | None = None) -> None:
+    def __init__(self, message: str, offset: int | None = None, reason: str = "") -> None:
         super().__init__(message)
         self.offset = offset
+        self.reason = reason
 
 
 def whole_number(text: str, least: int = 0, most: int | None = None, what: str = "") -> int:
@@ -63,25 +65,26 @@ def number(value: float, what: str, least: float = 0.0, most: float = 1e15) -> f
     return value
 
 
-def read_text(path: Path) -> str:
-    """The text of a user's file: UTF-8 (a byte-order mark dropped), line endings made
-    `\\n`. A missing, unreadable, oversized or binary file is a ReadError."""
+def read_text(path: Path, limit: int = MAX_FILE_BYTES) -> str:
+    """The text of a user's file, strict UTF-8 (`SourceFile.of` drops a byte-order mark
+    and evens out line endings), read no further than `limit` bytes. A missing,
+    unreadable, oversized or binary file is a ReadError. Every text file goes through
+    here, `.pipe` files too (`parser.read_source`, with its own limit)."""
     try:
         with path.open("rb") as file:
-            data = file.read(MAX_FILE_BYTES + 1)
+            data = file.read(limit + 1)
     except OSError as err:
-        raise ReadError(f"cannot read it ({err.strerror or err})") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ReadError(f"it is larger than {MAX_FILE_BYTES // 2**20} MiB")
+        raise ReadError(str(err.strerror or err), reason="os") from None
+    if len(data) > limit:
+        raise ReadError(f"it is larger than {limit // 2**20} MiB", reason="size")
     try:
-        text = data.decode("utf-8-sig")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ReadError(
-            f"it is not UTF-8 text (byte {err.start} is 0x{data[err.start]:02x})"
-        ) from None
+        byte = f"byte {err.start} is 0x{data[err.start]:02x}"
+        raise ReadError(f"it is not UTF-8 text ({byte})", err.start, "encoding") from None
     if "\0" in text:
-        raise ReadError("it is not text (it holds a NUL byte)")
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+        raise ReadError("it is not text (it holds a NUL byte)", reason="binary")
+    return text
 
 
 def read_source(path: Path, code: str) -> SourceFile:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pipelang.compiler import Compilation
 from pipelang.diagnostics import PipelangError, clip, fail
+from pipelang.evaluate import MAX_DIGITS
 from pipelang.ir import Action, CostModel, cost_problem
-from pipelang.readers import MAX_DIGITS
 from pipelang.simulate import Timeline
 
 COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "A", "S", "O")

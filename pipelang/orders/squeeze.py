@@ -215,6 +215,7 @@ def _graph(
     numbered: list[_Op | None] = [None] * (len(layout.assignment) * per_mb)
     others: dict[Action, _Op] = {}
     freed_by = Kind.W if Kind.W in kinds else Kind.B
+    op_costs = layout.op_costs  # built once: it is a new CostModel with W in B
     lengths: dict[tuple[Kind, int | None], float] = {}
     ranks: list[list[_Op]] = []
     for r, slots in enumerate(placed):
@@ -223,7 +224,7 @@ def _graph(
             action = slots[slot]
             kind, stage = action.kind, action.stage
             if (kind, stage) not in lengths:
-                lengths[kind, stage] = layout.op_costs.time(action)
+                lengths[kind, stage] = op_costs.time(action)
             phase = WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
             op = _Op(
                 action,
