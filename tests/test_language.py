@@ -1043,10 +1043,10 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
 def test_a_file_that_cannot_be_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path, MAIN)
 
-    def refuse(self: Path) -> bytes:
+    def refuse(self: Path, *args: object, **kwargs: object) -> bytes:
         raise PermissionError(13, "Permission denied", str(self))
 
-    monkeypatch.setattr(Path, "read_bytes", refuse)
+    monkeypatch.setattr(Path, "open", refuse)  # how readers.read_text opens every file
     with pytest.raises(PipelangError) as info:
         api.compile_schedule(str(path), {})
     diag = info.value.diagnostics[0]
