@@ -292,11 +292,14 @@ class OrderRank(Node):
 
 @dataclass(frozen=True, slots=True)
 class OrderGreedy(Node):
-    """`order greedy { prefer ..  priority ..  cap .. }`: list scheduling by a rule."""
+    """`order greedy { prefer ..  priority ..  cap ..  frozen .. }`: list scheduling by
+    a rule."""
 
     prefer: tuple[str, ...]
     priority: tuple[Expr, ...]
     cap: Expr | None
+    frozen: str = "best"
+    """How frozen forwards run: `fill` bubbles, `first`, or the `best` of the two."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,8 +52,8 @@ _TOKEN_TEXT = {
     "INT": "an integer",
     "NUMBER": "a number",
     "STRING": "a string",
-    "OPNAME": "an op (F, B, W, R)",
-    "COSTNAME": "a cost name (F, B, W, R, C, FB, E, L)",
+    "OPNAME": "an op (F, B, W, R, P)",
+    "COSTNAME": "a cost name (F, B, W, R, P, C, FB, E, L, A, S, O)",
     "TYPE": "a type (int, bool)",
     "COMPARE": "a comparison",
     "ADD_OP": "`+` or `-`",
@@ -61,6 +61,8 @@ _TOKEN_TEXT = {
     "MINUS": "`-`",
     "AT": "`@`",
     "SQUEEZE": "`squeeze`",
+    "CHUNK_SPLIT": "`tokens` or `compute`",
+    "FROZEN_MODE": "`fill`, `first` or `best`",
     "$END": "end of file",
 }
 
@@ -500,6 +502,7 @@ class _Build(Transformer[Token, Any]):
         prefer: tuple[str, ...] = ()
         priority: tuple[ast.Expr, ...] = ()
         cap = None
+        frozen = "best"
         seen: set[str] = set()
         for kind, value, where in items:
             if kind in seen:
@@ -514,9 +517,11 @@ class _Build(Transformer[Token, Any]):
                 prefer = value
             elif kind == "priority":
                 priority = value
+            elif kind == "frozen":
+                frozen = value
             else:
                 cap = value
-        return ast.OrderGreedy(span, prefer, priority, cap)
+        return ast.OrderGreedy(span, prefer, priority, cap, frozen)
 
     def _prefer(self, span: Span, *kinds: Token) -> tuple[str, tuple[str, ...], Span]:
         return "prefer", tuple(str(k) for k in kinds), span
@@ -526,6 +531,9 @@ class _Build(Transformer[Token, Any]):
 
     def _cap(self, span: Span, value: ast.Expr) -> tuple[str, ast.Expr, Span]:
         return "cap", value, span
+
+    def _frozen_mode(self, span: Span, mode: Token) -> tuple[str, str, Span]:
+        return "frozen", str(mode), span
 
     def _order_repeat(
         self,

@@ -10,7 +10,8 @@ forward and the backward of the same stage; with sequence chunks, `cap` counts c
 Seq1F1B's unit of work); later stages of a micro-batch in flight are never held, so
 wave and V placements do not stall on their own second chunk. Frozen forwards (`P`) are
 in one pool that every rank holding the frozen part draws from, so by default (`P` last
-in `prefer`) an idle holder fills its bubble with the next micro-batch's frozen work.
+in `prefer`) an idle holder fills its bubble with the next micro-batch's frozen work;
+`frozen best` (the default) also replays with every `P` first and keeps the faster.
 
     order greedy {                  # zero-bubble flavour
         prefer B, F, W
@@ -59,78 +60,125 @@ _IDLE = -1
 def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[Action, ...], ...]:
     """Replay in time; each idle rank picks its best ready op under its cap.
 
+    With frozen work, `frozen best` (the default) replays twice, filling bubbles and
+    with every frozen forward first, and keeps the order that ends sooner (filling on a
+    tie); `frozen fill` and `frozen first` replay once."""
+    replay = _Replay(order, layout)
+    mode = order.frozen if layout.frozen else "fill"
+    if mode != "best":
+        return replay.run(upfront=mode == "first")[0]
+    fill, fill_end = replay.run(upfront=False)
+    first, first_end = replay.run(upfront=True)
+    return first if first_end < fill_end else fill
+
+
+class _Replay:
+    """The ops of one schedule, numbered, and their dependencies, built once for any
+    number of replays.
+
     Ops are numbered (in `compute_ops` order, which also breaks ties) and the replay
     works on the numbers: hashing an Action costs a Python call, and this loop touches
     each op a few times."""
-    program = _skeleton(layout)
-    key_of = _priority(order, layout)
-    ops = list(program.compute_ops())
-    index = {op: i for i, op in enumerate(ops)}
-    # A frozen forward's rank is the holder that takes it from the shared pool (-1 until then).
-    rank_of = [
-        -1 if op.kind is Kind.P else program.rank_of(op.stage, op.pipeline)  # type: ignore[arg-type]
-        for op in ops
-    ]
-    holders = frozenset(layout.frozen or ())
-    pool: list[tuple[tuple[int, ...], int, int]] = []
-    extra: dict[Action, list[Action]] = {}
-    for dep in layout.after:
-        extra.setdefault(dep.later, []).append(dep.earlier)
-    pending = [0] * len(ops)
-    consumers: list[list[int]] = [[] for _ in ops]
-    for i, op in enumerate(ops):
-        for dep in (*program.inputs_of(op), *extra.get(op, ())):
-            consumers[index[dep]].append(i)
-            pending[i] += 1
-    ready_at = [0.0] * len(ops)
-    ranks = [
-        _Rank(r, cap, entries)
-        for r, (cap, entries) in enumerate(zip(_caps(order, layout), _entries(layout), strict=True))
-    ]
-    seq = 0
-    for i, count in enumerate(pending):
-        if count == 0 and ops[i].kind is Kind.P:
-            heapq.heappush(pool, (key_of(ops[i]), seq, i))
-            seq += 1
-        elif count == 0:
-            heapq.heappush(ranks[rank_of[i]].waiting, (0.0, seq, i))
-            seq += 1
-    events: list[tuple[float, int, int, int]] = [(0.0, 1, r.index, _IDLE) for r in ranks]
-    done = 0
-    comm = layout.costs.of("C")
-    op_time = layout.op_costs.timer(layout.chunks, layout.shapes)
-    while events:
-        time, _, rank_index, finished = heapq.heappop(events)
-        if finished != _IDLE:
-            done += 1
-            for nxt in consumers[finished]:
-                at = time + comm if rank_of[nxt] != rank_of[finished] else time
-                if at > ready_at[nxt]:
-                    ready_at[nxt] = at
-                pending[nxt] -= 1
-                if pending[nxt] == 0:
-                    target = ranks[rank_of[nxt]]
-                    heapq.heappush(target.waiting, (ready_at[nxt], seq, nxt))
-                    heapq.heappush(events, (ready_at[nxt], 1, target.index, _IDLE))
-                    seq += 1
-            continue
-        rank = ranks[rank_index]
-        if rank.free_at > time:
-            continue
-        chosen = _pick(rank, time, ops, key_of, pool if rank.index in holders else None)
-        if chosen is None:
-            continue
-        rank_of[chosen] = rank.index
-        op = ops[chosen]
-        end = time + op_time(op)
-        rank.free_at = end
-        rank.order.append(op._replace(span=order.span))
-        heapq.heappush(events, (end, 0, rank.index, chosen))
-        heapq.heappush(events, (end, 1, rank.index, _IDLE))
-    if done < len(ops):
-        left = {op: count for op, count in zip(ops, pending, strict=True) if count}
-        raise _stuck(order, ranks, len(ops) - done, layout.after, left)
-    return tuple(tuple(r.order) for r in ranks)
+
+    def __init__(self, order: ast.OrderGreedy, layout: Layout) -> None:
+        self.order = order
+        self.layout = layout
+        program = _skeleton(layout)
+        self.key_of = _priority(order, layout)
+        self.caps = _caps(order, layout)
+        self.entries = _entries(layout)
+        self.ops = ops = list(program.compute_ops())
+        index = {op: i for i, op in enumerate(ops)}
+        self.rank_of = [
+            -1 if op.kind is Kind.P else program.rank_of(op.stage, op.pipeline)  # type: ignore[arg-type]
+            for op in ops
+        ]
+        extra: dict[Action, list[Action]] = {}
+        for dep in layout.after:
+            extra.setdefault(dep.later, []).append(dep.earlier)
+        self.pending = [0] * len(ops)
+        self.consumers: list[list[int]] = [[] for _ in ops]
+        self.fed: list[int] = []
+        """The ops that read a frozen forward's output: what `frozen first` holds back."""
+        for i, op in enumerate(ops):
+            inputs = program.inputs_of(op)
+            if any(dep.kind is Kind.P for dep in inputs):
+                self.fed.append(i)
+            for dep in (*inputs, *extra.get(op, ())):
+                self.consumers[index[dep]].append(i)
+                self.pending[i] += 1
+
+    def run(self, upfront: bool) -> tuple[tuple[tuple[Action, ...], ...], float]:
+        """One replay: every rank's order and the time the last op ends. With `upfront`,
+        no op that reads a frozen output starts before every frozen forward has ended."""
+        order, layout, ops, key_of = self.order, self.layout, self.ops, self.key_of
+        rank_of = list(self.rank_of)
+        pending = list(self.pending)
+        frozen_left = sum(op.kind is Kind.P for op in ops) if upfront else 0
+        if frozen_left:
+            for i in self.fed:
+                pending[i] += 1
+        holders = frozenset(layout.frozen or ())
+        pool: list[tuple[tuple[int, ...], int, int]] = []
+        ready_at = [0.0] * len(ops)
+        ranks = [
+            _Rank(r, cap, entries)
+            for r, (cap, entries) in enumerate(zip(self.caps, self.entries, strict=True))
+        ]
+        seq = 0
+        events: list[tuple[float, int, int, int]] = [(0.0, 1, r.index, _IDLE) for r in ranks]
+
+        def release(i: int, at: float) -> None:
+            nonlocal seq
+            if at > ready_at[i]:
+                ready_at[i] = at
+            pending[i] -= 1
+            if pending[i] == 0:
+                target = ranks[rank_of[i]]
+                heapq.heappush(target.waiting, (ready_at[i], seq, i))
+                heapq.heappush(events, (ready_at[i], 1, target.index, _IDLE))
+                seq += 1
+
+        for i, count in enumerate(pending):
+            if count == 0 and ops[i].kind is Kind.P:
+                heapq.heappush(pool, (key_of(ops[i]), seq, i))
+                seq += 1
+            elif count == 0:
+                heapq.heappush(ranks[rank_of[i]].waiting, (0.0, seq, i))
+                seq += 1
+        done = 0
+        end = 0.0
+        comm = layout.costs.of("C")
+        op_time = layout.op_costs.timer(layout.chunks, layout.shapes)
+        while events:
+            time, _, rank_index, finished = heapq.heappop(events)
+            if finished != _IDLE:
+                done += 1
+                for nxt in self.consumers[finished]:
+                    release(nxt, time + comm if rank_of[nxt] != rank_of[finished] else time)
+                if ops[finished].kind is Kind.P and frozen_left:
+                    frozen_left -= 1
+                    if frozen_left == 0:
+                        for nxt in self.fed:
+                            release(nxt, time)
+                continue
+            rank = ranks[rank_index]
+            if rank.free_at > time:
+                continue
+            chosen = _pick(rank, time, ops, key_of, pool if rank.index in holders else None)
+            if chosen is None:
+                continue
+            rank_of[chosen] = rank.index
+            op = ops[chosen]
+            rank.free_at = time + op_time(op)
+            end = max(end, rank.free_at)
+            rank.order.append(op._replace(span=order.span))
+            heapq.heappush(events, (rank.free_at, 0, rank.index, chosen))
+            heapq.heappush(events, (rank.free_at, 1, rank.index, _IDLE))
+        if done < len(ops):
+            left = {op: count for op, count in zip(ops, pending, strict=True) if count}
+            raise _stuck(order, ranks, len(ops) - done, layout.after, left)
+        return tuple(tuple(r.order) for r in ranks), end
 
 
 def _pick(
