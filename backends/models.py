@@ -148,8 +148,9 @@ class Block(nn.Module):
         before it and its own: query i (position start + i) sees keys 0..start + i."""
         chunk.made[id(self)] = (k, v)
         past = chunk.past.get(id(self), [])
-        keys = torch.cat([*(p[0] for p in past), k], dim=2)
-        values = torch.cat([*(p[1] for p in past), v], dim=2)
+        # The first chunk attends to its own keys only: no copy to save for the backward.
+        keys = torch.cat([*(p[0] for p in past), k], dim=2) if past else k
+        values = torch.cat([*(p[1] for p in past), v], dim=2) if past else v
         # lower-right causal: the last query sees every key (SDPA keeps its fused kernels)
         mask = causal_lower_right(q.shape[2], keys.shape[2])
         return functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)

@@ -423,18 +423,30 @@ def shape_work(
     return fixed + (1 - fixed) * scaled
 
 
+KV_SHARE = 0.12
+"""A transformer block's keys and values over its saved activations: 4sbh of 34sbh
+(Korthikanti et al., arXiv 2205.05198, §4.1), 0.118 measured on gpt:tiny's block."""
+
 MAX_TIME = 1e15
 """The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
 
 
+COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "A", "S", "O", "KV")
+"""Every cost entry's name: the times of op kinds, a transfer (`C`), an overlapped pair
+(`FB`), an eviction's trips (`E`, `L`), and the shares and sizes `A`, `S`, `O`, `KV`
+(the grammar's `COSTNAME` spells the same list)."""
+
+
 def cost_problem(kind: str, value: float) -> str | None:
     """What is wrong with cost entry `kind = value`, None when nothing: the one rule for
-    `cost` lines, `--cost` and the API's costs. A time is 0 to 10^15; `A` and `O` are
-    shares, 0 to 1; `S` is tokens, 0 (the longest micro-batch) or at least 1."""
+    `cost` lines, `--cost` and the API's costs. A time is 0 to 10^15; `A`, `O` and `KV`
+    are shares, 0 to 1; `S` is tokens, 0 (the longest micro-batch) or at least 1."""
     if not 0 <= value <= MAX_TIME:  # NaN fails too
         return f"`{kind}` is {value:g}; a time is between 0 and 10^15"
     if kind in ("A", "O") and value > 1:
         return f"`{kind}` is a share of an op's work, between 0 and 1, not {value:g}"
+    if kind == "KV" and value > 1:
+        return f"`KV` is a share of a stage's activations, between 0 and 1, not {value:g}"
     if kind == "S" and 0 < value < 1:
         return f"`S` is the reference's tokens, 0 (the longest) or at least 1, not {value:g}"
     return None
@@ -449,6 +461,9 @@ class CostModel:
     and scales it with micro-batch shapes (`BatchShapes`); `S` is no time either: the
     tokens of the reference micro-batch the times are for, with shapes (0: the longest),
     and `O` the share of the reference's time that a smaller micro-batch still takes.
+    `KV` is memory, not time: the share of a stage's activations that are attention keys
+    and values, which a sequence chunk's forward past the first saves again, concatenated
+    with the chunks' before it (`KV_SHARE` by default, `memory.shares`).
 
     Entries are (kind, stage or None, time); a later entry overrides an earlier one, and a
     per-stage entry overrides a per-kind one. Unit costs by default, transfers free.
@@ -464,6 +479,7 @@ class CostModel:
         ("A", None, 0.0),
         ("S", None, 0.0),
         ("O", None, 0.0),
+        ("KV", None, KV_SHARE),
     )
     _table: dict[tuple[str, int | None], float] = field(
         default_factory=dict, compare=False, hash=False, repr=False

@@ -9,11 +9,12 @@ activations over the stage input the F kept.
 
 Counts are in micro-batches: with sequence chunks (`chunks C`), a chunk's forward holds
 its share of the micro-batch's tokens (`Chunks.tokens`), so a chunked schedule compares
-with an unchunked one directly; with micro-batches of different shapes (`lengths`), one
-holds its tokens over the reference micro-batch's (`BatchShapes.memory`). (A chunk's
-activations include the keys and values the later chunks of its micro-batch read;
-backwards run last chunk first, so they are freed by the chunk's own backward, after
-every chunk that reads them.)
+with an unchunked one directly, and more: past the first chunk, its attention
+concatenates the keys and values of the chunks before it with its own and saves that for
+the backward, the stage's `KV` share of the activations times the tokens up to the
+chunk's end (the cost model's `KV`, 0.12 by default). Backwards run last chunk first, so
+all of it is freed by the chunk's own backward. With micro-batches of different shapes (`lengths`), one holds its tokens
+over the reference micro-batch's (`BatchShapes.memory`).
 
 Everything that counts activations asks here: `simulate` (peak activations), `validate`
 (`--max-activations`, E0308), `evictions` (the partner's side, over time), the squeeze
@@ -51,18 +52,30 @@ Share = Callable[[Action], float]
 
 def shares(program: Program, costs: CostModel | None = None) -> Share | None:
     """What each forward's activations count for, in micro-batches: a chunk its share of
-    the tokens (`Chunks.tokens`), a shaped micro-batch its tokens over the reference's
-    (`BatchShapes.memory`), both multiplied; None when every forward counts 1. `costs`
-    stands for the schedule's own (a `--cost A=... ,S=...` from the command line)."""
+    the tokens (`Chunks.tokens`) plus, past the first chunk, its stage's `KV` share times
+    the tokens up to its end (the keys and values it saves concatenated), a shaped micro-batch its tokens over
+    the reference's (`BatchShapes.memory`), both multiplied; None when every forward
+    counts 1. `costs` stands for the schedule's own (a `--cost A=...,KV=...` from the
+    command line)."""
     chunks, shapes = program.chunks, program.shapes
     if chunks is None and shapes is None:
         return None
     costs = program.costs if costs is None else costs
-    parts = (1.0,) if chunks is None else chunks.tokens(costs.of("A"))
+    parts: dict[int | None, tuple[float, ...]] = {}
+    if chunks is not None:
+        bounds = chunks.bounds(costs.of("A"))
+        for stage in costs.stages() | {None}:
+            kv = costs.of("KV", stage)
+            parts[stage] = tuple(
+                bounds[c + 1] - bounds[c] + (kv * bounds[c + 1] if c else 0.0)
+                for c in range(chunks.count)
+            )
     reference = 1.0 if shapes is None else shapes.reference(costs)
 
     def share(action: Action) -> float:
-        part = 1.0 if action.chunk is None else parts[action.chunk]
+        part = 1.0
+        if action.chunk is not None:
+            part = parts.get(action.stage, parts[None])[action.chunk]
         if shapes is not None and action.mb is not None:
             part *= shapes.memory(action.mb, reference)
         return part

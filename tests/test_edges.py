@@ -202,6 +202,28 @@ def test_times_that_add_up_past_the_limit_are_an_error_not_inf(tmp_path: Path) -
     assert status == 2 and "`S` is the reference's tokens" in err
 
 
+@pytest.mark.parametrize("kind", pipelang.ir.COST_KINDS)
+def test_every_cost_name_is_read_by_the_file_the_command_line_and_the_api(
+    tmp_path: Path, kind: str
+) -> None:
+    """One list of cost names (`ir.COST_KINDS`): a `cost` line, `--cost` and the API's
+    costs take each, and refuse it past its range with the same words."""
+    value, bad = ("1", "10000000000000000") if kind not in ("A", "O", "KV") else ("0.5", "2")
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("{\n", f"{{\n    cost {kind} = {value}\n", 1))
+    assert run_in_process(["simulate", str(path)])[0] == 0
+    assert run_in_process(["simulate", "1f1b", "--cost", f"{kind}={value}"])[0] == 0
+    pipelang.load("1f1b").simulate({kind: float(value)})
+    path.write_text(GOOD.replace("{\n", f"{{\n    cost {kind} = {bad}\n", 1))
+    status, _, err = run_in_process(["simulate", str(path)])
+    status_cli, _, err_cli = run_in_process(["simulate", "1f1b", "--cost", f"{kind}={bad}"])
+    with pytest.raises(pipelang.PipelangError) as api_error:
+        pipelang.load("1f1b").simulate({kind: float(bad)})
+    problem = pipelang.ir.cost_problem(kind, float(bad))
+    assert problem is not None and (status, status_cli) == (1, 2)
+    assert problem in err and problem in err_cli and problem in str(api_error.value)
+
+
 # ---- a user's model that exits or raises ----------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from pipelang import api
 from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
 from pipelang.compiler import Compilation
 from pipelang.evaluate import MAX_OPS
-from pipelang.ir import COMPUTE_KINDS, CostModel, Program, cost_problem
+from pipelang.ir import COMPUTE_KINDS, COST_KINDS, CostModel, Program, cost_problem
 from pipelang.readers import ReadError, read_number_rows, whole_number
 
 if TYPE_CHECKING:
@@ -197,11 +197,16 @@ def describe(program: Program) -> str:
     )
 
 
+_NAMES = "|".join(sorted(COST_KINDS, key=len, reverse=True))
+_COST_ITEM = re.compile(rf"({_NAMES})(?:\[(\d{{1,18}})\])?=([0-9]*\.?[0-9]+)")
+"""One `--cost` entry: a name, an optional stage, a decimal number."""
+
+
 def parse_cost(spec: str) -> CostModel:
     """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
     entries: list[tuple[str, int | None, float]] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        match = re.fullmatch(r"(FB|[FBWRPCELASO])(?:\[(\d{1,18})\])?=([0-9]*\.?[0-9]+)", item)
+        match = _COST_ITEM.fullmatch(item)
         if match is None:
             raise UsageError(
                 f"`--cost {spec}`: cannot read `{item}`; expected e.g. "
