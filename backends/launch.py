@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import Kind, Program
+from pipelang.lowered import read_lowered
 
 if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--help`
     import torch
@@ -489,7 +490,11 @@ def run_rank_file(rank: int, file: str, config: RunConfig) -> int:
     ]
     from pipelang.backends.models import ModelError
 
-    program = Program.from_json((Path(file).parent / "schedule.json").read_text())
+    try:
+        program = read_lowered(Path(file).parent / "schedule.json")
+    except PipelangError as err:
+        print(err.render(), file=sys.stderr)
+        return 1
     if missing or not _runs_file(os.environ["RANK"], rank, program.num_ranks, config.dp):
         need = f"RANK = copy x {program.num_ranks} + {rank}" if config.dp > 1 else f"RANK={rank}"
         print(

@@ -268,7 +268,9 @@ CODES: dict[str, Code] = {
             "send, wait for signal. The compiler never makes this mistake: a rank may consume "
             "what another sends in any order, and `insert-comms` receives in the sender's "
             "order: each recv goes right before the first op that needs it, or earlier when a "
-            "message sent after it is needed sooner.",
+            "message sent after it is needed sooner. Every runtime that reads a "
+            "`schedule.json` (a rank file, `python -m pipelang.backends`) checks this "
+            "before it starts any rank.",
         ),
         Code(
             "E0308",

@@ -1,8 +1,10 @@
 """Checks of a lowered Program: one whose transfers are explicit comm actions.
 
-`insert-comms` makes such programs and runs `check_lowered` on its output as an
-invariant. A Program read back with `Program.from_json` (a `schedule.json`, perhaps
-edited by hand) has not been through the compiler, so a runtime checks it here first.
+`insert-comms` makes such programs (the tests check its output with `check_lowered`; the
+compiler does not run it every time, since it costs as much as the pass). A Program read
+back from a `schedule.json`, perhaps edited by hand, has not been through the compiler,
+so every runtime that runs one reads it with `read_lowered`, which checks it here first:
+a mismatch would otherwise hang the ranks.
 
 E0307: a channel (one directed rank pair) delivers in the order it is sent, so on each
 channel the k-th `send` or `signal` must match the k-th `recv` or `wait`: the same
@@ -19,10 +21,12 @@ channel is reported, including a send nobody receives and a recv nobody sends.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 from typing import NamedTuple
 
-from pipelang.diagnostics import Diagnostic, InternalError, Label
+from pipelang.diagnostics import Diagnostic, Label, PipelangError, fail
 from pipelang.ir import Action, Kind, Program
+from pipelang.readers import ReadError, read_text
 
 _COUNTERPART = {
     Kind.SEND: Kind.RECV,
@@ -41,6 +45,26 @@ class _End(NamedTuple):
     action: Action
 
 
+def read_lowered(path: Path) -> Program:
+    """The `schedule.json` at `path` (what `pipelang compile -o` writes), read back and
+    checked before a runtime runs it: a file that cannot be read or is not a program is
+    E0003, transfers that do not match are E0307."""
+    try:
+        program = Program.from_json(read_text(path))
+    except ReadError as err:
+        raise fail("E0003", f"cannot read `{path}`: {err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        why = f"{type(err).__name__}: {err}" if isinstance(err, KeyError) else str(err)
+        raise fail(
+            "E0003",
+            f"`{path}` is not a pipelang program as `pipelang compile -o` writes it ({why})",
+        ) from None
+    found = check_lowered(program)
+    if found:
+        raise PipelangError(found)
+    return program
+
+
 def check_lowered(program: Program) -> list[Diagnostic]:
     """E0307 for every channel whose sends and recvs do not match one to one, in order
     (see the module docstring); empty when all of them do."""
@@ -51,8 +75,8 @@ def check_lowered(program: Program) -> list[Diagnostic]:
             kind, peer = action.kind, action.peer
             if kind not in _COUNTERPART:
                 continue
-            if peer is None:
-                raise InternalError(f"`{action}` names no peer rank")
+            if peer is None or not 0 <= peer < program.num_ranks or peer == rank:
+                return [_unpeered(rank, step, action, program.num_ranks)]
             if kind is Kind.SEND or kind is Kind.SIGNAL:
                 sent[(rank, peer)].append(_End(rank, step, action))
             else:
@@ -98,6 +122,16 @@ def _mismatch(channel: tuple[int, int], send: _End, recv: _End) -> Diagnostic:
         notes=(_FIFO,),
         help=f"on rank {dst}, receive what rank {src} sends in the order it sends it: "
         f"`{_other_end(send)}` here",
+    )
+
+
+def _unpeered(rank: int, step: int, action: Action, ranks: int) -> Diagnostic:
+    return Diagnostic(
+        "E0307",
+        f"rank {rank} lists `{action}` (step {step}), whose other end is not another of "
+        f"the program's {ranks} ranks",
+        action.span,
+        help="a transfer names the rank at its other end: `send:OP>DST`, `recv:OP<SRC`",
     )
 
 

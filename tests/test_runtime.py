@@ -257,6 +257,49 @@ def test_dead_or_hung_rank_stops_every_rank_and_leaves_no_process(
     assert _session_processes(proc.pid) == []
 
 
+def _swap_first_recvs(program: Program, rank: int) -> dict:
+    """`program`'s JSON with rank `rank`'s first two recvs swapped: a hand edit that
+    would leave the ranks waiting on each other."""
+    doc = json.loads(program.to_json())
+    actions = doc["ranks"][rank]
+    first, second = [i for i, text in enumerate(actions) if text.startswith("recv:")][:2]
+    actions[first], actions[second] = actions[second], actions[first]
+    return doc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["python -m pipelang.backends", "rank0.py"])
+def test_a_hand_edited_schedule_json_is_refused_before_any_rank_runs(
+    entry: str, tmp_path: Path
+) -> None:
+    """Every runtime that reads a schedule.json checks its transfers first
+    (`lowered.read_lowered`): recvs out of the channel's order are E0307, exit 1, before
+    anything starts (a run would hang until its timeout); a file that is not a program
+    is E0003."""
+    program = stdlib("1f1b", D=2, N=2)
+    codegen.write_rank_programs(program, tmp_path)
+    schedule = tmp_path / "schedule.json"
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = "29531"
+    command = (
+        [sys.executable, "-m", "pipelang.backends", str(schedule)]
+        if entry.startswith("python")
+        else [sys.executable, str(tmp_path / "rank0.py")]
+    )
+    for text, code in (
+        (json.dumps(_swap_first_recvs(program, 1)), "E0307"),
+        ('{"format": "pipelang-program/1", "ranks": 3}', "E0003"),
+        ("\x00", "E0003"),
+    ):
+        schedule.write_text(text)
+        done = subprocess.run(
+            [*command, "--steps", "1", "--timeout", "5"],
+            env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.startswith(f"error[{code}]") and "Traceback" not in done.stderr
+
+
 def test_program_that_does_not_fit_the_model_fails_before_any_rank(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

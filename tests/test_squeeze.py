@@ -210,3 +210,36 @@ def test_a_broken_block_gets_the_same_diagnostics_squeezed(tmp_path: Path, body:
         reports.append([(d.code, d.message) for d in err.value.diagnostics])
     assert reports[0] == reports[1]
     assert reports[0]
+
+
+# ---- squeeze times ops as `simulate` does -------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["v-half", "v-min"])
+def test_squeeze_times_the_plain_order_as_simulate_does(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With micro-batches of different lengths (each op its shape's multiple of its
+    kind's time) and W split off, squeeze's own timing of the plain order ends when
+    `simulate` says it does: the order is built with the simulator's op times."""
+    from pipelang.orders import squeeze as module
+
+    ends: list[float] = []
+    original = module._time
+
+    def recording(*args: object) -> object:
+        timed = original(*args)  # type: ignore[arg-type]
+        if timed is not None and not ends:
+            ends.append(max(op.end for op in timed))
+        return timed
+
+    monkeypatch.setattr(module, "_time", recording)
+    cost = "F = 1, B = 1, W = 1, A = 0.3"
+    lengths = "    lengths 100, 400, 200, 800, 300, 100, 600, 250\n"
+    programs = []
+    for squeeze in (True, False):
+        path = variant(tmp_path, name, squeeze=squeeze, cost=cost)
+        path.write_text(path.read_text().replace("    microbatches", lengths + "    microbatches", 1))
+        programs.append(compiled(path, D=4, N=8))
+    plain = programs[1]
+    assert ends and ends[0] == pytest.approx(replay(plain, plain.costs).makespan)

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipelang.cli.args import UsageError, add_run_arguments, config_from_args, path
+from pipelang.diagnostics import PipelangError
+from pipelang.lowered import read_lowered
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RunConfig
@@ -33,7 +35,6 @@ def compiled_main() -> int:
     """`python -m pipelang.backends SCHEDULE.json [run options]`: run what `pipelang
     compile -o DIR` wrote (DIR/schedule.json)."""
     from pipelang.backends.launch import run_program
-    from pipelang.ir import Program
 
     parser = argparse.ArgumentParser(
         prog="python -m pipelang.backends", description="Run a compiled pipelang program."
@@ -42,12 +43,13 @@ def compiled_main() -> int:
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
     args = parser.parse_args()
+    config = _config(parser, args)
     try:
-        program = Program.from_json(args.schedule.read_text())
-    except (OSError, ValueError, KeyError) as err:
-        print(f"error: cannot read {args.schedule}: {err}", file=sys.stderr)
-        return 2
-    return run_program(program, _config(parser, args))
+        program = read_lowered(args.schedule)
+    except PipelangError as err:
+        print(err.render(), file=sys.stderr)
+        return 1
+    return run_program(program, config)
 
 
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunConfig:

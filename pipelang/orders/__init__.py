@@ -6,6 +6,7 @@ Each module turns one kind of `order` declaration into per-rank lists of compute
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipelang import ast
@@ -53,6 +54,12 @@ class Layout:
         """`costs` as the schedule's ops are timed (`CostModel.for_kinds`): what an order
         that replays the schedule in time reads, as the simulator does."""
         return self.costs.for_kinds(self.kinds)
+
+    def op_time(self) -> Callable[[Action], float]:
+        """How long each op runs, as `simulate` times it: `op_costs`, each chunk its
+        share and each shaped micro-batch its factor (`CostModel.timer`). Greedy and
+        squeezed orders are built with it."""
+        return self.op_costs.timer(self.chunks, self.shapes)
 
     def op(
         self,

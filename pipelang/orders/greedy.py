@@ -149,7 +149,7 @@ class _Replay:
         done = 0
         end = 0.0
         comm = layout.costs.of("C")
-        op_time = layout.op_costs.timer(layout.chunks, layout.shapes)
+        op_time = layout.op_time()
         while events:
             time, _, rank_index, finished = heapq.heappop(events)
             if finished != _IDLE:

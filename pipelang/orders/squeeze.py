@@ -215,23 +215,20 @@ def _graph(
     numbered: list[_Op | None] = [None] * (len(layout.assignment) * per_mb)
     others: dict[Action, _Op] = {}
     freed_by = Kind.W if Kind.W in kinds else Kind.B
-    op_costs = layout.op_costs  # built once: it is a new CostModel with W in B
-    lengths: dict[tuple[Kind, int | None], float] = {}
+    op_time = layout.op_time()  # built once: it is a new CostModel with W in B
     ranks: list[list[_Op]] = []
     for r, slots in enumerate(placed):
         ranks.append([])
         for slot in sorted(slots):
             action = slots[slot]
-            kind, stage = action.kind, action.stage
-            if (kind, stage) not in lengths:
-                lengths[kind, stage] = op_costs.time(action)
+            kind = action.kind
             phase = WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
             op = _Op(
                 action,
                 r,
                 0.0,
                 0.0,
-                lengths[kind, stage],
+                op_time(action),
                 phase,
                 (memory.change(kind), memory.change(kind, freed_by)),
             )
