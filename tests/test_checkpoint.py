@@ -40,6 +40,7 @@ def losses(err: str) -> dict[int, float]:
     return {int(s): float(x) for s, x in re.findall(r"step (\d+)/\d+  loss (\S+)", err)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "options"),
     [
@@ -70,6 +71,7 @@ def test_six_steps_equal_three_saved_and_resumed_for_three(
     assert not torch.equal(three["model.7.lm.weight"], one["model.7.lm.weight"])
 
 
+@pytest.mark.slow
 def test_save_every_keeps_a_directory_per_step_and_resume_takes_the_latest(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -85,6 +87,7 @@ def test_save_every_keeps_a_directory_per_step_and_resume_takes_the_latest(
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [5, 6, 7]
 
 
+@pytest.mark.slow
 def test_another_schedule_resumes_a_checkpoint_with_its_own_stages(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -183,6 +186,7 @@ def test_a_checkpoint_whose_metadata_would_run_code_is_refused_unread(
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_says_where_to_resume(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT) stops every rank and names the latest complete checkpoint."""
     import signal

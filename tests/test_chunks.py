@@ -241,6 +241,7 @@ def test_costs_scale_by_each_chunks_work() -> None:
 # ---- the runtime ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("C", [2, 4])
 def test_saved_bytes_are_what_the_memory_count_says(C: int, one_torch_thread: None) -> None:
     """Each rank's measured peak bytes of saved activations (local backend, gpt:tiny) are
@@ -319,6 +320,7 @@ schedule chunked_chimera(D: int = 2, N: int = 2, C: int = 2) {
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("what", "backend", "options"),
     [

@@ -93,6 +93,7 @@ def run_in_process(args: list[str]) -> tuple[int, str, str]:
 # ---- exit status ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "status", "expect", "real"),
     [
@@ -170,6 +171,7 @@ BAD_FILES: dict[str, tuple[bytes | str, str, bool]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BAD_FILES)
 def test_bad_files(tmp_path: Path, name: str) -> None:
     contents, code, real = BAD_FILES[name]
@@ -196,6 +198,7 @@ def test_import_cycle_of_two_files(tmp_path: Path) -> None:
     assert "--> b.pipe:1:1" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sched", "message", "real"),
     [
@@ -210,6 +213,7 @@ def test_missing_inputs(tmp_path: Path, sched: str, message: str, real: bool) ->
     assert err.startswith(message)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "code", "real"),
     [
@@ -245,6 +249,7 @@ def test_huge_parameters_end_quickly(tmp_path: Path, param: str, real: bool) -> 
     assert err.startswith("error[E0106]")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", api.stdlib_names())
 def test_stdlib_schedules_refuse_zero_and_negative_sizes(name: str) -> None:
     params = [p.name for p in api.load_file(name).schedule.params]

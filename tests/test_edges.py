@@ -51,6 +51,7 @@ def plan(tmp_path: Path, topology: str, profile: str | None = None) -> tuple[int
     return status, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("topology", "message", "line"),
     [

@@ -229,6 +229,7 @@ def test_greedy_pool_hands_p_to_the_idle_holders_first() -> None:
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("backend", "params", "options"),
     [
@@ -292,6 +293,7 @@ schedule bidir(D: int = 4, N: int = 4) {
 """
 
 
+@pytest.mark.slow
 def test_two_directions_each_feed_their_own_stage_0(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -234,6 +234,7 @@ def _hostile(kind: str, text: str, data: st.DataObject) -> str:
     return "".join(tokens)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(data=st.data())
 def test_mutated_schedules(workdir: Path, data: st.DataObject) -> None:
@@ -255,6 +256,7 @@ def test_seeds_themselves(path: Path) -> None:
     check_clean(path)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     name=st.sampled_from(api.stdlib_names()),

@@ -74,6 +74,7 @@ def test_llama_tiny_splits_like_its_plan() -> None:
     assert len(model.layers) == LLAMA_SIZES["tiny"].blocks + 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["chimera", "zbv"])
 def test_llama_tiny_trains_like_one_process(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     params = {"D": 4, "N": 4} if name == "chimera" else {"D": 2, "N": 4}

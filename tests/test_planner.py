@@ -302,6 +302,7 @@ def test_the_search_reports_its_progress_over_every_candidate() -> None:
     }
 
 
+@pytest.mark.slow
 def test_written_data_parallel_plan_runs_with_its_dp(tmp_path: Path) -> None:
     forward = [0.05, 4.0, *[1.0] * 7, 0.3]
     profile = make_profile(forward, activation=2e5, weight=5e5, output=65536)
@@ -390,6 +391,7 @@ def plan_for_demo(tmp_path: Path, schedules: tuple[str, ...] = ("1f1b", "zb-h1")
     return path
 
 
+@pytest.mark.slow
 def test_written_plan_passes_check_and_round_trips(tmp_path: Path) -> None:
     path = plan_for_demo(tmp_path)
     text = path.read_text()
@@ -401,6 +403,7 @@ def test_written_plan_passes_check_and_round_trips(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_run_takes_the_partition_from_the_schedule(tmp_path: Path) -> None:
     path = tmp_path / "p.pipe"
     path.write_text(
@@ -418,6 +421,7 @@ def test_run_takes_the_partition_from_the_schedule(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_written_plan_runs_with_gloo(tmp_path: Path) -> None:
     path = plan_for_demo(tmp_path, schedules=("1f1b",))
     proc = pipelang_cmd(
@@ -472,6 +476,7 @@ def test_bad_partition_statement(tmp_path: Path, text: str, message: str) -> Non
 # ---- profile, topology, units ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_profile_command_measures_every_layer(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     proc = pipelang_cmd(
@@ -505,6 +510,7 @@ def test_profile_command_measures_every_layer(tmp_path: Path) -> None:
     assert profile.layers[1].activation_bytes > profile.layers[1].output_bytes
 
 
+@pytest.mark.slow
 def test_profile_calibrate_runs_the_model_and_reads_its_trace(tmp_path: Path) -> None:
     """`--calibrate gloo` end to end: a real 2-rank run of the model, its trace read back."""
     out = tmp_path / "p.json"
@@ -577,6 +583,7 @@ def plan_cmd(tmp_path: Path, *extra: str) -> object:
     )
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_ranking_and_the_reason_gpipe_is_out(tmp_path: Path) -> None:
     write_inputs(tmp_path)
     # GPipe's rank 0 at D = 2: 4 x 2 MiB of weight state + 8 x 8 MiB of activations.
@@ -595,6 +602,7 @@ def test_plan_command_prints_the_ranking_and_the_reason_gpipe_is_out(tmp_path: P
     assert {p["dp"] for p in doc["plans"]} == {1, 2}
 
 
+@pytest.mark.slow
 def test_plan_command_says_why_candidates_were_left_out(tmp_path: Path) -> None:
     """Under the table, the candidates left out by the lower bound and by `require`
     are counted; `--all` lists each with its reason."""
@@ -616,6 +624,7 @@ def test_plan_command_says_why_candidates_were_left_out(tmp_path: Path) -> None:
     assert "not simulated: it takes at least" in out and "more left out" not in out
 
 
+@pytest.mark.slow
 def test_plan_command_on_idle_devices_and_data_parallel_copies(tmp_path: Path) -> None:
     _, topology = write_inputs(tmp_path)
     # Four devices, four layers, 1F1B only, N = 8: over a 1 MB/s link every transfer of
@@ -650,6 +659,7 @@ def test_plan_command_on_idle_devices_and_data_parallel_copies(tmp_path: Path) -
     assert "note: the plan uses" not in proc.stdout  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("setup", "extra", "status", "expected"),
     [
@@ -687,6 +697,7 @@ def test_plan_command_errors_are_clean(
     assert not (tmp_path / "best.pipe").exists()
 
 
+@pytest.mark.slow
 def test_explain_knows_the_planner_codes() -> None:
     for code in ("E0208", "E0401", "E0402", "E0403", "E0404"):
         proc = pipelang_cmd("explain", code, cwd=Path.cwd())
@@ -916,6 +927,7 @@ def test_lopsided_partitions_are_flagged() -> None:
     assert some is not None and some.startswith("lopsided: stage 2 does 1% of the work of stage 0")
 
 
+@pytest.mark.slow
 def test_the_plan_command_marks_a_lopsided_plan(tmp_path: Path) -> None:
     """Two layers, the first 100x the second: on two devices the only D=2 partition is
     1,1, whose second device waits nearly all the time."""
@@ -1067,6 +1079,7 @@ def test_link_classes_in_the_full_form(tmp_path: Path) -> None:
     assert topology.speeds == (2.0, 2.0, 1.0, 1.0, 1.0, 1.0)
 
 
+@pytest.mark.slow
 def test_two_datacenters_keep_the_slow_link_off_the_critical_path(tmp_path: Path) -> None:
     """Two sites of 4 GPUs joined by 1 GB/s and 20 ms: the plan for them is far faster
     there than the plan made as if every link were NVLink (Chimera's cross-site
@@ -1087,6 +1100,7 @@ def test_two_datacenters_keep_the_slow_link_off_the_critical_path(tmp_path: Path
     assert there.time_ms > 2 * best.time_ms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zb-h2", "v-half"])
 def test_cost_dependent_orders_follow_the_device_speeds(tmp_path: Path, schedule: str) -> None:
     """A greedy (zb-h2) or squeezed (v-half) order depends on the costs: the planner
@@ -1151,6 +1165,7 @@ def test_a_slower_device_on_a_fast_link_beats_a_fast_one_across_datacenters(
     assert fastest.time_ms > 1.5 * two.time_ms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_partition_and_mapping_on_mixed_devices_against_brute_force(schedule: str) -> None:
     """Random 4-device clusters (speeds 1-3, each link fast or slow), a 2-rank plan:
@@ -1184,6 +1199,7 @@ def test_partition_and_mapping_on_mixed_devices_against_brute_force(schedule: st
     assert sum(r < 1 + 1e-9 for r in ratios) >= 10, ratios
 
 
+@pytest.mark.slow
 def test_every_rank_of_a_small_cluster_against_brute_force() -> None:
     """Issue 29 item 12: random 3-4 device clusters (speeds 1 and 2, each link fast, mid
     or slow, 6-8 layers), 1F1B on every device: against every (mapping, partition)
@@ -1256,6 +1272,7 @@ def test_classes_of_nodes_in_the_shorthand(tmp_path: Path) -> None:
         assert message in err.value.diagnostics[0].message, err.value.diagnostics[0].message
 
 
+@pytest.mark.slow
 def test_text_from_the_inputs_cannot_add_lines_to_the_written_plan(tmp_path: Path) -> None:
     """A newline (or a carriage return, which the compiler reads as one) in the profile's
     model or a device's name stays inside its comment line: the plan passes `check` and

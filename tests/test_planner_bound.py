@@ -41,6 +41,7 @@ def simulated(name: str, params: dict[str, str], costs: list[tuple[float, float,
     return simulate(compiled.need_program(), compiled.graph, model).makespan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_bound_never_exceeds_the_simulated_iteration(name: str) -> None:
     rng = random.Random(name)
@@ -78,6 +79,7 @@ def without_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Planner, "bound", lambda self, candidate: 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_bounded_search_finds_the_plan_of_the_whole_search(
     seed: int, monkeypatch: pytest.MonkeyPatch

@@ -121,6 +121,7 @@ def runtime_flops(monkeypatch: pytest.MonkeyPatch, partition: tuple[int, ...]) -
     return counted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partition", [(2, 3, 3, 2), (1, 4, 3, 2), (3, 1, 2, 4)])
 def test_split_stage_costs_equal_the_runtimes_work(
     monkeypatch: pytest.MonkeyPatch, partition: tuple[int, ...]

@@ -288,6 +288,7 @@ def test_a_file_over_the_size_limit_says_so(tmp_path: Path) -> None:
     assert status == 1 and "larger than the 1 MiB a `.pipe` file may be" in err
 
 
+@pytest.mark.slow
 def test_many_lets_in_one_block_each_see_the_ones_before(tmp_path: Path) -> None:
     lets = "\n".join(f"        let y{i} = y{i - 1} + 1" for i in range(1, 2000))
     body = "order rank r {\n        let y0 = r\n" + lets + "\n        for i in 0..N { F(i) B(i) } }"
@@ -303,6 +304,7 @@ def test_many_lets_in_one_block_each_see_the_ones_before(tmp_path: Path) -> None
 # ---- messages ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_syntax_errors_never_name_grammar_tokens() -> None:
     """Every prefix of a stdlib file with an op pair (`&`): the expected tokens are
     written as a user types them, never lark's names (`AMPERSAND`, `__ANON_0`)."""
@@ -425,6 +427,7 @@ def test_a_file_of_too_many_tokens_is_refused_at_the_first_one_over(tmp_path: Pa
 # ---- sizes every command answers quickly ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_op_limit_is_an_error_that_names_max_ops_and_max_ops_raises_it() -> None:
     status, _, err = run_in_process(["check", "1f1b", "-p", "D=4", "-p", "N=40000"])
     assert status == 1 and "320000 ops, more than the limit of 150000" in err
@@ -501,6 +504,7 @@ def test_clipping_pairs_quotes_left_to_right() -> None:
     assert clip(f"`a` `{'y' * (QUOTED + 1)}` `b`").endswith(f"({QUOTED + 1} characters) `b`")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [{"D": 513, "N": 1}, {"D": 8, "N": 1251}])
 def test_a_png_too_large_to_draw_in_seconds_is_refused_at_once(
     params: dict[str, int], tmp_path: Path

@@ -51,6 +51,7 @@ SCHEDULES = {
 # ---- exactness -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("case", list(SCHEDULES))
 def test_check_passes_on_gloo(
@@ -64,12 +65,14 @@ def test_check_passes_on_gloo(
     assert "steps/s" in out
 
 
+@pytest.mark.slow
 def test_v_placement_passes_check_on_local(capsys: pytest.CaptureFixture[str]) -> None:
     """Two stages of one pipeline on one rank hand over without communication."""
     assert run(stdlib("v-half", D=2, N=4), "--check", "--backend", "local") == 0
     assert "check OK" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_signal_and_wait_pass_check(capsys: pytest.CaptureFixture[str]) -> None:
     """`after` dependencies across ranks become signal/wait pairs that carry no data."""
     one_f_one_b2 = stdlib("1f1b", D=2, N=2)
@@ -121,11 +124,13 @@ def test_split_backward_equals_full_backward_bitwise() -> None:
             assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_local_backend_runs_chimera(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(stdlib("chimera", D=4, N=4), "--backend", "local", "--check") == 0
     assert "check OK" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_check_catches_a_wrong_gradient(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -205,6 +210,7 @@ def _session_processes(sid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fault", "expected"),
     [
@@ -471,6 +477,7 @@ def test_codegen_golden(update_golden: bool) -> None:
     assert text == GOLDEN.read_text()
 
 
+@pytest.mark.slow
 def test_generated_programs_run_standalone(tmp_path: Path) -> None:
     """DIR/rank{r}.py started by hand (as torchrun would) train and pass the check."""
     one_f_one_b2 = stdlib("1f1b", D=2, N=4)
@@ -513,6 +520,7 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path: Path) -> None:
     """SIGKILL gives the launcher no chance to stop its ranks: the forkserver that

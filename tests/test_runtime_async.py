@@ -57,6 +57,7 @@ def local_outcome(program: Program, config: RunConfig) -> Outcome:
 # ---- --check passes ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("D", [2, 3, 4])
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -82,6 +83,7 @@ GLOO_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "D", "optimizer"), GLOO_CASES)
 def test_check_passes_on_gloo(
     name: str, D: int, optimizer: str, capsys: pytest.CaptureFixture[str]
@@ -106,6 +108,7 @@ def test_stash_keeps_versions_that_pipemare_does_not() -> None:
 # ---- independent oracles -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_2bw_with_one_update_per_iteration_is_synchronous_training(optimizer: str) -> None:
     # m = N: every stage applies the mean gradient of all N micro-batches once, at the
@@ -165,6 +168,7 @@ schedule split(D: int = 3, N: int = 6) {
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("policy", "wrong"), [("stash", "latest"), ("latest", "stash")])
 def test_recompute_and_split_weight_gradient_across_an_update(
     policy: str, wrong: str, tmp_path: Path
@@ -189,6 +193,7 @@ def test_recompute_and_split_weight_gradient_across_an_update(
 # ---- the check can fail --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "wrong"), [("pipedream", "latest"), ("pipedream-2bw", "latest"), ("pipemare", "stash")]
 )
@@ -228,6 +233,7 @@ def test_dp_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 # ---- weight prediction (XPipe, --predict-weights) ------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "D", "optimizer"),
     [("pipedream", 3, "sgd"), ("pipedream", 4, "adam"), ("pipedream-2bw", 3, "sgd")],
@@ -249,6 +255,7 @@ def test_predicted_weights_pass_the_check_on_gloo(capsys: pytest.CaptureFixture[
     assert "check OK" in out and "(bitwise equal)" in out, out
 
 
+@pytest.mark.slow
 def test_prediction_changes_training_and_a_reference_without_it_disagrees() -> None:
     program = stdlib("pipedream", D=3, N=N)
     plain = RunConfig(backend="local", steps=2, check=True, optimizer="sgd")

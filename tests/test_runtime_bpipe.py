@@ -25,6 +25,7 @@ from tests.helpers import replay
 BPIPE = stdlib("bpipe", D=4, N=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("backend", "optimizer"), [("gloo", "sgd"), ("gloo", "adam"), ("local", "adam")]
 )

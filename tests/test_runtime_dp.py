@@ -39,6 +39,7 @@ def _pipelang(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 # ---- exactness -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("case", list(SCHEDULES))
 def test_dp2_passes_check_on_gloo(
@@ -57,6 +58,7 @@ def test_dp2_passes_check_on_gloo(
     assert rows == ["0", "1", "2", "3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(SCHEDULES))
 def test_dp2_passes_check_on_local(case: str, capsys: pytest.CaptureFixture[str]) -> None:
     name, params = SCHEDULES[case]
@@ -176,6 +178,7 @@ def test_dp_zero_is_a_usage_error() -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_world_must_be_dp_times_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = "29531"
@@ -198,6 +201,7 @@ def test_nccl_needs_a_gpu_per_process(capsys: pytest.CaptureFixture[str]) -> Non
     )
 
 
+@pytest.mark.slow
 def test_generated_programs_run_standalone_with_dp(tmp_path: Path) -> None:
     """rank{r}.py started by hand as torchrun would, twice each (RANK = copy x R + r):
     four processes train two copies and pass the check; a RANK that runs another file is

@@ -174,6 +174,7 @@ def long_tail(count: int = 96, seed: int = 0) -> list[int]:
 COSTS = CostModel((("F", None, 1.0), ("B", None, 2.0), ("A", None, 0.3), ("O", None, 0.05)))
 
 
+@pytest.mark.slow
 def test_pack_beats_fixed_batches_and_packing_within_the_cap() -> None:
     lengths = long_tail()
     cap = 4 * max(lengths)
@@ -203,6 +204,7 @@ def test_pack_refuses_what_cannot_fit() -> None:
         pack([10, 5000], "1f1b", {"D": "2"}, COSTS, 4096)
 
 
+@pytest.mark.slow
 def test_pack_command_writes_what_simulate_reads(tmp_path: Path) -> None:
     sequences = tmp_path / "seqs.txt"
     sequences.write_text("".join(f"{n}\n" for n in long_tail(40)))
@@ -238,6 +240,7 @@ schedule t(D: int = 2, N: int = 2) {
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("backend", "options"),
     [("local", ()), ("gloo", ()), ("gloo", ("--graphs",)), ("local", ("--graphs",))],
@@ -275,6 +278,7 @@ def test_shapes_the_runtime_cannot_run_are_refused(
     assert status == 1 and message in err, err
 
 
+@pytest.mark.slow
 def test_pack_equals_brute_force_on_small_inputs() -> None:
     """Issue 29 item 11: over every contiguous cut of the sorted lengths in every order of
     the micro-batches, simulated here, the fastest that fits is what `pack` finds (up to

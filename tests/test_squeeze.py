@@ -117,6 +117,7 @@ SWEEP = [
 COSTS = ["", "F = 1, B = 2, W = 1", "F = 3, B = 4, W = 2, C = 1", "B = 2, W = 0"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cost", COSTS, ids=["unit", "b2", "fig5", "w0"])
 @pytest.mark.parametrize(("name", "cases"), SWEEP, ids=[name for name, _ in SWEEP])
 def test_squeeze_is_safe(tmp_path: Path, name: str, cases: list[dict[str, int]], cost: str) -> None:

@@ -137,6 +137,7 @@ TORCH_SWEEPS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "torch_name", "Ds", "Ns", "vs"), TORCH_SWEEPS, ids=[s[0] for s in TORCH_SWEEPS]
 )
@@ -184,6 +185,7 @@ def test_torch_1f1b_off_by_one_is_only_on_the_last_rank() -> None:
 # ---- (b) paper formulas -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_chimera_fig3_per_rank_order() -> None:
     """Chimera (Li & Hoefler, SC'21) Fig. 3, D = 4, N = 4 [P]: each worker's order."""
     out = subprocess.run(
@@ -577,6 +579,7 @@ def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_import_torch_cli(tmp_path: Path) -> None:
     """Writes a checked .pipe file; a malformed cell is a diagnostic, exit 1, no traceback."""
     good = tmp_path / "zb.csv"

@@ -246,6 +246,7 @@ def test_simulate_json_per_rank() -> None:
     assert [r["weight_delay"] for r in ranks] == [3, 2, 1, 0]
 
 
+@pytest.mark.slow
 def test_run_refuses_asynchronous_schedules_with_dp_before_any_rank(tmp_path: Path) -> None:
     # asynchronous schedules run (tests/test_runtime_async.py), but not with --dp
     command = ["run", "pipedream", "--model", "gpt:tiny", "--dp", "2"]
@@ -262,6 +263,7 @@ def test_run_refuses_asynchronous_schedules_with_dp_before_any_rank(tmp_path: Pa
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", ["E0313", "E0314"])
 def test_explain(code: str) -> None:
     done = pipelang("explain", code)

@@ -264,6 +264,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_cli_explain_and_cost_keys() -> None:
     for code in ("E0315", "E0316"):
         explained = cli("explain", code)
@@ -273,6 +274,7 @@ def test_cli_explain_and_cost_keys() -> None:
     assert "makespan 22" in simulated.stdout
 
 
+@pytest.mark.slow
 def test_run_refuses_evictions_on_cuda_before_any_rank_starts() -> None:
     """Evictions run on the CPU (tests/test_runtime_bpipe.py); the untested CUDA path is
     refused with a message, never run as no-ops."""

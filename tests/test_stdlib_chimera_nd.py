@@ -313,6 +313,7 @@ def run(prog: Program, *options: str) -> int:
     return run_program(prog, config_from_args(parser.parse_args(list(options))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "options"),
     [
@@ -336,6 +337,7 @@ RUN_OPTIONS = ["-p", "D=4", "-p", "N=8", "--model", "gpt:tiny", "--backend", "gl
 RUN_OPTIONS += ["--steps", "2", "--check"]
 
 
+@pytest.mark.slow
 def test_cli_run_fwd_double_with_adam() -> None:
     """The command of the docs page, as a user types it (adam is the default)."""
     done = subprocess.run(

@@ -36,6 +36,7 @@ def executor(name: str, text: str | None = None, seed: int = 0, **params: int) -
     return StreamExecutor(c.program, streams, config, shapes, seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LOWERED)
 def test_every_stdlib_schedule_checks_on_the_executor(name: str) -> None:
     program = stdlib(name)
@@ -56,6 +57,7 @@ def test_any_legal_interleaving_trains_the_same() -> None:
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "deleted",
     [
@@ -80,6 +82,7 @@ def test_a_missing_wait_trains_wrong_on_the_cpu(deleted: str) -> None:
     assert wrong >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["1f1b", "chimera", "zb-h1", "interleaved-1f1b"])
 def test_the_executor_holds_what_the_slot_plan_says(name: str) -> None:
     """Data slots: allocated = planned bytes, each slot one boundary activation (gpt:tiny:
@@ -96,6 +99,7 @@ def test_the_executor_holds_what_the_slot_plan_says(name: str) -> None:
     assert run.peak_saved == [len(run.streams.slots(r)["saved"]) for r in range(run.streams.ranks)]
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_runs_here_in_smoke_mode() -> None:
     """benchmarks/graphs_vs_eager.py is for a GPU (gpu_batch.sh runs it); `--smoke` runs
     it here, with the CPU executor as its graphs runner, so a GPU session finds it working."""

@@ -22,6 +22,7 @@ BPIPE = stdlib("bpipe", D=4, N=8)
 GRAPHS = ("--backend", "gloo", "--graphs", "--steps", "2", "--check")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "params"),
     [
@@ -42,6 +43,7 @@ def test_data_parallel_copies_over_gloo() -> None:
     assert run(stdlib("1f1b", D=2, N=2), *GRAPHS, "--dp", "2") == 0
 
 
+@pytest.mark.slow
 def test_warm_up_capture_and_replays_train_like_one_process() -> None:
     """Past the WARMUP eager steps the driver captures once and replays (on a CPU a replay
     runs the kept iteration); inputs come from static buffers loaded before each step."""

@@ -52,6 +52,7 @@ def test_data_slots_are_reused() -> None:
     assert len(program.slots(0)["data"]) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "params"),
     [
@@ -76,6 +77,7 @@ def test_deleting_any_wait_fails_the_check(name: str, params: dict[str, int]) ->
         assert codes <= {"E0502", "E0507"}, (lines[n], codes)
 
 
+@pytest.mark.slow
 def test_a_race_names_the_read_the_slot_and_the_write(tmp_path: Path) -> None:
     """Rank 1 of 1F1B waits for its receive before the forward that reads it; without
     that wait, the forward races with the receive."""

@@ -20,6 +20,7 @@ from pipelang.torch import PipelineSchedule
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_with_torchrun.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

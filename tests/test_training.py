@@ -79,6 +79,7 @@ def test_token_files_hold_ids(suffix: str, tmp_path: Path) -> None:
     assert batch.tolist() == [[(s + k) % 300 for k in range(8)] for s in starts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
 def test_a_run_on_a_text_file_matches_one_process_and_learns(
     schedule: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -137,6 +138,7 @@ def test_a_missing_data_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]
 # ---- --clip-grad ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "options"),
     [
@@ -183,6 +185,7 @@ def _final_loss(capsys: pytest.CaptureFixture[str], *options: str) -> float:
     return float(re.findall(r"step 12/12  loss (\S+)", capsys.readouterr().err)[0])
 
 
+@pytest.mark.slow
 def test_mixed_precision_trains_closer_to_fp32_than_pure_bf16(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -193,6 +196,7 @@ def test_mixed_precision_trains_closer_to_fp32_than_pure_bf16(
     assert abs(mixed - fp32) < abs(bf16 - fp32) / 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "options"),
     [

@@ -181,6 +181,7 @@ def test_a_boundary_packs_a_tree_of_tensors_into_one_and_back() -> None:
     assert hidden.grad is not None and torch.equal(hidden.grad, grad_in)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("func", "ranks", "options"),
     [
@@ -243,6 +244,7 @@ def test_a_user_model_that_cannot_run_says_why(
     assert message in err and "Traceback" not in err and err.startswith("error: ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "ranks", "func", "options"),
     [

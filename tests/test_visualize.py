@@ -309,6 +309,7 @@ def chromium(tmp_path: Path, *args: str) -> bytes:
     return done.stdout
 
 
+@pytest.mark.slow
 @NO_CHROMIUM
 def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     panels = [simulated(timeline_of(s, {"D": "4", "N": "8"})) for s in ("1f1b", "chimera")]
