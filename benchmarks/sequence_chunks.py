@@ -6,9 +6,10 @@ Part 1 simulates `seq1f1b` (costs F = 1, B = 2) at C = 1, 2, 4, 8 chunks, with a
 a share A = 0 or 0.3 of the work, chunks of equal tokens or of equal compute, against the
 paper's formulas: makespan N(F+B) + (D-1)(F+B)/C and stage 0's activations (C+D-1)/C
 micro-batches, which count a chunk's own tokens only (KV = 0); then with the keys and
-values each chunk past the first saves again (the default KV). Part 2 runs 1F1B and Seq1F1B on gloo (gpt:tiny, sequences of 256 tokens,
-D = 4, N = 8, 2 steps) and measures each rank's peak bytes of saved activations
-(`RankResult.peak_activation_bytes`, backends/stash.py), next to the simulator's bytes:
+values each chunk past the first saves again (the default KV). Part 2 runs 1F1B and
+Seq1F1B on gloo (gpt:tiny, sequences of 256 tokens, D = 4, N = 8, 2 steps) and measures
+each rank's peak bytes of saved activations (`RankResult.peak_activation_bytes`,
+backends/stash.py), next to the simulator's bytes:
 its count of held micro-batches (`memory.shares`: a chunk's tokens, plus past the first
 chunk the keys and values it saves again, `KV`) times each stage's activation bytes
 as `pipelang profile` measures them, with the default KV and with KV = 0.
@@ -29,11 +30,15 @@ from pipelang.planner.profile import ProfileOptions, measure
 from pipelang.simulate import Timeline, simulate
 
 
-def timeline(name: str, params: dict[str, str], attention: float = 0.0, kv: float = 0.0) -> Timeline:
+def timeline(
+    name: str, params: dict[str, str], attention: float = 0.0, kv: float = 0.0
+) -> Timeline:
     compiled = compile_schedule(name, params)
     program, graph = compiled.need_program(), compiled.graph
     assert graph is not None
-    costs = CostModel((("F", None, 1.0), ("B", None, 2.0), ("A", None, attention), ("KV", None, kv)))
+    costs = CostModel(
+        (("F", None, 1.0), ("B", None, 2.0), ("A", None, attention), ("KV", None, kv))
+    )
     return simulate(program, graph, program.costs.merged(costs))
 
 

@@ -13,8 +13,8 @@ with an unchunked one directly, and more: past the first chunk, its attention
 concatenates the keys and values of the chunks before it with its own and saves that for
 the backward, the stage's `KV` share of the activations times the tokens up to the
 chunk's end (the cost model's `KV`, 0.12 by default). Backwards run last chunk first, so
-all of it is freed by the chunk's own backward. With micro-batches of different shapes (`lengths`), one holds its tokens
-over the reference micro-batch's (`BatchShapes.memory`).
+all of it is freed by the chunk's own backward. With micro-batches of different shapes
+(`lengths`), one holds its tokens over the reference micro-batch's (`BatchShapes.memory`).
 
 Everything that counts activations asks here: `simulate` (peak activations), `validate`
 (`--max-activations`, E0308), `evictions` (the partner's side, over time), the squeeze
@@ -53,10 +53,10 @@ Share = Callable[[Action], float]
 def shares(program: Program, costs: CostModel | None = None) -> Share | None:
     """What each forward's activations count for, in micro-batches: a chunk its share of
     the tokens (`Chunks.tokens`) plus, past the first chunk, its stage's `KV` share times
-    the tokens up to its end (the keys and values it saves concatenated), a shaped micro-batch its tokens over
-    the reference's (`BatchShapes.memory`), both multiplied; None when every forward
-    counts 1. `costs` stands for the schedule's own (a `--cost A=...,KV=...` from the
-    command line)."""
+    the tokens up to its end (the keys and values it saves concatenated), a shaped
+    micro-batch its tokens over the reference's (`BatchShapes.memory`), both multiplied;
+    None when every forward counts 1. `costs` stands for the schedule's own (a
+    `--cost A=...,KV=...` from the command line)."""
     chunks, shapes = program.chunks, program.shapes
     if chunks is None and shapes is None:
         return None

@@ -17,6 +17,7 @@ from pipelang.diagnostics import PipelangError, clip, fail
 from pipelang.evaluate import MAX_DIGITS
 from pipelang.ir import COST_KINDS, Action, CostModel, cost_problem
 from pipelang.simulate import Timeline
+
 """The keys a cost model takes: op kinds, a transfer (C), an overlapped pair (FB), an
 evicted activation's trips (E, L), and the shares and reference that split work over
 sequence chunks and micro-batch shapes (A, S, O; docs/language.md "Costs")."""

@@ -240,7 +240,9 @@ def test_squeeze_times_the_plain_order_as_simulate_does(
     programs = []
     for squeeze in (True, False):
         path = variant(tmp_path, name, squeeze=squeeze, cost=cost)
-        path.write_text(path.read_text().replace("    microbatches", lengths + "    microbatches", 1))
+        path.write_text(
+            path.read_text().replace("    microbatches", lengths + "    microbatches", 1)
+        )
         programs.append(compiled(path, D=4, N=8))
     plain = programs[1]
     assert ends and ends[0] == pytest.approx(replay(plain, plain.costs).makespan)
