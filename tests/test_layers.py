@@ -100,3 +100,19 @@ def test_the_cli_args_module_is_a_leaf_of_the_cli_package() -> None:
     for module in commands:
         others = set(graph.successors(module)) & set(commands)
         assert others <= {"pipelang.cli.args"}, (module, others)
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject.toml lists every package of the source (a wheel leaves out the rest;
+    the editable install the tests run under would not notice)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        f"{package}.{init.parent.relative_to(folder).as_posix().replace('/', '.')}".rstrip(".")
+        for package, folder in PACKAGES.items()
+        for init in folder.rglob("__init__.py")
+    }
+    assert found <= listed, f"add to pyproject.toml's packages: {sorted(found - listed)}"

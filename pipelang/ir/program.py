@@ -1,0 +1,293 @@
+"""`Program`, a whole schedule after expansion (every rank's ordered actions and what
+they mean), with its placement (`Pipeline`), `after` edges (`Dependency`) and the weight
+policy of asynchronous schedules (`WeightPolicy`)."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pipelang.diagnostics import InternalError
+from pipelang.ir.action import STASH_KINDS, Action, Kind
+from pipelang.ir.costs import BatchShapes, Chunks, CostModel
+from pipelang.source import Span
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """A named placement of every stage on a rank; two or more pipelines are replicas."""
+
+    name: str
+    placement: tuple[int, ...]
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+
+_COPIES: OrderedDict[int, tuple[tuple[Pipeline, ...], dict[int, tuple[tuple[int, str], ...]]]]
+_COPIES = OrderedDict()
+"""The last few `_copies_by_rank` answers, by the identity of the pipelines they index."""
+
+
+def _copies_by_rank(
+    pipelines: tuple[Pipeline, ...],
+) -> dict[int, tuple[tuple[int, str], ...]]:
+    """Every rank's (stage, pipeline) copies, in pipeline then stage order: built once
+    per Program's pipelines (by identity: hashing a placement of 100,000 ranks at every
+    call would cost as much as the scan it saves), so that asking for each rank's copies
+    is linear in the ranks, not quadratic."""
+    cached = _COPIES.get(id(pipelines))
+    if cached is not None and cached[0] is pipelines:
+        _COPIES.move_to_end(id(pipelines))
+        return cached[1]
+    copies: dict[int, list[tuple[int, str]]] = {}
+    for p in pipelines:
+        for stage, rank in enumerate(p.placement):
+            copies.setdefault(rank, []).append((stage, p.name))
+    index = {rank: tuple(c) for rank, c in copies.items()}
+    _COPIES[id(pipelines)] = (pipelines, index)  # holds `pipelines`: its id stays unique
+    if len(_COPIES) > 64:
+        _COPIES.popitem(last=False)
+    return index
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPolicy:
+    """How an asynchronous schedule versions each stage copy's weights (`weights ...`).
+
+    Every forward reads the copy's newest version where it runs in its rank's order;
+    `U` makes a new one. What a backward (and `W`, `R`) reads is the policy:
+
+    - `stash`: the version its forward read (PipeDream's weight stashing), so a copy
+      keeps every version a micro-batch in flight still needs;
+    - `buffers` with `limit` K: the same, but at most K versions may be live at once
+      (PipeDream-2BW: K = 2); more is E0314;
+    - `latest`: the newest version, with no stash (PipeMare): one version.
+    """
+
+    mode: str
+    limit: int | None = None
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def stashes(self) -> bool:
+        """Whether a backward reads the version its forward read."""
+        return self.mode != "latest"
+
+    def text(self) -> str:
+        """The declaration's argument: `stash`, `latest` or the number of buffers."""
+        return str(self.limit) if self.mode == "buffers" else self.mode
+
+    @staticmethod
+    def parse(text: str) -> WeightPolicy:
+        """Read `text()` back; raises ValueError on anything else."""
+        if text in ("stash", "latest"):
+            return WeightPolicy(text)
+        if text.isdigit() and int(text) >= 1:
+            return WeightPolicy("buffers", int(text))
+        raise ValueError(f"not a weight policy: {text!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Dependency:
+    """An extra `after` edge: `later` may not start before `earlier` ends."""
+
+    earlier: Action
+    later: Action
+    span: Span | None = field(default=None, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A whole schedule after expansion: per-rank ordered actions plus what they mean.
+
+    `placement` of each pipeline maps stage -> rank; `assignment[mb]` names the pipeline
+    micro-batch `mb` travels through; `kinds` are the compute kinds every (micro-batch,
+    stage) must run exactly once.
+    """
+
+    name: str
+    source: str
+    params: tuple[tuple[str, int | bool], ...]
+    num_ranks: int
+    num_stages: int
+    pipelines: tuple[Pipeline, ...]
+    assignment: tuple[str, ...]
+    kinds: tuple[Kind, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+    after: tuple[Dependency, ...] = ()
+    costs: CostModel = CostModel()
+    order_span: Span | None = field(default=None, compare=False, repr=False)
+    """Where the schedule's `order` is written; diagnostics about missing ops point here."""
+    partition: tuple[int, ...] | None = None
+    """Layers per stage from the schedule's `partition` line, for the runtime; None: even."""
+    weights: WeightPolicy | None = None
+    """The weight versioning of an asynchronous schedule (its ranks update their stage
+    copies with `U` actions, and there is no `step`); None for a synchronous one."""
+    frozen: tuple[int, ...] | None = None
+    """The ranks that hold the model's frozen part (`frozen on ...`), ascending; None when
+    the schedule has none. Each micro-batch's `P` runs on one of them."""
+    chunks: Chunks | None = None
+    """How micro-batches split into sequence chunks (`chunks C`); None: they do not, and
+    compute actions name no chunk."""
+    shapes: BatchShapes | None = None
+    """Each micro-batch's samples and sequence length when they differ (`lengths`,
+    `sizes`, `--lengths FILE`); None: every micro-batch has the runtime's one shape."""
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.assignment)
+
+    def pipeline(self, name: str) -> Pipeline:
+        for p in self.pipelines:
+            if p.name == name:
+                return p
+        raise InternalError(f"no pipeline named {name!r}")
+
+    def rank_of(self, stage: int, pipeline: str) -> int:
+        """The rank that runs `stage` of `pipeline`."""
+        return self.pipeline(pipeline).placement[stage]
+
+    def replicas(self, stage: int) -> tuple[int, ...]:
+        """Ranks holding a copy of `stage`, one entry per pipeline, in pipeline order."""
+        return tuple(p.placement[stage] for p in self.pipelines)
+
+    def stage_copies(self, rank: int) -> tuple[tuple[int, str], ...]:
+        """(stage, pipeline) copies of the weights that `rank` holds."""
+        return _copies_by_rank(self.pipelines).get(rank, ())
+
+    def first_eviction(self) -> Action | None:
+        """The first evict, hold or load action (BPipe), in rank order; None if none."""
+        return next((a for acts in self.ranks for a in acts if a.kind in STASH_KINDS), None)
+
+    def compute_ops(self) -> Iterator[Action]:
+        """Every op the schedule must run, in (micro-batch, stage, kind) order (a
+        micro-batch's `P` first)."""
+        frozen = self.frozen is not None
+        chunks = (None,) if self.chunks is None else tuple(range(self.chunks.count))
+        for mb, pipe in enumerate(self.assignment):
+            if frozen:
+                yield Action(Kind.P, mb, 0, pipe)
+            for stage in range(self.num_stages):
+                for chunk in chunks:
+                    for kind in self.kinds:
+                        yield Action(kind, mb, stage, pipe, chunk=chunk)
+
+    def inputs_of(self, op: Action) -> tuple[Action, ...]:
+        """The compute ops whose results `op` consumes (its data dependencies).
+
+        F(m, s) needs F(m, s-1), and F(m, 0) needs P(m, 0) when there is a frozen part;
+        P needs nothing; B(m, s) needs B(m, s+1) (the loss on the last stage) and
+        F(m, s), and R(m, s) when recompute is on; W(m, s) needs B(m, s); R(m, s) needs
+        F(m, s). With sequence chunks, each of these is about the same chunk, and on
+        its stage F(m, c) also needs F(m, c-1) (the keys and values of the tokens before
+        it) and B(m, c) needs B(m, c+1) (which hands back their gradients).
+        """
+        mb, stage, pipe, chunk = op.mb, op.stage, op.pipeline, op.chunk
+        assert stage is not None
+        deps: list[Action] = []
+        if op.kind is Kind.F:
+            if stage > 0:
+                deps.append(Action(Kind.F, mb, stage - 1, pipe, chunk=chunk))
+            elif self.frozen is not None:
+                deps.append(Action(Kind.P, mb, 0, pipe))
+            if chunk:
+                deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk - 1))
+        elif op.kind is Kind.P:
+            pass
+        elif op.kind is Kind.B:
+            deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk))
+            if Kind.R in self.kinds:
+                deps.append(Action(Kind.R, mb, stage, pipe, chunk=chunk))
+            if stage + 1 < self.num_stages:
+                deps.append(Action(Kind.B, mb, stage + 1, pipe, chunk=chunk))
+            if chunk is not None and self.chunks is not None and chunk + 1 < self.chunks.count:
+                deps.append(Action(Kind.B, mb, stage, pipe, chunk=chunk + 1))
+        elif op.kind is Kind.W:
+            deps.append(Action(Kind.B, mb, stage, pipe, chunk=chunk))
+        elif op.kind is Kind.R:
+            deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk))
+        else:
+            raise InternalError(f"{op} is not a compute op")
+        return tuple(deps)
+
+    def dump(self) -> str:
+        """The text dump: one line per rank, actions as tokens (`Action.parse` reads each
+        token back)."""
+        width = len(str(self.num_ranks - 1))
+        return "\n".join(
+            f"rank {r:>{width}}: " + " ".join(a.text() for a in actions)
+            for r, actions in enumerate(self.ranks)
+        )
+
+    def to_json(self) -> str:
+        """The whole Program (comms included) as JSON, for the backends."""
+        doc = {
+            "format": "pipelang-program/1",
+            "name": self.name,
+            "source": self.source,
+            "params": dict(self.params),
+            "num_ranks": self.num_ranks,
+            "num_stages": self.num_stages,
+            "pipelines": [{"name": p.name, "placement": list(p.placement)} for p in self.pipelines],
+            "assignment": list(self.assignment),
+            "kinds": [k.value for k in self.kinds],
+            "after": [[d.earlier.text(), d.later.text()] for d in self.after],
+        }
+        if self.partition is not None:
+            doc["partition"] = list(self.partition)
+        if self.weights is not None:
+            doc["weights"] = self.weights.text()
+        if self.frozen is not None:
+            doc["frozen"] = list(self.frozen)
+        if self.shapes is not None:
+            doc["shapes"] = {
+                "samples": list(self.shapes.samples),
+                "lengths": list(self.shapes.lengths),
+                "reference": self.shapes.reference(self.costs),
+                "attention": self.costs.of("A"),
+            }
+        if self.chunks is not None:
+            doc["chunks"] = {
+                "count": self.chunks.count,
+                "split": self.chunks.split,
+                "attention": self.costs.of("A"),
+            }
+        # The ranks last, one a line, by json's C encoder (an indented dump is the
+        # pure-Python one: seconds at 10^5 actions).
+        ranks = ",\n  ".join(json.dumps([a.text() for a in actions]) for actions in self.ranks)
+        return json.dumps(doc, indent=1)[:-2] + f',\n "ranks": [\n  {ranks}\n ]\n}}'
+
+    @staticmethod
+    def from_json(text: str) -> Program:
+        """Read `to_json` back (source spans are not kept)."""
+        doc = json.loads(text)
+        if doc.get("format") != "pipelang-program/1":
+            raise ValueError("not a pipelang program (missing format pipelang-program/1)")
+        chunks, shapes = doc.get("chunks"), doc.get("shapes")
+        costs: list[tuple[str, int | None, float]] = []
+        for part in (chunks, shapes):
+            if part is not None:
+                costs.append(("A", None, float(part["attention"])))
+        if shapes is not None:
+            costs.append(("S", None, float(shapes["reference"])))
+        return Program(
+            name=doc["name"],
+            source=doc["source"],
+            params=tuple(doc["params"].items()),
+            num_ranks=doc["num_ranks"],
+            num_stages=doc["num_stages"],
+            pipelines=tuple(Pipeline(p["name"], tuple(p["placement"])) for p in doc["pipelines"]),
+            assignment=tuple(doc["assignment"]),
+            kinds=tuple(Kind(k) for k in doc["kinds"]),
+            ranks=tuple(tuple(Action.parse(t) for t in actions) for actions in doc["ranks"]),
+            after=tuple(Dependency(Action.parse(a), Action.parse(b)) for a, b in doc["after"]),
+            partition=tuple(doc["partition"]) if doc.get("partition") is not None else None,
+            weights=WeightPolicy.parse(doc["weights"]) if "weights" in doc else None,
+            frozen=tuple(doc["frozen"]) if doc.get("frozen") is not None else None,
+            costs=CostModel().merged(CostModel(tuple(costs))),
+            chunks=None if chunks is None else Chunks(chunks["count"], chunks["split"]),
+            shapes=None
+            if shapes is None
+            else BatchShapes(tuple(shapes["samples"]), tuple(shapes["lengths"])),
+        )
