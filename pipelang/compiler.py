@@ -1,21 +1,21 @@
 """The pass pipeline: source text in, a checked Program with comms and sync out.
 
-Every pass is a pure function from one `Compilation` to the next, in a module of its own
-under `pipelang/passes/`, and they run in the order of `PASSES`. The first two passes
+Every pass is a pure function from one `Compilation` to the next, `run` in a module of
+its own under `pipelang/passes/`, and they run in the order of `PASSES`. The first two passes
 work on the AST (binding parameters, expanding the orders into per-rank ops); from
 `build-dag` on, every pass reads and writes the IR `Program`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from pipelang.bulk import bulk
-from pipelang.diagnostics import InternalError, PipelangError
+from pipelang.diagnostics import InternalError
 from pipelang.evaluate import MAX_OPS
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ class Options:
 class Compilation:
     """Everything known about one schedule so far; each pass fills in one more field."""
 
-    file: ast.File
+    file: ast.File | None
+    """The parsed source; None for a Program made elsewhere (`check_program`)."""
     options: Options
     params: Mapping[str, int | bool] | None = None
     program: Program | None = None
@@ -73,101 +74,42 @@ class Compilation:
         from pipelang.simulate import simulate
 
         program = self.need_program()
-        if self.graph is None:
-            raise InternalError("simulating before `build-dag`")
         model = program.costs.merged(costs).for_kinds(program.kinds)
-        return simulate(program, self.graph, model, link)
+        return simulate(program, self.need_graph(), model, link)
+
+    def need_file(self) -> ast.File:
+        if self.file is None:
+            raise InternalError("a front-end pass ran on a Program made elsewhere")
+        return self.file
 
     def need_program(self) -> Program:
         if self.program is None:
             raise InternalError("a pass ran before `expand-orders`")
         return self.program
 
-
-Pass = Callable[[Compilation], Compilation]
-
-# Each pass imports its module when it runs, so that `pipelang --help`, `list` and
-# `explain` start ~10% sooner (benchmarks/RESULTS.md, "Lazy imports").
-
-
-def _resolve_params(c: Compilation) -> Compilation:
-    from pipelang.passes.resolve_params import resolve_params
-
-    return dataclasses.replace(c, params=resolve_params(c.file, c.options.params))
+    def need_graph(self) -> OpGraph:
+        if self.graph is None:
+            raise InternalError("a pass ran before `build-dag`")
+        return self.graph
 
 
-def _expand_orders(c: Compilation) -> Compilation:
-    from pipelang.passes.expand_orders import expand_orders
-
-    assert c.params is not None
-    options = c.options
-    program = expand_orders(c.file, c.params, options.max_ops, options.shapes, options.costs)
-    return dataclasses.replace(c, program=program)
-
-
-def _build_dag(c: Compilation) -> Compilation:
-    from pipelang.passes.build_dag import op_graph
-
-    return dataclasses.replace(c, graph=op_graph(c.need_program()))
-
-
-def _validate(c: Compilation) -> Compilation:
-    from pipelang.passes.validate import validate
-
-    assert c.graph is not None
-    diagnostics = validate(c.need_program(), c.graph, c.options.max_activations)
-    if diagnostics:
-        raise PipelangError(diagnostics)
-    return c
-
-
-def _insert_holds(c: Compilation) -> Compilation:
-    from pipelang.passes.insert_holds import insert_holds
-
-    assert c.graph is not None
-    program, graph = insert_holds(c.need_program(), c.graph)
-    return dataclasses.replace(c, program=program, graph=graph)
-
-
-def _insert_comms(c: Compilation) -> Compilation:
-    from pipelang.passes.insert_comms import insert_comms
-
-    assert c.graph is not None
-    return dataclasses.replace(c, program=insert_comms(c.need_program(), c.graph))
-
-
-def _insert_sync(c: Compilation) -> Compilation:
-    from pipelang.passes.insert_sync import insert_sync
-
-    return dataclasses.replace(c, program=insert_sync(c.need_program()))
-
-
-def _streams(c: Compilation) -> Compilation:
-    from pipelang.passes.streams import streams
-
-    return dataclasses.replace(c, streams=streams(c.need_program(), c.options.dp))
-
-
-def _check_streams(c: Compilation) -> Compilation:
-    from pipelang.passes.check_streams import check_streams
-
-    assert c.streams is not None
-    check_streams(c.streams)
-    return c
-
-
-PASSES: tuple[tuple[str, Pass], ...] = (
-    ("resolve-params", _resolve_params),
-    ("expand-orders", _expand_orders),
-    ("build-dag", _build_dag),
-    ("validate", _validate),
-    ("insert-holds", _insert_holds),
-    ("insert-comms", _insert_comms),
-    ("insert-sync", _insert_sync),
-    ("streams", _streams),
-    ("check-streams", _check_streams),
+PASSES = (
+    "resolve_params",
+    "expand_orders",
+    "build_dag",
+    "validate",
+    "insert_holds",
+    "insert_comms",
+    "insert_sync",
+    "streams",
+    "check_streams",
 )
-PASS_NAMES = tuple(name for name, _ in PASSES)
+"""The passes in order: each a module of `pipelang/passes/` whose `run(Compilation) ->
+Compilation` is the pass, named on the command line as the module with `-` for `_`
+(`--dump-after build-dag`). A pass's module is imported when it first runs, so that
+`pipelang --help`, `list` and `explain` start ~10% sooner (benchmarks/RESULTS.md, "Lazy
+imports")."""
+PASS_NAMES = tuple(module.replace("_", "-") for module in PASSES)
 SCHEDULE_DONE = "insert-holds"
 """The last pass that decides what each rank computes and when: the ops, the op graph
 and memory are final. What follows only lowers transfers and sync (it cannot fail on a
@@ -186,10 +128,20 @@ def run_passes(file: ast.File, options: Options, stop_after: str | None = None) 
 
     Raises `PipelangError` with every diagnostic of the first pass that finds any.
     """
-    c = Compilation(file, options)
-    stop_after = stop_after or PROGRAM_DONE
-    for name, run in PASSES:
-        c = run(c)
+    return _run(Compilation(file, options), PASS_NAMES[0], stop_after or PROGRAM_DONE)
+
+
+@bulk
+def check_program(program: Program, stop_after: str = "validate") -> Compilation:
+    """A compute-only Program made elsewhere (the order a traced run ran) through the
+    passes from `build-dag` on, up to `stop_after`, as `run_passes` would take it."""
+    return _run(Compilation(None, Options(), program=program), "build-dag", stop_after)
+
+
+def _run(c: Compilation, first: str, stop_after: str) -> Compilation:
+    start = PASS_NAMES.index(first)
+    for module, name in zip(PASSES[start:], PASS_NAMES[start:], strict=True):
+        c = importlib.import_module(f"pipelang.passes.{module}").run(c)
         if name == stop_after:
             break
     return c

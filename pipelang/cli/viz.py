@@ -23,8 +23,7 @@ from pipelang.cli.args import (
     schedule_name,
     write_output,
 )
-from pipelang.compiler import SCHEDULE_DONE, Compilation
-from pipelang.diagnostics import PipelangError
+from pipelang.compiler import SCHEDULE_DONE, Compilation, check_program
 from pipelang.ir import CostModel, Program
 from pipelang.simulate import Event, Timeline
 from pipelang.visualize import FORMATS, render
@@ -165,12 +164,7 @@ def _compile(sched: str, args: argparse.Namespace) -> Compilation:
 
 def _replay(program: Program, costs: CostModel) -> Timeline:
     """The order a run ran (the trace's, or SCHED's), simulated under `costs` alone."""
-    from pipelang.passes.build_dag import op_graph
-    from pipelang.passes.validate import validate
     from pipelang.simulate import simulate
 
-    graph = op_graph(program)
-    problems = validate(program, graph, None)
-    if problems:
-        raise PipelangError(problems)
-    return simulate(program, graph, costs.for_kinds(program.kinds))
+    checked = check_program(program)
+    return simulate(program, checked.need_graph(), costs.for_kinds(program.kinds))

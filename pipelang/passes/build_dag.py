@@ -37,16 +37,20 @@ networkx only the few ops of a deadlock, to find their cycle.)
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import networkx as nx
 
 from pipelang.diagnostics import InternalError
 from pipelang.ir import GRAPH_KINDS, Action, Kind, Program
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 Key = tuple[Kind, int | None, int | None, str | None, int | None]
 """An op's identity without its span: (kind, micro-batch, stage, pipeline, chunk)."""
@@ -320,3 +324,8 @@ def _after_edges(program: Program, index: Mapping[Key, int]) -> list[Edge]:
         if u is not None and v is not None:
             edges.append((u, v))
     return edges
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: the op graph of the compute ops, handed on to the later passes."""
+    return dataclasses.replace(c, graph=op_graph(c.need_program()))

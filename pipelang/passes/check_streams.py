@@ -30,10 +30,14 @@ import dataclasses
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pipelang.diagnostics import Diagnostic, Label, PipelangError
+from pipelang.diagnostics import Diagnostic, InternalError, Label, PipelangError
 from pipelang.ir import Kind
 from pipelang.streams import RECORD, WAIT, StreamProgram
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 Step = tuple[int, ...]
 """Ops that run together: one op, a send with its receive, or an allreduce's members."""
@@ -442,3 +446,11 @@ def _first_per_op(problems: list[Diagnostic]) -> list[Diagnostic]:
             seen.add(key)
             kept.append(d)
     return kept
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: the stream program proven free of races and deadlocks, or E05xx."""
+    if c.streams is None:
+        raise InternalError("check-streams before streams")
+    check_streams(c.streams)
+    return c

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pipelang import ast
-from pipelang.diagnostics import Label, fail
+from pipelang.diagnostics import InternalError, Label, fail
 from pipelang.evaluate import (
     BOOL,
     MAX_OPS,
@@ -52,6 +52,9 @@ from pipelang.orders import Layout
 from pipelang.orders.greedy import expand_greedy_order
 from pipelang.orders.rank import expand_rank_order
 from pipelang.orders.repeat import expand_repeat_order
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 DeclT = TypeVar("DeclT", bound=ast.Node)
 
@@ -635,3 +638,12 @@ def _after_op(call: ast.OpCall, scope: Scope, env: Env, layout: Layout) -> Actio
     stage = None if call.stage is None else compile_int(call.stage, scope)(env)
     chunk = None if call.chunk is None else compile_int(call.chunk, scope)(env)
     return layout.op(call, Kind(call.kind), mb, stage, None, chunk=chunk)
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: the Program, every rank's compute ops in order."""
+    if c.params is None:
+        raise InternalError("expand-orders before resolve-params")
+    options = c.options
+    program = expand_orders(c.need_file(), c.params, options.max_ops, options.shapes, options.costs)
+    return dataclasses.replace(c, program=program)

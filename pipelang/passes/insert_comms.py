@@ -31,10 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.build_dag import Message, OpGraph
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 
 def insert_comms(program: Program, graph: OpGraph) -> Program:
@@ -107,3 +111,8 @@ def _splice(
         pending.extend(after.get(step, ()))
     out.extend(pending)
     return tuple(out)
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: a send and a recv for every result that crosses ranks."""
+    return dataclasses.replace(c, program=insert_comms(c.need_program(), c.need_graph()))

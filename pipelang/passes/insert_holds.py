@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.build_dag import OpGraph, op_graph
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 
 def insert_holds(program: Program, graph: OpGraph) -> tuple[Program, OpGraph]:
@@ -88,3 +92,9 @@ def _splice(actions: tuple[Action, ...], holds: dict[int, list[Action]]) -> tupl
         out.append(action)
     out.extend(holds.get(len(actions), ()))
     return tuple(out)
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: the partners' holds of evicted activations (and the graph with them)."""
+    program, graph = insert_holds(c.need_program(), c.need_graph())
+    return dataclasses.replace(c, program=program, graph=graph)

@@ -26,11 +26,15 @@ import dataclasses
 import itertools
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
 from pipelang.diagnostics import InternalError
 from pipelang.ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Program
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 Copy = tuple[int, str]
 """A stage copy: (stage, pipeline)."""
@@ -168,3 +172,8 @@ def _acyclic(count: int, edges: list[tuple[int, int]]) -> bool:
             if indegree[v] == 0:
                 ready.append(v)
     return done == count
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: the replicas' allreduce and the optimizer step."""
+    return dataclasses.replace(c, program=insert_sync(c.need_program()))

@@ -11,8 +11,10 @@ problems at once (E0201 missing, E0202 unknown, E0203 wrong type, E0204 failed r
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from pipelang import ast
 from pipelang.diagnostics import Diagnostic, PipelangError
@@ -27,6 +29,9 @@ from pipelang.evaluate import (
     infer,
     nesting_limit,
 )
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
@@ -150,3 +155,8 @@ def _failed_require(decl: ast.Require, env: Env) -> Diagnostic:
         f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in env.items()
     )
     return Diagnostic("E0204", decl.message, decl.span, notes=(f"with {shown}",))
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: the parameters' values, bound from `-p` and the defaults."""
+    return dataclasses.replace(c, params=resolve_params(c.need_file(), c.options.params))

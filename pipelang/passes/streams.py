@@ -41,15 +41,20 @@ After (the first ops of rank 1; `pipelang compile 1f1b -p D=2 -p N=2 --dump-afte
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import fail
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.check_streams import Interleaving
 from pipelang.streams import RECORD, WAIT, Access, StreamOp, StreamProgram
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 
 def streams(program: Program, dp: int = 1) -> StreamProgram:
@@ -442,3 +447,8 @@ def _rewrite(
         if marks.get(i, "").startswith("new:"):
             out.append(StreamOp(op.rank, op.stream, RECORD, event(marks[i])))
     return out
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: the stream program (`--dp` copies of it in the world)."""
+    return dataclasses.replace(c, streams=streams(c.need_program(), c.options.dp))

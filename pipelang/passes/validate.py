@@ -30,15 +30,19 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipelang import memory
 from pipelang.deadlock import describe_cycle, find_cycle
-from pipelang.diagnostics import Diagnostic, Label, label, listing, merged
+from pipelang.diagnostics import Diagnostic, Label, PipelangError, label, listing, merged
 from pipelang.evictions import check_evictions
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
 from pipelang.passes.build_dag import Edge, Key, OpGraph, op_key
 from pipelang.source import Span
 from pipelang.weights import check_weights
+
+if TYPE_CHECKING:
+    from pipelang.compiler import Compilation
 
 
 def validate(program: Program, graph: OpGraph, max_activations: int | None) -> list[Diagnostic]:
@@ -471,3 +475,11 @@ def _too_many(
         help=f"start fewer forwards before the first backward on rank {rank}, "
         "or raise --max-activations",
     )
+
+
+def run(c: Compilation) -> Compilation:
+    """The pass: every diagnostic of the program at once, or the compilation unchanged."""
+    diagnostics = validate(c.need_program(), c.need_graph(), c.options.max_activations)
+    if diagnostics:
+        raise PipelangError(diagnostics)
+    return c
