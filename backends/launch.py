@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import Kind, Program
-from pipelang.lowered import read_lowered
+from pipelang.passes.validate.lowered import read_lowered
 
 if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--help`
     import torch

@@ -16,8 +16,9 @@ chunk's end (the cost model's `KV`, 0.12 by default). Backwards run last chunk f
 all of it is freed by the chunk's own backward. With micro-batches of different shapes
 (`lengths`), one holds its tokens over the reference micro-batch's (`BatchShapes.memory`).
 
-Everything that counts activations asks here: `simulate` (peak activations), `validate`
-(`--max-activations`, E0308), `evictions` (the partner's side, over time), the squeeze
+Everything that counts activations asks here: `simulate` (peak activations; with
+evictions over time, the partner's side too, `peak_over_time`), `validate`
+(`--max-activations`, E0308), the squeeze
 orders (their memory bound) and the planner (peak bytes).
 
     held([F0, F1, B0, F2, B1, B2])  ->  1 2 1 2 1 0
@@ -25,9 +26,14 @@ orders (their memory bound) and the planner (peak bytes).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from pipelang.ir import Action, CostModel, Kind, Program
+
+if TYPE_CHECKING:
+    from pipelang.simulate import Event
 
 
 def frees(program: Program) -> Kind:
@@ -137,3 +143,35 @@ def peak_bytes(
         total += delta * part * kept[stage]
         top = max(top, total)
     return top
+
+
+def peak_over_time(program: Program, events: Sequence[Event]) -> list[int] | None:
+    """Per rank, the most activations kept at once over a timeline of `program` in which
+    something is evicted; None when nothing is.
+
+    Along its own order a rank keeps a forward's activations from the start of its `F` to
+    the end of its `B`, except from the end of its `E` to the start of its `L`; the
+    partner keeps them from the end of the `E` to the end of the `L` (until they are back).
+    At one instant, what the partner hands back goes first, then the rank's own actions
+    in order, then what it receives. Without evictions this is the count along the
+    order, `peak`.
+    """
+    if len(events) == program.num_microbatches * program.num_stages * len(program.kinds):
+        return None  # a valid program with no stash actions (the usual case)
+    loads = {e.action[1:4]: e for e in events if e.action.kind is Kind.L}
+    changes: list[list[tuple[float, int, int, int]]] = [[] for _ in program.ranks]
+    evicted = False
+    for seq, event in enumerate(events):
+        kind, rows = event.action.kind, changes[event.rank]
+        delta = change(kind)
+        if delta:  # taken as the op starts, freed (or handed over) once it ends
+            rows.append((event.start if delta > 0 else event.end, 1, seq, delta))
+        if kind is Kind.E:
+            load, peer = loads.get(event.action[1:4]), event.action.peer
+            if load is not None and peer is not None and 0 <= peer < len(changes):
+                changes[peer].append((event.end, 2, seq, 1))
+                changes[peer].append((load.end, 0, seq, -1))
+                evicted = True
+    if not evicted:
+        return None
+    return [max(itertools.accumulate(d for *_, d in sorted(rows)), default=0) for rows in changes]

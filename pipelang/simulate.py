@@ -27,7 +27,6 @@ from typing import NamedTuple
 from pipelang import memory
 from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError, fail
-from pipelang.evictions import peak_activations as stash_peaks
 from pipelang.grid import op_labeler, render_rows
 from pipelang.ir import MAX_TIME, Action, CostModel, Kind, Program
 from pipelang.passes.build_dag import OpGraph
@@ -111,7 +110,7 @@ class Timeline:
     def peak_activations(self, rank: int) -> int | float:
         """The most forwards whose backward has not run yet, along `rank`'s order; with
         evictions, over time, less those evicted and plus those held for a partner
-        (`evictions.peak_activations`); with sequence chunks, in micro-batches, each
+        (`memory.peak_over_time`); with sequence chunks, in micro-batches, each
         chunk its share of the tokens (`memory.shares`)."""
         if self._stash_peaks is not None:
             return self._stash_peaks[rank]
@@ -123,7 +122,7 @@ class Timeline:
 
     @cached_property
     def _stash_peaks(self) -> list[int] | None:
-        return stash_peaks(self.program, self.events)
+        return memory.peak_over_time(self.program, self.events)
 
     def weight_copies(self, rank: int) -> int:
         """How many stage copies (weights) `rank` holds."""

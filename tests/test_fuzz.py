@@ -1,22 +1,18 @@
 """Random and mutated `.pipe` files: every run ends in success or a clean diagnostic.
 
-Hypothesis throws three kinds of input at the `check` path (every pass, or up to
-`expand-orders` while `pipelang/passes/validate.py` cannot be imported): token soup built
-from the grammar's words, raw bytes, and the standard-library and golden files with
-tokens and characters deleted, inserted, duplicated and swapped and numbers changed to
-0, -1 or something huge, and the shapes of hostile inputs (issue 16): numbers multiplied
-past 2^63, nested hundreds of brackets deep or chained into long sums, CRLF, CR and a
-BOM, and declarations that cannot take effect (a cost for a missing stage, an `after`
-naming an undeclared kind, a `let` a greedy order would shadow). Each run must either
-succeed or raise `PipelangError` whose diagnostics all carry a known code and render as
-`error[E....]`, within the deadline.
-Under `CI=true` the examples are derandomized and no database is kept, so a CI run is
-reproducible.
-"""
+Hypothesis throws three kinds of input at the compiler (every pass up to `insert-sync`):
+token soup built from the grammar's words, raw bytes, and the standard-library and
+golden files with tokens and characters deleted, inserted, duplicated and swapped and
+numbers changed to 0, -1 or something huge, and the shapes of hostile inputs (issue 16):
+numbers multiplied past 2^63, nested hundreds of brackets deep or chained into long
+sums, CRLF, CR and a BOM, and declarations that cannot take effect (a cost for a missing
+stage, an `after` naming an undeclared kind, a `let` a greedy order would shadow). Each
+run must either succeed or raise `PipelangError` whose diagnostics all carry a known
+code and render as `error[E....]`, within the deadline. Under `CI=true` the examples are
+derandomized and no database is kept, so a CI run is reproducible. """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -31,7 +27,6 @@ from hypothesis import strategies as st
 
 from pipelang import api
 from pipelang.codes import CODES
-from pipelang.compiler import PASS_NAMES
 from pipelang.diagnostics import PipelangError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,27 +63,8 @@ SETTINGS = settings(
 )
 
 
-def _stop_after() -> str | None:
-    """How far `check` can go: every pass, or only as far as the passes that import.
-
-    While the middle end is being written a pass may not import or run yet; the front end
-    is what this file tests, so it then stops at the last pass that compiles 1F1B.
-    """
-    try:
-        importlib.import_module("pipelang.passes.validate")
-    except ImportError:
-        return "expand-orders"
-    last = "expand-orders"
-    for name in PASS_NAMES[PASS_NAMES.index(last) + 1 :]:
-        try:
-            api.compile_schedule("1f1b", {}, stop_after=name)
-        except Exception:  # any failure here is another test's business
-            return last
-        last = name
-    return None
-
-
-STOP_AFTER = _stop_after()
+STOP_AFTER = "insert-sync"
+"""What `check` runs, and the lowering passes after it: every pass a Program goes through."""
 
 
 @pytest.fixture(scope="module")

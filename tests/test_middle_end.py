@@ -10,11 +10,11 @@ import pytest
 from pipelang import api
 from pipelang.compiler import Options, run_passes
 from pipelang.ir import Action, Kind, Program
-from pipelang.lowered import check_lowered
 from pipelang.passes import insert_comms as insert_comms_module
 from pipelang.passes.build_dag import build_dag, op_graph
 from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
+from pipelang.passes.validate.lowered import check_lowered
 from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_from_dump, with_comms
 
 # ---- build-dag -----------------------------------------------------------------------------

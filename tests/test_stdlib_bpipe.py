@@ -18,7 +18,7 @@ from pipelang import api
 from pipelang.cli.args import parse_cost
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
-from pipelang.lowered import check_lowered
+from pipelang.passes.validate.lowered import check_lowered
 from pipelang.simulate import Timeline
 from tests.helpers import replay
 

@@ -10,10 +10,10 @@ import pytest
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.grid import step_grid
 from pipelang.ir import Program
-from pipelang.lowered import check_lowered
 from pipelang.passes.build_dag import op_graph
 from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
+from pipelang.passes.validate.lowered import check_lowered
 from tests.helpers import chimera_4, gpipe, interleaved, one_f_one_b, program_from_dump, with_comms
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from pipelang.cli.args import UsageError, add_run_arguments, config_from_args, path
 from pipelang.diagnostics import PipelangError
-from pipelang.lowered import read_lowered
+from pipelang.passes.validate.lowered import read_lowered
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RunConfig

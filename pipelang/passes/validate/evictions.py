@@ -1,5 +1,5 @@
-"""Evicted activations (BPipe): the checks `validate` runs on `E` and `L` actions, and
-the memory they move, for the simulator.
+"""Evicted activations (BPipe): the checks `validate` runs on `E` and `L` actions (the
+memory they move over time is `memory.peak_over_time`).
 
 `E(i) -> rank p` sends the activations `F(i)` kept to rank p, and `L(i)` takes them back
 on the rank that evicted them. An eviction is well formed when, for its (micro-batch,
@@ -22,19 +22,17 @@ with exactly one `E` and one `L`, and the partner another rank of the schedule.
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pipelang import memory
 from pipelang.diagnostics import Diagnostic, Label, label, merged
 from pipelang.ir import Action, Kind, Program
 from pipelang.source import Span
 
 if TYPE_CHECKING:
-    from pipelang.simulate import Event
+    pass
 
 Key = tuple[int | None, int | None, str | None]
 """(micro-batch, stage, pipeline) of a forward's activations."""
@@ -255,35 +253,3 @@ def _collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
         )
         for (code, what, span), group in groups.items()
     ]
-
-
-def peak_activations(program: Program, events: Sequence[Event]) -> list[int] | None:
-    """Per rank, the most activations kept at once over a timeline of `program` in which
-    something is evicted; None when nothing is.
-
-    Along its own order a rank keeps a forward's activations from the start of its `F` to
-    the end of its `B`, except from the end of its `E` to the start of its `L`; the
-    partner keeps them from the end of the `E` to the end of the `L` (until they are back).
-    At one instant, what the partner hands back goes first, then the rank's own actions
-    in order, then what it receives. Without evictions this is the count along the
-    order, `memory.peak`.
-    """
-    if len(events) == program.num_microbatches * program.num_stages * len(program.kinds):
-        return None  # a valid program with no stash actions (the usual case)
-    loads = {e.action[1:4]: e for e in events if e.action.kind is Kind.L}
-    changes: list[list[tuple[float, int, int, int]]] = [[] for _ in program.ranks]
-    evicted = False
-    for seq, event in enumerate(events):
-        kind, rows = event.action.kind, changes[event.rank]
-        delta = memory.change(kind)
-        if delta:  # taken as the op starts, freed (or handed over) once it ends
-            rows.append((event.start if delta > 0 else event.end, 1, seq, delta))
-        if kind is Kind.E:
-            load, peer = loads.get(event.action[1:4]), event.action.peer
-            if load is not None and peer is not None and 0 <= peer < len(changes):
-                changes[peer].append((event.end, 2, seq, 1))
-                changes[peer].append((load.end, 0, seq, -1))
-                evicted = True
-    if not evicted:
-        return None
-    return [max(itertools.accumulate(d for *_, d in sorted(rows)), default=0) for rows in changes]

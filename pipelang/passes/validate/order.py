@@ -1,29 +1,12 @@
-"""Pass `validate`: every problem with the order, collected and reported at once.
+"""The listing and the order of a Program's ops: every op once, on its placement's rank,
+after the ops it needs on its own rank.
 
-Needs: the Program from `expand-orders` and its numbered DAG from `build-dag`.
-Guarantees: an empty list exactly when every required op runs once, on the rank its
-placement names, after the ops it needs on its own rank, with no deadlock, and (when a
-cap is given) no rank over the activation cap. Each diagnostic points at the action
-that caused it; they come sorted by position.
-
-Checks, by code: E0301 wrong rank (or an op the schedule does not have), E0302
-duplicate, E0303 missing, E0309 undeclared op kind, E0304 B before its F, E0305 W before
-its B or R outside F..B, E0317 a frozen forward `P` on a rank that does not hold the
-frozen part, E0318 a stage-0 F before its own P on one rank, E0320 a chunk's F before
-the F of the chunk before it or its B before the B of the chunk after it, E0306 deadlock, E0308 too
-many activations; evictions (`pipelang.evictions`): E0315 an `E`/`L` out of place, E0316
-a bad partner; weight versions (`pipelang.weights`): E0313 an update that cannot apply,
-E0314 more versions than declared. The deadlock check needs a sound graph, so it runs
-only when no op is missing, duplicated or misplaced and every eviction is loaded back in
-order; a same-rank order mistake is reported as E0304/E0305 and not again as a deadlock.
-The order in which a rank consumes what another rank sends does not matter:
-`insert-comms` receives in the sender's order (E0307 checks that of lowered programs).
-
-    rank 0: F0@0/main B0@0/main F1@0/main B1@0/main
-    rank 1: F1@1/main F0@1/main B0@1/main B1@1/main
-  =>
-    error[E0306]: the schedule deadlocks: 5 ops wait on each other in a cycle
-"""
+E0301 wrong rank (or an op the schedule does not have), E0302 duplicate, E0303 missing,
+E0309 undeclared op kind, E0304 B before its F, E0305 W before its B or R outside F..B,
+E0317 a frozen forward `P` on a rank that does not hold the frozen part, E0318 a stage-0
+F before its own P on one rank, E0320 a chunk's F before the F of the chunk before it or
+its B before the B of the chunk after it. Problems with one code and one span merge into
+one diagnostic (`collapse`)."""
 
 from __future__ import annotations
 
@@ -32,38 +15,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipelang import memory
-from pipelang.deadlock import describe_cycle, find_cycle
-from pipelang.diagnostics import Diagnostic, Label, PipelangError, label, listing, merged
-from pipelang.evictions import check_evictions
+from pipelang.diagnostics import Diagnostic, Label, label, listing, merged
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
 from pipelang.passes.build_dag import Edge, Key, OpGraph, op_key
 from pipelang.source import Span
-from pipelang.weights import check_weights
 
 if TYPE_CHECKING:
-    from pipelang.compiler import Compilation
-
-
-def validate(program: Program, graph: OpGraph, max_activations: int | None) -> list[Diagnostic]:
-    """Every problem in `program`'s order, sorted by position (see the module docstring).
-    `graph` is `program`'s (`build_dag.op_graph`)."""
-    if _listed_right(program, graph):
-        order_problems = _order_problems(graph)
-        found = _collapse(order_problems)
-    else:
-        census = _take_census(program)
-        order_problems = _order_problems_in(census)
-        found = _collapse([*census.problems, *order_problems]) + _missing(program, census)
-        found += check_evictions(program)  # a program with `E`/`L` is never listed right
-    if not any(d.code in ("E0301", "E0302", "E0303", "E0315", "E0317") for d in found):
-        cycle = find_cycle(graph, skip=_edges_of(graph, order_problems))
-        if cycle:
-            found.append(describe_cycle(program, graph, cycle))
-    if max_activations is not None:
-        found += _memory(program, max_activations)
-    found += check_weights(program)
-    return sorted(found, key=Diagnostic.sort_key)
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +61,7 @@ _MANY = {
 }
 
 
-def _collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
+def collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
     """One diagnostic per (code, span): a loop that makes many bad ops is one mistake."""
     groups: dict[tuple[str, Span | None, int], list[_Problem]] = defaultdict(list)
     for p in problems:
@@ -122,7 +80,7 @@ def _collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
     ]
 
 
-def _listed_right(program: Program, graph: OpGraph) -> bool:
+def listed_right(program: Program, graph: OpGraph) -> bool:
     """Whether every op the schedule needs is listed once, on the rank its placement
     names, and of a declared kind: what most programs are. It is checked over the
     numbered ops alone; the census, which walks every listing, runs only when it will
@@ -164,7 +122,7 @@ def _owners(
     return owner, dict(enumerate(program.assignment))
 
 
-def _take_census(program: Program) -> _Census:
+def take_census(program: Program) -> _Census:
     """E0301, E0302, E0309, for each compute action where it stands.
 
     An op listed on the wrong rank is reported as that alone, not also as a duplicate of
@@ -280,7 +238,7 @@ def _duplicate(first: tuple[int, int, Action], action: Action, rank: int, step: 
     )
 
 
-def _missing(program: Program, census: _Census) -> list[Diagnostic]:
+def missing(program: Program, census: _Census) -> list[Diagnostic]:
     """E0303, one diagnostic per rank that should run ops nobody lists (or lists only on
     the wrong rank)."""
     declared = _declared(program)
@@ -387,7 +345,7 @@ _ORDER_RULES = {
 """Keyed by (kind of the needed op, kind of the op that needs it)."""
 
 
-def _order_problems(graph: OpGraph) -> list[_Problem]:
+def order_problems(graph: OpGraph) -> list[_Problem]:
     """E0304, E0305: an op listed before an op of its own (micro-batch, stage) it needs:
     a `data` edge that points back up one rank's list. For a program that lists every
     op once, on its rank."""
@@ -399,7 +357,7 @@ def _order_problems(graph: OpGraph) -> list[_Problem]:
     ]  # (one micro-batch, stage and pipeline: its chunks too, in order)
 
 
-def _order_problems_in(census: _Census) -> list[_Problem]:
+def order_problems_in(census: _Census) -> list[_Problem]:
     """`_order_problems` for any program: between the occurrences on the right rank."""
     problems = []
     placed = census.placed
@@ -439,7 +397,7 @@ def _order_problem(needed: Action, needer: Action, rank: int) -> _Problem:
     )
 
 
-def _edges_of(graph: OpGraph, problems: list[_Problem]) -> frozenset[Edge]:
+def edges_of(graph: OpGraph, problems: list[_Problem]) -> frozenset[Edge]:
     """The graph edges of order problems: already reported, so not a deadlock too."""
     edges = set()
     for problem in problems:
@@ -448,38 +406,3 @@ def _edges_of(graph: OpGraph, problems: list[_Problem]) -> frozenset[Edge]:
             if u is not None and v is not None:
                 edges.add((u, v))
     return frozenset(edges)
-
-
-def _memory(program: Program, cap: int) -> list[Diagnostic]:
-    """E0308: per rank, the first op after which more than `cap` forwards await their B."""
-    diagnostics = []
-    share = memory.shares(program)
-    for rank, actions in enumerate(program.ranks):
-        for at, count in enumerate(memory.held(actions, share=share)):
-            if count > cap + 1e-9:
-                held = memory.holding(actions[: at + 1])
-                diagnostics.append(_too_many(rank, actions[at], count, held, cap))
-                break
-    return diagnostics
-
-
-def _too_many(
-    rank: int, action: Action, count: float, in_flight: list[Action], cap: int
-) -> Diagnostic:
-    return Diagnostic(
-        "E0308",
-        f"rank {rank} holds {round(count, 6):g} activations after `{action}`, more than the "
-        f"cap of {cap}",
-        action.span,
-        notes=(f"forwards whose backward has not run yet: {listing(in_flight)}",),
-        help=f"start fewer forwards before the first backward on rank {rank}, "
-        "or raise --max-activations",
-    )
-
-
-def run(c: Compilation) -> Compilation:
-    """The pass: every diagnostic of the program at once, or the compilation unchanged."""
-    diagnostics = validate(c.need_program(), c.need_graph(), c.options.max_activations)
-    if diagnostics:
-        raise PipelangError(diagnostics)
-    return c

@@ -1,0 +1,35 @@
+"""E0308: a rank that holds more activations than `--max-activations`, counted by the one
+rule for held activations (`pipelang.memory`)."""
+
+from __future__ import annotations
+
+from pipelang import memory
+from pipelang.diagnostics import Diagnostic, listing
+from pipelang.ir import Action, Program
+
+
+def check_memory(program: Program, cap: int) -> list[Diagnostic]:
+    """E0308: per rank, the first op after which more than `cap` forwards await their B."""
+    diagnostics = []
+    share = memory.shares(program)
+    for rank, actions in enumerate(program.ranks):
+        for at, count in enumerate(memory.held(actions, share=share)):
+            if count > cap + 1e-9:
+                held = memory.holding(actions[: at + 1])
+                diagnostics.append(_too_many(rank, actions[at], count, held, cap))
+                break
+    return diagnostics
+
+
+def _too_many(
+    rank: int, action: Action, count: float, in_flight: list[Action], cap: int
+) -> Diagnostic:
+    return Diagnostic(
+        "E0308",
+        f"rank {rank} holds {round(count, 6):g} activations after `{action}`, more than the "
+        f"cap of {cap}",
+        action.span,
+        notes=(f"forwards whose backward has not run yet: {listing(in_flight)}",),
+        help=f"start fewer forwards before the first backward on rank {rank}, "
+        "or raise --max-activations",
+    )
