@@ -38,8 +38,8 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from pipelang.backends.config import RunConfig
     from pipelang.backends.optim import Optimizer
-    from pipelang.backends.runtime import RunConfig
 
 __all__ = [
     "CheckpointError",

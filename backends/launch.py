@@ -33,9 +33,9 @@ if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--
     import torch
     from rich.console import Console
 
+    from pipelang.backends.config import RunConfig
     from pipelang.backends.models import Shapes
     from pipelang.backends.report import Outcome, StepProgress
-    from pipelang.backends.runtime import RunConfig
     from pipelang.streams import StreamProgram
 
 

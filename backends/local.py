@@ -17,10 +17,11 @@ from collections.abc import Callable
 import torch
 
 from pipelang.backends.codegen import render_rank_program
+from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
 from pipelang.backends.processes import RunFailure, action_labels, where
 from pipelang.backends.report import Outcome
-from pipelang.backends.runtime import RankResult, RunConfig
+from pipelang.backends.runtime import RankResult
 from pipelang.backends.transport import Aborted, LocalHub, LocalTransport, PeerFailure
 from pipelang.backends.worker import (
     PHASE_DONE,

@@ -28,9 +28,10 @@ from typing import Any
 import torch.distributed as dist
 
 from pipelang.backends.codegen import render_stream_rank, write_rank_programs
+from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
 from pipelang.backends.report import Outcome
-from pipelang.backends.runtime import RankResult, RunConfig
+from pipelang.backends.runtime import RankResult
 from pipelang.backends.worker import (
     PHASE_DONE,
     PHASE_FAILED,

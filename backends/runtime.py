@@ -37,7 +37,7 @@ import resource
 import time
 from collections.abc import Callable, MutableSequence, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any, TypeVar, cast
 
@@ -46,9 +46,9 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipelang.backends.checkpoint import Held, held_by_model, load
+from pipelang.backends.config import SGD_MOMENTUM, RunConfig
 from pipelang.backends.models import (
     LayeredModel,
-    ModelSpec,
     SequenceChunk,
     Shapes,
     plan_stages,
@@ -62,104 +62,6 @@ from pipelang.backends.versions import CopyVersions, installed
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.weights import weight_versions
-
-DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
-SGD_MOMENTUM = 0.9
-
-
-@dataclass(frozen=True, slots=True)
-class RunConfig:
-    """Everything a rank needs to know about a run besides the Program; picklable."""
-
-    model: str = "gpt:tiny"
-    backend: str = "gloo"
-    steps: int = 3
-    check: bool = False
-    optimizer: str = "adam"
-    lr: float | None = None
-    micro_batch_size: int = 4
-    seq_len: int | None = None
-    dtype: str = "float32"
-    timeout: float = 60.0
-    trace: str | None = None
-    seed: int = 0
-    debug: bool = False
-    partition: tuple[int, ...] | None = None
-    dp: int = 1
-    """Data-parallel copies of the whole pipeline (`--dp K`): K x ranks processes."""
-    count_activations: bool = False
-    """Count the bytes of saved activations per rank (always on with evictions)."""
-    graphs: bool = False
-    """`--graphs`: run the stream program, with optimizers a CUDA graph can capture."""
-    stream_seed: int = 0
-    """`--graphs` on the CPU: the executor's interleaving of step k is this seed + k."""
-    log: str | None = None
-    """`--log FILE`: one JSON line per step (step, loss, seconds, tokens, tokens/s)."""
-    data: str | None = None
-    """`--data FILE`: token ids to train on (backends/data.py); None: synthetic."""
-    save: str | None = None
-    """`--save DIR`: write checkpoints under DIR (backends/checkpoint.py)."""
-    save_every: int | None = None
-    """`--save-every K`: a checkpoint after every K steps (and after the last)."""
-    resume: str | None = None
-    """`--resume`: the checkpoint directory to start from (a `step-K`, found already)."""
-    first_step: int = 0
-    """The step the run starts at: 0, or the resumed checkpoint's step."""
-    mixed_precision: str | None = None
-    """`--mixed-precision bfloat16`: compute in that dtype, fp32 master weights (the
-    model spec's dtype is then the compute dtype; `dtype` stays float32)."""
-    clip_grad: float | None = None
-    """`--clip-grad MAX`: clip the gradients to this global norm (over all ranks)."""
-    predict_weights: bool = False
-    """`--predict-weights`: asynchronous schedules run each forward on weights predicted
-    for the update its gradient meets (XPipe; backends/versions.py)."""
-    batch_shapes: tuple[tuple[int, int], ...] | None = None
-    """(samples, length) of each micro-batch when the schedule's differ (`for_program`)."""
-    frozen_layers: int | None = None
-    """`--frozen-layers K`: the model's first K layers are the frozen part that a
-    schedule's `P` ops run (default 1 for a schedule with a `frozen` line; see
-    `for_program`)."""
-
-    @property
-    def spec(self) -> ModelSpec:
-        dtype = self.mixed_precision or self.dtype  # what the stages compute in
-        size = self.micro_batch_size
-        frozen = self.frozen_layers or 0
-        shapes = self.batch_shapes
-        return ModelSpec(
-            self.model, self.seq_len, size, dtype, self.seed, self.data, frozen, shapes
-        )
-
-    def for_program(self, program: Program) -> RunConfig:
-        """This config completed by the schedule: its `partition` line unless
-        `--partition` is given, one frozen layer for a schedule with a `frozen` line
-        unless `--frozen-layers` is given, and its micro-batches' shapes where they
-        differ (the largest samples and length then size the buffers, and the length the
-        model's positions unless `--seq-len` is given)."""
-        config = self
-        if config.partition is None and program.partition is not None:
-            config = replace(config, partition=program.partition)
-        if config.frozen_layers is None and program.frozen is not None:
-            config = replace(config, frozen_layers=1)
-        shapes = program.shapes
-        if shapes is not None and config.batch_shapes is None:
-            config = replace(
-                config,
-                batch_shapes=tuple(zip(shapes.samples, shapes.lengths, strict=True)),
-                micro_batch_size=max(shapes.samples),
-                seq_len=config.seq_len or max(shapes.lengths),
-            )
-        return config
-
-    @property
-    def run_steps(self) -> int:
-        """How many steps this run trains: `--steps` counts from step 0, not from a
-        resumed checkpoint's step."""
-        return self.steps - self.first_step
-
-    @property
-    def learning_rate(self) -> float:
-        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
 
 
 def make_optimizer(params: Sequence[nn.Parameter], config: RunConfig) -> Optimizer:

@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 
+from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
-from pipelang.backends.runtime import RankResult, RankRuntime, RunConfig, StageCopy, _action
+from pipelang.backends.runtime import RankResult, RankRuntime, StageCopy, _action
 from pipelang.backends.transport import DistTransport, PeerFailure, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program

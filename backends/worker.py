@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from pipelang.backends.codegen import load_iteration, render_rank_program
+from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
-from pipelang.backends.runtime import RankResult, RankRuntime, RunConfig
+from pipelang.backends.runtime import RankResult, RankRuntime
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program

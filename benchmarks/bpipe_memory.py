@@ -10,9 +10,9 @@ table ("BPipe evictions (CPU)").
 from __future__ import annotations
 
 from pipelang.api import compile_schedule
+from pipelang.backends.config import RunConfig
 from pipelang.backends.models import plan_stages
 from pipelang.backends.processes import launch
-from pipelang.backends.runtime import RunConfig
 from pipelang.simulate import CostModel, simulate
 
 

@@ -36,10 +36,10 @@ from datetime import UTC, datetime
 import torch
 
 from pipelang.api import load_program
+from pipelang.backends.config import RunConfig
 from pipelang.backends.local import local_device, run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.reference import train_reference
-from pipelang.backends.runtime import RunConfig
 from pipelang.ir import COMPUTE_KINDS, Program
 from pipelang.memory import frees, peak
 

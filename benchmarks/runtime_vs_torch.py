@@ -70,8 +70,8 @@ import pipelang
 from pipelang.api import load_program
 from pipelang.backends import optim as pipelang_optim
 from pipelang.backends.codegen import render_rank_program, render_stream_rank
+from pipelang.backends.config import DEFAULT_LR, SGD_MOMENTUM, RunConfig
 from pipelang.backends.models import GPTConfig, LayeredModel, ModelSpec, gpt_layers
-from pipelang.backends.runtime import DEFAULT_LR, SGD_MOMENTUM, RunConfig
 from pipelang.backends.stream_runtime import StreamRankRuntime
 from pipelang.backends.transport import DistTransport
 from pipelang.backends.worker import build_rank, lower_streams, run_step

@@ -22,9 +22,9 @@ import argparse
 
 from pipelang import memory
 from pipelang.api import compile_schedule
+from pipelang.backends.config import RunConfig
 from pipelang.backends.models import plan_stages
 from pipelang.backends.processes import launch
-from pipelang.backends.runtime import RunConfig
 from pipelang.ir import KV_SHARE, CostModel
 from pipelang.planner.profile import ProfileOptions, measure
 from pipelang.simulate import Timeline, simulate

@@ -31,8 +31,9 @@ import torch
 
 from pipelang.api import load_program
 from pipelang.backends.async_reference import train_async_reference
+from pipelang.backends.config import RunConfig
 from pipelang.backends.reference import Reference
-from pipelang.backends.runtime import RunConfig, full_model_names
+from pipelang.backends.runtime import full_model_names
 
 CASES = ("pipedream", "pipedream-2bw")
 D, N = 4, 8

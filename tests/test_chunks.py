@@ -248,9 +248,9 @@ def test_saved_bytes_are_what_the_memory_count_says(C: int, one_torch_thread: No
     within 10% of the simulator's: its count of held micro-batches, a chunk its tokens
     plus the keys and values it saves again (`KV`), times each stage's bytes as
     `pipelang profile` measures them. Without `KV` the count is 20-28% short at C = 4."""
+    from pipelang.backends.config import RunConfig
     from pipelang.backends.local import run_local
     from pipelang.backends.models import plan_stages
-    from pipelang.backends.runtime import RunConfig
     from pipelang.planner.profile import ProfileOptions, measure
 
     config = RunConfig(backend="local", steps=1, count_activations=True)
@@ -269,7 +269,8 @@ def test_chunked_gradients_equal_the_whole_sequences(monkeypatch: pytest.MonkeyP
     """One rank, float64: the chunks' forwards over cached keys and values and their
     backwards in reverse give the gradient of the model on the whole sequence."""
     from pipelang.backends import models
-    from pipelang.backends.runtime import RankRuntime, RunConfig
+    from pipelang.backends.config import RunConfig
+    from pipelang.backends.runtime import RankRuntime
 
     monkeypatch.setitem(models.DTYPES, "float64", torch.float64)
     program = stdlib("seq1f1b", D=1, N=1, C=3)

@@ -9,7 +9,7 @@ sums, CRLF, CR and a BOM, and declarations that cannot take effect (a cost for a
 stage, an `after` naming an undeclared kind, a `let` a greedy order would shadow). Each
 run must either succeed or raise `PipelangError` whose diagnostics all carry a known
 code and render as `error[E....]`, within the deadline. Under `CI=true` the examples are
-derandomized and no database is kept, so a CI run is reproducible. """
+derandomized and no database is kept, so a CI run is reproducible."""
 
 from __future__ import annotations
 

@@ -20,9 +20,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipelang.api import load_program
+from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
 from pipelang.backends.models import ModelSpec, plan_stages
-from pipelang.backends.runtime import RankRuntime, RunConfig
+from pipelang.backends.runtime import RankRuntime
 from pipelang.planner.profile import LayerCost, Profile
 from pipelang.planner.search import Inputs, Planner
 from pipelang.planner.topology import Link, Topology

@@ -25,10 +25,11 @@ from runtime_helpers import host_op, run, stdlib, with_comms
 
 from pipelang import memory
 from pipelang.backends import codegen
+from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
-from pipelang.backends.runtime import RankRuntime, RunConfig
+from pipelang.backends.runtime import RankRuntime
 from pipelang.ir import Action, Kind, Program
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,11 +28,11 @@ from torch import nn
 
 from pipelang.api import load_program
 from pipelang.backends.async_reference import train_async_reference
+from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.reference import compare, train_reference
 from pipelang.backends.report import Outcome
-from pipelang.backends.runtime import RunConfig
 from pipelang.ir import Program, WeightPolicy
 from pipelang.weights import weight_versions
 

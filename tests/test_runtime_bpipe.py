@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 from runtime_helpers import run, stdlib
 
+from pipelang.backends.config import RunConfig
 from pipelang.backends.launch import RunError, preflight
 from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
-from pipelang.backends.runtime import RunConfig
 from pipelang.ir import Kind, Program
 from pipelang.simulate import CostModel
 from tests.helpers import replay

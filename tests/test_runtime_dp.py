@@ -21,9 +21,10 @@ from runtime_helpers import host_op, run, stdlib
 from torch import nn
 
 from pipelang.backends import codegen, runtime
+from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
-from pipelang.backends.runtime import RankRuntime, RunConfig
+from pipelang.backends.runtime import RankRuntime
 
 SCHEDULES = {
     "1f1b-D2-N2": ("1f1b", {"D": 2, "N": 2}),

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pipelang import api
+from pipelang.backends.config import RunConfig
 from pipelang.backends.models import plan_stages
-from pipelang.backends.runtime import RunConfig
 from pipelang.backends.stream_executor import StreamExecutor, slot_bytes
 from pipelang.compiler import Options, run_passes
 from pipelang.streams import StreamProgram

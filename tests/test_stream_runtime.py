@@ -12,7 +12,7 @@ import json
 import pytest
 
 from pipelang.backends.codegen import load_iteration, render_stream_rank
-from pipelang.backends.runtime import RunConfig
+from pipelang.backends.config import RunConfig
 from pipelang.backends.worker import lower_streams, render, runs_streams
 from pipelang.cli import main
 from tests.runtime_helpers import run, stdlib

@@ -7,6 +7,7 @@ a run's configuration is built (`config_from_args`), not for `--help`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -14,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelang import api
-from pipelang.backends import BACKENDS, DTYPES, OPTIMIZERS
+from pipelang.backends import DTYPES
+from pipelang.backends.config import MAX_STEPS, Option, RunConfig
 from pipelang.compiler import Compilation
 from pipelang.evaluate import MAX_OPS
 from pipelang.ir import COMPUTE_KINDS, COST_KINDS, CostModel, Program, cost_problem
 from pipelang.readers import ReadError, read_number_rows, whole_number
 
 if TYPE_CHECKING:
-    from pipelang.backends.runtime import RunConfig
     from pipelang.streams import StreamProgram
 
 
@@ -42,7 +43,6 @@ def at_least_zero(text: str) -> int:
     return _whole_number(text, 0)
 
 
-MAX_STEPS = 10**9
 """The most training steps one `run` takes."""
 
 
@@ -340,179 +340,64 @@ def data_slot_bytes(
     return [sum(slot_bytes(streams, r, shapes).values()) for r in range(streams.ranks)]
 
 
+READERS: dict[str, Any] = {
+    "int": int,
+    "positive": positive,
+    "positive_number": positive_number,
+    "seconds": seconds,
+    "steps": lambda text: _whole_number(text, 1, MAX_STEPS),
+    "layer_counts": layer_counts,
+    "path": path,
+    "data_file": data_file,
+}
+"""How the text of each kind of run option is read (`config.Option.parse`)."""
+
+
+def _run_options() -> list[tuple[str, Any, Option]]:
+    """(name, default, option) of every RunConfig field the command line gives."""
+    return [
+        (f.name, f.default, f.metadata["option"])
+        for f in dataclasses.fields(RunConfig)
+        if "option" in f.metadata
+    ]
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `pipelang run`, also read by a generated rank program (the global
-    --debug is the CLI's)."""
+    --debug is the CLI's): the model's, then one per RunConfig field with an `option`."""
     add_model_arguments(parser, default_model="gpt:tiny")
-    parser.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="gloo",
-        help="gloo: a CPU process per rank; nccl: a GPU per rank (both run each rank's "
-        "stream program, `compile --dump-after streams`, receives posted early); local: "
-        "every rank a thread of this process, running its action list (default gloo)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=lambda text: _whole_number(text, 1, MAX_STEPS),
-        default=3,
-        help=f"training steps (default 3, at most {MAX_STEPS:,})",
-    )
-    parser.add_argument(
-        "--dp",
-        type=positive,
-        default=1,
-        metavar="K",
-        help="data parallelism: K copies of the whole pipeline, K x ranks processes, each "
-        "copy on its own N micro-batches of a K x N step, gradients averaged over the "
-        "copies (default 1)",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="compare weights and losses with single-process training",
-    )
-    parser.add_argument(
-        "--graphs",
-        action="store_true",
-        help="graph mode, with capturable optimizers: with nccl, each rank's stream "
-        "program is captured as one CUDA graph after 3 eager steps and replayed (not yet "
-        "run on a GPU); over gloo it runs as without --graphs (a CPU has nothing to "
-        "capture); with --backend local on a machine without CUDA, every rank's stream "
-        "program runs on the CPU executor, streams interleaved as --stream-seed picks, "
-        "dead slots NaN",
-    )
-    parser.add_argument(
-        "--stream-seed",
-        type=int,
-        default=0,
-        metavar="S",
-        help="with --graphs on the CPU: the interleaving of step k is seed S + k (default 0)",
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default="adam",
-        help="adam, or sgd with momentum 0.9 (default adam)",
-    )
-    parser.add_argument(
-        "--lr", type=positive_number, help="learning rate (default 0.05 sgd, 3e-3 adam)"
-    )
-    parser.add_argument(
-        "--mixed-precision",
-        choices=["bfloat16"],
-        help="compute in bfloat16 (parameters, activations, messages) with fp32 master "
-        "weights, optimizer state, gradient sums and allreduces; --dtype is the other "
-        "mode, everything in one dtype, and stays float32 with this",
-    )
-    parser.add_argument(
-        "--clip-grad",
-        type=positive_number,
-        metavar="MAX",
-        help="clip the gradients to global norm MAX before each step, the norm taken over "
-        "every stage of every rank, as torch.nn.utils.clip_grad_norm_ does in one process",
-    )
-    parser.add_argument(
-        "--predict-weights",
-        action="store_true",
-        help="asynchronous schedules with stashed versions (pipedream, pipedream-2bw): run "
-        "each forward on the weights predicted for the update its gradient meets, the "
-        "newest moved by the last update once per update in between (XPipe)",
-    )
-    parser.add_argument(
-        "--partition",
-        type=layer_counts,
-        metavar="L0,L1,...",
-        help="layers per stage (default: as even as possible); with a frozen part, of "
-        "the layers after it",
-    )
-    parser.add_argument(
-        "--frozen-layers",
-        type=positive,
-        metavar="K",
-        help="for a schedule with a `frozen` line: the model's first K layers are its "
-        "frozen part, run without gradients by the `P` ops and never updated (default 1, "
-        "the embedding of a built-in model)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=seconds,
-        default=60.0,
-        metavar="SECONDS",
-        help="stop every rank if one fails or none moves for this long (default 60)",
-    )
-    parser.add_argument(
-        "--trace",
-        type=path,
-        metavar="OUT.json",
-        help="write every action's real start and end as a Chrome trace",
-    )
-    parser.add_argument(
-        "--log",
-        type=path,
-        metavar="FILE.jsonl",
-        help="write one JSON line per step: step, loss, seconds, tokens, tokens_per_s",
-    )
-    parser.add_argument(
-        "--data",
-        type=data_file,
-        metavar="FILE",
-        help="train on this file's tokens instead of synthetic data: a .npy of integer "
-        "ids, a .bin of uint16 ids, or any other file as bytes (ids 0-255); each step's "
-        "windows are drawn at offsets seeded by --seed, the same as the --check reference",
-    )
-    parser.add_argument(
-        "--save",
-        type=path,
-        metavar="DIR",
-        help="write a checkpoint (torch.distributed.checkpoint) of parameters and optimizer "
-        "state to DIR/step-K after the last step K, and every --save-every steps",
-    )
-    parser.add_argument(
-        "--save-every",
-        type=positive,
-        metavar="K",
-        help="with --save: also checkpoint after every K steps",
-    )
-    parser.add_argument(
-        "--resume",
-        type=path,
-        metavar="DIR",
-        help="start from a checkpoint: DIR/step-K as --save wrote it, or the latest one "
-        "under DIR; --steps still counts from step 0, so a step-3 checkpoint with --steps 6 "
-        "runs 3 more steps. Any schedule over the same model loads it",
-    )
+    for name, default, option in _run_options():
+        flag = "--" + name.replace("_", "-")
+        if not option.parse and not option.choices:
+            parser.add_argument(flag, action="store_true", help=option.help)
+            continue
+        parser.add_argument(
+            flag,
+            type=READERS[option.parse] if option.parse else str,
+            default=default,
+            metavar=option.metavar,
+            choices=option.choices,
+            help=option.help,
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig that the options of `add_run_arguments` describe."""
-    from pipelang.backends.runtime import RunConfig
-
+    """The RunConfig that the options of `add_run_arguments` describe; a UsageError for
+    options that cannot work together."""
+    given = {name: getattr(args, name) for name, _, _ in _run_options()}
+    if args.log is not None:
+        writable(args.log)
+    for name in ("trace", "log", "save", "resume"):
+        if given[name] is not None:
+            given[name] = str(given[name])
     return RunConfig(
         model=args.model,
-        backend=args.backend,
-        steps=args.steps,
-        check=args.check,
-        optimizer=args.optimizer,
-        lr=args.lr,
         micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len,
         dtype=args.dtype,
-        timeout=args.timeout,
-        trace=str(args.trace) if args.trace else None,
         seed=args.seed,
         debug=bool(getattr(args, "debug", False)),
-        partition=args.partition,
-        dp=args.dp,
-        graphs=args.graphs,
-        stream_seed=args.stream_seed,
-        log=str(writable(args.log)) if args.log else None,
-        data=args.data,
-        mixed_precision=_mixed_precision(args),
-        clip_grad=args.clip_grad,
-        predict_weights=args.predict_weights,
-        frozen_layers=args.frozen_layers,
-        **_checkpoint_options(args),
+        **given | {"mixed_precision": _mixed_precision(args)} | _checkpoint_options(args),
     )
 
 

@@ -13,7 +13,7 @@ from pipelang.diagnostics import PipelangError
 from pipelang.passes.validate.lowered import read_lowered
 
 if TYPE_CHECKING:
-    from pipelang.backends.runtime import RunConfig
+    from pipelang.backends.config import RunConfig
 
 
 def rank_file_main(rank: int, file: str) -> int:

@@ -444,8 +444,8 @@ def _step_ms(
     measurements."""
     import torch
 
+    from pipelang.backends.config import SGD_MOMENTUM
     from pipelang.backends.optim import SGD, Adam
-    from pipelang.backends.runtime import SGD_MOMENTUM
 
     if not params:
         return 0.0

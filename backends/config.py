@@ -1,0 +1,225 @@
+"""A run's configuration, `RunConfig`: every option of `pipelang run` in one place.
+
+Each field that `pipelang run` (and a generated rank file) takes from its command line
+says so here, with its help text and how its value is read (`Option`); the CLI builds the
+options from these fields (`cli/args.py`, `add_run_arguments`) and the config back from
+them (`config_from_args`), so a new option is one field. The model's own options
+(`--model`, `--micro-batch-size`, `--seq-len`, `--dtype`, `--seed`) are shared with
+`profile` and `simulate --model` and are the CLI's `add_model_arguments`. Nothing here
+imports torch, so that `--help` starts at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from pipelang.backends import BACKENDS, OPTIMIZERS
+
+if TYPE_CHECKING:
+    from pipelang.backends.models import ModelSpec
+    from pipelang.ir import Program
+
+DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
+SGD_MOMENTUM = 0.9
+MAX_STEPS = 10**9
+"""The most training steps a run takes (a bound on what a command line can ask for)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """How the command line gives a field: its help, how the text is read (`parse`: a
+    reader the CLI names, `cli/args.py`'s `READERS`; "" for a flag), and its metavar and
+    choices."""
+
+    help: str
+    parse: str = ""
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+
+def option(default: Any, help: str, parse: str = "", **kwargs: Any) -> Any:
+    """A RunConfig field that `pipelang run` takes as `--NAME` (the field's name, `_` as
+    `-`)."""
+    return field(default=default, metadata={"option": Option(help, parse, **kwargs)})
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """Everything a rank needs to know about a run besides the Program; picklable. The
+    fields with an `option` are `pipelang run`'s command line, in its `--help` order."""
+
+    model: str = "gpt:tiny"
+    backend: str = option(
+        "gloo",
+        "gloo: a CPU process per rank; nccl: a GPU per rank (both run each rank's "
+        "stream program, `compile --dump-after streams`, receives posted early); local: "
+        "every rank a thread of this process, running its action list (default gloo)",
+        choices=BACKENDS,
+    )
+    steps: int = option(3, f"training steps (default 3, at most {MAX_STEPS:,})", "steps")
+    dp: int = option(
+        1,
+        "data parallelism: K copies of the whole pipeline, K x ranks processes, each "
+        "copy on its own N micro-batches of a K x N step, gradients averaged over the "
+        "copies (default 1)",
+        "positive",
+        metavar="K",
+    )
+    check: bool = option(False, "compare weights and losses with single-process training")
+    graphs: bool = option(
+        False,
+        "graph mode, with capturable optimizers: with nccl, each rank's stream "
+        "program is captured as one CUDA graph after 3 eager steps and replayed (not yet "
+        "run on a GPU); over gloo it runs as without --graphs (a CPU has nothing to "
+        "capture); with --backend local on a machine without CUDA, every rank's stream "
+        "program runs on the CPU executor, streams interleaved as --stream-seed picks, "
+        "dead slots NaN",
+    )
+    stream_seed: int = option(
+        0,
+        "with --graphs on the CPU: the interleaving of step k is seed S + k (default 0)",
+        "int",
+        metavar="S",
+    )
+    optimizer: str = option(
+        "adam", "adam, or sgd with momentum 0.9 (default adam)", choices=OPTIMIZERS
+    )
+    lr: float | None = option(
+        None, "learning rate (default 0.05 sgd, 3e-3 adam)", "positive_number"
+    )
+    mixed_precision: str | None = option(
+        None,
+        "compute in bfloat16 (parameters, activations, messages) with fp32 master "
+        "weights, optimizer state, gradient sums and allreduces; --dtype is the other "
+        "mode, everything in one dtype, and stays float32 with this",
+        choices=("bfloat16",),
+    )
+    """The model spec's dtype is then the compute dtype; `dtype` stays float32."""
+    clip_grad: float | None = option(
+        None,
+        "clip the gradients to global norm MAX before each step, the norm taken over "
+        "every stage of every rank, as torch.nn.utils.clip_grad_norm_ does in one process",
+        "positive_number",
+        metavar="MAX",
+    )
+    predict_weights: bool = option(
+        False,
+        "asynchronous schedules with stashed versions (pipedream, pipedream-2bw): run "
+        "each forward on the weights predicted for the update its gradient meets, the "
+        "newest moved by the last update once per update in between (XPipe)",
+    )
+    partition: tuple[int, ...] | None = option(
+        None,
+        "layers per stage (default: as even as possible); with a frozen part, of "
+        "the layers after it",
+        "layer_counts",
+        metavar="L0,L1,...",
+    )
+    frozen_layers: int | None = option(
+        None,
+        "for a schedule with a `frozen` line: the model's first K layers are its "
+        "frozen part, run without gradients by the `P` ops and never updated (default 1, "
+        "the embedding of a built-in model)",
+        "positive",
+        metavar="K",
+    )
+    timeout: float = option(
+        60.0,
+        "stop every rank if one fails or none moves for this long (default 60)",
+        "seconds",
+        metavar="SECONDS",
+    )
+    trace: str | None = option(
+        None,
+        "write every action's real start and end as a Chrome trace",
+        "path",
+        metavar="OUT.json",
+    )
+    log: str | None = option(
+        None,
+        "write one JSON line per step: step, loss, seconds, tokens, tokens_per_s",
+        "path",
+        metavar="FILE.jsonl",
+    )
+    data: str | None = option(
+        None,
+        "train on this file's tokens instead of synthetic data: a .npy of integer "
+        "ids, a .bin of uint16 ids, or any other file as bytes (ids 0-255); each step's "
+        "windows are drawn at offsets seeded by --seed, the same as the --check reference",
+        "data_file",
+        metavar="FILE",
+    )
+    save: str | None = option(
+        None,
+        "write a checkpoint (torch.distributed.checkpoint) of parameters and optimizer "
+        "state to DIR/step-K after the last step K, and every --save-every steps",
+        "path",
+        metavar="DIR",
+    )
+    save_every: int | None = option(
+        None, "with --save: also checkpoint after every K steps", "positive", metavar="K"
+    )
+    resume: str | None = option(
+        None,
+        "start from a checkpoint: DIR/step-K as --save wrote it, or the latest one "
+        "under DIR; --steps still counts from step 0, so a step-3 checkpoint with --steps 6 "
+        "runs 3 more steps. Any schedule over the same model loads it",
+        "path",
+        metavar="DIR",
+    )
+    """The checkpoint directory to start from (a `step-K`, found already)."""
+    micro_batch_size: int = 4
+    seq_len: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    debug: bool = False
+    count_activations: bool = False
+    """Count the bytes of saved activations per rank (always on with evictions)."""
+    first_step: int = 0
+    """The step the run starts at: 0, or the resumed checkpoint's step."""
+    batch_shapes: tuple[tuple[int, int], ...] | None = None
+    """(samples, length) of each micro-batch when the schedule's differ (`for_program`)."""
+
+    @property
+    def spec(self) -> ModelSpec:
+        from pipelang.backends.models import ModelSpec
+
+        dtype = self.mixed_precision or self.dtype  # what the stages compute in
+        size = self.micro_batch_size
+        frozen = self.frozen_layers or 0
+        shapes = self.batch_shapes
+        return ModelSpec(
+            self.model, self.seq_len, size, dtype, self.seed, self.data, frozen, shapes
+        )
+
+    def for_program(self, program: Program) -> RunConfig:
+        """This config completed by the schedule: its `partition` line unless
+        `--partition` is given, one frozen layer for a schedule with a `frozen` line
+        unless `--frozen-layers` is given, and its micro-batches' shapes where they
+        differ (the largest samples and length then size the buffers, and the length the
+        model's positions unless `--seq-len` is given)."""
+        config = self
+        if config.partition is None and program.partition is not None:
+            config = replace(config, partition=program.partition)
+        if config.frozen_layers is None and program.frozen is not None:
+            config = replace(config, frozen_layers=1)
+        shapes = program.shapes
+        if shapes is not None and config.batch_shapes is None:
+            config = replace(
+                config,
+                batch_shapes=tuple(zip(shapes.samples, shapes.lengths, strict=True)),
+                micro_batch_size=max(shapes.samples),
+                seq_len=config.seq_len or max(shapes.lengths),
+            )
+        return config
+
+    @property
+    def run_steps(self) -> int:
+        """How many steps this run trains: `--steps` counts from step 0, not from a
+        resumed checkpoint's step."""
+        return self.steps - self.first_step
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
