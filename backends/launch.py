@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import PipelangError
+from pipelang.features import refusal
 from pipelang.ir import Kind, Program
 from pipelang.passes.validate.lowered import read_lowered
 
@@ -111,13 +112,6 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
 
     Returns the shape of every stage's output (the receive buffers' shapes).
     """
-    if program.weights is not None and config.dp > 1:
-        raise RunError(
-            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`), and "
-            "the runtime cannot run an asynchronous schedule with --dp yet: each stage "
-            "copy updates on its own at every `U`, and the data-parallel copies would "
-            "need their gradients summed before each update; run it without --dp"
-        )
     if config.frozen_layers and program.frozen is None:
         raise RunError(
             f"--frozen-layers {config.frozen_layers}: `{program.name}` has no frozen part "
@@ -134,33 +128,22 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             f"--seq-len {config.seq_len}: `{program.name}` has micro-batches of "
             f"{max(shapes.lengths)} tokens; give at least that, or leave --seq-len out"
         )
-    refusal = eviction_refusal(program, config) or chunks_refusal(program, config)
-    if refusal is not None:
-        raise RunError(refusal)
-    if config.mixed_precision and program.weights is not None:
-        raise RunError(
-            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): its "
-            "weight versions are not kept as fp32 masters yet; run it with --dtype instead "
-            "of --mixed-precision"
-        )
-    if config.clip_grad is not None and program.weights is not None:
-        raise RunError(
-            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): each "
-            "stage updates on its own at its `U`, so there is no one step at which to take "
-            "the global gradient norm; run it without --clip-grad"
-        )
+    refused = eviction_refusal(program, config) or chunks_refusal(program, config)
+    for consumer, used in (
+        ("--dp", config.dp > 1),
+        ("--mixed-precision", config.mixed_precision),
+        ("--clip-grad", config.clip_grad is not None),
+        ("checkpoints", config.save or config.resume),
+    ):
+        refused = refused or (refusal(program, consumer) if used else None)
+    if refused is not None:
+        raise RunError(refused)
     if config.predict_weights and (program.weights is None or not program.weights.stashes):
         policy = "synchronous" if program.weights is None else "`weights latest`"
         raise RunError(
             f"--predict-weights: `{program.name}` is {policy}; weight prediction is for "
             "asynchronous schedules that stash versions (`weights stash` or `weights K`: "
             "pipedream, pipedream-2bw), where a forward's weights are known to be stale"
-        )
-    if (config.save or config.resume) and program.weights is not None:
-        raise RunError(
-            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`): its "
-            "ranks hold several versions of their weights, which checkpoints do not save "
-            "yet; run it without --save and --resume"
         )
     if config.resume is not None:
         from pipelang.backends.checkpoint import CheckpointError, verify
@@ -226,26 +209,12 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
 def eviction_refusal(program: Program, config: RunConfig) -> str | None:
     """Why the runtime cannot run `program`'s evictions (`E`, `H`, `L`) with `config`;
     None when it has none or they can run: on the CPU (gloo, local), without `R`."""
-    evicts = program.first_eviction()
-    if evicts is None:
+    if program.first_eviction() is None:
         return None
     import torch
 
     cuda = config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available())
-    if cuda:
-        return (
-            f"`{program.name}` evicts activations to partner ranks (`{evicts}`), and "
-            "evictions have run only on the CPU so far (gloo, or local without a GPU); "
-            "the CUDA path is untested, so it is refused rather than trusted; see "
-            "docs/runtime.md"
-        )
-    if Kind.R in program.kinds:
-        return (
-            f"`{program.name}` evicts activations (`{evicts}`) and recomputes forwards "
-            "(`R`): a forward that will be recomputed saves nothing to evict, and the "
-            "runtime does not move a recomputed forward's input yet"
-        )
-    return None
+    return (cuda and refusal(program, "a GPU")) or refusal(program, "the runtime's evictions")
 
 
 def chunks_refusal(program: Program, config: RunConfig) -> str | None:
@@ -253,21 +222,14 @@ def chunks_refusal(program: Program, config: RunConfig) -> str | None:
     if program.chunks is None:
         return None
     count = program.chunks.count
-    if program.shapes is not None:
-        return (
-            f"`{program.name}` has sequence chunks and micro-batches of different lengths: "
-            "the runtime cannot run the two together yet"
-        )
+    refused = refusal(program, "the runtime's chunks")
+    if refused is not None:
+        return refused
     if not config.model.startswith("gpt:"):
         return (
             f"`{program.name}` splits micro-batches into {count} sequence chunks, which the "
             "runtime runs on the built-in GPT (`--model gpt:SIZE`), whose attention reads "
             f"the keys and values of earlier chunks; `--model {config.model}` cannot yet"
-        )
-    if Kind.R in program.kinds:
-        return (
-            f"`{program.name}` splits micro-batches into sequence chunks and recomputes "
-            "(`R`): the runtime cannot recompute a chunk over its cached keys and values yet"
         )
     from pipelang.backends.models import GPT_SIZES
 

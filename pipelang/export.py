@@ -6,6 +6,7 @@ import csv
 import io
 import json
 
+from pipelang.features import refusal
 from pipelang.ir import Action, Kind, Program
 
 
@@ -67,38 +68,9 @@ def to_torch_csv(program: Program) -> str:
     becomes `I` when the schedule splits off `W`, and a B with its W fused to it (`BW`)
     is `B`. An overlapped pair `F3@0/main &B0@7/main` is the cell `(0F3;7B0)OVERLAP_F_B`.
     """
-    if len(program.pipelines) != 1:
-        raise ExportError(
-            f"torch's CSV format holds one pipeline; `{program.name}` has "
-            f"{len(program.pipelines)} (torch has no replicas or directions)"
-        )
-    if Kind.R in program.kinds:
-        raise ExportError("torch's CSV format has no recompute op `R`")
-    if program.weights is not None:
-        raise ExportError(
-            f"torch's CSV format has no weight update; `{program.name}` is asynchronous "
-            f"(`weights {program.weights.text()}`) and updates its stages with `U`"
-        )
-    if program.frozen is not None:
-        raise ExportError(
-            f"torch's CSV format has no frozen (forward-only) work; `{program.name}` runs "
-            "a frozen part with `P`"
-        )
-    if program.chunks is not None:
-        raise ExportError(
-            f"torch's CSV format has no sequence chunks; `{program.name}` splits every "
-            f"micro-batch into {program.chunks.count} (`chunks`)"
-        )
-    if program.shapes is not None:
-        raise ExportError(
-            f"torch's CSV format has one micro-batch shape; `{program.name}` gives each "
-            "micro-batch its own (`lengths`, `sizes` or --lengths)"
-        )
-    evicts = next((a for acts in program.ranks for a in acts if a.kind is Kind.E), None)
-    if evicts is not None:
-        raise ExportError(
-            f"torch's CSV format cannot evict activations to another rank (`{evicts}`)"
-        )
+    refused = refusal(program, "torch-csv")
+    if refused is not None:
+        raise ExportError(refused)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for actions in program.ranks:

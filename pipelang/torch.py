@@ -18,7 +18,8 @@ receives on one process group per directed rank pair), and sums each stage's gra
 over its replicas (and copies). The gradients are those of the mean of the micro-batch
 losses over the whole batch of every copy, as torch's schedules give with
 `scale_grads=True`: after `opt.step()` the parameters equal single-process training on
-the whole batch. Asynchronous schedules and evicted activations are refused.
+the whole batch. What it cannot run yet (asynchronous schedules, frozen work, chunks,
+shapes, evictions) it refuses by `features.refusal`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipelang.backends.transport import DistTransport, Handle, reduce_ranks
 from pipelang.diagnostics import fail
+from pipelang.features import refusal
 from pipelang.ir import Action, Kind
 from pipelang.schedule import Schedule
 
@@ -52,37 +54,9 @@ class PipelineSchedule:
         timeout: float = 300.0,
     ) -> None:
         program = schedule.program
-        if program.weights is not None:
-            raise fail(
-                "usage",
-                f"`{program.name}` is asynchronous; PipelineSchedule runs "
-                "synchronous schedules only",
-            )
-        if program.frozen is not None:
-            raise fail(
-                "usage",
-                f"`{program.name}` runs a frozen part (`P`); PipelineSchedule does not "
-                "run frozen work yet (`pipelang run` does)",
-            )
-        if program.chunks is not None:
-            raise fail(
-                "usage",
-                f"`{program.name}` splits micro-batches into sequence chunks; "
-                "PipelineSchedule does not run chunks yet (`pipelang run` does, on its GPT)",
-            )
-        if program.shapes is not None:
-            raise fail(
-                "usage",
-                f"`{program.name}` gives its micro-batches different shapes; "
-                "PipelineSchedule splits a batch into equal ones (`pipelang run` runs shapes)",
-            )
-        evicts = program.first_eviction()
-        if evicts is not None:
-            raise fail(
-                "usage",
-                f"`{program.name}` evicts activations (`{evicts}`); "
-                "PipelineSchedule does not move them yet",
-            )
+        refused = refusal(program, "PipelineSchedule")
+        if refused is not None:
+            raise fail("usage", refused)
         if not dist.is_initialized():
             raise fail(
                 "usage",

@@ -326,3 +326,45 @@ def test_a_memory_cap_of_zero_is_a_bad_command_line(tmp_path: Path) -> None:
         [*args, "--micro-batches", "4", "-o", str(tmp_path / "o.pipe"), "--max-memory", "0"]
     )
     assert status == 2 and "--max-memory" in err
+
+
+# ---- one table of features against consumers --------------------------------------------
+
+FEATURED = {
+    "pipelines": ("chimera", {}),
+    "recompute": ("chimera-fwd-double", {}),
+    "weights": ("pipedream", {}),
+    "frozen": ("diffusionpipe", {}),
+    "chunks": ("seq1f1b", {}),
+    "evictions": ("bpipe", {}),
+}
+
+
+@pytest.mark.parametrize("feature", [*FEATURED, "shapes"])
+def test_every_refusal_comes_from_the_feature_table(feature: str, tmp_path: Path) -> None:
+    """Each feature is found where a schedule uses it (`features.USES`), and every
+    consumer that cannot run it says so with the table's words (the CLI's torch CSV
+    export among them); 1F1B, which uses none, is refused by nobody."""
+    from pipelang.features import REFUSED, USES, refusal
+
+    if feature == "shapes":
+        program = pipelang.api.compile_schedule(
+            "1f1b", {"D": "2", "N": "2"}, shapes=((1, 16), (1, 32))
+        ).need_program()
+        (tmp_path / "l.txt").write_text("16\n32\n")
+        cli = ["export", "1f1b", "-p", "D=2", "-p", "N=2", "--lengths", str(tmp_path / "l.txt")]
+    else:
+        name, params = FEATURED[feature]
+        program = pipelang.load(name, **params).program
+        cli = ["export", name]
+    assert USES[feature](program) is not None
+    alone = all(USES[other](program) is None for other in USES if other != feature)
+    plain = pipelang.load("1f1b").program
+    for consumer, refused in REFUSED.items():
+        assert refusal(plain, consumer) is None
+        if alone:
+            found = refusal(program, consumer)
+            assert (found is not None and found.endswith(refused[feature])) == (feature in refused)
+    if alone:
+        status, _, err = run_in_process([*cli, "--format", "torch-csv"])
+        assert status == 2 and REFUSED["torch-csv"][feature] in err
