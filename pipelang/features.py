@@ -56,9 +56,11 @@ USES: dict[str, Callable[[Program], str | None]] = {
     "weights": _async,
     "frozen": lambda p: None if p.frozen is None else "runs a frozen part with `P`",
     "chunks": _chunks,
-    "shapes": lambda p: None
-    if p.shapes is None
-    else "gives each micro-batch its own shape (`lengths`, `sizes` or --lengths)",
+    "shapes": lambda p: (
+        None
+        if p.shapes is None
+        else "gives each micro-batch its own shape (`lengths`, `sizes` or --lengths)"
+    ),
     "evictions": _evictions,
 }
 """Each feature: how a program uses it, in words, or None when it does not."""
@@ -110,10 +112,8 @@ REFUSED: dict[str, dict[str, str]] = {
         "runtime does not move a recomputed forward's input yet",
     },
     "the runtime's chunks": {
-        "shapes": "it has sequence chunks too, and the runtime cannot run the two "
-        "together yet",
-        "recompute": "the runtime cannot recompute a chunk over its cached keys and values "
-        "yet",
+        "shapes": "it has sequence chunks too, and the runtime cannot run the two together yet",
+        "recompute": "the runtime cannot recompute a chunk over its cached keys and values yet",
     },
 }
 """Per consumer, the features it cannot run and why."""

@@ -23,8 +23,8 @@ form that `Action.parse` reads back; IR dumps, golden files and error grids use 
                             `main`: it makes version 3 (asynchronous schedules only)
 
 The package: `action.py` (op kinds, `Action` and its text form), `costs.py` (the cost
-model, chunks, shapes, and the one rule for a cost entry), `program.py` (`Program` and
-its placement).
+model, chunks, shapes, and the one rule for a cost entry), `deps.py` (the dependency
+rule: which op waits for which), `program.py` (`Program` and its placement).
 """
 
 from pipelang.ir.action import (

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pipelang.diagnostics import InternalError
+from pipelang.ir import deps
 from pipelang.ir.action import STASH_KINDS, Action, Kind
 from pipelang.ir.costs import BatchShapes, Chunks, CostModel
 from pipelang.source import Span
@@ -174,42 +175,20 @@ class Program:
                         yield Action(kind, mb, stage, pipe, chunk=chunk)
 
     def inputs_of(self, op: Action) -> tuple[Action, ...]:
-        """The compute ops whose results `op` consumes (its data dependencies).
-
-        F(m, s) needs F(m, s-1), and F(m, 0) needs P(m, 0) when there is a frozen part;
-        P needs nothing; B(m, s) needs B(m, s+1) (the loss on the last stage) and
-        F(m, s), and R(m, s) when recompute is on; W(m, s) needs B(m, s); R(m, s) needs
-        F(m, s). With sequence chunks, each of these is about the same chunk, and on
-        its stage F(m, c) also needs F(m, c-1) (the keys and values of the tokens before
-        it) and B(m, c) needs B(m, c+1) (which hands back their gradients).
-        """
-        mb, stage, pipe, chunk = op.mb, op.stage, op.pipeline, op.chunk
-        assert stage is not None
-        deps: list[Action] = []
-        if op.kind is Kind.F:
-            if stage > 0:
-                deps.append(Action(Kind.F, mb, stage - 1, pipe, chunk=chunk))
-            elif self.frozen is not None:
-                deps.append(Action(Kind.P, mb, 0, pipe))
-            if chunk:
-                deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk - 1))
-        elif op.kind is Kind.P:
-            pass
-        elif op.kind is Kind.B:
-            deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk))
-            if Kind.R in self.kinds:
-                deps.append(Action(Kind.R, mb, stage, pipe, chunk=chunk))
-            if stage + 1 < self.num_stages:
-                deps.append(Action(Kind.B, mb, stage + 1, pipe, chunk=chunk))
-            if chunk is not None and self.chunks is not None and chunk + 1 < self.chunks.count:
-                deps.append(Action(Kind.B, mb, stage, pipe, chunk=chunk + 1))
-        elif op.kind is Kind.W:
-            deps.append(Action(Kind.B, mb, stage, pipe, chunk=chunk))
-        elif op.kind is Kind.R:
-            deps.append(Action(Kind.F, mb, stage, pipe, chunk=chunk))
-        else:
+        """The compute ops whose results `op` consumes (its data dependencies): the
+        dependency rule (`deps.inputs`), the ops this program has."""
+        if not op.kind.is_compute or op.stage is None:
             raise InternalError(f"{op} is not a compute op")
-        return tuple(deps)
+        chunks = None if self.chunks is None else self.chunks.count
+        found = deps.inputs(
+            op.kind, op.mb, op.stage, op.pipeline, op.chunk, self.num_stages, chunks
+        )
+        frozen = self.frozen is not None
+        return tuple(
+            Action(kind, mb, stage, pipe, chunk=chunk)
+            for kind, mb, stage, pipe, chunk in found
+            if kind in self.kinds or (frozen and kind is Kind.P)
+        )
 
     def dump(self) -> str:
         """The text dump: one line per rank, actions as tokens (`Action.parse` reads each

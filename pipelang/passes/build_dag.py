@@ -47,21 +47,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import networkx as nx
 
 from pipelang.diagnostics import InternalError
-from pipelang.ir import GRAPH_KINDS, Action, Kind, Program
+from pipelang.ir import GRAPH_KINDS, Action, Program, deps
+from pipelang.ir.deps import Key, op_key
 
 if TYPE_CHECKING:
     from pipelang.compiler import Compilation
 
-Key = tuple[Kind, int | None, int | None, str | None, int | None]
-"""An op's identity without its span: (kind, micro-batch, stage, pipeline, chunk)."""
-
 Edge = tuple[int, int]
 """(u, v) by op number: u must end before v starts."""
-
-
-def op_key(action: Action) -> Key:
-    """The identity of a compute op, cheap to hash."""
-    return (action.kind, action.mb, action.stage, action.pipeline, action.chunk)
 
 
 class Message(NamedTuple):
@@ -258,58 +251,18 @@ def op_graph(program: Program) -> OpGraph:
 
 
 def _data_edges(index: Mapping[Key, int], num_stages: int, chunks: int | None) -> list[Edge]:
-    """`Program.inputs_of` by key, with R counted wherever it is listed (an absent op has
-    no edges anyway); inlined, since it runs once per op of large schedules. `chunks`
-    is the number of sequence chunks (None: micro-batches are not split)."""
+    """The dependency rule (`deps.inputs`) between the listed ops, by number; `chunks` is
+    the number of sequence chunks (None: micro-batches are not split)."""
     edges: list[Edge] = []
-    get, add = index.get, edges.append
-    f, b, w, p = Kind.F, Kind.B, Kind.W, Kind.P
-    last = None if chunks is None else chunks - 1
+    get, add, inputs = index.get, edges.append, deps.inputs
     for (kind, mb, stage, pipe, c), v in index.items():
         if stage is None:
-            raise InternalError(f"compute op without a stage: {kind.value}{mb}")
-        if kind is f:
-            inputs: tuple[Key, ...] = (
-                (f, mb, stage - 1, pipe, c) if stage else (p, mb, 0, pipe, None),
-            )
-            if c:
-                inputs += ((f, mb, stage, pipe, c - 1),)
-        elif kind is b:
-            inputs = (
-                (f, mb, stage, pipe, c),
-                (Kind.R, mb, stage, pipe, c),
-                (Kind.L, mb, stage, pipe, c),
-            )
-            if stage + 1 < num_stages:
-                inputs += ((b, mb, stage + 1, pipe, c),)
-            if c is not None and c != last:
-                inputs += ((b, mb, stage, pipe, c + 1),)
-        elif kind is w:
-            inputs = ((b, mb, stage, pipe, c),)
-        else:
-            inputs = _more_inputs(kind, mb, stage, pipe, c)
-        for key in inputs:
+            raise InternalError(f"op without a stage: {kind.value}{mb}")
+        for key in inputs(kind, mb, stage, pipe, c, num_stages, chunks):
             u = get(key)
             if u is not None:
                 add((u, v))
     return edges
-
-
-def _more_inputs(
-    kind: Kind, mb: int | None, stage: int, pipe: str | None, c: int | None
-) -> tuple[Key, ...]:
-    """The inputs of R, P and of the stash kinds: R(m,s) needs F(m,s), and L(m,s) if the
-    activations were evicted; P needs nothing; E(m,s) needs F(m,s); the partner's H(m,s)
-    needs E(m,s); L(m,s) needs E(m,s) and H(m,s)."""
-    if kind is Kind.P:
-        return ()
-    if kind is Kind.E:
-        return ((Kind.F, mb, stage, pipe, c),)
-    if kind is Kind.H:
-        return ((Kind.E, mb, stage, pipe, c),)
-    if kind is Kind.L:
-        return ((Kind.E, mb, stage, pipe, c), (Kind.H, mb, stage, pipe, c))
-    return ((Kind.F, mb, stage, pipe, c), (Kind.L, mb, stage, pipe, c))
 
 
 def _compound_edges(data: list[Edge], heads: list[int]) -> list[Edge]:
