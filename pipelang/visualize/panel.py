@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipelang.ir import Action, Kind
+from pipelang.ir import Action, Kind, deps
 from pipelang.simulate import Event, Timeline
 from pipelang.visualize.style import ALL_KINDS
 
@@ -104,33 +104,21 @@ def cost_note(timeline: Timeline) -> str:
 
 
 def transfers(timeline: Timeline) -> Iterator[Transfer]:
-    """Every result an op takes from another rank, with when it was made and used.
-
-    Only forwards, backwards and frozen forwards feed another stage or rank
-    (`Program.inputs_of`): F(m, s) needs F(m, s-1) (F(m, 0) needs P(m, 0)) and B(m, s)
-    needs B(m, s+1); the other inputs (F for B, B for W, F for R, R
-    for B) come from the same stage, so from the same rank.
-    """
-    ends = {}
+    """Every result an op takes from another rank, with when it was made and used: its
+    inputs by the dependency rule (`deps.inputs`) that ran on another rank."""
+    ends = {deps.op_key(e.action): e for e in timeline.events}
+    program = timeline.program
+    chunks = None if program.chunks is None else program.chunks.count
     for e in timeline.events:
         a = e.action
-        ends[(a.kind, a.mb, a.stage, a.pipeline, a.chunk)] = e
-    last = timeline.program.num_stages - 1
-    for e in timeline.events:
-        a = e.action
-        if a.kind is Kind.F:  # stage 0's input is the frozen part's output, if any
-            key = (
-                (Kind.F, a.mb, a.stage - 1, a.pipeline, a.chunk)
-                if a.stage
-                else (Kind.P, a.mb, 0, a.pipeline, None)
-            )
-        elif a.kind is Kind.B and a.stage is not None and a.stage < last:
-            key = (Kind.B, a.mb, a.stage + 1, a.pipeline, a.chunk)
-        else:
+        if a.stage is None or not a.kind.is_compute:
             continue
-        source = ends.get(key)
-        if source is not None and source.rank != e.rank:
-            yield Transfer(source.rank, e.rank, source.end, e.start, source.action)
+        for key in deps.inputs(
+            a.kind, a.mb, a.stage, a.pipeline, a.chunk, program.num_stages, chunks
+        ):
+            source = ends.get(key)
+            if source is not None and source.rank != e.rank:
+                yield Transfer(source.rank, e.rank, source.end, e.start, source.action)
 
 
 def bands(events: Sequence[Event]) -> list[tuple[int, int]]:
