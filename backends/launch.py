@@ -152,9 +152,26 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             verify(config)
         except CheckpointError as err:
             raise RunError(str(err)) from None
-    import torch
-
     from pipelang.backends.models import plan_stages
+
+    _check_world(program, config)
+    plan = plan_stages(config.spec, program.num_stages, config.partition)
+    if plan.ties and program.weights is not None:
+        raise RunError(
+            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`) and "
+            f"{config.model} ties weights across stages, whose copies are kept equal at "
+            "`step`, which an asynchronous schedule does not have; untie them or use a "
+            "synchronous schedule"
+        )
+    for rank in range(program.num_ranks):
+        _check_rank(program, rank)
+    return plan.shapes
+
+
+def _check_world(program: Program, config: RunConfig) -> None:
+    """The processes the run needs are there: a GPU per rank for nccl, and under torchrun
+    WORLD_SIZE = --dp x the program's ranks; raises WorldError."""
+    import torch
 
     world = program.num_ranks * config.dp
     ranks = f"{program.num_ranks} ranks"
@@ -172,38 +189,32 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             f"torchrun started {os.environ['WORLD_SIZE']} processes but the run needs "
             f"{ranks}; WORLD_SIZE must be --dp x the program's ranks"
         )
-    plan = plan_stages(config.spec, program.num_stages, config.partition)
-    if plan.ties and program.weights is not None:
+
+
+def _check_rank(program: Program, rank: int) -> None:
+    """`rank`'s list is one the runtime can run: one copy of a stage, a `step` (in a
+    synchronous schedule), and an allreduce for each replicated stage; raises RunError."""
+    copies = program.stage_copies(rank)
+    twice = [s for s, n in Counter(s for s, _ in copies).items() if n > 1]
+    if twice:
         raise RunError(
-            f"`{program.name}` is asynchronous (`weights {program.weights.text()}`) and "
-            f"{config.model} ties weights across stages, whose copies are kept equal at "
-            "`step`, which an asynchronous schedule does not have; untie them or use a "
-            "synchronous schedule"
+            f"rank {rank} holds two copies of stage {twice[0]}; the runtime needs "
+            "the replicas of a stage on different ranks"
         )
-    shapes = plan.shapes
-    for rank in range(program.num_ranks):
-        copies = program.stage_copies(rank)
-        twice = [s for s, n in Counter(s for s, _ in copies).items() if n > 1]
-        if twice:
+    kinds = {a.kind for a in program.ranks[rank]}
+    if copies and Kind.STEP not in kinds and program.weights is None:
+        raise RunError(
+            f"rank {rank}'s program has no `step`; run a fully compiled program "
+            "(the insert-sync pass adds the optimizer step)"
+        )
+    reduced = {(a.stage, a.pipeline) for a in program.ranks[rank] if a.kind is Kind.ALLREDUCE}
+    for stage, pipe in copies:
+        if len(set(program.replicas(stage))) > 1 and (stage, pipe) not in reduced:
             raise RunError(
-                f"rank {rank} holds two copies of stage {twice[0]}; the runtime needs "
-                "the replicas of a stage on different ranks"
+                f"stage {stage} has replicas on ranks {program.replicas(stage)} but "
+                f"rank {rank} never runs `allreduce@{stage}/{pipe}`; the replicas "
+                "would drift apart"
             )
-        kinds = {a.kind for a in program.ranks[rank]}
-        if copies and Kind.STEP not in kinds and program.weights is None:
-            raise RunError(
-                f"rank {rank}'s program has no `step`; run a fully compiled program "
-                "(the insert-sync pass adds the optimizer step)"
-            )
-        reduced = {(a.stage, a.pipeline) for a in program.ranks[rank] if a.kind is Kind.ALLREDUCE}
-        for stage, pipe in copies:
-            if len(set(program.replicas(stage))) > 1 and (stage, pipe) not in reduced:
-                raise RunError(
-                    f"stage {stage} has replicas on ranks {program.replicas(stage)} but "
-                    f"rank {rank} never runs `allreduce@{stage}/{pipe}`; the replicas "
-                    "would drift apart"
-                )
-    return shapes
 
 
 def eviction_refusal(program: Program, config: RunConfig) -> str | None:

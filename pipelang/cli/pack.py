@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -22,6 +23,9 @@ from pipelang.cli.args import (
 )
 from pipelang.ir import CostModel
 from pipelang.readers import read_number_rows
+
+if TYPE_CHECKING:
+    from pipelang.pack import Packing
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 """Sequences per micro-batch the fixed-size baselines try."""
@@ -90,7 +94,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelang.pack import best_of, fixed_batches, pack, packed_sequences, with_reference
+    from pipelang.pack import pack, with_reference
 
     params = parse_params(args.params)
     if "N" in params:
@@ -112,39 +116,60 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise UsageError(f"pack: {err}") from None
+    baselines = _baselines(args, lengths, params, costs, started, budget)
+    Console(highlight=False).print(_table(args, lengths, best, baselines))
+    if args.out:
+        write_output(args.out, best.lines())
+        print(
+            f"wrote {args.out}: {len(best.shapes)} micro-batches; run them with "
+            f"-p N={len(best.shapes)} --lengths {args.out}"
+        )
+    else:
+        print(best.lines(), end="")
+    return 0
+
+
+def _baselines(
+    args: argparse.Namespace,
+    lengths: list[int],
+    params: dict[str, str],
+    costs: CostModel,
+    started: float,
+    budget: float,
+) -> dict[str, Packing | None]:
+    """The best of each kind of packing a user would try first, each by its share of the
+    time budget (pack had 70% of it)."""
+    from pipelang.pack import best_of, fixed_batches, packed_sequences
+
     longest = max(lengths)
-    baselines = {
-        "fixed-size batches": best_of(
-            lengths,
-            args.sched,
-            params,
-            costs,
-            args.max_tokens,
-            [fixed_batches(lengths, k) for k in SIZES],
-            args.max_ops,
-            started + 0.8 * budget,
-        ),
-        "sorted fixed-size batches": best_of(
-            lengths,
-            args.sched,
-            params,
-            costs,
-            args.max_tokens,
-            [fixed_batches(sorted(lengths, reverse=True), k) for k in SIZES],
-            args.max_ops,
-            started + 0.9 * budget,
-        ),
-        "packed sequences": best_of(
-            lengths,
-            args.sched,
-            params,
-            costs,
-            args.max_tokens,
-            [packed_sequences(lengths, n) for n in (longest, 2 * longest)],
-            args.max_ops,
-            started + budget,
-        ),
+    candidates = {
+        "fixed-size batches": [fixed_batches(lengths, k) for k in SIZES],
+        "sorted fixed-size batches": [
+            fixed_batches(sorted(lengths, reverse=True), k) for k in SIZES
+        ],
+        "packed sequences": [packed_sequences(lengths, n) for n in (longest, 2 * longest)],
     }
+    return {
+        name: best_of(
+            lengths,
+            args.sched,
+            params,
+            costs,
+            args.max_tokens,
+            shapes,
+            args.max_ops,
+            started + share * budget,
+        )
+        for (name, shapes), share in zip(candidates.items(), (0.8, 0.9, 1.0), strict=True)
+    }
+
+
+def _table(
+    args: argparse.Namespace,
+    lengths: list[int],
+    best: Packing,
+    baselines: dict[str, Packing | None],
+) -> Table:
     table = Table(
         title=f"{len(lengths)} sequences, {sum(lengths)} tokens, --max-tokens {args.max_tokens}"
     )
@@ -169,13 +194,4 @@ def run(args: argparse.Namespace) -> int:
             f"{found.padding:.1%}",
             f"{found.makespan / best.makespan:.2f}x",
         )
-    Console(highlight=False).print(table)
-    if args.out:
-        write_output(args.out, best.lines())
-        print(
-            f"wrote {args.out}: {len(best.shapes)} micro-batches; run them with "
-            f"-p N={len(best.shapes)} --lengths {args.out}"
-        )
-    else:
-        print(best.lines(), end="")
-    return 0
+    return table

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from pipelang.cli.args import UsageError, path, positive, seconds_or_zero, write_output
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import PipelangError, fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
 from pipelang.planner.units import positive as more_than_0
 from pipelang.progress import work_progress
@@ -102,7 +103,6 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelang.planner.families import FAMILIES
     from pipelang.planner.profile import load_profile
     from pipelang.planner.search import Inputs, Planner
     from pipelang.planner.topology import load_topology
@@ -115,14 +115,7 @@ def run(args: argparse.Namespace) -> int:
             max_memory = more_than_0(parse_bytes, "--max-memory")(args.max_memory)
         except UnitError as err:
             raise UsageError(f"--max-memory: {err}") from None
-    schedules = tuple(FAMILIES)
-    if args.schedules:
-        schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
-        unknown = [s for s in schedules if s not in FAMILIES]
-        if unknown or not schedules:
-            raise UsageError(
-                f"--schedules: cannot plan with `{', '.join(unknown)}`; use: {', '.join(FAMILIES)}"
-            )
+    schedules = _schedules(args.schedules)
     profile = load_profile(args.profile)
     inputs = Inputs(
         profile,
@@ -141,23 +134,7 @@ def run(args: argparse.Namespace) -> int:
     with work_progress(notes) as update:
         result = planner.search(update)
     if not result.plans:
-        reasons = [f"{r.candidate.label}: {r.reason}" for r in result.rejected]
-        shown = reasons[:12] + ([f"... and {len(reasons) - 12} more"] if len(reasons) > 12 else [])
-        timed_out = sum(r.time for r in result.rejected)
-        if timed_out:
-            raise fail(
-                "E0403",
-                f"no plan found within --time-budget {args.time_budget:g} s: {timed_out} of "
-                f"the {len(result.rejected)} candidates were not searched for lack of time",
-                notes=tuple(shown),
-                help="raise --time-budget (0: no budget), or plan for fewer devices or layers",
-            )
-        raise fail(
-            "E0403",
-            f"no plan fits: all {len(result.rejected)} candidates were left out",
-            notes=tuple(shown),
-            help="raise --max-memory, add devices, or profile a smaller micro-batch",
-        )
+        raise _nothing_fits(result, args.time_budget)
     best = result.plans[0]
     write_output(args.out, plan_source(best, planner, args.profile.name, args.topology.name))
     if args.json:
@@ -169,7 +146,49 @@ def run(args: argparse.Namespace) -> int:
         f"{','.join(map(str, best.partition))}, predicted {best.time_ms:.3f} ms per iteration",
         markup=False,
     )
-    ranks, size, dp = best.candidate.ranks, inputs.topology.size, best.candidate.dp
+    _print_how_to_run(best, inputs.topology.size, args)
+    return 0
+
+
+def _schedules(given: str | None) -> tuple[str, ...]:
+    """The families `--schedules` names (all by default); a usage error for others."""
+    from pipelang.planner.families import FAMILIES
+
+    if not given:
+        return tuple(FAMILIES)
+    schedules = tuple(s.strip() for s in given.split(",") if s.strip())
+    unknown = [s for s in schedules if s not in FAMILIES]
+    if unknown or not schedules:
+        raise UsageError(
+            f"--schedules: cannot plan with `{', '.join(unknown)}`; use: {', '.join(FAMILIES)}"
+        )
+    return schedules
+
+
+def _nothing_fits(result: Any, budget: float) -> PipelangError:
+    """E0403, with why each candidate was left out (the budget, when it ran out)."""
+    reasons = [f"{r.candidate.label}: {r.reason}" for r in result.rejected]
+    shown = reasons[:12] + ([f"... and {len(reasons) - 12} more"] if len(reasons) > 12 else [])
+    timed_out = sum(r.time for r in result.rejected)
+    if timed_out:
+        return fail(
+            "E0403",
+            f"no plan found within --time-budget {budget:g} s: {timed_out} of "
+            f"the {len(result.rejected)} candidates were not searched for lack of time",
+            notes=tuple(shown),
+            help="raise --time-budget (0: no budget), or plan for fewer devices or layers",
+        )
+    return fail(
+        "E0403",
+        f"no plan fits: all {len(result.rejected)} candidates were left out",
+        notes=tuple(shown),
+        help="raise --max-memory, add devices, or profile a smaller micro-batch",
+    )
+
+
+def _print_how_to_run(best: Any, size: int, args: argparse.Namespace) -> None:
+    """How to run the written plan, and what the devices it leaves idle could do."""
+    ranks, dp = best.candidate.ranks, best.candidate.dp
     if dp > 1:
         _console.print(
             f"run it with `pipelang run {args.out} --dp {dp}`: {dp} copies of the pipeline, "
@@ -190,7 +209,6 @@ def run(args: argparse.Namespace) -> int:
             "runs such copies, each with its own micro-batches)",
             markup=False,
         )
-    return 0
 
 
 def _print_tables(result: object, planner: object, top: int, show_all: bool) -> None:
