@@ -46,35 +46,7 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
             ) -> None:
                 if chunk is not None:
                     raise layout.chunk_error(call, chunk)
-                if kind is Kind.U:
-                    raise fail(
-                        "E0103",
-                        "a weight update `U` belongs in an `order rank`",
-                        call.span,
-                        help="write the asynchronous schedule with `order rank`",
-                    )
-                if kind is Kind.P:
-                    raise fail(
-                        "E0103",
-                        "a frozen forward `P` belongs in an `order rank` or `order greedy`",
-                        call.span,
-                        help="a `repeat` block places ops by stage, and `P` runs on any "
-                        "rank that holds the frozen part",
-                    )
-                if kind in STASH_KINDS:
-                    raise fail(
-                        "E0103",
-                        "evicting and loading activations (`E`, `L`) belong in an `order rank`",
-                        call.span,
-                        help="write the schedule's order with `order rank r { ... }`",
-                    )
-                if fused:
-                    raise fail(
-                        "E0103",
-                        "`&` and `BW` belong in an `order rank`",
-                        call.span,
-                        help="in a `repeat` block give each op its own slot",
-                    )
+                _check_op(call, kind, fused)
                 if mb_arg is not None or stage is None or slot is None:
                     raise fail(
                         "E0103",
@@ -103,6 +75,40 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
         # The steady state runs from the first block's last op to the last block's first.
         return squeeze(placed, (max(first, default=0), min(last, default=0)), layout)
     return tuple(tuple(slots[s] for s in sorted(slots)) for slots in placed)
+
+
+def _check_op(call: ast.OpCall, kind: Kind, fused: bool) -> None:
+    """E0103 for an op a `repeat` block cannot place: an update, a frozen forward, an
+    eviction or load, a fused pair."""
+    if kind is Kind.U:
+        raise fail(
+            "E0103",
+            "a weight update `U` belongs in an `order rank`",
+            call.span,
+            help="write the asynchronous schedule with `order rank`",
+        )
+    if kind is Kind.P:
+        raise fail(
+            "E0103",
+            "a frozen forward `P` belongs in an `order rank` or `order greedy`",
+            call.span,
+            help="a `repeat` block places ops by stage, and `P` runs on any "
+            "rank that holds the frozen part",
+        )
+    if kind in STASH_KINDS:
+        raise fail(
+            "E0103",
+            "evicting and loading activations (`E`, `L`) belong in an `order rank`",
+            call.span,
+            help="write the schedule's order with `order rank r { ... }`",
+        )
+    if fused:
+        raise fail(
+            "E0103",
+            "`&` and `BW` belong in an `order rank`",
+            call.span,
+            help="in a `repeat` block give each op its own slot",
+        )
 
 
 def _place(slots: dict[int, Action], slot: int, action: Action) -> None:
