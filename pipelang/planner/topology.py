@@ -181,34 +181,7 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
         },
     )
     spec = keys["nodes"]
-    if isinstance(spec, yaml.SequenceNode):
-        if "datacenters" in keys:
-            raise reader.error(
-                "with classes of nodes, each class names its `datacenter`; `datacenters` "
-                "splits a number of nodes",
-                keys["datacenters"],
-            )
-        groups = []
-        for item in _items(reader, spec, "nodes"):
-            entry = reader.mapping(item)
-            reader.only(item, {"count", *_NODE_KEYS, "datacenter"})
-            defaults = {key: keys[key] for key in _NODE_KEYS if key in keys}
-            count = reader.count(entry, "count", item)
-            groups.append(_node_class(reader, item, {**defaults, **entry}, count))
-        if not groups:
-            raise reader.error("`nodes` is a number, or a non-empty list of node classes", spec)
-    else:
-        nodes = reader.count(keys, "nodes", root)
-        sites = reader.count(keys, "datacenters", root) if "datacenters" in keys else 1
-        if nodes % sites:
-            raise reader.error(
-                f"{nodes} nodes do not split evenly over {sites} datacenters", keys["datacenters"]
-            )
-        _, gpus, capacity, kind, speed, _ = _node_class(reader, root, keys, nodes // sites)
-        groups = [
-            (nodes // sites, gpus, capacity, kind, speed, str(site) if sites > 1 else None)
-            for site in range(sites)
-        ]
+    groups = _node_groups(reader, root, keys)
     size = sum(count * gpus for count, gpus, *_ in groups)
     if size > MAX_DEVICES:
         raise reader.error(f"{size:,} devices; the planner takes at most {MAX_DEVICES}", spec)
@@ -254,6 +227,42 @@ def _shorthand(reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Nod
 
 NodeClass = tuple[int, int, float, str, "float | None", "str | None"]
 """(nodes, GPUs per node, memory, kind, speed or None, datacenter or None)."""
+
+
+def _node_groups(
+    reader: _Reader, root: yaml.MappingNode, keys: dict[str, yaml.Node]
+) -> list[NodeClass]:
+    """The shorthand's nodes as classes of like nodes: each listed class, or `nodes`
+    split evenly over `datacenters`."""
+    spec = keys["nodes"]
+    if isinstance(spec, yaml.SequenceNode):
+        if "datacenters" in keys:
+            raise reader.error(
+                "with classes of nodes, each class names its `datacenter`; `datacenters` "
+                "splits a number of nodes",
+                keys["datacenters"],
+            )
+        groups = []
+        for item in _items(reader, spec, "nodes"):
+            entry = reader.mapping(item)
+            reader.only(item, {"count", *_NODE_KEYS, "datacenter"})
+            defaults = {key: keys[key] for key in _NODE_KEYS if key in keys}
+            count = reader.count(entry, "count", item)
+            groups.append(_node_class(reader, item, {**defaults, **entry}, count))
+        if not groups:
+            raise reader.error("`nodes` is a number, or a non-empty list of node classes", spec)
+        return groups
+    nodes = reader.count(keys, "nodes", root)
+    sites = reader.count(keys, "datacenters", root) if "datacenters" in keys else 1
+    if nodes % sites:
+        raise reader.error(
+            f"{nodes} nodes do not split evenly over {sites} datacenters", keys["datacenters"]
+        )
+    _, gpus, capacity, kind, speed, _ = _node_class(reader, root, keys, nodes // sites)
+    return [
+        (nodes // sites, gpus, capacity, kind, speed, str(site) if sites > 1 else None)
+        for site in range(sites)
+    ]
 
 
 def _node_class(
