@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -361,37 +361,10 @@ def _measure_layer(
         x = x_in.detach().requires_grad_(differentiable)
         return x, run(x)
 
-    def timed(action: Callable[[], Any]) -> float:
-        samples = []
-        for i in range(options.warmup + options.repeats):
-            _sync(device)
-            start = time.perf_counter()
-            action()
-            _sync(device)
-            if i >= options.warmup:
-                samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples)
+    forward = _median_ms(fresh, options, device)
 
-    forward = timed(fresh)
-
-    Select = Callable[[torch.Tensor], list[torch.Tensor]]
-
-    def backward(*passes: Select) -> list[float]:
-        """Median times of backward passes run one after the other on one graph, each
-        with respect to what its function picks from (the layer's input x, params)."""
-        samples: list[list[float]] = [[] for _ in passes]
-        for i in range(options.warmup + options.repeats):
-            x, y = fresh()
-            grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
-            for index, select in enumerate(passes):
-                keep = index < len(passes) - 1
-                _sync(device)
-                start = time.perf_counter()
-                torch.autograd.grad(y, select(x), grad, retain_graph=keep, allow_unused=True)
-                _sync(device)
-                if i >= options.warmup:
-                    samples[index].append((time.perf_counter() - start) * 1e3)
-        return [statistics.median(s) for s in samples]
+    def backward(*passes: Callable[[torch.Tensor], list[torch.Tensor]]) -> list[float]:
+        return _backward_ms(fresh, passes, options, device)
 
     def of_input(x: torch.Tensor) -> list[torch.Tensor]:
         return [x]
@@ -430,6 +403,44 @@ def _measure_layer(
         sgd_step_ms=round(sgd_step, 6),
         adam_step_ms=round(adam_step, 6),
     )
+
+
+def _median_ms(action: Callable[[], Any], options: ProfileOptions, device: torch.device) -> float:
+    """The median time of `action`, in ms, over `options.repeats` runs after the warm-up."""
+    samples = []
+    for i in range(options.warmup + options.repeats):
+        _sync(device)
+        start = time.perf_counter()
+        action()
+        _sync(device)
+        if i >= options.warmup:
+            samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _backward_ms(
+    fresh: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    passes: Sequence[Callable[[torch.Tensor], list[torch.Tensor]]],
+    options: ProfileOptions,
+    device: torch.device,
+) -> list[float]:
+    """Median times of backward passes run one after the other on one graph (`fresh`
+    makes it), each with respect to what its function picks (the input x, the weights)."""
+    import torch
+
+    samples: list[list[float]] = [[] for _ in passes]
+    for i in range(options.warmup + options.repeats):
+        x, y = fresh()
+        grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
+        for index, select in enumerate(passes):
+            keep = index < len(passes) - 1
+            _sync(device)
+            start = time.perf_counter()
+            torch.autograd.grad(y, select(x), grad, retain_graph=keep, allow_unused=True)
+            _sync(device)
+            if i >= options.warmup:
+                samples[index].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(s) for s in samples]
 
 
 def _step_ms(

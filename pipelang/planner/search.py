@@ -293,13 +293,34 @@ class Planner:
         self, progress: Callable[[str, int, int, str], None] | None, deadline: float
     ) -> SearchResult:
         """The search over one pipeline on the planner's devices (`search` without the
-        copies)."""
+        copies): every candidate screened, then the best few simulated at N."""
         started = time.perf_counter()
-        screened: list[Plan] = []
         rejected: list[Rejected] = []
+        screened = self._screen_all(progress, deadline, rejected)
+        fitting = sorted((p for p in screened if self.fits(p) is None), key=lambda p: p.time_ms)
+        for plan in screened:
+            reason = self.fits(plan)
+            if reason is not None:
+                rejected.append(Rejected(plan.candidate, reason, memory=True))
+        # Refined and simulated at N: the best few, unless plans found by the searches
+        # of copies are already faster.
+        top = [p for p in fitting[: self.exact_top] if p.time_ms <= self.leaders.last()]
+        final = self._at_n(top, progress, deadline, rejected)
+        final.sort(key=lambda p: p.time_ms)
+        final.extend(fitting[len(top) :])
+        return SearchResult(tuple(final), tuple(rejected), time.perf_counter() - started)
+
+    def _screen_all(
+        self,
+        progress: Callable[[str, int, int, str], None] | None,
+        deadline: float,
+        rejected: list[Rejected],
+    ) -> list[Plan]:
+        """Every candidate's plan at the probe sizes, the most promising first (the
+        lowest bound), so that the leaders are soon fast and the bound leaves out more;
+        what is left out goes to `rejected`."""
+        screened: list[Plan] = []
         costs: dict[tuple[str, Params], list[tuple[float, float]]] = {}
-        # The most promising first (the lowest bound), so that the leaders are soon fast
-        # and the bound leaves out more.
         bounds: dict[Candidate, float] = {}
         for candidate in candidates(self.inputs, self.dp):
             if time.perf_counter() > deadline:
@@ -342,16 +363,18 @@ class Planner:
                     self.leaders.add(outcome.time_ms)
             else:
                 rejected.append(outcome)
-        fitting = sorted((p for p in screened if self.fits(p) is None), key=lambda p: p.time_ms)
-        for plan in screened:
-            reason = self.fits(plan)
-            if reason is not None:
-                rejected.append(Rejected(plan.candidate, reason, memory=True))
+        return screened
+
+    def _at_n(
+        self,
+        shortlist: list[Plan],
+        progress: Callable[[str, int, int, str], None] | None,
+        deadline: float,
+        rejected: list[Rejected],
+    ) -> list[Plan]:
+        """The shortlisted plans refined and simulated at the run's N micro-batches (as
+        screened where there is no time left); those that no longer fit go to `rejected`."""
         final: list[Plan] = []
-        # Refined and simulated at N: the best few, unless plans found by the searches
-        # of copies are already faster.
-        top = [p for p in fitting[: self.exact_top] if p.time_ms <= self.leaders.last()]
-        shortlist, rest = top, fitting[len(top) :]
         for done, plan in enumerate(shortlist):
             if progress is not None:
                 progress("simulating at N", done, len(shortlist), plan.candidate.label)
@@ -372,9 +395,7 @@ class Planner:
                 final.append(exact)
             else:
                 rejected.append(Rejected(exact.candidate, str(self.fits(exact)), memory=True))
-        final.sort(key=lambda p: p.time_ms)
-        final.extend(rest)
-        return SearchResult(tuple(final), tuple(rejected), time.perf_counter() - started)
+        return final
 
     def _copies(
         self, deadline: float, progress: Callable[[str, int, int, str], None] | None = None
