@@ -44,8 +44,9 @@ from torch.func import functional_call
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import LayeredModel
 from pipelang.backends.optim import Optimizer
+from pipelang.backends.rank_base import make_optimizer
 from pipelang.backends.reference import Reference
-from pipelang.backends.runtime import full_model_names, make_optimizer
+from pipelang.backends.runtime import full_model_names
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Kind, Program
 from pipelang.weights import WeightVersions, weight_versions

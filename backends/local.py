@@ -20,8 +20,8 @@ from pipelang.backends.codegen import render_rank_program
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
 from pipelang.backends.processes import RunFailure, action_labels, where
+from pipelang.backends.rank_base import RankResult
 from pipelang.backends.report import Outcome
-from pipelang.backends.runtime import RankResult
 from pipelang.backends.transport import Aborted, LocalHub, LocalTransport, PeerFailure
 from pipelang.backends.worker import (
     PHASE_DONE,

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from pipelang.backends.codegen import render_stream_rank, write_rank_programs
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
+from pipelang.backends.rank_base import RankResult
 from pipelang.backends.report import Outcome
-from pipelang.backends.runtime import RankResult
 from pipelang.backends.worker import (
     PHASE_DONE,
     PHASE_FAILED,

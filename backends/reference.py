@@ -29,7 +29,8 @@ from torch import nn
 from pipelang.backends.checkpoint import held_by_model, load
 from pipelang.backends.config import RunConfig
 from pipelang.backends.precision import copy_back, master_weights
-from pipelang.backends.runtime import RankResult, full_model_names, make_optimizer
+from pipelang.backends.rank_base import RankResult, make_optimizer
+from pipelang.backends.runtime import full_model_names
 
 TOLERANCE = {
     torch.float32: (1e-5, 1e-4),

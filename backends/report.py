@@ -21,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from pipelang.backends.runtime import RankResult
+from pipelang.backends.rank_base import RankResult
 from pipelang.ir import Program
 
 

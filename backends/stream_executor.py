@@ -43,15 +43,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pipelang.backends.codegen import GRAPH_WARMUP
+from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
+from pipelang.backends.rank_sync import clip_coefficient, copy_grads, set_grads
 from pipelang.backends.report import Outcome
-from pipelang.backends.runtime import (
-    RankRuntime,
-    RunConfig,
-    clip_coefficient,
-    copy_grads,
-    set_grads,
-)
+from pipelang.backends.runtime import RankRuntime
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.check_streams import Interleaving, random_choice

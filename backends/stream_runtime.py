@@ -42,7 +42,8 @@ import torch
 
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
-from pipelang.backends.runtime import RankResult, RankRuntime, StageCopy, _action
+from pipelang.backends.rank_base import RankResult, StageCopy, _action
+from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.transport import DistTransport, PeerFailure, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program

@@ -47,7 +47,7 @@ from pipelang.ir import Program
 from pipelang.weights import weight_versions
 
 if TYPE_CHECKING:
-    from pipelang.backends.runtime import RankResult
+    from pipelang.backends.rank_base import RankResult
 
 Slots = list[list[tuple[nn.Module, str]]]
 """Per trainable parameter, the (module, attribute) places that hold it."""

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from pipelang.backends.codegen import load_iteration, render_rank_program
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
-from pipelang.backends.runtime import RankResult, RankRuntime
+from pipelang.backends.rank_base import RankResult
+from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program

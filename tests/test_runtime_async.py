@@ -289,7 +289,7 @@ def test_prediction_without_delay_changes_nothing() -> None:
 def test_a_prediction_is_the_papers_formula(optimizer: str) -> None:
     """PipeOptim / XPipe: W_t - s * lr * momentum (SGD) and W_t - s * lr * m_hat /
     (sqrt(v_hat) + eps) (Adam), from torch.optim's own state after the same update."""
-    from pipelang.backends.runtime import make_optimizer
+    from pipelang.backends.rank_base import make_optimizer
     from pipelang.backends.versions import CopyVersions
 
     torch.manual_seed(0)

@@ -1,0 +1,194 @@
+"""What every part of a rank's runtime shares: a stage copy (`StageCopy`), what a forward
+keeps (`Saved`), a rank's report (`RankResult`), an injected fault (`Fault`), the
+optimizer of a stage copy, and the decorators that count, time and guard each action."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter_ns
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+from torch import nn
+
+from pipelang.backends.config import SGD_MOMENTUM, RunConfig
+from pipelang.backends.optim import SGD, Adam, CapturableAdam, CapturableSGD, Optimizer
+from pipelang.backends.precision import copy_back
+from pipelang.backends.transport import peer_failures
+from pipelang.diagnostics import InternalError
+
+if TYPE_CHECKING:
+    from pipelang.backends.runtime import RankRuntime
+
+
+def make_optimizer(params: Sequence[nn.Parameter], config: RunConfig) -> Optimizer:
+    """The optimizer of one stage copy, and of the `--check` reference: same settings
+    (under `--graphs`, the capturable ones, which equal torch's `capturable=True`)."""
+    if config.optimizer == "sgd":
+        sgd = CapturableSGD if config.graphs else SGD
+        return sgd(params, config.learning_rate, SGD_MOMENTUM)
+    if config.optimizer == "adam":
+        adam = CapturableAdam if config.graphs else Adam
+        return adam(params, config.learning_rate)
+    raise InternalError(f"unknown optimizer {config.optimizer!r}")
+
+
+@dataclass(slots=True)
+class StageCopy:
+    """One copy of one stage's weights on this rank, with its own optimizer."""
+
+    stage: int
+    pipeline: str
+    layers: range
+    module: nn.Sequential
+    first: bool
+    last: bool
+    params: list[nn.Parameter]
+    """The parameters the stage computes with (its module's)."""
+    optimizer: Optimizer
+    masters: list[nn.Parameter] | None = None
+    """`--mixed-precision`: the fp32 masters of `params`, which the optimizer updates
+    (backends/precision.py); None: the optimizer updates `params` themselves."""
+
+    @property
+    def trained(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates, whose gradients are reduced."""
+        return self.masters if self.masters is not None else self.params
+
+    def finish_update(self) -> None:
+        """After the optimizer step: the masters' new values into the computed params."""
+        if self.masters is not None:
+            copy_back(self.params, self.masters)
+
+
+Key = tuple[int, int, str, int | None]
+"""What a forward saves is filed under (micro-batch, stage, pipeline, chunk); the chunk
+is None unless the schedule splits micro-batches into sequence chunks."""
+
+Value = tuple[str, int, int, str, int | None]
+"""A value in flight between actions: (kind of the op that made it, micro-batch, stage,
+pipeline, chunk), `("F", 3, 1, "main", None)` is the output of F3@1/main."""
+
+
+@dataclass(slots=True)
+class Saved:
+    """What a forward keeps for its backward: input, output (or scaled loss), output grad."""
+
+    x: torch.Tensor
+    y: torch.Tensor | None
+    dy: torch.Tensor | None = None
+    params: list[nn.Parameter] | None = None
+    """Asynchronous schedules: the weight version the forward read."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Sequence chunks: per attention block (by `id`), the keys and values this chunk
+    made, in its graph (outputs of its backward besides `y`)."""
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Sequence chunks: the same keys and values as leaves, which later chunks read and
+    leave their gradients on."""
+
+
+@dataclass(slots=True)
+class RankResult:
+    """What one rank reports when it finishes: losses, action times, memory, weights."""
+
+    rank: int
+    copies: list[tuple[int, str, int]]
+    """(stage, pipeline, index of the stage's first layer) of every copy held."""
+    losses: list[dict[int, float]] = field(default_factory=list)
+    """Per step: the (unscaled) loss of every micro-batch whose last stage ran here."""
+    step_seconds: list[float] = field(default_factory=list)
+    events: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(step, action index, start ns, end ns), times relative to the run's common start;
+    recorded only with `--trace` (and always on CUDA)."""
+    busy_ns: int = 0
+    """Time in compute actions (F, B, W, R) over all steps."""
+    span_ns: tuple[int, int] = (0, 0)
+    """(start of the first step, end of the last), relative to the run's common start."""
+    peak_memory: int = 0
+    peak_activation_bytes: int = 0
+    """The most bytes of saved activations resident at once, held-for-partner buffers
+    included (backends/stash.py); counted with evictions or `count_activations`."""
+    copy_weights: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Final parameters of every copy (with `--check`), named as in the whole model."""
+    peak_weight_versions: int = 0
+    """The most weight versions in memory at once over this rank's copies (counted in
+    asynchronous schedules only; compare `pipelang simulate`'s peak_weight_versions)."""
+    slot_bytes: int = 0
+    """The bytes of this rank's data slots: a stream program's static buffers (what
+    `pipelang simulate --model` plans); 0 for an action list."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A failure injected for tests: `PIPELANG_FAULT=RANK:STEP:ACTION:raise|exit|hang`."""
+
+    rank: int
+    step: int
+    action: int
+    mode: str
+
+    @staticmethod
+    def from_env(rank: int) -> Fault | None:
+        text = os.environ.get("PIPELANG_FAULT")
+        if not text:
+            return None
+        r, s, a, mode = text.split(":")
+        return Fault(int(r), int(s), int(a), mode) if int(r) == rank else None
+
+    def trigger(self) -> None:
+        if self.mode == "exit":
+            os._exit(3)
+        if self.mode == "hang":
+            while True:
+                time.sleep(1)
+        raise RuntimeError(f"injected fault (PIPELANG_FAULT={self.rank}:{self.step}:{self.action})")
+
+
+T = TypeVar("T", bound=Callable[..., None])
+
+
+def _action(method: T) -> T:
+    """Count the action, publish where the rank is, fire an injected fault, and time the
+    action when a trace records it (`RankRuntime.timed`)."""
+    return _wrapped(method, busy=False)
+
+
+def _compute(method: T) -> T:
+    """`_action`, and add the action's time to the rank's busy time even without a trace."""
+    return _wrapped(method, busy=True)
+
+
+def _comm(method: T) -> T:
+    """`_action` for an action that talks to other ranks: the transport's RuntimeError
+    (a peer that stopped, a closed connection) becomes PeerFailure, a consequence."""
+
+    @functools.wraps(method)
+    def talk(*args: Any, **kwargs: Any) -> None:
+        with peer_failures():
+            method(*args, **kwargs)
+
+    return _wrapped(cast(T, talk), busy=False)
+
+
+def _wrapped(method: T, busy: bool) -> T:
+    @functools.wraps(method)
+    def run(self: RankRuntime, *args: Any, **kwargs: Any) -> None:
+        index = self.action_index
+        self.action_index = index + 1
+        self.status[self.action_slot] = index
+        if self.fault is not None:
+            self.fault_check(index)
+        if self.timed:
+            self.timed_call(index, method, args, kwargs)
+        elif busy:
+            start = perf_counter_ns()
+            method(self, *args, **kwargs)
+            self.busy_ns += perf_counter_ns() - start
+        else:
+            method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
