@@ -135,13 +135,10 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
             stage: len(set(program.replicas(stage))) * config.dp for stage, _ in self.copies
         }
         self.saved: dict[Key, Saved] = {}
-        self.chunk_bounds: tuple[int, ...] | None = None
+        chunks, attention = program.chunks, program.costs.of("A")
+        self.chunk_bounds = chunks and chunks.token_bounds(self.model.seq_len, attention)
         """The token boundaries of the sequence chunks (`Chunks.token_bounds`); None
         without chunks."""
-        if program.chunks is not None:
-            self.chunk_bounds = program.chunks.token_bounds(
-                self.model.seq_len, program.costs.of("A")
-            )
         counts = config.count_activations or program.first_eviction() is not None
         self.stash = Stash() if counts else None
         """Saved activations per forward, for evictions and their byte count."""
