@@ -15,7 +15,7 @@ from benchmarks.plan_speed import cluster
 from pipelang import api
 from pipelang.compiler import Options, run_passes
 from pipelang.ir import CostModel
-from pipelang.passes.expand_orders import schedule_layout
+from pipelang.passes.layout import schedule_layout
 from pipelang.planner.bound import iteration_bound
 from pipelang.planner.families import FAMILIES
 from pipelang.planner.search import Inputs, Planner, _with_costs

@@ -50,7 +50,7 @@ from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import Action, CostModel, Kind, Pipeline
 from pipelang.orders import Layout
-from pipelang.passes.expand_orders import schedule_layout
+from pipelang.passes.layout import schedule_layout
 from pipelang.planner import budget
 from pipelang.planner.bound import iteration_bound
 from pipelang.planner.costs import (
