@@ -226,7 +226,7 @@ def test_squeeze_times_the_plain_order_as_simulate_does(
     from pipelang.orders import squeeze as module
 
     ends: list[float] = []
-    original = module._time
+    original = module.time_ops
 
     def recording(*args: object) -> object:
         timed = original(*args)  # type: ignore[arg-type]
@@ -234,7 +234,7 @@ def test_squeeze_times_the_plain_order_as_simulate_does(
             ends.append(max(op.end for op in timed))
         return timed
 
-    monkeypatch.setattr(module, "_time", recording)
+    monkeypatch.setattr(module, "time_ops", recording)
     cost = "F = 1, B = 1, W = 1, A = 0.3"
     lengths = "    lengths 100, 400, 200, 800, 300, 100, 600, 250\n"
     programs = []

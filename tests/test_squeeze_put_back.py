@@ -15,6 +15,7 @@ import pytest
 from pipelang import api
 from pipelang.compiler import Options, run_passes
 from pipelang.orders import squeeze as sq
+from pipelang.orders import timed
 from pipelang.parser import stdlib_dir
 from tests.helpers import replay
 
@@ -37,7 +38,7 @@ def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def greedy(ws: list[sq._Op], others: list[tuple[float, float]]) -> dict[sq._Op, float]:
+def greedy(ws: list[timed.Op], others: list[tuple[float, float]]) -> dict[timed.Op, float]:
     """The oracle: where the W's go among `others`, one by one."""
     placed = list(others)
     starts = {}
@@ -72,16 +73,16 @@ def test_each_move_puts_the_ws_where_the_plain_greedy_does(
     """After every move step 3 tries, the W's stand where the greedy over all of the
     rank's ops puts them, and no two ops of the rank overlap; the squeezed schedule then
     passes `check` and is no slower than the plain one under its own costs."""
-    lines: dict[sq._Loose, sq._Line] = {}
+    lines: dict[sq._Loose, timed.Line] = {}
     moved = []
     early = []
     init, shift = sq._Loose.__init__, sq._Loose.shift
 
-    def record_init(self: sq._Loose, ws: list[sq._Op], line: sq._Line) -> None:
+    def record_init(self: sq._Loose, ws: list[timed.Op], line: timed.Line) -> None:
         lines[self] = line
         init(self, ws, line)
 
-    def checked_shift(self: sq._Loose, op: sq._Op, own: float, waiting: list[int]) -> object:
+    def checked_shift(self: sq._Loose, op: timed.Op, own: float, waiting: list[int]) -> object:
         start = op.start
         op.place(own)
         floor = min(w.ready() for w in self.ws)  # the W's readies before the move

@@ -35,9 +35,9 @@ is never longer than the plain one.
 
 The work grows about linearly with the number of micro-batches. Ops are found by
 number, not by hashing (`_graph`). Each rank keeps its ops in time order with the
-activations held after each (`_Line`), and a memory check walks only the ops between
+activations held after each (`Line`), and a memory check walks only the ops between
 the earliest and the latest place of an op the move shifts. The ops that do not move
-are passed over in each rank's order, not visited (`_sweep`). In step 3 each rank keeps
+are passed over in each rank's order, not visited (`sweep`). In step 3 each rank keeps
 its W's where the last kept move put them (`_Loose`); a move tried re-places only the
 W's it can change (those waiting for the moved op, those it overlaps, those that may
 fit where it was, and so on from each W that moves), a few per move, not all of the
@@ -49,128 +49,26 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from operator import attrgetter, itemgetter
-from typing import TypeVar
+from collections.abc import Sequence
 
 from pipelang import memory
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.orders import Layout
-
-WARM_UP, STEADY, COOL_DOWN = -1, 0, 1
-_T = TypeVar("_T")
-
-_END = itemgetter(1)
-"""An interval's end. `busy` lists are sorted by start; their intervals do not overlap,
-so the ends rise too and can be bisected."""
-
-
-@dataclass(eq=False, slots=True)
-class _Op:
-    """One op while squeezing: its rank, its current start, its length and its phase."""
-
-    action: Action
-    rank: int
-    start: float
-    end: float
-    length: float
-    phase: int
-    changes: tuple[int, int]
-    """How it changes its rank's activations held to B, and held to W (`memory.change`)."""
-    inputs: tuple[tuple[_Op, float], ...] = ()
-    """The ops it waits for, each with the delay from its end (a transfer, or none)."""
-    consumed: bool = False
-    """Whether some op of the schedule waits for it."""
-    seq: int = 0
-    """Its place in start order in the plain timing; breaks ties between equal times."""
-
-    def place(self, start: float) -> None:
-        self.start, self.end = start, start + self.length
-
-    def ready(self) -> float:
-        """When its inputs have all arrived, at their current times."""
-        at = 0.0
-        for op, delay in self.inputs:
-            at = max(at, op.end + delay)
-        return at
-
-
-_KEY = attrgetter("start", "end", "seq")
-"""Time order: by start, then end, then `seq`."""
-
-
-class _Line:
-    """One rank's ops in time order (`_KEY`), with the activations held after each.
-
-    A move changes the order only among the ops that start between its new and its old
-    place, so checking and recording it walks just those (`settle`): the counts before
-    them, and after them, stay as they were."""
-
-    def __init__(self, ops: list[_Op]) -> None:
-        self.ops = ops
-        self.starts = [op.start for op in ops]
-        self.held = [(0, 0)]
-        """`held[k]`: the activations held to B and to W after the first k ops."""
-        held_b = held_w = 0
-        for op in ops:
-            held_b += op.changes[0]
-            held_w += op.changes[1]
-            self.held.append((held_b, held_w))
-        self.caps = (max(b for b, _ in self.held), max(w for _, w in self.held))
-        """The most the rank may hold: the plain order's peaks."""
-        self.over: set[int] = set()
-        """The k where `held[k]` is above `caps` (none at first; only step 3 makes any)."""
-
-    def copy(self) -> _Line:
-        line = _Line.__new__(_Line)  # no __init__: a copy per tried move, not a recount
-        line.ops, line.starts, line.held = self.ops[:], self.starts[:], self.held[:]
-        line.caps, line.over = self.caps, set(self.over)
-        return line
-
-    def fits(self) -> bool:
-        """Whether the rank's memory is within its bounds all along (once settled)."""
-        cap_b, cap_w = self.caps
-        return all(b <= cap_b and w <= cap_w for b, w in self.held)
-
-    def settle(
-        self, since: float, until: float, check: bool = False, checked_from: float = math.inf
-    ) -> bool:
-        """Put the ops that started from `since` to `until`, when last settled, in their
-        current time order and count them again; the ops that moved since then must have
-        started, and start, in that range. With `check`, only if the rank's memory stays
-        within its bounds from `since` (or `checked_from`, if earlier) to the end: else
-        nothing changes, and False."""
-        first, last = self._range(since, until)
-        cap_b, cap_w = self.caps
-        if check and self.over:
-            lo = min(first, bisect.bisect_left(self.starts, checked_from))
-            if any(k >= lo and not first < k <= last for k in self.over):
-                return False
-        window = sorted(self.ops[first:last], key=_KEY)
-        held_b, held_w = self.held[first]
-        held = []
-        over = []
-        for k, op in enumerate(window, first + 1):
-            held_b += op.changes[0]
-            held_w += op.changes[1]
-            if held_b > cap_b or held_w > cap_w:
-                if check:
-                    return False
-                over.append(k)
-            held.append((held_b, held_w))
-        self.ops[first:last] = window
-        self.starts[first:last] = [op.start for op in window]
-        self.held[first + 1 : last + 1] = held
-        if self.over:
-            self.over.difference_update(range(first + 1, last + 1))
-        self.over.update(over)
-        return True
-
-    def _range(self, since: float, until: float) -> tuple[int, int]:
-        return bisect.bisect_left(self.starts, since), bisect.bisect_right(self.starts, until)
+from pipelang.orders.timed import (
+    COOL_DOWN,
+    END,
+    STEADY,
+    WARM_UP,
+    Line,
+    Op,
+    first_idle,
+    idle,
+    move_op,
+    sweep,
+    tail,
+    time_ops,
+)
 
 
 def squeeze(
@@ -181,13 +79,13 @@ def squeeze(
     order that cannot run (an op missing or doubled, a deadlock) comes back as it is, for
     `validate` to report."""
     graph = _graph(placed, steady, layout)
-    timed = None if graph is None else _time(*graph)
+    timed = None if graph is None else time_ops(*graph)
     if timed is None:
         return tuple(tuple(slots[s] for s in sorted(slots)) for slots in placed)
-    lines: list[list[_Op]] = [[] for _ in placed]
+    lines: list[list[Op]] = [[] for _ in placed]
     for op in timed:
         lines[op.rank].append(op)
-    ranks = [_Line(line) for line in lines]
+    ranks = [Line(line) for line in lines]
     _move_early(ranks)
     _move_before_ws(timed, ranks)
     return tuple(tuple(op.action for op in line.ops) for line in ranks)
@@ -195,7 +93,7 @@ def squeeze(
 
 def _graph(
     placed: Sequence[dict[int, Action]], steady: tuple[int, int], layout: Layout
-) -> tuple[list[list[_Op]], list[_Op]] | None:
+) -> tuple[list[list[Op]], list[Op]] | None:
     """Each rank's ops in slot order with their lengths, phases and inputs (their data
     dependencies and `after` edges), and the ops in `Program.compute_ops` order (then
     any op of a kind the schedule does not declare that an `after` edge holds back);
@@ -212,18 +110,18 @@ def _graph(
             return None
         return mb * per_mb + stage * len(kinds) + k
 
-    numbered: list[_Op | None] = [None] * (len(layout.assignment) * per_mb)
-    others: dict[Action, _Op] = {}
+    numbered: list[Op | None] = [None] * (len(layout.assignment) * per_mb)
+    others: dict[Action, Op] = {}
     freed_by = Kind.W if Kind.W in kinds else Kind.B
     op_time = layout.op_time()  # built once: it is a new CostModel with W in B
-    ranks: list[list[_Op]] = []
+    ranks: list[list[Op]] = []
     for r, slots in enumerate(placed):
         ranks.append([])
         for slot in sorted(slots):
             action = slots[slot]
             kind = action.kind
             phase = WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
-            op = _Op(
+            op = Op(
                 action,
                 r,
                 0.0,
@@ -254,7 +152,7 @@ def _graph(
             inputs.append((dep, transfer if dep.rank != consumer.rank else 0.0))
         consumer.inputs = tuple(inputs)
         consumer.consumed = at % per_mb in consumed
-    held_back: list[_Op] = []  # undeclared-kind ops that `after` edges hold back
+    held_back: list[Op] = []  # undeclared-kind ops that `after` edges hold back
     for edge in layout.after:
         at = number(edge.earlier)
         earlier = others.get(edge.earlier) if at is None else numbered[at]
@@ -300,55 +198,13 @@ def _pattern(
     return pattern, consumed
 
 
-def _time(ranks: list[list[_Op]], consumers: list[_Op]) -> list[_Op] | None:
-    """Time each rank's ops as soon as their inputs and their rank allow; the ops in
-    start order, numbered so (`seq`), or None when the order cannot run to its end.
-    `consumers` sets the order in which ranks waiting for an op are looked at again,
-    which orders the ops that start and end at the same time."""
-    waiting: dict[_Op, list[int]] = {}
-    for op in consumers:
-        for dep, _ in op.inputs:
-            waiting.setdefault(dep, []).append(op.rank)
-    timed: list[_Op] = []
-    done: set[_Op] = set()
-    position = [0] * len(ranks)
-    free_at = [0.0] * len(ranks)
-    todo = deque(range(len(ranks)))
-    while todo:
-        r = todo.popleft()
-        rank = ranks[r]
-        while position[r] < len(rank):
-            op = rank[position[r]]
-            start = free_at[r]
-            for dep, delay in op.inputs:
-                if dep not in done:
-                    break
-                start = max(start, dep.end + delay)
-            else:
-                op.place(start)
-                free_at[r] = op.end
-                position[r] += 1
-                done.add(op)
-                timed.append(op)
-                todo.extend(waiting.get(op, ()))
-                continue
-            break
-    if len(timed) != sum(map(len, ranks)):
-        return None
-    # Ops were timed in a topological order: a stable sort keeps it among equal times.
-    timed.sort(key=attrgetter("start", "end"))
-    for seq, op in enumerate(timed):
-        op.seq = seq
-    return timed
-
-
-def _move_early(ranks: list[_Line]) -> None:
+def _move_early(ranks: list[Line]) -> None:
     """Step 2: every warm-up and cool-down op, in start order, to its earliest fit."""
     orders = [line.ops[:] for line in ranks]
-    _sweep(orders, STEADY, lambda op, busy, _: _move(ranks[op.rank], op, busy))
+    sweep(orders, STEADY, lambda op, busy, _: move_op(ranks[op.rank], op, busy))
 
 
-def _move_before_ws(ops: list[_Op], ranks: list[_Line]) -> None:
+def _move_before_ws(ops: list[Op], ranks: list[Line]) -> None:
     """Step 3: the cool-down's other ops squeezed again with its W's taken out, then the
     W's put back; undone if that ends later than step 2."""
     loose = [
@@ -364,21 +220,21 @@ def _move_before_ws(ops: list[_Op], ranks: list[_Line]) -> None:
     taken = {w for ws in loose for w in ws}
     orders = [[op for op in line.ops if op not in taken] for line in ranks]
     put = [_Loose(ws, line) if ws else None for ws, line in zip(loose, ranks, strict=True)]
-    waits: dict[_Op, list[tuple[_Loose, int]]] = {}
+    waits: dict[Op, list[tuple[_Loose, int]]] = {}
     for state in put:
         if state is not None:
             for i, w in enumerate(state.ws):
                 for dep, _ in w.inputs:
                     waits.setdefault(dep, []).append((state, i))
 
-    def move(op: _Op, busy: list[tuple[float, float]], _: int) -> None:
+    def move(op: Op, busy: list[tuple[float, float]], _: int) -> None:
         state = put[op.rank]
         if state is None:
-            _move(ranks[op.rank], op, busy)
+            move_op(ranks[op.rank], op, busy)
         else:
             _move_loose(ranks[op.rank], op, busy, state, waits.get(op, []))
 
-    busy = _sweep(orders, COOL_DOWN, move)
+    busy = sweep(orders, COOL_DOWN, move)
     for rank, ws in enumerate(loose):
         if ws:
             since = min(w.ready() for w in ws)
@@ -403,7 +259,7 @@ class _Loose:
     it can change are those it overlaps, or whose ready-to-end span it meets; each one
     placed again may change others in turn."""
 
-    def __init__(self, ws: list[_Op], line: _Line) -> None:
+    def __init__(self, ws: list[Op], line: Line) -> None:
         self.ws = ws
         self.index = {w: i for i, w in enumerate(ws)}
         self.keys: list[tuple[float, int]] = []
@@ -416,7 +272,7 @@ class _Loose:
         self._moved: dict[int, float] = {}
         self._readies: list[tuple[int, tuple[float, int]]] = []
 
-    def refresh(self, line: _Line) -> None:
+    def refresh(self, line: Line) -> None:
         """Put all the W's back, as `_put_back` does, and settle `line` to it."""
         others = [(op.start, op.end) for op in line.ops if op not in self.index]
         _put_back(self.ws, others)
@@ -431,10 +287,10 @@ class _Loose:
         self.stale = False
         line.settle(self.floor, math.inf)
 
-    def shift(self, op: _Op, own: float, waiting: list[int]) -> tuple[float, float]:
+    def shift(self, op: Op, own: float, waiting: list[int]) -> tuple[float, float]:
         """Re-place the W's after `op` (not a loose W) moved from `own` to its place:
         those `waiting` for it (by index), and those the move reaches. Returns the earliest
-        and latest start of the ops that moved, before or after (for `_Line.settle`)."""
+        and latest start of the ops that moved, before or after (for `Line.settle`)."""
         heap: list[tuple[float, int, int]] = []
         for i in waiting:
             key = (self.ws[i].ready(), self.ws[i].seq)
@@ -503,11 +359,11 @@ class _Loose:
         self._log.append((False, entry))
 
     def _first_free(self, ready: float, length: float, key: tuple[float, int]) -> float:
-        """`_first_idle` among the other ops and the W's placed before `key`."""
+        """`first_idle` among the other ops and the W's placed before `key`."""
         at = ready
         keys = self.keys
         taken = self.taken
-        for begin, end, i in _tail(taken, bisect.bisect_right(taken, ready, key=_END)):
+        for begin, end, i in tail(taken, bisect.bisect_right(taken, ready, key=END)):
             if i >= 0 and keys[i] >= key:
                 continue
             if begin >= at + length:
@@ -526,7 +382,7 @@ class _Loose:
         meets the stretch from `begin` to `end`, which is no longer taken."""
         taken, keys = self.taken, self.keys
         bound = end + self.slack
-        for at in range(bisect.bisect_right(taken, begin, key=_END), len(taken)):
+        for at in range(bisect.bisect_right(taken, begin, key=END), len(taken)):
             start, _, i = taken[at]
             if start >= bound:
                 break
@@ -544,7 +400,7 @@ class _Loose:
         stretch from `begin` to `end`, which is now taken; their indices."""
         taken, keys = self.taken, self.keys
         clash = []
-        for at in range(bisect.bisect_right(taken, begin, key=_END), len(taken)):
+        for at in range(bisect.bisect_right(taken, begin, key=END), len(taken)):
             entry = taken[at]
             if entry[0] >= end:
                 break
@@ -557,73 +413,21 @@ class _Loose:
         return {entry[2] for entry in clash}
 
 
-def _sweep(
-    orders: list[list[_Op]],
-    phase: int,
-    move: Callable[[_Op, list[tuple[float, float]], int], None],
-) -> list[list[tuple[float, float]]]:
-    """Visit the ops of `phase` (all but the steady state's for STEADY) in time order,
-    each with its rank's `busy` intervals: the rank's ops before it in `orders`, where
-    they are then. `move(op, busy, place in orders)` may move it; then it joins `busy`.
-    The ops not visited join `busy` as the walk passes them. Each rank's `busy` at the
-    end holds all its ops."""
-    visit = [
-        (op, at)
-        for order in orders
-        for at, op in enumerate(order)
-        if (op.phase != STEADY if phase == STEADY else op.phase == phase)
-    ]
-    visit.sort(key=lambda visited: _KEY(visited[0]))
-    busy: list[list[tuple[float, float]]] = [[] for _ in orders]
-    passed = [0] * len(orders)
-    for op, at in visit:
-        _join(busy[op.rank], orders[op.rank][passed[op.rank] : at])
-        move(op, busy[op.rank], at)
-        _join(busy[op.rank], (op,))
-        passed[op.rank] = at + 1
-    for rank, order in enumerate(orders):
-        _join(busy[rank], order[passed[rank] :])
-    return busy
-
-
-def _join(busy: list[tuple[float, float]], ops: Sequence[_Op]) -> None:
-    """Add the intervals of `ops`, in time order, to `busy`, keeping it sorted."""
-    intervals = [(op.start, op.end) for op in ops]
-    if not busy or (intervals and busy[-1] <= intervals[0]):
-        busy.extend(intervals)  # the common case, as insort would leave them
-        return
-    for interval in intervals:
-        bisect.insort(busy, interval)
-
-
-def _move(line: _Line, op: _Op, busy: list[tuple[float, float]]) -> None:
-    """Move `op` to the earliest idle stretch before its start, among the `busy` ops
-    visited before it, where its rank's memory stays within bounds (only a forward moved
-    earlier holds more than before). The rank's `line` is settled to the result."""
-    own = op.start
-    check = op.action.kind is Kind.F
-    for start in _idle(busy, op.ready(), op.length, own):
-        op.place(start)
-        if line.settle(start, own, check):
-            return
-    op.place(own)
-
-
 def _move_loose(
-    line: _Line,
-    op: _Op,
+    line: Line,
+    op: Op,
     busy: list[tuple[float, float]],
     loose: _Loose,
     waiting: list[tuple[_Loose, int]],
 ) -> None:
-    """`_move` in step 3, on a rank with loose W's taken out: at each try they are put
+    """`move` in step 3, on a rank with loose W's taken out: at each try they are put
     back (`_Loose.shift`), and a move is kept only if the rank's memory stays within
     bounds, from its start (or the earliest ready of a W, if earlier) to the end."""
     if loose.stale:
         loose.refresh(line)
     own = op.start
     mine = [i for state, i in waiting if state is loose]
-    for start in _idle(busy, op.ready(), op.length, own):
+    for start in idle(busy, op.ready(), op.length, own):
         op.place(start)
         lo, hi = loose.shift(op, own, mine)
         floor = min([loose.floor] + [loose.keys[i][0] for i in mine])
@@ -636,7 +440,7 @@ def _move_loose(
         op.place(own)
 
 
-def _put_back(ws: Sequence[_Op], busy: list[tuple[float, float]]) -> None:
+def _put_back(ws: Sequence[Op], busy: list[tuple[float, float]]) -> None:
     """The W's taken out of one rank, in the order their inputs are ready, each into the
     earliest idle stretch after them that holds it, among the rank's other ops (`busy`,
     by start) and the W's put back before it."""
@@ -644,41 +448,7 @@ def _put_back(ws: Sequence[_Op], busy: list[tuple[float, float]]) -> None:
         return
     ready = sorted((w.ready(), w.seq, w) for w in ws)
     # Nothing that ends before the first W is ready can be in its way.
-    taken = busy[bisect.bisect_right(busy, ready[0][0], key=_END) :]
+    taken = busy[bisect.bisect_right(busy, ready[0][0], key=END) :]
     for at, _, w in ready:
-        w.place(_first_idle(taken, at, w.length))
+        w.place(first_idle(taken, at, w.length))
         bisect.insort(taken, (w.start, w.end))
-
-
-def _idle(
-    busy: list[tuple[float, float]], ready: float, length: float, before: float
-) -> Iterable[float]:
-    """The starts, earliest first and before `before`, of the idle stretches between
-    the `busy` intervals that begin at `ready` or later and hold `length`. The last
-    stretch runs on after the last busy interval."""
-    at = ready
-    first = bisect.bisect_right(busy, ready, key=_END)
-    for begin, end in _tail(busy, first):
-        if at >= before:
-            return
-        if begin >= at + length:
-            yield at
-        at = max(at, end)
-    if at < before:
-        yield at
-
-
-def _first_idle(busy: list[tuple[float, float]], ready: float, length: float) -> float:
-    """The first start `_idle` gives with no bound: the earliest idle stretch among the
-    `busy` intervals that begins at `ready` or later and holds `length`."""
-    at = ready
-    for begin, end in _tail(busy, bisect.bisect_right(busy, ready, key=_END)):
-        if begin >= at + length:
-            return at
-        at = max(at, end)
-    return at
-
-
-def _tail(items: list[_T], first: int) -> Iterator[_T]:
-    """The items from `first` on, without stepping over those before (as `islice` does)."""
-    return map(items.__getitem__, range(first, len(items)))
