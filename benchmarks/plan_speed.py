@@ -32,8 +32,9 @@ from datetime import UTC, datetime
 
 import torch
 
+from pipelang.planner.plans import Inputs
 from pipelang.planner.profile import LayerCost, Profile
-from pipelang.planner.search import Inputs, Planner
+from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology
 
 try:

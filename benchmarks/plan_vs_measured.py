@@ -60,8 +60,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipelang.planner.calibrate import calibrate
+from pipelang.planner.plans import Inputs, Plan
 from pipelang.planner.profile import Profile, ProfileOptions, measure
-from pipelang.planner.search import Inputs, Plan, Planner
+from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology
 from pipelang.planner.write import plan_source
 

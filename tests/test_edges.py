@@ -115,8 +115,9 @@ def test_a_profile_past_its_limits_is_one_error(tmp_path: Path, layers: str, mes
 def test_the_plan_search_stops_at_its_time_budget() -> None:
     """A budget shorter than one candidate's screening leaves candidates out for time,
     said as such, instead of running past it."""
+    from pipelang.planner.plans import Inputs
     from pipelang.planner.profile import LayerCost, Profile
-    from pipelang.planner.search import Inputs, Planner
+    from pipelang.planner.search import Planner
     from pipelang.planner.topology import Link, Topology
 
     layers = tuple(LayerCost(f"l{i}", 1.0, 1.0, 1.0, 1e3, 1e3, 1e2) for i in range(256))

@@ -23,6 +23,7 @@ from pipelang.ir import CostModel, Program
 from pipelang.planner.calibrate import WARMUP_STEPS, TraceEvent, runtime_costs
 from pipelang.planner.mapping import map_ranks
 from pipelang.planner.partition import best_partition
+from pipelang.planner.plans import Candidate, Inputs, Plan, candidates, lopsided
 from pipelang.planner.profile import (
     LayerCost,
     Profile,
@@ -30,7 +31,7 @@ from pipelang.planner.profile import (
     load_profile,
     profile_from_dict,
 )
-from pipelang.planner.search import Candidate, Inputs, Plan, Planner, candidates, lopsided
+from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
 from pipelang.planner.write import plan_source

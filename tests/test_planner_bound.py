@@ -18,7 +18,8 @@ from pipelang.ir import CostModel
 from pipelang.passes.layout import schedule_layout
 from pipelang.planner.bound import iteration_bound
 from pipelang.planner.families import FAMILIES
-from pipelang.planner.search import Inputs, Planner, _with_costs
+from pipelang.planner.plans import Inputs
+from pipelang.planner.search import Planner, _with_costs
 from pipelang.simulate import simulate
 from tests.test_planner import make_profile
 

@@ -24,8 +24,9 @@ from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.runtime import RankRuntime
+from pipelang.planner.plans import Inputs
 from pipelang.planner.profile import LayerCost, Profile
-from pipelang.planner.search import Inputs, Planner
+from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology
 
 MODEL = "pipelang.planner.demo:unbalanced"

@@ -103,8 +103,9 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipelang.planner.plans import Inputs
     from pipelang.planner.profile import load_profile
-    from pipelang.planner.search import Inputs, Planner
+    from pipelang.planner.search import Planner
     from pipelang.planner.topology import load_topology
     from pipelang.planner.write import plan_source
 
@@ -212,7 +213,8 @@ def _print_how_to_run(best: Any, size: int, args: argparse.Namespace) -> None:
 
 
 def _print_tables(result: object, planner: object, top: int, show_all: bool) -> None:
-    from pipelang.planner.search import Planner, SearchResult
+    from pipelang.planner.plans import SearchResult
+    from pipelang.planner.search import Planner
 
     assert isinstance(result, SearchResult) and isinstance(planner, Planner)
     inputs = planner.inputs
@@ -278,7 +280,7 @@ def _print_tables(result: object, planner: object, top: int, show_all: bool) -> 
 
 
 def _as_json(result: object) -> dict[str, object]:
-    from pipelang.planner.search import SearchResult
+    from pipelang.planner.plans import SearchResult
 
     assert isinstance(result, SearchResult)
     return {

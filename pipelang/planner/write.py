@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 
 from pipelang import __version__, api
-from pipelang.planner.search import Plan, Planner
+from pipelang.planner.plans import Plan
+from pipelang.planner.search import Planner
 from pipelang.planner.units import format_bytes
 from pipelang.source import one_line
 
