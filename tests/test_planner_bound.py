@@ -18,8 +18,9 @@ from pipelang.ir import CostModel
 from pipelang.passes.layout import schedule_layout
 from pipelang.planner.bound import iteration_bound
 from pipelang.planner.families import FAMILIES
+from pipelang.planner.model import PlanModel, with_costs
 from pipelang.planner.plans import Inputs
-from pipelang.planner.search import Planner, _with_costs
+from pipelang.planner.search import Planner
 from pipelang.simulate import simulate
 from tests.test_planner import make_profile
 
@@ -37,7 +38,7 @@ def simulated(name: str, params: dict[str, str], costs: list[tuple[float, float,
         entries += [("F", stage, f), ("B", stage, b), ("W", stage, w), ("R", stage, f)]
     model = CostModel().merged(CostModel(tuple(entries)))
     # A greedy or squeezed order is expanded under the costs it runs with.
-    compiled = run_passes(_with_costs(api.load_file(name), model), Options(params), "validate")
+    compiled = run_passes(with_costs(api.load_file(name), model), Options(params), "validate")
     assert compiled.graph is not None
     return simulate(compiled.need_program(), compiled.graph, model).makespan
 
@@ -77,7 +78,7 @@ def test_the_bound_is_the_1f1b_formula_on_equal_stages(d: int, n: int) -> None:
 
 
 def without_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Planner, "bound", lambda self, candidate: 0.0)
+    monkeypatch.setattr(PlanModel, "bound", lambda self, candidate: 0.0)
 
 
 @pytest.mark.slow

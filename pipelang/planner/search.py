@@ -45,41 +45,26 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
-from pipelang import api, ast
-from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
-from pipelang.ir import Action, CostModel, Kind, Pipeline
-from pipelang.orders import Layout
-from pipelang.passes.layout import schedule_layout
 from pipelang.planner import budget
-from pipelang.planner.bound import iteration_bound
 from pipelang.planner.costs import (
-    OpCosts,
-    allreduce_end,
-    peak_memory,
     program_traffic,
-    stage_outputs,
-    stage_weights,
     sums,
 )
-from pipelang.planner.families import STATE_FACTOR, Params
+from pipelang.planner.families import Params
 from pipelang.planner.mapping import map_ranks
-from pipelang.planner.partition import best_partition
+from pipelang.planner.model import PlanModel
 from pipelang.planner.plans import (
-    FULL_OPS,
     Candidate,
     Inputs,
     Leaders,
     Plan,
-    Prediction,
     Rejected,
     SearchResult,
     candidates,
-    lopsided,
 )
 from pipelang.planner.topology import Topology
 from pipelang.planner.units import format_bytes
-from pipelang.simulate import simulate
 
 
 class Planner:
@@ -107,14 +92,12 @@ class Planner:
         self.refine_seconds = refine_seconds
         self.time_budget = time_budget
         self._screen_cost: dict[Candidate, list[tuple[float, float]]] = {}
-        self.costs = OpCosts(inputs.profile, inputs.optimizer)
-        """The cost model the search asks (planner/costs.py)."""
-        self._files: dict[str, ast.File] = {}
-        self._compiled: dict[Candidate, tuple[CostModel | None, Compilation]] = {}
-        """Each candidate's last compilation, and the costs its order was expanded under
-        (None when the order does not depend on them)."""
-        self._layouts: dict[Candidate, Layout | str] = {}
-        self._first_cuts: dict[int, tuple[int, ...]] = {}
+        self.model = PlanModel(inputs, dp, self.world)
+        """What the simulator says of a plan (planner/model.py)."""
+        self.costs = self.model.costs
+        self.predict = self.model.predict
+        self.bound = self.model.bound
+        self.plan_speeds = self.model.plan_speeds
         self.leaders = leaders or Leaders(exact_top)
 
     # ---- the whole search -------------------------------------------------------------
@@ -180,7 +163,7 @@ class Planner:
                 why = "not searched: the time budget ran out before its bound was taken"
                 rejected.append(Rejected(candidate, why, time=True))
             else:
-                bounds[candidate] = self.bound(candidate)
+                bounds[candidate] = self.model.bound(candidate)
         listed = sorted(bounds, key=bounds.__getitem__)
         for done, candidate in enumerate(listed):
             if progress is not None:
@@ -194,7 +177,7 @@ class Planner:
                 rejected.append(Rejected(candidate, why))
                 continue
             family = (candidate.schedule, candidate.params[2:])
-            ops = self._ops(candidate, sum(self._probe_sizes(candidate)))
+            ops = self._ops(candidate, sum(self.model.probe_sizes(candidate)))
             estimate = _scaled(costs.get(family, []), ops)
             if time.perf_counter() + estimate > deadline:
                 why = f"not searched: screening would take about {estimate:.0f} s, past the"
@@ -235,15 +218,19 @@ class Planner:
             refined = self.refine(plan, min(deadline, time.perf_counter() + share))
             full_ops = self._ops(plan.candidate, self.inputs.micro_batches)
             estimate = _scaled(self._screen_cost.get(plan.candidate, []), full_ops)
-            if refined.exact and self._cost_dependent(refined.candidate):
+            if refined.exact and self.model.cost_dependent(refined.candidate):
                 # The order expanded again under the costs of the plan's own partition
                 # and devices, as the written plan's will be (screening reused the
                 # order expanded for the first cut).
-                refined = self.predict(refined.candidate, refined.partition, refined.devices, True)
+                refined = self.model.predict(
+                    refined.candidate, refined.partition, refined.devices, True
+                )
             if refined.exact or time.perf_counter() + estimate > deadline:
                 final.append(refined)
                 continue
-            exact = self.predict(refined.candidate, refined.partition, refined.devices, full=True)
+            exact = self.model.predict(
+                refined.candidate, refined.partition, refined.devices, full=True
+            )
             if self.fits(exact) is None:
                 final.append(exact)
             else:
@@ -290,11 +277,11 @@ class Planner:
             world=self.inputs.topology,
             leaders=self.leaders,
         )
-        planner._files = self._files  # the parsed stdlib files
+        planner.model.files = self.model.files  # the parsed stdlib files
         return planner
 
     def _ops(self, candidate: Candidate, micro_batches: int) -> float:
-        return float(micro_batches * candidate.stages * (3 if self._split_w(candidate) else 2))
+        return float(micro_batches * candidate.stages * (3 if self.model.split_w(candidate) else 2))
 
     def fits(self, plan: Plan) -> str | None:
         """None when every rank's peak is under its device's cap, else the reason."""
@@ -317,16 +304,16 @@ class Planner:
             return Rejected(
                 candidate, f"{candidate.stages} stages but the model has only {layers} layers"
             )
-        problem = self._require(candidate)
+        problem = self.model.require(candidate)
         if problem is not None:
             return Rejected(candidate, problem)
         try:
             # Cut without transfers first: a greedy order needs costs to be expanded, and
             # the mapping needs the expanded program's traffic.
-            counts = self._first_cut(candidate.stages)
-            n = self._probe_sizes(candidate)[-1]
-            costs = self.costs.cost_model(counts, self._split_w(candidate))
-            probe = self._compile(candidate.with_n(n), costs, True).need_program()
+            counts = self.model.first_cut(candidate.stages)
+            n = self.model.probe_sizes(candidate)[-1]
+            costs = self.costs.cost_model(counts, self.model.split_w(candidate))
+            probe = self.model.compiled(candidate.with_n(n), costs, True).need_program()
             traffic = program_traffic(probe, self.inputs.profile, counts, self.inputs.micro_batches)
             topology = self.inputs.topology
             every = self._every_mapping(candidate)
@@ -338,18 +325,22 @@ class Planner:
                     tried = [
                         (counts, devices)
                         for devices in every
-                        for cut in [self._cut(candidate, probe.pipelines, devices)]
+                        for cut in [self.model.cut(candidate, probe.pipelines, devices)]
                         for counts in (cut, *_neighbours(cut, sums(self.costs.layer_time, cut)))
                     ]
-                plans = [self.predict(candidate, c, d, False, False) for c, d in tried]
+                plans = [self.model.predict(candidate, c, d, False, False) for c, d in tried]
                 return min(plans, key=lambda plan: (self.fits(plan) is not None, plan.time_ms))
             mappings = {map_ranks(traffic, candidate.ranks, topology)}
             if topology.speeds and candidate.ranks < topology.size:
                 # A slower device on a faster link may win: the simulator judges.
                 mappings.add(map_ranks(traffic, candidate.ranks, topology, links_first=True))
             plans = [
-                self.predict(
-                    candidate, self._cut(candidate, probe.pipelines, devices), devices, False, False
+                self.model.predict(
+                    candidate,
+                    self.model.cut(candidate, probe.pipelines, devices),
+                    devices,
+                    False,
+                    False,
                 )
                 for devices in sorted(mappings)
             ]
@@ -391,7 +382,9 @@ class Planner:
                 if tries >= self.refine_steps or time.perf_counter() > deadline:
                     return best
                 tries += 1
-                trial = self.predict(plan.candidate, counts, devices, plan.exact, reorder=False)
+                trial = self.model.predict(
+                    plan.candidate, counts, devices, plan.exact, reorder=False
+                )
                 if trial.time_ms < best.time_ms - 1e-9 and self.fits(trial) is None:
                     best, improved = trial, True
                     break
@@ -411,244 +404,12 @@ class Planner:
         topology = self.inputs.topology
         if not topology.speeds:
             return
-        pipelines = self._pipelines(plan.candidate)
+        pipelines = self.model.pipelines(plan.candidate)
         for devices in _mapping_moves(plan.devices, topology):
-            counts = self._cut(plan.candidate, pipelines, devices)
+            counts = self.model.cut(plan.candidate, pipelines, devices)
             yield counts, devices
             for moved in _neighbours(counts, sums(self.costs.layer_time, counts)):
                 yield moved, devices
-
-    def predict(
-        self,
-        candidate: Candidate,
-        counts: Sequence[int],
-        devices: Sequence[int],
-        full: bool,
-        reorder: bool = True,
-    ) -> Plan:
-        """What the simulator says of this partition and mapping: at N when `full` or
-        small enough, else extrapolated from the two probe sizes."""
-        sizes = self._probe_sizes(candidate)
-        if full:
-            sizes = [self.inputs.micro_batches]
-        runs = [(n, self._simulate(candidate.with_n(n), counts, devices, reorder)) for n in sizes]
-        n_b, last = runs[-1]
-        big_n = self.inputs.micro_batches
-        if len(runs) == 1:
-            time_ms, memory = last.time_ms, last.memory
-        else:
-            n_a, first = runs[0]
-            slope = (last.time_ms - first.time_ms) / (n_b - n_a)
-            time_ms = last.time_ms + (big_n - n_b) * slope
-            memory = [
-                max(b, b + (big_n - n_b) * (b - a) / (n_b - n_a))
-                for a, b in zip(first.memory, last.memory, strict=True)
-            ]
-        busy = last.busy_ms * big_n / n_b
-        bubble = 1 - busy / (candidate.ranks * time_ms) if time_ms > 0 else 0.0
-        mean = sum(last.transfers) / len(last.transfers) if last.transfers else 0.0
-        split_w = self._split_w(candidate)
-        return Plan(
-            candidate,
-            tuple(counts),
-            tuple(devices),
-            time_ms,
-            bubble,
-            tuple(memory),
-            exact=len(runs) == 1,
-            split_w=split_w,
-            transfer_ms=mean,
-            lopsided=lopsided(self.costs.stage_costs(counts, split_w)),
-        )
-
-    # ---- helpers ----------------------------------------------------------------------
-
-    def _file(self, name: str) -> ast.File:
-        if name not in self._files:
-            self._files[name] = api.load_file(name)
-        return self._files[name]
-
-    def _split_w(self, candidate: Candidate) -> bool:
-        """Whether the schedule splits the weight gradient off the backward (`ops` has W)."""
-        body = self._file(candidate.schedule).schedule.body
-        return any(isinstance(d, ast.Ops) and "W" in d.kinds for d in body)
-
-    def _cost_dependent(self, candidate: Candidate) -> bool:
-        """Whether the schedule's order depends on the costs (greedy, or squeezed)."""
-        return any(
-            isinstance(d, ast.OrderGreedy) or (isinstance(d, ast.OrderRepeat) and d.squeeze)
-            for d in self._file(candidate.schedule).schedule.body
-        )
-
-    def _require(self, candidate: Candidate) -> str | None:
-        """The message of the first `require` that fails at these parameters (or of the
-        first error in the schedule's declarations), if any."""
-        layout = self._layout(candidate)
-        return layout if isinstance(layout, str) else None
-
-    def _layout(self, candidate: Candidate) -> Layout | str:
-        """The candidate's declarations evaluated (its order not run), or why they fail."""
-        if candidate not in self._layouts:
-            file = self._file(candidate.schedule)
-            try:
-                params = run_passes(file, _options(candidate), "resolve-params").params
-                assert params is not None
-                self._layouts[candidate] = schedule_layout(file, params, PLANNER_MAX_OPS)
-            except PipelangError as err:
-                self._layouts[candidate] = err.diagnostics[0].message
-        return self._layouts[candidate]
-
-    def _first_cut(self, stages: int) -> tuple[int, ...]:
-        """The DP's partition without transfers (at every device's speed 1)."""
-        if stages not in self._first_cuts:
-            layers = self.costs.layer_time
-            self._first_cuts[stages] = best_partition(
-                layers, stages, self.inputs.micro_batches
-            ).counts
-        return self._first_cuts[stages]
-
-    def bound(self, candidate: Candidate) -> float:
-        """A lower bound on the candidate's iteration (`bound.py`) at the DP's first
-        cut, every stage at the fastest device's speed, transfers free; 0 when its
-        declarations fail (`screen` then says why)."""
-        layout = self._layout(candidate)
-        if isinstance(layout, str) or candidate.stages > len(self.costs.layer_time):
-            return 0.0
-        topology = self.inputs.topology
-        fastest = max(topology.speed_of(d) for d in range(topology.size))
-        stage_costs = self.costs.stage_costs(
-            self._first_cut(candidate.stages),
-            self._split_w(candidate),
-            _crossing(layout.pipelines),
-            [fastest] * candidate.stages,
-        )
-        return iteration_bound(layout, stage_costs)
-
-    def _probe_sizes(self, candidate: Candidate) -> list[int]:
-        big_n = self.inputs.micro_batches
-        if big_n * candidate.stages * 3 <= FULL_OPS:
-            return [big_n]
-        for base in (candidate.ranks, 2 * candidate.ranks, 4 * candidate.ranks):
-            valid = 2 * base < big_n and self._require(candidate.with_n(base)) is None
-            if valid and self._require(candidate.with_n(2 * base)) is None:
-                return [base, 2 * base]
-        return [big_n]
-
-    def _compile(
-        self, candidate: Candidate, costs: CostModel | None = None, reorder: bool = False
-    ) -> Compilation:
-        """The schedule expanded and validated at these parameters (its program and op
-        graph), kept for reuse. A greedy or squeezed order depends on the costs: with
-        `reorder` it is expanded again under `costs` unless it already was (the local
-        search reuses the order found for the partition it starts from)."""
-        file = self._file(candidate.schedule)
-        depends = self._cost_dependent(candidate)
-        if candidate in self._compiled:
-            under, compiled = self._compiled[candidate]
-            if not (depends and reorder) or under == costs:
-                return compiled
-        if depends and costs is not None:
-            file = _with_costs(file, costs)
-        compiled = run_passes(file, _options(candidate), "validate")
-        self._compiled[candidate] = (costs if depends else None, compiled)
-        return compiled
-
-    def _cut(
-        self, candidate: Candidate, pipelines: Sequence[Pipeline], devices: Sequence[int]
-    ) -> tuple[int, ...]:
-        """The DP partition, each boundary timed on the link between the devices of the
-        ranks that hold its two stages in the first pipeline."""
-        placement = pipelines[0].placement
-        topology = self.inputs.topology
-        outputs = [c.output_bytes for c in self.inputs.profile.layers]
-
-        host = self.costs.runtime
-        per_message = 0.0
-        if host is not None:
-            per_message = host.message_ms + host.send_ms + host.recv_ms + 2 * host.action_ms
-
-        def cut(boundary: int, before: int) -> float:
-            a, b = devices[placement[boundary]], devices[placement[boundary + 1]]
-            if a == b:
-                return 0.0
-            return topology.link(a, b).seconds(outputs[before - 1]) * 1e3 + per_message
-
-        split = best_partition(
-            self.costs.layer_time,
-            candidate.stages,
-            self.inputs.micro_batches,
-            cut,
-            speeds=self._stage_speeds(pipelines, devices),
-        )
-        return split.counts
-
-    def plan_speeds(self, plan: Plan) -> list[float] | None:
-        """Each stage's device speed in `plan` (`_stage_speeds`); None on a topology of
-        one speed."""
-        return self._stage_speeds(self._pipelines(plan.candidate), plan.devices)
-
-    def _pipelines(self, candidate: Candidate) -> tuple[Pipeline, ...]:
-        """The candidate's pipelines (which rank holds each stage), from its layout."""
-        layout = self._layout(candidate)
-        assert not isinstance(layout, str), layout
-        return layout.pipelines
-
-    def _stage_speeds(
-        self, pipelines: Sequence[Pipeline], devices: Sequence[int]
-    ) -> list[float] | None:
-        """Each stage's speed: that of the slowest device holding a copy of it (a stage's
-        cost is one per stage, for all its replicas); None on a topology of one speed."""
-        topology = self.inputs.topology
-        if not topology.speeds:
-            return None
-        return [
-            min(topology.speed_of(devices[p.placement[stage]]) for p in pipelines)
-            for stage in range(len(pipelines[0].placement))
-        ]
-
-    def _simulate(
-        self, candidate: Candidate, counts: Sequence[int], devices: Sequence[int], reorder: bool
-    ) -> Prediction:
-        split_w = self._split_w(candidate)
-        pipelines = self._pipelines(candidate)
-        speeds = self._stage_speeds(pipelines, devices)
-        costs = self.costs.cost_model(counts, split_w, _crossing(pipelines), speeds)
-        # A greedy order is expanded under the costs simulated: device speeds, host costs.
-        compiled = self._compile(candidate, costs, reorder)
-        program, graph = compiled.need_program(), compiled.graph
-        assert graph is not None
-        topology = self.inputs.topology
-        outputs = stage_outputs(self.inputs.profile, counts)
-        cache: dict[tuple[Kind, int, int, int], float] = {}
-        transfers: list[float] = []
-        message = self.costs.runtime.message_ms if self.costs.runtime is not None else 0.0
-
-        def link(op: Action, src: int, dst: int) -> float:
-            key = (op.kind, op.stage or 0, src, dst)
-            if key not in cache:
-                boundary = op.stage if op.kind is Kind.F else (op.stage or 0) - 1
-                size = outputs[boundary] if boundary is not None and boundary >= 0 else 0.0
-                seconds = topology.link(devices[src], devices[dst]).seconds(size)
-                cache[key] = seconds * 1e3 + message
-                transfers.append(cache[key])
-            return cache[key]
-
-        timeline = simulate(program, graph, costs, link)
-        weights = stage_weights(self.inputs.profile, counts)
-        synced = allreduce_end(
-            program, timeline.events, weights, devices, self.world, copies=self.dp
-        )
-        busy = sum(timeline.busy(r) for r in range(program.num_ranks))
-        factor = STATE_FACTOR[self.inputs.optimizer]
-        memory = peak_memory(program, self.inputs.profile, counts, factor)
-        # Each rank's optimizer step runs after its last op and after the allreduces.
-        ends = [0.0] * program.num_ranks
-        for event in timeline.events:
-            ends[event.rank] = max(ends[event.rank], event.end)
-        speeds = [topology.speed_of(devices[rank]) for rank in range(program.num_ranks)]
-        steps = self.costs.step_ms(counts, program, speeds)
-        end = max(max(e, synced) + t for e, t in zip(ends, steps, strict=True))
-        return Prediction(end, busy, memory, transfers)
 
 
 def _scaled(seen: list[tuple[float, float]], ops: float) -> float:
@@ -662,33 +423,6 @@ def _scaled(seen: list[tuple[float, float]], ops: float) -> float:
         power = math.log(seen[1][1] / seen[0][1]) / math.log(seen[1][0] / seen[0][0])
         power = min(3.0, max(1.0, power))
     return seen[-1][1] * (ops / seen[-1][0]) ** power
-
-
-PLANNER_MAX_OPS = 4_000_000
-"""The op limit of the schedules the planner compiles. The user's `--max-ops` guards
-against a mistyped parameter; the planner picks its own sizes, and its time budget (not
-the op count) bounds its search: a 1024-device plan simulates 262,144-op Chimeras."""
-
-
-def _options(candidate: Candidate) -> Options:
-    return Options({k: str(v) for k, v in candidate.params}, max_ops=PLANNER_MAX_OPS)
-
-
-def _with_costs(file: ast.File, costs: CostModel) -> ast.File:
-    """The file with `costs` appended as a `cost` line (greedy orders replay them)."""
-    span = file.schedule.span
-    items = tuple(
-        ast.CostItem(span, kind, None if stage is None else ast.IntLit(span, stage), value)
-        for kind, stage, value in costs.entries
-    )
-    schedule = replace(file.schedule, body=(*file.schedule.body, ast.Cost(span, items)))
-    return replace(file, schedule=schedule)
-
-
-def _crossing(pipelines: Sequence[Pipeline]) -> list[bool]:
-    """Whether each stage boundary of the first pipeline joins two ranks."""
-    placement = pipelines[0].placement
-    return [placement[s] != placement[s + 1] for s in range(len(placement) - 1)]
 
 
 def _mapping_moves(devices: tuple[int, ...], topology: Topology) -> Iterable[tuple[int, ...]]:
