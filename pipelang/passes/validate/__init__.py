@@ -26,7 +26,8 @@ sender's order (E0307 checks that of lowered programs).
     error[E0306]: the schedule deadlocks: 5 ops wait on each other in a cycle
 
 The package, one module per kind of check: `order.py` (the listing and the order),
-`deadlock.py` (E0306), `evictions.py` (E0315, E0316), `memory.py` (E0308), and
+`deadlock.py` (E0306), `evictions.py` (E0315, E0316), `memory.py` (E0308), `problems.py`
+(many problems merged into one diagnostic), and
 `lowered.py` (E0307, for Program files read back: `read_lowered`).
 """
 
@@ -41,7 +42,7 @@ from pipelang.passes.validate.deadlock import describe_cycle, find_cycle
 from pipelang.passes.validate.evictions import check_evictions
 from pipelang.passes.validate.memory import check_memory
 from pipelang.passes.validate.order import (
-    collapse,
+    MANY,
     edges_of,
     listed_right,
     missing,
@@ -49,6 +50,7 @@ from pipelang.passes.validate.order import (
     order_problems_in,
     take_census,
 )
+from pipelang.passes.validate.problems import collapse
 from pipelang.weights import check_weights
 
 if TYPE_CHECKING:
@@ -60,11 +62,11 @@ def validate(program: Program, graph: OpGraph, max_activations: int | None) -> l
     `graph` is `program`'s (`build_dag.op_graph`)."""
     if listed_right(program, graph):
         out_of_order = order_problems(graph)
-        found = collapse(out_of_order)
+        found = collapse(out_of_order, MANY)
     else:
         census = take_census(program)
         out_of_order = order_problems_in(census)
-        found = collapse([*census.problems, *out_of_order]) + missing(program, census)
+        found = collapse([*census.problems, *out_of_order], MANY) + missing(program, census)
         found += check_evictions(program)  # a program with `E`/`L` is never listed right
     if not any(d.code in ("E0301", "E0302", "E0303", "E0315", "E0317") for d in found):
         cycle = find_cycle(graph, skip=edges_of(graph, out_of_order))

@@ -23,13 +23,12 @@ with exactly one `E` and one `L`, and the partner another rank of the schedule.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pipelang.diagnostics import Diagnostic, Label, label, merged
+from pipelang.diagnostics import Diagnostic, label
 from pipelang.ir import Action, Kind, Program
-from pipelang.source import Span
+from pipelang.passes.validate.problems import Problem, collapse
 
 if TYPE_CHECKING:
     pass
@@ -48,17 +47,6 @@ class _Stash:
     steps: dict[Kind, tuple[int, Action]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class _Problem:
-    code: str
-    what: str
-    """Problems with one `what`, code and span merge into one diagnostic."""
-    action: Action
-    message: str
-    help: str
-    labels: tuple[Label, ...] = ()
-
-
 def check_evictions(program: Program) -> list[Diagnostic]:
     """E0301, E0302, E0315, E0316 for the `E` and `L` actions of `program` (see the
     module docstring); empty when it has none or they are all well formed."""
@@ -66,10 +54,10 @@ def check_evictions(program: Program) -> list[Diagnostic]:
     if not stashes:
         return []
     owner = _owners(program)
-    problems: list[_Problem] = []
+    problems: list[Problem] = []
     for key, stash in stashes.items():
         problems += _check_one(program, owner.get((key[1], key[2])), stash)
-    return _collapse(problems)
+    return collapse(problems, _MANY)
 
 
 def _collect(program: Program) -> dict[Key, _Stash]:
@@ -101,7 +89,7 @@ def _owners(program: Program) -> dict[tuple[int | None, str | None], int]:
     return {(s, p.name): r for p in program.pipelines for s, r in enumerate(p.placement)}
 
 
-def _check_one(program: Program, owner: int | None, stash: _Stash) -> list[_Problem]:
+def _check_one(program: Program, owner: int | None, stash: _Stash) -> list[Problem]:
     problems = [
         _misplaced(action, rank, owner)
         for rank, _, action in (*stash.evicts, *stash.loads)
@@ -122,31 +110,33 @@ def _check_one(program: Program, owner: int | None, stash: _Stash) -> list[_Prob
     return _out_of_order(stash)
 
 
-def _misplaced(action: Action, rank: int, owner: int | None) -> _Problem:
+def _misplaced(action: Action, rank: int, owner: int | None) -> Problem:
     forward = Action(Kind.F, action.mb, action.stage, action.pipeline)
     where = "no rank" if owner is None else f"rank {owner}"
-    return _Problem(
+    return Problem(
         "E0301",
-        "misplaced",
         action,
+        -1,
         f"`{action}` is listed on rank {rank}, but `{forward}` keeps its activations on {where}",
         f"evict and load them on {where}, the rank that runs `{forward}`",
+        what="misplaced",
     )
 
 
-def _twice(first: tuple[int, int, Action], again: tuple[int, int, Action]) -> _Problem:
-    return _Problem(
+def _twice(first: tuple[int, int, Action], again: tuple[int, int, Action]) -> Problem:
+    return Problem(
         "E0302",
-        "twice",
         again[2],
+        -1,
         f"`{again[2]}` is listed twice: rank {first[0]} step {first[1]} "
         f"and rank {again[0]} step {again[1]}",
         "evict a forward's activations once, and load them back once",
         label(first[2].span, "first listed here"),
+        what="twice",
     )
 
 
-def _bad_partner(program: Program, rank: int, action: Action) -> _Problem | None:
+def _bad_partner(program: Program, rank: int, action: Action) -> Problem | None:
     peer = action.peer
     if peer is not None and peer != rank and 0 <= peer < program.num_ranks:
         return None
@@ -155,37 +145,40 @@ def _bad_partner(program: Program, rank: int, action: Action) -> _Problem | None
         if peer == rank
         else f"evicts to rank {peer}, but the ranks are 0..{program.num_ranks}"
     )
-    return _Problem(
+    return Problem(
         "E0316",
-        "partner",
         action,
+        -1,
         f"`{action}` {why}",
         "evict to another rank of the schedule, e.g. the partner `D - 1 - r`",
+        what="partner",
     )
 
 
-def _never_loaded(evict: Action) -> _Problem:
-    return _Problem(
+def _never_loaded(evict: Action) -> Problem:
+    return Problem(
         "E0315",
-        "never loaded",
         evict,
+        -1,
         f"`{evict}` is never loaded back",
         f"add `L({evict.mb})` before `B({evict.mb})` on this rank: the backward needs "
         "the activations",
+        what="never loaded",
     )
 
 
-def _never_evicted(load: Action) -> _Problem:
-    return _Problem(
+def _never_evicted(load: Action) -> Problem:
+    return Problem(
         "E0315",
-        "never evicted",
         load,
+        -1,
         f"`{load}` loads activations that no `E` evicted",
         f"remove it, or evict them first: `E({load.mb}) -> rank p` after `F({load.mb})`",
+        what="never evicted",
     )
 
 
-def _out_of_order(stash: _Stash) -> list[_Problem]:
+def _out_of_order(stash: _Stash) -> list[Problem]:
     """E before its F, L before its E, and an R or B of the forward before the L."""
     (_, evict_step, evict), (_, load_step, load) = stash.evicts[0], stash.loads[0]
     problems = []
@@ -201,25 +194,27 @@ def _out_of_order(stash: _Stash) -> list[_Problem]:
     return problems
 
 
-def _before(what: str, action: Action, other: Action, says: str) -> _Problem:
-    return _Problem(
+def _before(what: str, action: Action, other: Action, says: str) -> Problem:
+    return Problem(
         "E0315",
-        what,
         action,
+        -1,
         f"`{action}` {says} `{other}`",
         f"list `{other}` before `{action}`",
         label(other.span, "listed here"),
+        what=what,
     )
 
 
-def _too_late(load: Action, needer: Action) -> _Problem:
-    return _Problem(
+def _too_late(load: Action, needer: Action) -> Problem:
+    return Problem(
         "E0315",
-        "loaded late",
         load,
+        -1,
         f"`{load}` loads the activations back after `{needer}`, which needs them",
         f"list `{load}` before `{needer}`",
         label(needer.span, "needs the activations here"),
+        what="loaded late",
     )
 
 
@@ -233,23 +228,3 @@ _MANY = {
     "L before E": "loads come before their eviction",
     "loaded late": "loads come after the op that needs them",
 }
-
-
-def _collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
-    """One diagnostic per (code, kind of mistake, span): a loop makes one mistake many
-    times."""
-    groups: dict[tuple[str, str, Span | None], list[_Problem]] = defaultdict(list)
-    for p in problems:
-        groups[(p.code, p.what, p.action.span)].append(p)
-    return [
-        merged(
-            code,
-            span,
-            [p.message for p in group],
-            [p.action for p in group],
-            _MANY[what],
-            group[0].labels,
-            group[0].help,
-        )
-        for (code, what, span), group in groups.items()
-    ]

@@ -11,31 +11,12 @@ one diagnostic (`collapse`)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pipelang.diagnostics import Diagnostic, Label, label, listing, merged
+from pipelang.diagnostics import Diagnostic, label, listing
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
 from pipelang.passes.build_dag import Edge, Key, OpGraph, op_key
-from pipelang.source import Span
-
-if TYPE_CHECKING:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class _Problem:
-    """One op's problem; problems with one code and one span merge into one diagnostic.
-    An order problem also keeps its (needed, needer) pair of ops as `edge`."""
-
-    code: str
-    op: Action
-    rank: int
-    detail: str
-    help: str
-    labels: tuple[Label, ...] = ()
-    edge: tuple[Action, Action] | None = None
+from pipelang.passes.validate.problems import Problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +27,10 @@ class _Census:
 
     placed: dict[Key, tuple[int, int, Action]]
     misplaced: set[Key]
-    problems: list[_Problem]
+    problems: list[Problem]
 
 
-_MANY = {
+MANY = {  # what a merged diagnostic of many problems says, by code
     "E0301": "ops are listed on the wrong rank",
     "E0302": "ops are listed twice",
     "E0304": "backwards run before their forward",
@@ -59,25 +40,6 @@ _MANY = {
     "E0318": "forwards run before the frozen forward that makes their input",
     "E0320": "chunks of one micro-batch run out of order",
 }
-
-
-def collapse(problems: Iterable[_Problem]) -> list[Diagnostic]:
-    """One diagnostic per (code, span): a loop that makes many bad ops is one mistake."""
-    groups: dict[tuple[str, Span | None, int], list[_Problem]] = defaultdict(list)
-    for p in problems:
-        groups[(p.code, p.op.span, -1 if p.op.span else p.rank)].append(p)
-    return [
-        merged(
-            code,
-            span,
-            [p.detail for p in group],
-            [p.op for p in group],
-            _MANY[code],
-            group[0].labels,
-            group[0].help,
-        )
-        for (code, span, _), group in groups.items()
-    ]
 
 
 def listed_right(program: Program, graph: OpGraph) -> bool:
@@ -157,9 +119,9 @@ def take_census(program: Program) -> _Census:
     return _Census(placed, misplaced, problems)
 
 
-def _undeclared(action: Action, rank: int) -> _Problem:
+def _undeclared(action: Action, rank: int) -> Problem:
     kind = action.kind.value
-    return _Problem(
+    return Problem(
         "E0309",
         action,
         rank,
@@ -168,8 +130,8 @@ def _undeclared(action: Action, rank: int) -> _Problem:
     )
 
 
-def _not_a_holder(program: Program, action: Action, rank: int) -> _Problem:
-    return _Problem(
+def _not_a_holder(program: Program, action: Action, rank: int) -> Problem:
+    return Problem(
         "E0317",
         action,
         rank,
@@ -187,10 +149,10 @@ def _holders(program: Program) -> str:
 
 def _misplaced(
     program: Program, owner: dict[tuple[int | None, str | None], int], action: Action, rank: int
-) -> _Problem:
+) -> Problem:
     reason = _not_an_op(program, action)
     if reason is not None or action.stage is None or action.pipeline is None:
-        return _Problem(
+        return Problem(
             "E0301",
             action,
             rank,
@@ -198,7 +160,7 @@ def _misplaced(
             "remove it, or fix its micro-batch or stage",
         )
     right = owner[(action.stage, action.pipeline)]
-    return _Problem(
+    return Problem(
         "E0301",
         action,
         rank,
@@ -224,10 +186,10 @@ def _not_an_op(program: Program, action: Action) -> str | None:
     return None
 
 
-def _duplicate(first: tuple[int, int, Action], action: Action, rank: int, step: int) -> _Problem:
+def _duplicate(first: tuple[int, int, Action], action: Action, rank: int, step: int) -> Problem:
     first_rank, first_step, original = first
     labels = label(original.span, "first listed here")
-    return _Problem(
+    return Problem(
         "E0302",
         action,
         rank,
@@ -345,7 +307,7 @@ _ORDER_RULES = {
 """Keyed by (kind of the needed op, kind of the op that needs it)."""
 
 
-def order_problems(graph: OpGraph) -> list[_Problem]:
+def order_problems(graph: OpGraph) -> list[Problem]:
     """E0304, E0305: an op listed before an op of its own (micro-batch, stage) it needs:
     a `data` edge that points back up one rank's list. For a program that lists every
     op once, on its rank."""
@@ -357,7 +319,7 @@ def order_problems(graph: OpGraph) -> list[_Problem]:
     ]  # (one micro-batch, stage and pipeline: its chunks too, in order)
 
 
-def order_problems_in(census: _Census) -> list[_Problem]:
+def order_problems_in(census: _Census) -> list[Problem]:
     """`_order_problems` for any program: between the occurrences on the right rank."""
     problems = []
     placed = census.placed
@@ -383,10 +345,10 @@ _NEEDS = {
 """The kinds of the ops of its own (micro-batch, stage) that an op needs before it."""
 
 
-def _order_problem(needed: Action, needer: Action, rank: int) -> _Problem:
+def _order_problem(needed: Action, needer: Action, rank: int) -> Problem:
     rule = _ORDER_RULES[(needed.kind, needer.kind)]
     at, other = (needed, needer) if rule.at_needed else (needer, needed)
-    return _Problem(
+    return Problem(
         rule.code,
         at,
         rank,
@@ -397,7 +359,7 @@ def _order_problem(needed: Action, needer: Action, rank: int) -> _Problem:
     )
 
 
-def edges_of(graph: OpGraph, problems: list[_Problem]) -> frozenset[Edge]:
+def edges_of(graph: OpGraph, problems: list[Problem]) -> frozenset[Edge]:
     """The graph edges of order problems: already reported, so not a deadlock too."""
     edges = set()
     for problem in problems:
