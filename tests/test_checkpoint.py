@@ -9,31 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pipelang.cli import main
-from tests.runtime_helpers import run, stdlib
-
-
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP directory, read in this process."""
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {
-        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        for key, entry in metadata.items()
-        if isinstance(entry, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
+from tests.helpers import read_checkpoint, run, stdlib
 
 
 def losses(err: str) -> dict[int, float]:

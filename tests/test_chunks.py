@@ -23,9 +23,7 @@ from pipelang.codes import CODES
 from pipelang.compiler import SCHEDULE_DONE, Options, run_passes
 from pipelang.ir import Action, Chunks, CostModel, Kind, Program
 from pipelang.simulate import Timeline
-from tests.runtime_helpers import run, stdlib
-from tests.test_frozen import timeline
-from tests.test_stdlib_async import at, errors
+from tests.helpers import at, errors, run, stdlib, timeline
 
 
 def compiled(text: str, **params: int | bool) -> tuple[Program, Timeline]:

@@ -10,44 +10,18 @@ may hold a Python traceback, an `internal error`, or a path inside the installed
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
-import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-import pipelang
 from pipelang import api
-from pipelang.cli import main
 from pipelang.cli.app import COMMANDS
 from pipelang.codes import CODES
-from pipelang.parser import stdlib_dir
-
-PACKAGE = str(Path(pipelang.__file__).resolve().parent)
-STDLIB = str(stdlib_dir().resolve())
-
-GOOD = """\
-schedule good(D: int = 2, N: int = 2) {
-    pipeline main: stage s in 0..D -> rank s
-    microbatches 0..N -> main
-    order rank r { for i in 0..N { F(i) B(i) } }
-}
-"""
-
-
-def assert_clean(out: str, err: str) -> None:
-    for stream in (out, err):
-        assert "Traceback" not in stream
-        assert not re.search(r"^internal error:", stream, re.M)
-    assert PACKAGE not in err
-    assert STDLIB not in err
+from tests.helpers import GOOD, pipelang_cmd, run_in_process
 
 
 def cli(args: list[str], cwd: Path, real: bool) -> tuple[int, str, str]:
@@ -61,33 +35,6 @@ def cli(args: list[str], cwd: Path, real: bool) -> tuple[int, str, str]:
         return run_in_process(args)
     finally:
         os.chdir(here)
-
-
-def pipelang_cmd(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run `pipelang ARGS` as a user would, in `cwd`; check that the output is clean."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipelang.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        encoding="utf-8",
-        errors="replace",
-        timeout=timeout,
-        env={**os.environ, "COLUMNS": "100"},
-        check=False,
-    )
-    assert_clean(proc.stdout, proc.stderr)
-    return proc
-
-
-def run_in_process(args: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(args)
-        except SystemExit as exit_:
-            status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
-    assert_clean(out.getvalue(), err.getvalue())
-    return status, out.getvalue(), err.getvalue()
 
 
 # ---- exit status ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import pipelang
-from tests.test_cli import GOOD, run_in_process
+from tests.helpers import GOOD, run_in_process
 
 # ---- text from inputs in written files ----------------------------------------------------
 

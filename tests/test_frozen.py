@@ -12,17 +12,14 @@ makespan the 1f1b tests check against GPipe's paper formula); no placement of P 
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from pipelang import api
-from pipelang.compiler import SCHEDULE_DONE, Options, run_passes
 from pipelang.ir import Kind, Program
-from pipelang.simulate import Timeline, simulate
-from tests.runtime_helpers import run, stdlib
-from tests.test_stdlib_async import at, errors
+from pipelang.simulate import Timeline
+from tests.helpers import at, errors, run, stdlib, timeline
 
 GREEDY = """\
 schedule t(D: int = 4, N: int = 8, h: int = 2) {{
@@ -33,17 +30,6 @@ schedule t(D: int = 4, N: int = 8, h: int = 2) {{
     order greedy {{ prefer B, F  priority mb  cap D - rank }}
 }}
 """
-
-
-def timeline(text: str, **params: int | bool) -> Timeline:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "t.pipe"
-        path.write_text(text)
-        options = Options({k: str(v).lower() for k, v in params.items()})
-        done = run_passes(api.load_file(str(path)), options, SCHEDULE_DONE)
-    program, graph = done.need_program(), done.graph
-    assert graph is not None
-    return simulate(program, graph, program.costs)
 
 
 def diffusionpipe(p: float, **params: int | bool) -> Timeline:

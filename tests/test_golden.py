@@ -9,28 +9,15 @@ review the diff before committing.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import shlex
 from pathlib import Path
 
 import pytest
 
-from pipelang.cli import main
+from tests.helpers import run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.pipe"))
-
-
-def run_cli(args: list[str]) -> tuple[int, str, str]:
-    """Run `pipelang ARGS` in this process; returns (status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(args)
-        except SystemExit as exit_:
-            status = int(exit_.code or 0)
-    return status, out.getvalue(), err.getvalue()
 
 
 def transcript(path: Path) -> str:
@@ -45,7 +32,7 @@ def transcript(path: Path) -> str:
     for run in runs:
         argv = shlex.split(run.replace("%s", relative))
         assert argv[0] == "pipelang"
-        status, out, err = run_cli(argv[1:])
+        status, out, err = run_in_process(argv[1:])
         parts.append(f"$ {run}\n[exit {status}]\n{out}{err}")
     return "\n".join(parts)
 

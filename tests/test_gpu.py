@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import run, stdlib
+
+from tests.helpers import run, stdlib
 
 pytestmark = [
     pytest.mark.gpu,
@@ -152,7 +153,7 @@ def test_a_plan_from_this_gpus_profile_runs_on_it(tmp_path: Path) -> None:
     """Issue 20's GPU topology example, end to end: profile `gpt:small` on this GPU,
     plan it for a node of two GPUs of this kind (no note that the profile is from
     another kind), and run the written plan on the local backend against one process."""
-    from tests.test_cli import pipelang_cmd
+    from tests.helpers import pipelang_cmd
 
     proc = pipelang_cmd(
         "profile", "--model", "gpt:small", "--device", "cuda", "--repeats", "3",

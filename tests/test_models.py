@@ -19,7 +19,7 @@ from pipelang.backends.models import (
     plan_stages,
     rotary,
 )
-from tests.runtime_helpers import run, stdlib
+from tests.helpers import run, stdlib
 
 
 def test_rmsnorm_is_torchs() -> None:

@@ -25,7 +25,6 @@ from pipelang.planner.mapping import map_ranks
 from pipelang.planner.partition import best_partition
 from pipelang.planner.plans import Candidate, Inputs, Plan, candidates, lopsided
 from pipelang.planner.profile import (
-    LayerCost,
     Profile,
     RuntimeCosts,
     load_profile,
@@ -35,8 +34,7 @@ from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
 from pipelang.planner.write import plan_source
-from tests.helpers import replay
-from tests.test_cli import pipelang_cmd
+from tests.helpers import make_profile, pipelang_cmd, replay
 
 MiB = 2**20
 
@@ -57,25 +55,6 @@ def uniform_topology(size: int, memory: float = 1e12, link: Link | None = None) 
         (memory,) * size,
         tuple(tuple(None if a == b else link for b in range(size)) for a in range(size)),
     )
-
-
-def make_profile(
-    forward: list[float], backward: list[float] | None = None, **sizes: float
-) -> Profile:
-    backward = backward or [2 * f for f in forward]
-    layers = tuple(
-        LayerCost(
-            f"l{i}",
-            f,
-            b,
-            0.0,
-            sizes.get("activation", 1e6),
-            sizes.get("weight", 1e6),
-            sizes.get("output", 1e5),
-        )
-        for i, (f, b) in enumerate(zip(forward, backward, strict=True))
-    )
-    return Profile("synthetic", "cpu", "float32", 1, 1, layers)
 
 
 # ---- the DP ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pipelang.planner.model import PlanModel, with_costs
 from pipelang.planner.plans import Inputs
 from pipelang.planner.search import Planner
 from pipelang.simulate import simulate
-from tests.test_planner import make_profile
+from tests.helpers import make_profile
 
 
 def layout_of(name: str, params: dict[str, str]):  # type: ignore[no-untyped-def]

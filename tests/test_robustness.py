@@ -15,7 +15,7 @@ from pipelang.export import to_json
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.build_dag import op_graph
 from pipelang.simulate import simulate
-from tests.test_cli import GOOD, run_in_process
+from tests.helpers import GOOD, run_in_process
 
 
 def strict(text: str) -> object:

@@ -4,7 +4,7 @@ faults stop every rank with one clear message, and codegen output is stable.
 Runs on the CPU with gloo (one process per rank) unless a test says otherwise. Programs
 are compiled stdlib schedules (`pipelang.api.load_program`); the few shapes the stdlib
 lacks (recompute, a backward split without reordering) are built by hand with
-tests/runtime_helpers.py.
+tests/helpers.py (`lowered_by_hand`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import one_f_one_b, program_from_dump
-from runtime_helpers import host_op, run, stdlib, with_comms
 
 from pipelang import memory
 from pipelang.backends import codegen
@@ -31,6 +30,7 @@ from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.runtime import RankRuntime
 from pipelang.ir import Action, Kind, Program
+from tests.helpers import host_op, lowered_by_hand, run, stdlib
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "codegen_1f1b_D2_N2_rank0.expected"
@@ -93,7 +93,7 @@ def test_recompute_passes_check(capsys: pytest.CaptureFixture[str]) -> None:
         + " ".join(f"R{i}@{r}/main B{i}@{r}/main" for i in range(2))
         for r in range(2)
     ]
-    recompute = with_comms(program_from_dump(lines, kinds="FBR"))
+    recompute = lowered_by_hand(program_from_dump(lines, kinds="FBR"))
     assert run(recompute, "--check", "--backend", "local") == 0
     assert "check OK" in capsys.readouterr().out
 
@@ -102,8 +102,8 @@ def test_split_backward_equals_full_backward_bitwise() -> None:
     """B (input grad) then W (weight grad) gives exactly the full backward's weights."""
     config = RunConfig(steps=2, check=True)
     lines = one_f_one_b(2, 4)
-    full = with_comms(program_from_dump(lines))
-    split = with_comms(
+    full = lowered_by_hand(program_from_dump(lines))
+    split = lowered_by_hand(
         program_from_dump(
             [
                 " ".join(

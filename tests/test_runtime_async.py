@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import run, stdlib
 from torch import nn
 
 from pipelang.api import load_program
@@ -35,6 +34,7 @@ from pipelang.backends.reference import compare, train_reference
 from pipelang.backends.report import Outcome
 from pipelang.ir import Program, WeightPolicy
 from pipelang.weights import weight_versions
+from tests.helpers import run, stdlib
 
 SCHEDULES = ("pipedream", "pipedream-2bw", "pipemare")
 N = 8

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from runtime_helpers import run, stdlib
 
 from pipelang.backends.config import RunConfig
 from pipelang.backends.launch import RunError, preflight
@@ -20,7 +19,7 @@ from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
 from pipelang.ir import Kind, Program
 from pipelang.simulate import CostModel
-from tests.helpers import replay
+from tests.helpers import replay, run, stdlib
 
 BPIPE = stdlib("bpipe", D=4, N=8)
 

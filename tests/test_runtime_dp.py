@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import host_op, run, stdlib
 from torch import nn
 
 from pipelang.backends import codegen, runtime
@@ -25,6 +24,7 @@ from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.runtime import RankRuntime
+from tests.helpers import host_op, run, stdlib
 
 SCHEDULES = {
     "1f1b-D2-N2": ("1f1b", {"D": 2, "N": 2}),

@@ -30,10 +30,7 @@ from pipelang.pack import (
     packed_sequences,
     with_reference,
 )
-from tests.runtime_helpers import run
-from tests.test_frozen import timeline
-from tests.test_golden import run_cli
-from tests.test_stdlib_async import at, errors
+from tests.helpers import at, errors, run, run_in_process, timeline
 
 
 def source(shapes: str, costs: str = "cost F = 1, B = 2", n: int = 4, d: int = 2) -> str:
@@ -119,12 +116,16 @@ def test_shapes_that_do_not_match_are_an_error(shapes: str, code: str, points_at
 def test_a_lengths_file_stands_for_the_lines(tmp_path: Path) -> None:
     path = tmp_path / "l.txt"
     path.write_text("# samples length\n4 512\n2 1024\n\n256\n")
-    status, _, err = run_cli(["simulate", "1f1b", "-p", "D=2", "-p", "N=3", "--lengths", str(path)])
+    status, _, err = run_in_process(
+        ["simulate", "1f1b", "-p", "D=2", "-p", "N=3", "--lengths", str(path)]
+    )
     assert status == 0, err
-    status, _, err = run_cli(["check", "1f1b", "-p", "D=2", "-p", "N=4", "--lengths", str(path)])
+    status, _, err = run_in_process(
+        ["check", "1f1b", "-p", "D=2", "-p", "N=4", "--lengths", str(path)]
+    )
     assert status == 1 and "E0212" in err and "gives 3 micro-batches" in err
     path.write_text("4 512 9\n")  # a bad value inside a file: exit 1 (docs/language.md)
-    status, _, err = run_cli(["check", "1f1b", "--lengths", str(path)])
+    status, _, err = run_in_process(["check", "1f1b", "--lengths", str(path)])
     assert status == 1 and "E0212" in err and "l.txt:1:1" in err
 
 
@@ -210,15 +211,15 @@ def test_pack_command_writes_what_simulate_reads(tmp_path: Path) -> None:
     sequences.write_text("".join(f"{n}\n" for n in long_tail(40)))
     out = tmp_path / "packed.txt"
     args = ["pack", "1f1b", "-p", "D=2", "--sequences", str(sequences), "--max-tokens", "8192"]
-    status, text, err = run_cli([*args, "--cost", "F=1,B=2,A=0.3,O=0.05", "-o", str(out)])
+    status, text, err = run_in_process([*args, "--cost", "F=1,B=2,A=0.3,O=0.05", "-o", str(out)])
     assert status == 0, err
     count = len(out.read_text().splitlines())
     assert f"-p N={count}" in text
-    status, text, err = run_cli(
+    status, text, err = run_in_process(
         ["simulate", "1f1b", "-p", "D=2", "-p", f"N={count}", "--lengths", str(out), "--json"]
     )
     assert status == 0, err
-    status, text, err = run_cli([*args, "-p", "N=4"])
+    status, text, err = run_in_process([*args, "-p", "N=4"])
     assert status == 2 and "leave N out" in err
 
 

@@ -20,13 +20,13 @@ import pytest
 
 from pipelang import api
 from pipelang.compiler import Options, run_passes
-from pipelang.diagnostics import Diagnostic, PipelangError
+from pipelang.diagnostics import PipelangError
 from pipelang.export import ExportError, to_json, to_torch_csv
 from pipelang.import_torch import check_pipe
 from pipelang.ir import Action, CostModel, Kind, Program
 from pipelang.simulate import Timeline
 from pipelang.weights import weight_versions
-from tests.helpers import replay
+from tests.helpers import at, errors, replay
 
 UNIT = CostModel((("F", None, 1.0), ("B", None, 1.0), ("C", None, 0.0)))
 
@@ -39,18 +39,6 @@ def program(name: str, stop: str | None = None, **params: int) -> Program:
 def timeline(name: str, **params: int) -> Timeline:
     prog = program(name, **params)
     return replay(prog, prog.costs.merged(UNIT))
-
-
-def errors(text: str) -> list[Diagnostic]:
-    with pytest.raises(PipelangError) as err:
-        check_pipe(text, "t.pipe")
-    return err.value.diagnostics
-
-
-def at(text: str, d: Diagnostic) -> str:
-    """The source text a diagnostic points at."""
-    assert d.span is not None
-    return text[d.span.start : d.span.end]
 
 
 def pipelang(*args: str) -> subprocess.CompletedProcess[str]:

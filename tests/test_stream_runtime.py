@@ -15,7 +15,7 @@ from pipelang.backends.codegen import load_iteration, render_stream_rank
 from pipelang.backends.config import RunConfig
 from pipelang.backends.worker import lower_streams, render, runs_streams
 from pipelang.cli import main
-from tests.runtime_helpers import run, stdlib
+from tests.helpers import run, stdlib
 
 BPIPE = stdlib("bpipe", D=4, N=8)
 

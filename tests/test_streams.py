@@ -17,7 +17,7 @@ from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.passes.check_streams import check_streams
 from pipelang.streams import StreamProgram
-from tests.test_cli import pipelang_cmd
+from tests.helpers import pipelang_cmd
 
 LOWERED = [name for name in api.stdlib_names() if name != "bpipe"]
 

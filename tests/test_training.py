@@ -17,7 +17,7 @@ import torch
 
 from pipelang.backends.data import load_tokens, sample_batch
 from pipelang.cli import main
-from tests.runtime_helpers import run, stdlib
+from tests.helpers import run, stdlib
 
 
 @pytest.mark.parametrize("backend", ["gloo", "local"])

@@ -17,8 +17,7 @@ from torch.nn import functional
 from pipelang.backends.models import ModelSpec
 from pipelang.backends.user_models import Boundary
 from pipelang.cli import main
-from tests.runtime_helpers import run, stdlib
-from tests.test_checkpoint import read_checkpoint
+from tests.helpers import read_checkpoint, run, stdlib
 
 MODELS = """
 import torch

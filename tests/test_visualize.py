@@ -28,8 +28,7 @@ from pipelang.visualize.measured import TraceError, fitted_costs, read_trace
 from pipelang.visualize.panel import Panel, simulated, transfers
 from pipelang.visualize.style import KIND_NAME, palette
 from pipelang.visualize.svg import LEFT, scale_for
-from tests.helpers import replay
-from tests.test_golden import run_cli
+from tests.helpers import replay, run_in_process
 
 DATA = Path(__file__).resolve().parent / "data"
 TRACE_1F1B = DATA / "trace_1f1b_D2_N4.json"
@@ -214,7 +213,7 @@ def test_runtime_trace_checked_against_the_schedule() -> None:
 
 def test_overlay_draws_both_timelines(tmp_path: Path) -> None:
     out = tmp_path / "run.svg"
-    status, stdout, stderr = run_cli(
+    status, stdout, stderr = run_in_process(
         [
             "viz",
             "chimera",
@@ -417,7 +416,7 @@ def test_png_without_matplotlib_says_how_to_install(
         return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    status, out, err = run_cli(["viz", "1f1b", "-o", str(tmp_path / "x.png")])
+    status, out, err = run_in_process(["viz", "1f1b", "-o", str(tmp_path / "x.png")])
     assert status == 2 and out == ""
     assert "pip install 'pipelang[viz]'" in err
     assert not (tmp_path / "x.png").exists()
@@ -426,7 +425,7 @@ def test_png_without_matplotlib_says_how_to_install(
 def test_every_format_writes_a_file(tmp_path: Path) -> None:
     for suffix in (".svg", ".html", ".json", ".txt"):
         out = tmp_path / f"sub/x{suffix}"
-        assert run_cli(["viz", "1f1b", "-p", "N=4", "-o", str(out)])[0] == 0
+        assert run_in_process(["viz", "1f1b", "-p", "N=4", "-o", str(out)])[0] == 0
         assert out.stat().st_size > 100
     text = (tmp_path / "sub/x.txt").read_text()
     timeline = timeline_of("1f1b", {"N": "4"})
