@@ -24,7 +24,8 @@ form that `Action.parse` reads back; IR dumps, golden files and error grids use 
 
 The package: `action.py` (op kinds, `Action` and its text form), `costs.py` (the cost
 model, chunks, shapes, and the one rule for a cost entry), `deps.py` (the dependency
-rule: which op waits for which), `program.py` (`Program` and its placement).
+rule: which op waits for which), `placement.py` (which rank holds which stage, and every
+question asked of it), `program.py` (`Program`).
 """
 
 from pipelang.ir.action import (

@@ -5,12 +5,11 @@ policy of asynchronous schedules (`WeightPolicy`)."""
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pipelang.diagnostics import InternalError
-from pipelang.ir import deps
+from pipelang.ir import deps, placement
 from pipelang.ir.action import STASH_KINDS, Action, Kind
 from pipelang.ir.costs import BatchShapes, Chunks, CostModel
 from pipelang.source import Span
@@ -23,33 +22,6 @@ class Pipeline:
     name: str
     placement: tuple[int, ...]
     span: Span | None = field(default=None, compare=False, hash=False, repr=False)
-
-
-_COPIES: OrderedDict[int, tuple[tuple[Pipeline, ...], dict[int, tuple[tuple[int, str], ...]]]]
-_COPIES = OrderedDict()
-"""The last few `_copies_by_rank` answers, by the identity of the pipelines they index."""
-
-
-def _copies_by_rank(
-    pipelines: tuple[Pipeline, ...],
-) -> dict[int, tuple[tuple[int, str], ...]]:
-    """Every rank's (stage, pipeline) copies, in pipeline then stage order: built once
-    per Program's pipelines (by identity: hashing a placement of 100,000 ranks at every
-    call would cost as much as the scan it saves), so that asking for each rank's copies
-    is linear in the ranks, not quadratic."""
-    cached = _COPIES.get(id(pipelines))
-    if cached is not None and cached[0] is pipelines:
-        _COPIES.move_to_end(id(pipelines))
-        return cached[1]
-    copies: dict[int, list[tuple[int, str]]] = {}
-    for p in pipelines:
-        for stage, rank in enumerate(p.placement):
-            copies.setdefault(rank, []).append((stage, p.name))
-    index = {rank: tuple(c) for rank, c in copies.items()}
-    _COPIES[id(pipelines)] = (pipelines, index)  # holds `pipelines`: its id stays unique
-    if len(_COPIES) > 64:
-        _COPIES.popitem(last=False)
-    return index
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +123,11 @@ class Program:
 
     def replicas(self, stage: int) -> tuple[int, ...]:
         """Ranks holding a copy of `stage`, one entry per pipeline, in pipeline order."""
-        return tuple(p.placement[stage] for p in self.pipelines)
+        return placement.replicas(self.pipelines, stage)
 
     def stage_copies(self, rank: int) -> tuple[tuple[int, str], ...]:
         """(stage, pipeline) copies of the weights that `rank` holds."""
-        return _copies_by_rank(self.pipelines).get(rank, ())
+        return placement.copies_by_rank(self.pipelines).get(rank, ())
 
     def first_eviction(self) -> Action | None:
         """The first evict, hold or load action (BPipe), in rank order; None if none."""

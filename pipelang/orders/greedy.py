@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pipelang import ast
 from pipelang.diagnostics import Label, fail
 from pipelang.evaluate import Env, compile_int
-from pipelang.ir import Action, Dependency, Kind, Program
+from pipelang.ir import Action, Dependency, Kind, Program, placement
 from pipelang.orders import Layout
 
 _DEFAULT_PREFER = ("R", "B", "F", "W", "P")
@@ -86,7 +86,7 @@ class _Replay:
         program = _skeleton(layout)
         self.key_of = _priority(order, layout)
         self.caps = _caps(order, layout)
-        self.entries = _entries(layout)
+        self.entries = placement.entries(layout.pipelines, layout.num_ranks)
         self.ops = ops = list(program.compute_ops())
         index = {op: i for i, op in enumerate(ops)}
         self.rank_of = [
@@ -208,16 +208,6 @@ def _pick(
     if op[2:4] in rank.entries:
         rank.in_flight += {Kind.F: 1, Kind.B: -1}.get(op.kind, 0)
     return i
-
-
-def _entries(layout: Layout) -> list[frozenset[tuple[int | None, str | None]]]:
-    """Per rank, its first (stage, pipeline) of each pipeline, in one pass over the
-    placements (a pass per rank was quadratic in ranks)."""
-    first: list[dict[str, int]] = [{} for _ in range(layout.num_ranks)]
-    for pipeline in layout.pipelines:
-        for stage, rank in enumerate(pipeline.placement):
-            first[rank].setdefault(pipeline.name, stage)
-    return [frozenset((stage, name) for name, stage in f.items()) for f in first]
 
 
 def _skeleton(layout: Layout) -> Program:

@@ -33,6 +33,7 @@ from pipelang.ir import (
     Kind,
     Pipeline,
     WeightPolicy,
+    placement,
 )
 from pipelang.orders import Layout
 
@@ -78,10 +79,7 @@ def read_layout(
         raise too_large(
             f"the schedule has {total} ops, more than the limit of {max_ops()}", schedule.span
         )
-    local: dict[tuple[str, int], tuple[int, ...]] = {}
-    for p in pipelines:
-        for s, r in enumerate(p.placement):
-            local[(p.name, r)] = (*local.get((p.name, r), ()), s)
+    local = placement.local_stages(pipelines)
     layout = Layout(
         scope,
         env,

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
-from pipelang.ir import Action, CostModel, Kind, Pipeline
+from pipelang.ir import Action, CostModel, Kind, Pipeline, placement
 from pipelang.orders import Layout
 from pipelang.passes.layout import schedule_layout
 from pipelang.planner.bound import iteration_bound
@@ -53,12 +53,6 @@ def with_costs(file: ast.File, costs: CostModel) -> ast.File:
     )
     schedule = replace(file.schedule, body=(*file.schedule.body, ast.Cost(span, items)))
     return replace(file, schedule=schedule)
-
-
-def crossing(pipelines: Sequence[Pipeline]) -> list[bool]:
-    """Whether each stage boundary of the first pipeline joins two ranks."""
-    placement = pipelines[0].placement
-    return [placement[s] != placement[s + 1] for s in range(len(placement) - 1)]
 
 
 class PlanModel:
@@ -179,7 +173,7 @@ class PlanModel:
         stage_costs = self.costs.stage_costs(
             self.first_cut(candidate.stages),
             self.split_w(candidate),
-            crossing(layout.pipelines),
+            placement.crossing(layout.pipelines),
             [fastest] * candidate.stages,
         )
         return iteration_bound(layout, stage_costs)
@@ -272,7 +266,7 @@ class PlanModel:
         split_w = self.split_w(candidate)
         pipelines = self.pipelines(candidate)
         speeds = self.stage_speeds(pipelines, devices)
-        costs = self.costs.cost_model(counts, split_w, crossing(pipelines), speeds)
+        costs = self.costs.cost_model(counts, split_w, placement.crossing(pipelines), speeds)
         # A greedy order is expanded under the costs simulated: device speeds, host costs.
         compiled = self.compiled(candidate, costs, reorder)
         program, graph = compiled.need_program(), compiled.graph
