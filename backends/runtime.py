@@ -71,7 +71,7 @@ from pipelang.backends.stash import Stash
 from pipelang.backends.transport import Handle, Transport, peer_failures
 from pipelang.backends.versions import CopyVersions
 from pipelang.diagnostics import InternalError
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import Action, Kind, Program, placement
 from pipelang.weights import weight_versions
 
 
@@ -128,8 +128,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.versions, self.delays = _versions(program, config, self.copies)
         self.peak_versions = len(self.versions)
         self.reduced_at_step = [
-            self.copies[key]
-            for key in _reduced_at_step(program, rank, config.dp, list(self.copies))
+            self.copies[key] for key in placement.reduced_at_step(program, rank, config.dp)
         ]
         self.group_sizes = {
             stage: len(set(program.replicas(stage))) * config.dp for stage, _ in self.copies
@@ -294,17 +293,6 @@ def _versions(
         for key, c in copies.items()
     }
     return versions, weight_versions(program).gradient_delays() if predict else {}
-
-
-def _reduced_at_step(
-    program: Program, rank: int, dp: int, copies: list[tuple[int, str]]
-) -> list[tuple[int, str]]:
-    """The copies `step` itself reduces under `--dp`: those with no `allreduce` action."""
-    if dp < 2:
-        return []
-    actions = program.ranks[rank]
-    reduced = {(a.stage, a.pipeline) for a in actions if a.kind is Kind.ALLREDUCE}
-    return [copy for copy in copies if copy not in reduced]
 
 
 def _full_names(copy: StageCopy) -> dict[str, torch.Tensor]:

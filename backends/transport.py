@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pipelang.ir import COMM_KINDS, Program
+from pipelang.ir.placement import reduce_ranks
 
 
 class PeerFailure(Exception):
@@ -76,17 +77,6 @@ def channels(program: Program) -> list[tuple[int, int]]:
                 sending = a.kind.value in ("send", "signal")
                 pairs.add((rank, a.peer) if sending else (a.peer, rank))
     return sorted(pairs)
-
-
-def replica_ranks(program: Program, stage: int) -> list[int]:
-    """The ranks holding a copy of `stage`, sorted, each once."""
-    return sorted(set(program.replicas(stage)))
-
-
-def reduce_ranks(program: Program, stage: int, dp: int) -> list[int]:
-    """The processes holding a copy of `stage` under `--dp dp`, sorted (replica-major)."""
-    world = program.num_ranks
-    return [k * world + r for k in range(dp) for r in replica_ranks(program, stage)]
 
 
 class DistTransport:

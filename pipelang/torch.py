@@ -31,10 +31,11 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipelang.backends.transport import DistTransport, Handle, reduce_ranks
+from pipelang.backends.transport import DistTransport, Handle
 from pipelang.diagnostics import fail
 from pipelang.features import refusal
 from pipelang.ir import Action, Kind
+from pipelang.ir.placement import reduce_ranks
 from pipelang.schedule import Schedule
 
 HEADER = 10

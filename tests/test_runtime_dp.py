@@ -19,11 +19,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipelang.backends import codegen, runtime
+from pipelang.backends import codegen
 from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.runtime import RankRuntime
+from pipelang.ir import placement
 from tests.helpers import host_op, run, stdlib
 
 SCHEDULES = {
@@ -150,7 +151,7 @@ def test_check_fails_when_every_copy_trains_on_the_same_data(
 def test_check_fails_when_the_copies_never_synchronise(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(runtime, "_reduced_at_step", lambda *_: [])
+    monkeypatch.setattr(placement, "reduced_at_step", lambda *_: [])
     program = stdlib("1f1b", D=2, N=2)
     assert run(program, "--dp", "2", "--check", "--backend", "local", "--optimizer", "sgd") == 1
     assert "check FAILED" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """Placement: which rank holds which stage of which pipeline, and every question asked of
 it (a rank's stage copies, a stage's replicas, the stages a rank holds of one pipeline,
-where micro-batches enter a rank, which stage boundaries cross ranks). `Program`, the
-orders' `Layout` and the planner all ask here.
+where micro-batches enter a rank, which stage boundaries cross ranks, and under `--dp`
+which processes sum a stage's gradients and which copies `step` sums). `Program`, the
+orders' `Layout`, the planner, the stream lowering and the runtime all ask here.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pipelang.ir.action import Kind
+
 if TYPE_CHECKING:
-    from pipelang.ir.program import Pipeline
+    from pipelang.ir.program import Pipeline, Program
 
 _COPIES: OrderedDict[int, tuple[tuple[Pipeline, ...], dict[int, tuple[tuple[int, str], ...]]]]
 _COPIES = OrderedDict()
@@ -70,3 +73,19 @@ def crossing(pipelines: Sequence[Pipeline]) -> list[bool]:
     """Whether each stage boundary of the first pipeline joins two ranks."""
     placement = pipelines[0].placement
     return [placement[s] != placement[s + 1] for s in range(len(placement) - 1)]
+
+
+def reduce_ranks(program: Program, stage: int, dp: int) -> list[int]:
+    """The processes holding a copy of `stage` under `--dp dp`, sorted: copy k's rank r
+    is process k x ranks + r (replica-major)."""
+    ranks = sorted(set(program.replicas(stage)))
+    return [k * program.num_ranks + r for k in range(dp) for r in ranks]
+
+
+def reduced_at_step(program: Program, rank: int, dp: int) -> list[tuple[int, str]]:
+    """The stage copies of `rank` whose gradients `step` itself sums over the `--dp`
+    copies: those with no `allreduce` action of their own (none without copies)."""
+    if dp < 2:
+        return []
+    reduced = {(a.stage, a.pipeline) for a in program.ranks[rank] if a.kind is Kind.ALLREDUCE}
+    return [copy for copy in program.stage_copies(rank) if copy not in reduced]

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import fail
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import Action, Kind, Program, placement
 from pipelang.passes.check_streams import Interleaving
 from pipelang.streams import RECORD, WAIT, Access, StreamOp, StreamProgram
 
@@ -115,7 +115,7 @@ class _Lowering:
         rank = self.process % world
         self.base = self.process - rank
         self.sync_grads = program.weights is None  # asynchronous: U applies, no `step`
-        at_step = _reduced_at_step(program, rank, self.dp)
+        at_step = placement.reduced_at_step(program, rank, self.dp)
         self.fork = self._record("compute")
         for action in program.ranks[rank]:
             if action.kind is Kind.STEP:
@@ -298,15 +298,6 @@ def _token(
     kind: Kind, mb: int | None, stage: int, pipe: str | None, chunk: int | None = None
 ) -> str:
     return Action(kind, mb, stage, pipe, chunk=chunk).text()
-
-
-def _reduced_at_step(program: Program, rank: int, dp: int) -> list[tuple[int, str]]:
-    """The copies of `rank` whose sum over `--dp` copies happens at `step` (those with no
-    `allreduce` action of their own), as backends/runtime.py does."""
-    if dp < 2:
-        return []
-    reduced = {(a.stage, a.pipeline) for a in program.ranks[rank] if a.kind is Kind.ALLREDUCE}
-    return [copy for copy in program.stage_copies(rank) if copy not in reduced]
 
 
 # ---- slot allocation ------------------------------------------------------------------------

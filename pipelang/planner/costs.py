@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from pipelang import memory
-from pipelang.ir import CostModel, Kind, Program
+from pipelang.ir import CostModel, Kind, Program, placement
 from pipelang.planner.mapping import Traffic
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
@@ -184,8 +184,12 @@ def allreduce_end(
             last[action.stage] = max(last[action.stage], event.end)
     end = 0.0
     for stage in range(program.num_stages):
+        ranks = program.num_ranks  # process k x ranks + r runs rank r of copy k
         ring = sorted(
-            {devices[r] + k * len(devices) for r in program.replicas(stage) for k in range(copies)}
+            {
+                devices[p % ranks] + p // ranks * len(devices)
+                for p in placement.reduce_ranks(program, stage, copies)
+            }
         )
         if len(ring) < 2:
             continue
