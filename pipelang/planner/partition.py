@@ -28,8 +28,9 @@ takes prefix[i]/speed - prefix[j]/speed, which keeps the window's values separab
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pipelang.planner import budget
@@ -185,3 +186,25 @@ def _cheapest_transfers(
         end = start
     counts.append(end)
     return tuple(reversed(counts))
+
+
+def compositions(layers: int, stages: int) -> Iterable[tuple[int, ...]]:
+    """Every way to cut `layers` into `stages` non-empty contiguous stages."""
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *cuts, layers)
+        yield tuple(b - a for a, b in itertools.pairwise(bounds))
+
+
+def partition_neighbours(
+    counts: tuple[int, ...], loads: Sequence[float]
+) -> Iterable[tuple[int, ...]]:
+    """Partitions one layer away (a layer moved across one boundary), the moves that
+    take a layer from the most loaded stages first."""
+    moves = []
+    for b in range(len(counts) - 1):
+        for donor, delta in ((b, 1), (b + 1, -1)):
+            left, right = counts[b] - delta, counts[b + 1] + delta
+            if left >= 1 and right >= 1:
+                moves.append((-loads[donor], b, delta))
+    for _, b, delta in sorted(moves):
+        yield (*counts[:b], counts[b] - delta, counts[b + 1] + delta, *counts[b + 2 :])

@@ -39,10 +39,9 @@ allreduce taken over its replicas in all copies).
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from pipelang.diagnostics import PipelangError
@@ -52,8 +51,9 @@ from pipelang.planner.costs import (
     sums,
 )
 from pipelang.planner.families import Params
-from pipelang.planner.mapping import map_ranks
+from pipelang.planner.mapping import map_ranks, mapping_moves, unlike_mappings
 from pipelang.planner.model import PlanModel
+from pipelang.planner.partition import compositions, partition_neighbours
 from pipelang.planner.plans import (
     Candidate,
     Inputs,
@@ -316,7 +316,7 @@ class Planner:
             probe = self.model.compiled(candidate.with_n(n), costs, True).need_program()
             traffic = program_traffic(probe, self.inputs.profile, counts, self.inputs.micro_batches)
             topology = self.inputs.topology
-            every = self._every_mapping(candidate)
+            every = unlike_mappings(self.inputs.topology, candidate.ranks)
             if every is not None:  # few enough to try each
                 layers, stages = len(self.costs.layer_time), candidate.stages
                 if len(every) * math.comb(layers - 1, stages - 1) <= EXACT_PLANS:
@@ -326,7 +326,10 @@ class Planner:
                         (counts, devices)
                         for devices in every
                         for cut in [self.model.cut(candidate, probe.pipelines, devices)]
-                        for counts in (cut, *_neighbours(cut, sums(self.costs.layer_time, cut)))
+                        for counts in (
+                            cut,
+                            *partition_neighbours(cut, sums(self.costs.layer_time, cut)),
+                        )
                     ]
                 plans = [self.model.predict(candidate, c, d, False, False) for c, d in tried]
                 return min(plans, key=lambda plan: (self.fits(plan) is not None, plan.time_ms))
@@ -347,27 +350,6 @@ class Planner:
             return min(plans, key=lambda plan: (self.fits(plan) is not None, plan.time_ms))
         except PipelangError as err:  # a schedule that does not compile at these sizes
             return Rejected(candidate, err.diagnostics[0].message)
-
-    def _every_mapping(self, candidate: Candidate) -> list[tuple[int, ...]] | None:
-        """Every mapping of the candidate's ranks to devices when there are 2 to
-        `EXACT_MAPPINGS` unlike ones (mappings that give every rank a device of the same
-        speed and memory and every pair of ranks the same link are alike), else None.
-        On a few devices the local search can stop where two moves at once would help
-        (issue 29: it found the best in 21 of 30 random 3-4 device clusters, 23% off at
-        worst)."""
-        topology = self.inputs.topology
-        if math.perm(topology.size, candidate.ranks) > ENUMERATED:
-            return None
-        alike: dict[tuple[object, ...], tuple[int, ...]] = {}
-        for devices in itertools.permutations(range(topology.size), candidate.ranks):
-            speeds = tuple(topology.speed_of(d) for d in devices)
-            memory = tuple(topology.memory[d] for d in devices)
-            links = tuple(topology.links[a][b] for a, b in itertools.combinations(devices, 2))
-            alike.setdefault((speeds, memory, links), devices)
-            if len(alike) > EXACT_MAPPINGS:
-                return None
-            budget.check()
-        return list(alike.values()) if len(alike) > 1 else None
 
     def refine(self, plan: Plan, deadline: float = math.inf) -> Plan:
         """Move single layers across stage boundaries, and on devices of different
@@ -399,16 +381,16 @@ class Planner:
         weighs links only: these moves let the simulator weigh a device's speed against
         its links."""
         loads = sums(self.costs.layer_time, plan.partition)
-        for moved in _neighbours(plan.partition, loads):
+        for moved in partition_neighbours(plan.partition, loads):
             yield moved, plan.devices
         topology = self.inputs.topology
         if not topology.speeds:
             return
         pipelines = self.model.pipelines(plan.candidate)
-        for devices in _mapping_moves(plan.devices, topology):
+        for devices in mapping_moves(plan.devices, topology):
             counts = self.model.cut(plan.candidate, pipelines, devices)
             yield counts, devices
-            for moved in _neighbours(counts, sums(self.costs.layer_time, counts)):
+            for moved in partition_neighbours(counts, sums(self.costs.layer_time, counts)):
                 yield moved, devices
 
 
@@ -425,52 +407,6 @@ def _scaled(seen: list[tuple[float, float]], ops: float) -> float:
     return seen[-1][1] * (ops / seen[-1][0]) ** power
 
 
-def _mapping_moves(devices: tuple[int, ...], topology: Topology) -> Iterable[tuple[int, ...]]:
-    """Mappings one step away: two ranks' devices swapped, or one rank on a free device
-    (of the free devices alike in speed and in their links to the used ones, only the
-    first)."""
-    for a in range(len(devices)):
-        for b in range(a + 1, len(devices)):
-            swapped = list(devices)
-            swapped[a], swapped[b] = devices[b], devices[a]
-            yield tuple(swapped)
-    used = set(devices)
-    kinds: dict[tuple[object, ...], int] = {}
-    for device in range(topology.size):
-        if device not in used:
-            links = tuple(topology.links[device][u] for u in devices)
-            kinds.setdefault((topology.speed_of(device), links), device)
-    for rank in range(len(devices)):
-        for device in kinds.values():
-            yield (*devices[:rank], device, *devices[rank + 1 :])
-
-
-EXACT_MAPPINGS = 64
-"""The most unlike mappings a candidate's screening tries one by one, each with its DP
-cut and the cuts one layer from it (`Planner._every_mapping`)."""
-ENUMERATED = 5040
-"""The most rank-to-device mappings looked through for unlike ones (7 ranks on 7
-devices, 4 on 8)."""
 EXACT_PLANS = 1000
 """The most (partition, mapping) pairs screening simulates to try every partition of
 every unlike mapping (4 devices and 8 layers: 24 x 35)."""
-
-
-def compositions(layers: int, stages: int) -> Iterable[tuple[int, ...]]:
-    """Every way to cut `layers` into `stages` non-empty contiguous stages."""
-    for cuts in itertools.combinations(range(1, layers), stages - 1):
-        bounds = (0, *cuts, layers)
-        yield tuple(b - a for a, b in itertools.pairwise(bounds))
-
-
-def _neighbours(counts: tuple[int, ...], loads: Sequence[float]) -> Iterable[tuple[int, ...]]:
-    """Partitions one layer away (a layer moved across one boundary), the moves that
-    take a layer from the most loaded stages first."""
-    moves = []
-    for b in range(len(counts) - 1):
-        for donor, delta in ((b, 1), (b + 1, -1)):
-            left, right = counts[b] - delta, counts[b + 1] + delta
-            if left >= 1 and right >= 1:
-                moves.append((-loads[donor], b, delta))
-    for _, b, delta in sorted(moves):
-        yield (*counts[:b], counts[b] - delta, counts[b + 1] + delta, *counts[b + 2 :])
