@@ -49,17 +49,12 @@ class Layout:
     shapes: BatchShapes | None = None
     """The micro-batches' shapes when they differ (`Program.shapes`), for their times."""
 
-    @property
-    def op_costs(self) -> CostModel:
-        """`costs` as the schedule's ops are timed (`CostModel.for_kinds`): what an order
-        that replays the schedule in time reads, as the simulator does."""
-        return self.costs.for_kinds(self.kinds)
-
     def op_time(self) -> Callable[[Action], float]:
-        """How long each op runs, as `simulate` times it: `op_costs`, each chunk its
-        share and each shaped micro-batch its factor (`CostModel.timer`). Greedy and
-        squeezed orders are built with it."""
-        return self.op_costs.timer(self.chunks, self.shapes)
+        """How long each op runs, as `simulate` times it: `costs` as the schedule's ops
+        are timed (`CostModel.for_kinds`), each chunk its share and each shaped
+        micro-batch its factor (`CostModel.timer`). Greedy and squeezed orders are built
+        with it."""
+        return self.costs.for_kinds(self.kinds).timer(self.chunks, self.shapes)
 
     def op(
         self,

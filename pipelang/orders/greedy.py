@@ -87,6 +87,8 @@ class _Replay:
         self.key_of = _priority(order, layout)
         self.caps = _caps(order, layout)
         self.entries = placement.entries(layout.pipelines, layout.num_ranks)
+        self.comm = layout.costs.of("C")
+        self.op_time = layout.op_time()
         self.ops = ops = list(program.compute_ops())
         index = {op: i for i, op in enumerate(ops)}
         self.rank_of = [
@@ -148,8 +150,7 @@ class _Replay:
                 seq += 1
         done = 0
         end = 0.0
-        comm = layout.costs.of("C")
-        op_time = layout.op_time()
+        comm, op_time = self.comm, self.op_time
         while events:
             time, _, rank_index, finished = heapq.heappop(events)
             if finished != _IDLE:

@@ -7,7 +7,7 @@ it (`schedule_layout`) without expanding the order at all.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from pipelang import ast
 from pipelang.diagnostics import Label, fail
@@ -36,9 +36,6 @@ from pipelang.ir import (
     placement,
 )
 from pipelang.orders import Layout
-
-if TYPE_CHECKING:
-    pass
 
 DeclT = TypeVar("DeclT", bound=ast.Node)
 

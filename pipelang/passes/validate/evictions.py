@@ -24,14 +24,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import Diagnostic, label
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.validate.problems import Problem, collapse
-
-if TYPE_CHECKING:
-    pass
 
 Key = tuple[int | None, int | None, str | None]
 """(micro-batch, stage, pipeline) of a forward's activations."""
