@@ -13,7 +13,7 @@ from pipelang.api import compile_schedule
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import plan_stages
 from pipelang.backends.processes import launch
-from pipelang.simulate import CostModel, simulate
+from pipelang.sim.timeline import CostModel, simulate
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipelang.api import find_schedule, load_file
 from pipelang.compiler import SCHEDULE_DONE, Options, run_passes
-from pipelang.simulate import simulate
+from pipelang.sim.timeline import simulate
 
 FROZEN_TIMES = (0.25, 0.5, 1.0, 2.0, 4.0)
 """The frozen forward's time per micro-batch, in units of one stage's forward."""

@@ -41,7 +41,7 @@ from pipelang.backends.local import local_device, run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.reference import train_reference
 from pipelang.ir import COMPUTE_KINDS, Program
-from pipelang.memory import frees, peak
+from pipelang.sim.memory import frees, peak
 
 try:
     from benchmarks.results import write_section

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 
-from pipelang import memory
 from pipelang.api import compile_schedule
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import plan_stages
 from pipelang.backends.processes import launch
 from pipelang.ir import KV_SHARE, CostModel
 from pipelang.planner.profile import ProfileOptions, measure
-from pipelang.simulate import Timeline, simulate
+from pipelang.sim import memory
+from pipelang.sim.timeline import Timeline, simulate
 
 
 def timeline(

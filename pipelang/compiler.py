@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from pipelang import ast
     from pipelang.ir import CostModel, Program
     from pipelang.passes.build_dag import OpGraph
-    from pipelang.simulate import Link, Timeline
+    from pipelang.sim.engine import Link
+    from pipelang.sim.timeline import Timeline
     from pipelang.streams import StreamProgram
 
 
@@ -71,7 +72,7 @@ class Compilation:
         """The simulated timeline of the program under its own `cost` line with `costs`
         over it, a backward taking B + W where the schedule does not split W off
         (`CostModel.for_kinds`; needs `validate` to have run)."""
-        from pipelang.simulate import simulate
+        from pipelang.sim.timeline import simulate
 
         program = self.need_program()
         model = program.costs.merged(costs).for_kinds(program.kinds)

@@ -16,7 +16,7 @@ from pipelang.compiler import Compilation
 from pipelang.diagnostics import PipelangError, clip, fail
 from pipelang.evaluate import MAX_DIGITS
 from pipelang.ir import COST_KINDS, Action, CostModel, cost_problem
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 
 """The keys a cost model takes: op kinds, a transfer (C), an overlapped pair (FB), an
 evicted activation's trips (E, L), and the shares and reference that split work over

@@ -54,7 +54,7 @@ from pipelang.planner.profile import (
     LayerCost,
     Profile,
 )
-from pipelang.simulate import Timeline, simulate
+from pipelang.sim.timeline import Timeline, simulate
 from pipelang.source import SourceFile, Span
 
 

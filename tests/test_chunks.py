@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelang import api, memory
+from pipelang import api
 from pipelang.codes import CODES
 from pipelang.compiler import SCHEDULE_DONE, Options, run_passes
 from pipelang.ir import Action, Chunks, CostModel, Kind, Program
-from pipelang.simulate import Timeline
+from pipelang.sim import memory
+from pipelang.sim.timeline import Timeline
 from tests.helpers import at, errors, run, stdlib, timeline
 
 

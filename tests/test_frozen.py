@@ -18,7 +18,7 @@ import pytest
 
 from pipelang import api
 from pipelang.ir import Kind, Program
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from tests.helpers import at, errors, run, stdlib, timeline
 
 GREEDY = """\

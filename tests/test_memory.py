@@ -1,13 +1,13 @@
-"""`pipelang.memory`: the one count of held activations, against hand counts and the
+"""`pipelang.sim.memory`: the one count of held activations, against hand counts and the
 papers' peaks."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipelang import memory
 from pipelang.api import load_program
 from pipelang.ir import Action, Kind
+from pipelang.sim import memory
 
 
 def ops(text: str) -> list[Action]:

@@ -21,7 +21,7 @@ from pipelang.planner.families import FAMILIES
 from pipelang.planner.model import PlanModel, with_costs
 from pipelang.planner.plans import Inputs
 from pipelang.planner.search import Planner
-from pipelang.simulate import simulate
+from pipelang.sim.timeline import simulate
 from tests.helpers import make_profile
 
 

@@ -14,7 +14,7 @@ from pipelang.api import compile_schedule, stdlib_names
 from pipelang.export import to_json
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.build_dag import op_graph
-from pipelang.simulate import simulate
+from pipelang.sim.timeline import simulate
 from tests.helpers import GOOD, run_in_process
 
 
@@ -473,7 +473,7 @@ def test_simulate_shows_at_most_64_ranks_and_json_lists_all() -> None:
 def test_the_grid_is_bounded_whatever_the_costs() -> None:
     """Costs of 1e-6 and 1e6 asked for a grid of 10^12 cells (MemoryError): the grid
     keeps within GRID_CELLS cells and says how long a cell is."""
-    from pipelang.simulate import GRID_CELLS
+    from pipelang.sim.timeline import GRID_CELLS
 
     status, out, _ = run_in_process(
         ["simulate", "1f1b", "--grid", "--cost", "F=0.000001,B=1000000"]
@@ -486,7 +486,7 @@ def test_the_grid_is_bounded_whatever_the_costs() -> None:
 
 
 def test_the_grid_draws_at_most_grid_ranks() -> None:
-    from pipelang.simulate import GRID_RANKS
+    from pipelang.sim.timeline import GRID_RANKS
 
     timeline = compile_schedule("1f1b", {"D": str(GRID_RANKS + 3), "N": "1"}).timeline()
     grid = timeline.text_grid()

@@ -22,7 +22,6 @@ import pytest
 import torch
 from helpers import one_f_one_b, program_from_dump
 
-from pipelang import memory
 from pipelang.backends import codegen
 from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
@@ -30,6 +29,7 @@ from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.runtime import RankRuntime
 from pipelang.ir import Action, Kind, Program
+from pipelang.sim import memory
 from tests.helpers import host_op, lowered_by_hand, run, stdlib
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from pipelang.backends.launch import RunError, preflight
 from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
 from pipelang.ir import Kind, Program
-from pipelang.simulate import CostModel
+from pipelang.sim.timeline import CostModel
 from tests.helpers import replay, run, stdlib
 
 BPIPE = stdlib("bpipe", D=4, N=8)

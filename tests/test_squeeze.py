@@ -19,7 +19,7 @@ from pipelang.compiler import Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Kind, Program
 from pipelang.parser import stdlib_dir
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from tests.helpers import replay
 
 UNIT = CostModel((("F", None, 1.0), ("B", None, 1.0), ("W", None, 1.0), ("C", None, 0.0)))

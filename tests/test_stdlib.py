@@ -33,7 +33,7 @@ from pipelang.diagnostics import PipelangError
 from pipelang.export import to_torch_csv
 from pipelang.import_torch import check_pipe, import_torch
 from pipelang.ir import CostModel, Kind, Program
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from tests.helpers import replay
 
 torch_pipelining = pytest.importorskip("torch.distributed.pipelining")

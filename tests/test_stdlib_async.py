@@ -24,7 +24,7 @@ from pipelang.diagnostics import PipelangError
 from pipelang.export import ExportError, to_json, to_torch_csv
 from pipelang.import_torch import check_pipe
 from pipelang.ir import Action, CostModel, Kind, Program
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from pipelang.weights import weight_versions
 from tests.helpers import at, errors, replay
 

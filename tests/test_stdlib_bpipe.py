@@ -19,7 +19,7 @@ from pipelang.cli.args import parse_cost
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
 from pipelang.passes.validate.lowered import check_lowered
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from tests.helpers import replay
 
 SIZES = [(D, N) for D in (4, 6, 8) for N in (D, D + 1, 2 * D, 3 * D + 1)]

@@ -31,7 +31,7 @@ from pipelang.backends.launch import run_program
 from pipelang.cli.args import add_run_arguments, config_from_args
 from pipelang.compiler import Options, run_passes
 from pipelang.ir import Action, CostModel, Kind, Program
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from tests.helpers import replay
 
 NAMES = ("chimera-fwd-double", "chimera-bwd-half")

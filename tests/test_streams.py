@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelang import api, memory
+from pipelang import api
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.passes.check_streams import check_streams
+from pipelang.sim import memory
 from pipelang.streams import StreamProgram
 from tests.helpers import pipelang_cmd
 

@@ -21,7 +21,7 @@ import pytest
 
 from pipelang.api import load_program
 from pipelang.ir import Kind
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from pipelang.visualize import render
 from pipelang.visualize.chrome import SIM_UNIT_US
 from pipelang.visualize.measured import TraceError, fitted_costs, read_trace

@@ -9,7 +9,6 @@ from typing import cast
 from rich.console import Console
 from rich.table import Table
 
-from pipelang import memory
 from pipelang.cli.args import (
     add_schedule_arguments,
     add_slot_model_arguments,
@@ -21,7 +20,8 @@ from pipelang.cli.args import (
 )
 from pipelang.compiler import SCHEDULE_DONE
 from pipelang.ir import Kind
-from pipelang.simulate import as_number
+from pipelang.sim import memory
+from pipelang.sim.timeline import as_number
 
 HELP = "replay a schedule with a cost model: makespan, bubbles, memory"
 

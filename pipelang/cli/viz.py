@@ -25,7 +25,7 @@ from pipelang.cli.args import (
 )
 from pipelang.compiler import SCHEDULE_DONE, Compilation, check_program
 from pipelang.ir import CostModel, Program
-from pipelang.simulate import Event, Timeline
+from pipelang.sim.timeline import Event, Timeline
 from pipelang.visualize import FORMATS, render
 from pipelang.visualize.panel import Panel, simulated
 from pipelang.visualize.png import MissingMatplotlib, TooLarge
@@ -164,7 +164,7 @@ def _compile(sched: str, args: argparse.Namespace) -> Compilation:
 
 def _replay(program: Program, costs: CostModel) -> Timeline:
     """The order a run ran (the trace's, or SCHED's), simulated under `costs` alone."""
-    from pipelang.simulate import simulate
+    from pipelang.sim.timeline import simulate
 
     checked = check_program(program)
     return simulate(program, checked.need_graph(), costs.for_kinds(program.kinds))

@@ -31,30 +31,25 @@ from pipelang.diagnostics import Label, fail
 from pipelang.evaluate import Env, compile_int
 from pipelang.ir import Action, Dependency, Kind, Program, placement
 from pipelang.orders import Layout
+from pipelang.sim.engine import Engine, Input
 
 _DEFAULT_PREFER = ("R", "B", "F", "W", "P")
 
 
 @dataclass
 class _Rank:
-    """One rank's state during the replay."""
+    """One rank's side of the rule during a replay."""
 
     index: int
     cap: int
     entries: frozenset[tuple[int | None, str | None]]
     """The rank's first (stage, pipeline) of each pipeline: where micro-batches enter."""
-    free_at: float = 0.0
     in_flight: int = 0
     waiting: list[tuple[float, int, int]] = field(default_factory=list)
     """(ready at, sequence, op index) of ops whose inputs are done; ties go to the op
     that became ready first."""
     ready: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)
     held: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)
-    order: list[Action] = field(default_factory=list)
-
-
-_IDLE = -1
-"""An event that only wakes a rank (no op finished)."""
 
 
 def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[Action, ...], ...]:
@@ -73,8 +68,8 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
 
 
 class _Replay:
-    """The ops of one schedule, numbered, and their dependencies, built once for any
-    number of replays.
+    """The ops of one schedule, numbered, timed and with their inputs, built once for
+    any number of replays on the timing engine (`sim.engine`, as `simulate` times them).
 
     Ops are numbered (in `compute_ops` order, which also breaks ties) and the replay
     works on the numbers: hashing an Action costs a Python call, and this loop touches
@@ -87,9 +82,9 @@ class _Replay:
         self.key_of = _priority(order, layout)
         self.caps = _caps(order, layout)
         self.entries = placement.entries(layout.pipelines, layout.num_ranks)
-        self.comm = layout.costs.of("C")
-        self.op_time = layout.op_time()
         self.ops = ops = list(program.compute_ops())
+        op_time = layout.op_time()
+        self.times = [op_time(op) for op in ops]
         index = {op: i for i, op in enumerate(ops)}
         self.rank_of = [
             -1 if op.kind is Kind.P else program.rank_of(op.stage, op.pipeline)  # type: ignore[arg-type]
@@ -98,117 +93,91 @@ class _Replay:
         extra: dict[Action, list[Action]] = {}
         for dep in layout.after:
             extra.setdefault(dep.later, []).append(dep.earlier)
-        self.pending = [0] * len(ops)
-        self.consumers: list[list[int]] = [[] for _ in ops]
+        self.inputs: list[list[Input]] = []
         self.fed: list[int] = []
         """The ops that read a frozen forward's output: what `frozen first` holds back."""
         for i, op in enumerate(ops):
             inputs = program.inputs_of(op)
             if any(dep.kind is Kind.P for dep in inputs):
                 self.fed.append(i)
-            for dep in (*inputs, *extra.get(op, ())):
-                self.consumers[index[dep]].append(i)
-                self.pending[i] += 1
+            self.inputs.append(
+                [(index[dep], True) for dep in inputs]
+                + [(index[dep], False) for dep in extra.get(op, ())]
+            )
 
     def run(self, upfront: bool) -> tuple[tuple[tuple[Action, ...], ...], float]:
         """One replay: every rank's order and the time the last op ends. With `upfront`,
         no op that reads a frozen output starts before every frozen forward has ended."""
-        order, layout, ops, key_of = self.order, self.layout, self.ops, self.key_of
-        rank_of = list(self.rank_of)
-        pending = list(self.pending)
-        frozen_left = sum(op.kind is Kind.P for op in ops) if upfront else 0
-        if frozen_left:
-            for i in self.fed:
-                pending[i] += 1
-        holders = frozenset(layout.frozen or ())
-        pool: list[tuple[tuple[int, ...], int, int]] = []
-        ready_at = [0.0] * len(ops)
-        ranks = [
+        layout, ops = self.layout, self.ops
+        engine = Engine(self.rank_of, self.times, self.inputs, layout.costs.of("C"))
+        rule = _Rule(self, engine.ranks, frozenset(layout.frozen or ()), upfront and bool(self.fed))
+        gated = self.fed if rule.gate else ()
+        orders, end, pending = engine.dispatch(rule, layout.num_ranks, gated)
+        left = len(ops) - sum(map(len, orders))
+        if left:
+            waits = {op: count for op, count in zip(ops, pending, strict=True) if count}
+            raise _stuck(self.order, rule.ranks, left, layout.after, waits)
+        span = self.order.span
+        return tuple(tuple(ops[i]._replace(span=span) for i in row) for row in orders), end
+
+
+class _Rule:
+    """The greedy rule as a `sim.engine.Policy`: each rank's ready ops by `prefer` and
+    `priority`, forwards that bring a micro-batch in held back at the cap, and the frozen
+    forwards in one pool for the ranks that hold the frozen part."""
+
+    def __init__(self, replay: _Replay, rank_of: list[int], holders: frozenset[int], gate: bool):
+        self.ops, self.key_of, self.rank_of = replay.ops, replay.key_of, rank_of
+        self.ranks = [
             _Rank(r, cap, entries)
-            for r, (cap, entries) in enumerate(zip(self.caps, self.entries, strict=True))
+            for r, (cap, entries) in enumerate(zip(replay.caps, replay.entries, strict=True))
         ]
-        seq = 0
-        events: list[tuple[float, int, int, int]] = [(0.0, 1, r.index, _IDLE) for r in ranks]
+        self.holders = holders
+        self.pool: list[tuple[tuple[int, ...], int, int]] = []
+        self.seq = 0
+        self.gate = gate
+        self.frozen_left = sum(op.kind is Kind.P for op in self.ops) if gate else 0
+        self.fed = replay.fed
 
-        def release(i: int, at: float) -> None:
-            nonlocal seq
-            if at > ready_at[i]:
-                ready_at[i] = at
-            pending[i] -= 1
-            if pending[i] == 0:
-                target = ranks[rank_of[i]]
-                heapq.heappush(target.waiting, (ready_at[i], seq, i))
-                heapq.heappush(events, (ready_at[i], 1, target.index, _IDLE))
-                seq += 1
+    def queue(self, op: int, at: float) -> int | None:
+        self.seq += 1
+        if self.ops[op].kind is Kind.P:
+            heapq.heappush(self.pool, (self.key_of(self.ops[op]), self.seq, op))
+            return None
+        rank = self.rank_of[op]
+        heapq.heappush(self.ranks[rank].waiting, (at, self.seq, op))
+        return rank
 
-        for i, count in enumerate(pending):
-            if count == 0 and ops[i].kind is Kind.P:
-                heapq.heappush(pool, (key_of(ops[i]), seq, i))
-                seq += 1
-            elif count == 0:
-                heapq.heappush(ranks[rank_of[i]].waiting, (0.0, seq, i))
-                seq += 1
-        done = 0
-        end = 0.0
-        comm, op_time = self.comm, self.op_time
-        while events:
-            time, _, rank_index, finished = heapq.heappop(events)
-            if finished != _IDLE:
-                done += 1
-                for nxt in self.consumers[finished]:
-                    release(nxt, time + comm if rank_of[nxt] != rank_of[finished] else time)
-                if ops[finished].kind is Kind.P and frozen_left:
-                    frozen_left -= 1
-                    if frozen_left == 0:
-                        for nxt in self.fed:
-                            release(nxt, time)
-                continue
-            rank = ranks[rank_index]
-            if rank.free_at > time:
-                continue
-            chosen = _pick(rank, time, ops, key_of, pool if rank.index in holders else None)
-            if chosen is None:
-                continue
-            rank_of[chosen] = rank.index
-            op = ops[chosen]
-            rank.free_at = time + op_time(op)
-            end = max(end, rank.free_at)
-            rank.order.append(op._replace(span=order.span))
-            heapq.heappush(events, (rank.free_at, 0, rank.index, chosen))
-            heapq.heappush(events, (rank.free_at, 1, rank.index, _IDLE))
-        if done < len(ops):
-            left = {op: count for op, count in zip(ops, pending, strict=True) if count}
-            raise _stuck(order, ranks, len(ops) - done, layout.after, left)
-        return tuple(tuple(r.order) for r in ranks), end
+    def ended(self, op: int, time: float) -> list[int]:
+        if self.frozen_left and self.ops[op].kind is Kind.P:
+            self.frozen_left -= 1
+            if self.frozen_left == 0:
+                return self.fed
+        return []
 
-
-def _pick(
-    rank: _Rank,
-    time: float,
-    ops: list[Action],
-    key_of: Callable[[Action], tuple[int, ...]],
-    pool: list[tuple[tuple[int, ...], int, int]] | None,
-) -> int | None:
-    """The index of the op `rank` runs at `time`, or None when it must wait. `pool` holds
-    the frozen forwards no rank has taken yet, for a rank that holds the frozen part."""
-    while rank.waiting and rank.waiting[0][0] <= time:
-        _, seq, i = heapq.heappop(rank.waiting)
+    def pick(self, index: int, time: float) -> int | None:
+        """The op rank `index` runs at `time`, or None when it must wait; a rank that
+        holds the frozen part may also take the best frozen forward of the pool."""
+        rank, ops, key_of = self.ranks[index], self.ops, self.key_of
+        pool = self.pool if index in self.holders else None
+        while rank.waiting and rank.waiting[0][0] <= time:
+            _, seq, i = heapq.heappop(rank.waiting)
+            op = ops[i]
+            heap = rank.held if op.kind is Kind.F and op[2:4] in rank.entries else rank.ready
+            heapq.heappush(heap, (key_of(op), seq, i))
+        candidates = [h for h in (rank.ready, rank.held) if h]
+        if rank.in_flight >= rank.cap and rank.held:
+            candidates = [rank.ready] if rank.ready else []
+        if pool:
+            candidates.append(pool)
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda h: h[0][:2])
+        i = heapq.heappop(best)[2]
         op = ops[i]
-        heap = rank.held if op.kind is Kind.F and op[2:4] in rank.entries else rank.ready
-        heapq.heappush(heap, (key_of(op), seq, i))
-    candidates = [h for h in (rank.ready, rank.held) if h]
-    if rank.in_flight >= rank.cap and rank.held:
-        candidates = [rank.ready] if rank.ready else []
-    if pool:
-        candidates.append(pool)
-    if not candidates:
-        return None
-    best = min(candidates, key=lambda h: h[0][:2])
-    i = heapq.heappop(best)[2]
-    op = ops[i]
-    if op[2:4] in rank.entries:
-        rank.in_flight += {Kind.F: 1, Kind.B: -1}.get(op.kind, 0)
-    return i
+        if op[2:4] in rank.entries:
+            rank.in_flight += {Kind.F: 1, Kind.B: -1}.get(op.kind, 0)
+        return i
 
 
 def _skeleton(layout: Layout) -> Program:

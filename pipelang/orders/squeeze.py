@@ -51,7 +51,6 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from pipelang import memory
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.orders import Layout
@@ -69,6 +68,8 @@ from pipelang.orders.timed import (
     tail,
     time_ops,
 )
+from pipelang.sim import memory
+from pipelang.sim.engine import Input
 
 
 def squeeze(
@@ -79,7 +80,7 @@ def squeeze(
     order that cannot run (an op missing or doubled, a deadlock) comes back as it is, for
     `validate` to report."""
     graph = _graph(placed, steady, layout)
-    timed = None if graph is None else time_ops(*graph)
+    timed = None if graph is None else time_ops(*graph, layout.costs.of("C"))
     if timed is None:
         return tuple(tuple(slots[s] for s in sorted(slots)) for slots in placed)
     lines: list[list[Op]] = [[] for _ in placed]
@@ -93,11 +94,12 @@ def squeeze(
 
 def _graph(
     placed: Sequence[dict[int, Action]], steady: tuple[int, int], layout: Layout
-) -> tuple[list[list[Op]], list[Op]] | None:
-    """Each rank's ops in slot order with their lengths, phases and inputs (their data
-    dependencies and `after` edges), and the ops in `Program.compute_ops` order (then
-    any op of a kind the schedule does not declare that an `after` edge holds back);
-    None when an op is there twice or waits for one that is not there."""
+) -> tuple[list[list[Op]], list[Op], list[list[Input]]] | None:
+    """Each rank's ops in slot order with their lengths and phases; the ops numbered in
+    `Program.compute_ops` order (then any op of a kind the schedule does not declare
+    that an `after` edge holds back, then the rest); and each op's inputs by number (its
+    data dependencies, `delayed`, and its `after` edges). None when an op is there twice
+    or waits for one that is not there."""
     kinds = {kind: k for k, kind in enumerate(layout.kinds)}
     per_mb = layout.num_stages * len(kinds)
 
@@ -140,17 +142,16 @@ def _graph(
                 return None
             ranks[r].append(op)
     pattern, consumed = _pattern(layout, kinds)
-    transfer = layout.costs.of("C")
+    wants: dict[Op, list[tuple[Op, bool]]] = {}
     for at, consumer in enumerate(numbered):
         if consumer is None:
             continue
-        inputs = []
+        reads = wants[consumer] = []
         for k, stage in pattern[at % per_mb]:
             dep = None if k is None else numbered[at - at % per_mb + stage * len(kinds) + k]
             if dep is None:
                 return None
-            inputs.append((dep, transfer if dep.rank != consumer.rank else 0.0))
-        consumer.inputs = tuple(inputs)
+            reads.append((dep, True))
         consumer.consumed = at % per_mb in consumed
     held_back: list[Op] = []  # undeclared-kind ops that `after` edges hold back
     for edge in layout.after:
@@ -166,8 +167,13 @@ def _graph(
             return None
         if at is None and later not in held_back:
             held_back.append(later)
-        later.inputs += ((earlier, 0.0),)
-    return ranks, [op for op in numbered if op is not None] + held_back
+        wants.setdefault(later, []).append((earlier, False))
+    ops = [op for op in numbered if op is not None] + held_back
+    listed = set(ops)
+    ops += [op for rank in ranks for op in rank if op not in listed]
+    index = {op: i for i, op in enumerate(ops)}
+    inputs = [[(index[dep], delayed) for dep, delayed in wants.get(op, ())] for op in ops]
+    return ranks, ops, inputs
 
 
 def _pattern(

@@ -1,18 +1,19 @@
 """What `squeeze` moves: each op timed on its rank (`Op`), each rank's ops in time order
-with the activations held after each (`Line`), the plain order's timing (`time_ops`),
-and the idle stretches of a rank's busy intervals (`idle`, `first_idle`)."""
+with the activations held after each (`Line`), the plain order's timing (`time_ops`, on
+the one timing engine) and the idle stretches of a rank's busy intervals (`idle`,
+`first_idle`)."""
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import TypeVar
 
 from pipelang.ir import Action, Kind
+from pipelang.sim.engine import Engine, Input
 
 WARM_UP, STEADY, COOL_DOWN = -1, 0, 1
 
@@ -130,41 +131,23 @@ class Line:
         return bisect.bisect_left(self.starts, since), bisect.bisect_right(self.starts, until)
 
 
-def time_ops(ranks: list[list[Op]], consumers: list[Op]) -> list[Op] | None:
-    """Time each rank's ops as soon as their inputs and their rank allow; the ops in
-    start order, numbered so (`seq`), or None when the order cannot run to its end.
-    `consumers` sets the order in which ranks waiting for an op are looked at again,
-    which orders the ops that start and end at the same time."""
-    waiting: dict[Op, list[int]] = {}
-    for op in consumers:
-        for dep, _ in op.inputs:
-            waiting.setdefault(dep, []).append(op.rank)
-    timed: list[Op] = []
-    done: set[Op] = set()
-    position = [0] * len(ranks)
-    free_at = [0.0] * len(ranks)
-    todo = deque(range(len(ranks)))
-    while todo:
-        r = todo.popleft()
-        rank = ranks[r]
-        while position[r] < len(rank):
-            op = rank[position[r]]
-            start = free_at[r]
-            for dep, delay in op.inputs:
-                if dep not in done:
-                    break
-                start = max(start, dep.end + delay)
-            else:
-                op.place(start)
-                free_at[r] = op.end
-                position[r] += 1
-                done.add(op)
-                timed.append(op)
-                todo.extend(waiting.get(op, ()))
-                continue
-            break
-    if len(timed) != sum(map(len, ranks)):
+def time_ops(
+    ranks: list[list[Op]], ops: list[Op], inputs: list[list[Input]], transfer: float
+) -> list[Op] | None:
+    """Time each rank's ops as soon as their inputs and their rank allow, on the timing
+    engine (`Engine.fixed`, as `simulate` does; `ops` numbers them, `inputs` by number)
+    and set each op's `inputs` with the engine's delays. Returns the ops in start order,
+    numbered so (`seq`), or None when the order cannot run to its end."""
+    engine = Engine([op.rank for op in ops], [op.length for op in ops], inputs, transfer)
+    for op, timed_inputs in zip(ops, engine.timed_inputs(), strict=True):
+        op.inputs = tuple((ops[u], delay) for u, delay in timed_inputs)
+    number = {op: i for i, op in enumerate(ops)}
+    start, order = engine.fixed([[number[op] for op in rank] for rank in ranks])
+    if len(order) != len(ops):
         return None
+    timed = [ops[v] for v in order]
+    for v in order:
+        ops[v].place(start[v])
     # Ops were timed in a topological order: a stable sort keeps it among equal times.
     timed.sort(key=attrgetter("start", "end"))
     for seq, op in enumerate(timed):

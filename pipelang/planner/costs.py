@@ -10,12 +10,12 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from pipelang import memory
 from pipelang.ir import CostModel, Kind, Program, placement
 from pipelang.planner.mapping import Traffic
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
-from pipelang.simulate import Event
+from pipelang.sim import memory
+from pipelang.sim.timeline import Event
 
 
 class OpCosts:

@@ -32,7 +32,7 @@ from pipelang.planner.plans import (
     lopsided,
 )
 from pipelang.planner.topology import Topology
-from pipelang.simulate import simulate
+from pipelang.sim.timeline import simulate
 
 PLANNER_MAX_OPS = 4_000_000
 """The op limit of the schedules the planner compiles. The user's `--max-ops` guards

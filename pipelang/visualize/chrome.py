@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 
 from pipelang.ir import Kind
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from pipelang.visualize import style
 from pipelang.visualize.panel import Panel, transfers
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelang.ir import Action, CostModel, Kind, Pipeline, Program
-from pipelang.simulate import Event, Timeline
+from pipelang.sim.timeline import Event, Timeline
 from pipelang.visualize.panel import Panel
 from pipelang.visualize.style import ALL_KINDS
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pipelang.ir import Action, Kind, deps
-from pipelang.simulate import Event, Timeline
+from pipelang.sim.timeline import Event, Timeline
 from pipelang.visualize.style import ALL_KINDS
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipelang.ir import Kind
-from pipelang.simulate import Timeline
+from pipelang.sim.timeline import Timeline
 from pipelang.visualize import style
 from pipelang.visualize.panel import Panel, bands, shared_span, short_op, transfers
 

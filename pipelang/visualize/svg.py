@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from html import escape
 
 from pipelang.ir import Kind
-from pipelang.simulate import Event, Timeline
+from pipelang.sim.timeline import Event, Timeline
 from pipelang.visualize import style
 from pipelang.visualize.panel import Panel, bands, number, shared_span, short_op, transfers
 

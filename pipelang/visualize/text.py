@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipelang.simulate import Event, Timeline
+from pipelang.sim.timeline import Event, Timeline
 from pipelang.visualize.panel import Panel, number
 
 MEASURED_CELLS = 40

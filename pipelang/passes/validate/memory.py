@@ -1,11 +1,11 @@
 """E0308: a rank that holds more activations than `--max-activations`, counted by the one
-rule for held activations (`pipelang.memory`)."""
+rule for held activations (`pipelang.sim.memory`)."""
 
 from __future__ import annotations
 
-from pipelang import memory
 from pipelang.diagnostics import Diagnostic, listing
 from pipelang.ir import Action, Program
+from pipelang.sim import memory
 
 
 def check_memory(program: Program, cap: int) -> list[Diagnostic]:

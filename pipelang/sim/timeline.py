@@ -7,7 +7,8 @@ another rank (`after` dependencies cost nothing). A compound (`F3@0/main &B0@7/m
 the model gives one and the compound holds a forward and a backward (the forward's stage
 picks it), else the sum of its ops' costs, and all its ops end together. Comm, allreduce
 and step actions in the program are not replayed: transfers are charged on the edges
-instead. One pass in topological order, linear in the number of ops and dependencies.
+instead. The one timing engine times them (`sim.engine`: `durations`, `Engine.fixed`),
+linear in the number of ops and dependencies.
 
     rank 0: F0@0/main B0@0/main          costs F=1, B=2, C=0
     rank 1: F0@1/main B0@1/main
@@ -19,17 +20,17 @@ instead. One pass in topological order, linear in the number of ops and dependen
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from pipelang import memory
 from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError, fail
 from pipelang.grid import op_labeler, render_rows
 from pipelang.ir import MAX_TIME, Action, CostModel, Kind, Program
 from pipelang.passes.build_dag import OpGraph
+from pipelang.sim import memory
+from pipelang.sim.engine import Engine, Input, Link, durations
 from pipelang.weights import WeightVersions, weight_versions
 
 
@@ -211,9 +212,6 @@ for a grid of 10^12 cells)."""
 GRID_RANKS = 512
 """The most ranks `Timeline.text_grid` draws."""
 
-Link = Callable[[Action, int, int], float]
-"""The time to move an op's result from one rank to another: `link(op, src, dst)`."""
-
 
 @bulk
 def simulate(
@@ -225,7 +223,8 @@ def simulate(
     `link`, when given, times each transfer instead of the single `C` (the planner gives
     every stage boundary the time of the link between its two ranks' devices).
     """
-    times = _durations(program, graph, costs)
+    time = costs.timer(program.chunks, program.shapes)
+    times = durations(graph.ops, graph.heads, time, costs)
     longest = max(times, default=0.0)
     if not longest <= MAX_TIME:  # inf and NaN too: say so, never print them
         slowest = graph.ops[times.index(longest)]
@@ -234,10 +233,19 @@ def simulate(
             f"`{slowest}` takes {longest:g} under these costs and shapes, past the 10^15 an op "
             "may take: smaller costs, or micro-batch shapes nearer the reference `S`",
         )
-    start = _start_times(graph, times, costs.of("C"), stash_link(program, graph, costs, link))
-    if len(start) < graph.listed:
-        raise InternalError("simulated an op graph with a cycle: `validate` did not run")
+    inputs: list[list[Input]] = [[] for _ in graph.ops]
+    for delayed, edges in ((False, graph.after), (True, graph.data)):
+        for u, v in edges:
+            inputs[v].append((u, delayed))
+    link = stash_link(program, graph, costs, link)
+    engine = Engine(graph.ranks, times, inputs, costs.of("C"), link, graph.ops)
     # Ops are numbered in rank order, then in each rank's order; none is listed twice.
+    orders: list[list[int]] = [[] for _ in range(program.num_ranks)]
+    for op, rank in enumerate(graph.ranks):
+        orders[rank].append(op)
+    start, timed = engine.fixed(orders)
+    if len(timed) < graph.listed:
+        raise InternalError("simulated an op graph with a cycle: `validate` did not run")
     ends = [s + t for s, t in zip(start, times, strict=True)]
     heads = graph.heads
     for op, head in enumerate(heads):
@@ -267,57 +275,3 @@ def stash_link(
         return transfer if link is None else link(op, src, dst)
 
     return timed
-
-
-def _durations(program: Program, graph: OpGraph, costs: CostModel) -> list[float]:
-    """The time of every op; a compound's whole time goes to its first op and its fused
-    ops take none, so that whatever follows any of them waits for the whole compound."""
-    time = costs.timer(program.chunks, program.shapes)
-    times = [time(op) for op in graph.ops]
-    members: dict[int, list[int]] = {}
-    for node, head in enumerate(graph.heads):
-        if head != node:
-            members.setdefault(head, [head]).append(node)
-    overlap = costs.gives("FB")
-    for head, group in members.items():
-        ops = [graph.ops[node] for node in group]
-        forwards = [a for a in ops if a.kind is Kind.F]
-        if overlap and forwards and any(a.kind is Kind.B for a in ops):
-            times[head] = costs.of("FB", forwards[0].stage)
-        else:
-            times[head] = sum(times[node] for node in group)
-        for node in group[1:]:
-            times[node] = 0.0
-    return times
-
-
-def _start_times(
-    graph: OpGraph, times: list[float], transfer: float, link: Link | None = None
-) -> list[float]:
-    """Earliest start of every op, in one topological pass (Kahn's algorithm); a shorter
-    list when ops wait on each other in a cycle."""
-    succ: list[list[tuple[int, float]]] = [[] for _ in graph.ops]
-    indegree = [0] * len(graph.ops)
-    ranks, ops = graph.ranks, graph.ops
-    for delayed, edges in ((False, graph.order), (False, graph.after), (True, graph.data)):
-        for u, v in edges:
-            if not delayed or ranks[u] == ranks[v]:
-                succ[u].append((v, 0.0))
-            else:
-                succ[u].append((v, transfer if link is None else link(ops[u], ranks[u], ranks[v])))
-            indegree[v] += 1
-    start = [0.0] * len(graph.ops)
-    ready = [v for v, d in enumerate(indegree) if d == 0]
-    done = 0
-    while ready:
-        u = ready.pop()
-        done += 1
-        end = start[u] + times[u]
-        for v, delay in succ[u]:
-            at = end + delay
-            if at > start[v]:  # not max(): this loop runs once per edge, 10^6 of them
-                start[v] = at
-            indegree[v] -= 1
-            if indegree[v] == 0:
-                ready.append(v)
-    return start if done == len(graph.ops) else start[:done]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from pipelang.ir import Action, CostModel, Kind, Program
 
 if TYPE_CHECKING:
-    from pipelang.simulate import Event
+    from pipelang.sim.timeline import Event
 
 
 def frees(program: Program) -> Kind:
