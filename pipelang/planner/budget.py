@@ -1,4 +1,5 @@
-"""The search's time budget inside the loops whose cost a candidate's size decides.
+"""The search's time budget: what a screening will cost (`scaled`), and the deadline inside
+the loops whose cost a candidate's size decides.
 
 `plan --time-budget` is judged before each candidate from smaller ones of its family,
 and that estimate can be far off (the mapping's local search and the partition DP grow
@@ -36,3 +37,16 @@ def check() -> None:
     """Raise OutOfTime when the deadline set by `until` has passed."""
     if time.perf_counter() > _deadline.get():
         raise OutOfTime
+
+
+def scaled(seen: list[tuple[float, float]], ops: float) -> float:
+    """Seconds to handle `ops` ops, from the (ops, seconds) of the last one or two
+    screenings of the same schedule: grown as ops^p, p fitted to the two (between 1 and
+    3), else 1.5 (compile and simulation grow a little faster than linearly)."""
+    if not seen or seen[-1][0] <= 0:
+        return 0.0
+    power = 1.5
+    if len(seen) == 2 and seen[1][0] > seen[0][0] and min(seen[0][1], seen[1][1]) > 0.05:
+        power = math.log(seen[1][1] / seen[0][1]) / math.log(seen[1][0] / seen[0][0])
+        power = min(3.0, max(1.0, power))
+    return seen[-1][1] * (ops / seen[-1][0]) ** power

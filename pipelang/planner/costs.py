@@ -1,5 +1,5 @@
-"""The planner's cost model, apart from its search: what each stage's ops and each rank's
-optimizer step take (`OpCosts`), traffic between ranks, the gradient allreduce of
+"""The planner's cost model, apart from its search: what each stage's ops, each transfer
+and each rank's optimizer step take (`OpCosts`), traffic between ranks, the gradient allreduce of
 replicated stages, and each rank's peak memory. Sizes and times come from the profile,
 summed over the layers of each stage."""
 
@@ -10,11 +10,12 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from pipelang.ir import CostModel, Kind, Program, placement
+from pipelang.ir import Action, CostModel, Kind, Program, placement
 from pipelang.planner.mapping import Traffic
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
 from pipelang.sim import memory
+from pipelang.sim.engine import Link
 from pipelang.sim.timeline import Event
 
 
@@ -108,6 +109,58 @@ class OpCosts:
             + action
             for rank in range(program.num_ranks)
         ]
+
+    def boundary_ms(self, topology: Topology, a: int, b: int, size: float) -> float:
+        """A stage boundary between devices `a` and `b` as the partition's DP sees it (ms):
+        `size` bytes over their link, plus the host's whole cost of one message (message,
+        send, receive and the two actions; the DP sees no other host cost); 0 on one
+        device."""
+        if a == b:
+            return 0.0
+        host = self.runtime
+        per_message = 0.0
+        if host is not None:
+            per_message = host.message_ms + host.send_ms + host.recv_ms + 2 * host.action_ms
+        return topology.link(a, b).seconds(size) * 1e3 + per_message
+
+    def links(
+        self, topology: Topology, devices: Sequence[int], outputs: Sequence[float]
+    ) -> tuple[Link, list[float]]:
+        """The simulator's `link` for ranks on `devices`: an op's result (`outputs[s]`,
+        bytes, leaving stage s) over the link between the two ranks' devices, plus the
+        host's time per message (its send and receive are in the ops' costs); and the list
+        the distinct transfer times are added to as the simulator asks for them."""
+        cache: dict[tuple[Kind, int, int, int], float] = {}
+        transfers: list[float] = []
+        message = self.runtime.message_ms if self.runtime is not None else 0.0
+
+        def link(op: Action, src: int, dst: int) -> float:
+            key = (op.kind, op.stage or 0, src, dst)
+            if key not in cache:
+                boundary = op.stage if op.kind is Kind.F else (op.stage or 0) - 1
+                size = outputs[boundary] if boundary is not None and boundary >= 0 else 0.0
+                seconds = topology.link(devices[src], devices[dst]).seconds(size)
+                cache[key] = seconds * 1e3 + message
+                transfers.append(cache[key])
+            return cache[key]
+
+        return link, transfers
+
+    def iteration_ms(
+        self,
+        counts: Sequence[int],
+        program: Program,
+        events: Iterable[Event],
+        speeds: Sequence[float],
+        synced: float,
+    ) -> float:
+        """When the iteration ends: each rank's optimizer step (`step_ms`) runs after its
+        last op and after the gradient allreduces (which end at `synced`)."""
+        ends = [0.0] * program.num_ranks
+        for event in events:
+            ends[event.rank] = max(ends[event.rank], event.end)
+        steps = self.step_ms(counts, program, speeds)
+        return max(max(e, synced) + t for e, t in zip(ends, steps, strict=True))
 
 
 def sums(values: Sequence[float], counts: Sequence[int]) -> list[float]:

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
-from pipelang.ir import Action, CostModel, Kind, Pipeline, placement
+from pipelang.ir import CostModel, Pipeline, placement
 from pipelang.orders import Layout
 from pipelang.passes.layout import schedule_layout
 from pipelang.planner.bound import iteration_bound
@@ -216,16 +216,9 @@ class PlanModel:
         topology = self.inputs.topology
         outputs = [c.output_bytes for c in self.inputs.profile.layers]
 
-        host = self.costs.runtime
-        per_message = 0.0
-        if host is not None:
-            per_message = host.message_ms + host.send_ms + host.recv_ms + 2 * host.action_ms
-
         def cut(boundary: int, before: int) -> float:
             a, b = devices[placement[boundary]], devices[placement[boundary + 1]]
-            if a == b:
-                return 0.0
-            return topology.link(a, b).seconds(outputs[before - 1]) * 1e3 + per_message
+            return self.costs.boundary_ms(topology, a, b, outputs[before - 1])
 
         split = best_partition(
             self.costs.layer_time,
@@ -273,20 +266,7 @@ class PlanModel:
         assert graph is not None
         topology = self.inputs.topology
         outputs = stage_outputs(self.inputs.profile, counts)
-        cache: dict[tuple[Kind, int, int, int], float] = {}
-        transfers: list[float] = []
-        message = self.costs.runtime.message_ms if self.costs.runtime is not None else 0.0
-
-        def link(op: Action, src: int, dst: int) -> float:
-            key = (op.kind, op.stage or 0, src, dst)
-            if key not in cache:
-                boundary = op.stage if op.kind is Kind.F else (op.stage or 0) - 1
-                size = outputs[boundary] if boundary is not None and boundary >= 0 else 0.0
-                seconds = topology.link(devices[src], devices[dst]).seconds(size)
-                cache[key] = seconds * 1e3 + message
-                transfers.append(cache[key])
-            return cache[key]
-
+        link, transfers = self.costs.links(topology, devices, outputs)
         timeline = simulate(program, graph, costs, link)
         weights = stage_weights(self.inputs.profile, counts)
         synced = allreduce_end(
@@ -295,11 +275,6 @@ class PlanModel:
         busy = sum(timeline.busy(r) for r in range(program.num_ranks))
         factor = STATE_FACTOR[self.inputs.optimizer]
         memory = peak_memory(program, self.inputs.profile, counts, factor)
-        # Each rank's optimizer step runs after its last op and after the allreduces.
-        ends = [0.0] * program.num_ranks
-        for event in timeline.events:
-            ends[event.rank] = max(ends[event.rank], event.end)
         speeds = [topology.speed_of(devices[rank]) for rank in range(program.num_ranks)]
-        steps = self.costs.step_ms(counts, program, speeds)
-        end = max(max(e, synced) + t for e, t in zip(ends, steps, strict=True))
+        end = self.costs.iteration_ms(counts, program, timeline.events, speeds, synced)
         return Prediction(end, busy, memory, transfers)

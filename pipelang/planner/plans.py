@@ -5,12 +5,13 @@ and memory), a candidate left out with its reason, and the search's result."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pipelang.planner.families import FAMILIES
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
+from pipelang.planner.units import format_bytes
 
 FULL_OPS = 4_000
 """Schedules with at most this many ops are simulated at N directly, never extrapolated."""
@@ -105,6 +106,22 @@ class Inputs:
     def cap(self, device: int) -> float:
         memory = self.topology.memory[device]
         return memory if self.max_memory is None else min(memory, self.max_memory)
+
+    def over_cap(self, plan: Plan) -> str | None:
+        """None when every rank's peak is under its device's cap, else the reason."""
+        for rank, peak in enumerate(plan.memory):
+            device = plan.devices[rank]
+            cap = self.cap(device)
+            if peak > cap:
+                return (
+                    f"needs {format_bytes(peak)} on rank {rank} "
+                    f"({self.topology.names[device]}), over the cap of {format_bytes(cap)}"
+                )
+        return None
+
+    def best(self, plans: Iterable[Plan]) -> Plan:
+        """The fastest of `plans` that fits its devices (`over_cap`), else the fastest."""
+        return min(plans, key=lambda plan: (self.over_cap(plan) is not None, plan.time_ms))
 
     def notes(self) -> list[str]:
         """What the user should know before trusting the plan: what the profile lacks,

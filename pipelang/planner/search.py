@@ -46,10 +46,7 @@ from dataclasses import replace
 
 from pipelang.diagnostics import PipelangError
 from pipelang.planner import budget
-from pipelang.planner.costs import (
-    program_traffic,
-    sums,
-)
+from pipelang.planner.costs import program_traffic, sums
 from pipelang.planner.families import Params
 from pipelang.planner.mapping import map_ranks, mapping_moves, unlike_mappings
 from pipelang.planner.model import PlanModel
@@ -64,7 +61,6 @@ from pipelang.planner.plans import (
     candidates,
 )
 from pipelang.planner.topology import Topology
-from pipelang.planner.units import format_bytes
 
 
 class Planner:
@@ -133,9 +129,11 @@ class Planner:
         started = time.perf_counter()
         rejected: list[Rejected] = []
         screened = self._screen_all(progress, deadline, rejected)
-        fitting = sorted((p for p in screened if self.fits(p) is None), key=lambda p: p.time_ms)
+        fitting = sorted(
+            (p for p in screened if self.inputs.over_cap(p) is None), key=lambda p: p.time_ms
+        )
         for plan in screened:
-            reason = self.fits(plan)
+            reason = self.inputs.over_cap(plan)
             if reason is not None:
                 rejected.append(Rejected(plan.candidate, reason, memory=True))
         # Refined and simulated at N: the best few, unless plans found by the searches
@@ -178,7 +176,7 @@ class Planner:
                 continue
             family = (candidate.schedule, candidate.params[2:])
             ops = self._ops(candidate, sum(self.model.probe_sizes(candidate)))
-            estimate = _scaled(costs.get(family, []), ops)
+            estimate = budget.scaled(costs.get(family, []), ops)
             if time.perf_counter() + estimate > deadline:
                 why = f"not searched: screening would take about {estimate:.0f} s, past the"
                 rejected.append(Rejected(candidate, why + " time budget", time=True))
@@ -195,7 +193,7 @@ class Planner:
             if isinstance(outcome, Plan):
                 screened.append(outcome)
                 self._screen_cost[candidate] = costs[family]
-                if self.fits(outcome) is None:
+                if self.inputs.over_cap(outcome) is None:
                     self.leaders.add(outcome.time_ms)
             else:
                 rejected.append(outcome)
@@ -217,7 +215,7 @@ class Planner:
             share = self.refine_seconds / len(shortlist)
             refined = self.refine(plan, min(deadline, time.perf_counter() + share))
             full_ops = self._ops(plan.candidate, self.inputs.micro_batches)
-            estimate = _scaled(self._screen_cost.get(plan.candidate, []), full_ops)
+            estimate = budget.scaled(self._screen_cost.get(plan.candidate, []), full_ops)
             if refined.exact and self.model.cost_dependent(refined.candidate):
                 # The order expanded again under the costs of the plan's own partition
                 # and devices, as the written plan's will be (screening reused the
@@ -231,10 +229,12 @@ class Planner:
             exact = self.model.predict(
                 refined.candidate, refined.partition, refined.devices, full=True
             )
-            if self.fits(exact) is None:
+            if self.inputs.over_cap(exact) is None:
                 final.append(exact)
             else:
-                rejected.append(Rejected(exact.candidate, str(self.fits(exact)), memory=True))
+                rejected.append(
+                    Rejected(exact.candidate, str(self.inputs.over_cap(exact)), memory=True)
+                )
         return final
 
     def _copies(
@@ -283,18 +283,6 @@ class Planner:
     def _ops(self, candidate: Candidate, micro_batches: int) -> float:
         return float(micro_batches * candidate.stages * (3 if self.model.split_w(candidate) else 2))
 
-    def fits(self, plan: Plan) -> str | None:
-        """None when every rank's peak is under its device's cap, else the reason."""
-        for rank, peak in enumerate(plan.memory):
-            device = plan.devices[rank]
-            cap = self.inputs.cap(device)
-            if peak > cap:
-                return (
-                    f"needs {format_bytes(peak)} on rank {rank} "
-                    f"({self.inputs.topology.names[device]}), over the cap of {format_bytes(cap)}"
-                )
-        return None
-
     # ---- one candidate ----------------------------------------------------------------
 
     def screen(self, candidate: Candidate) -> Plan | Rejected:
@@ -332,7 +320,7 @@ class Planner:
                         )
                     ]
                 plans = [self.model.predict(candidate, c, d, False, False) for c, d in tried]
-                return min(plans, key=lambda plan: (self.fits(plan) is not None, plan.time_ms))
+                return self.inputs.best(plans)
             mappings = {map_ranks(traffic, candidate.ranks, topology)}
             if topology.speeds and candidate.ranks < topology.size:
                 # A slower device on a faster link may win: the simulator judges.
@@ -347,7 +335,7 @@ class Planner:
                 )
                 for devices in sorted(mappings)
             ]
-            return min(plans, key=lambda plan: (self.fits(plan) is not None, plan.time_ms))
+            return self.inputs.best(plans)
         except PipelangError as err:  # a schedule that does not compile at these sizes
             return Rejected(candidate, err.diagnostics[0].message)
 
@@ -367,7 +355,7 @@ class Planner:
                 trial = self.model.predict(
                     plan.candidate, counts, devices, plan.exact, reorder=False
                 )
-                if trial.time_ms < best.time_ms - 1e-9 and self.fits(trial) is None:
+                if trial.time_ms < best.time_ms - 1e-9 and self.inputs.over_cap(trial) is None:
                     best, improved = trial, True
                     break
         return best
@@ -392,19 +380,6 @@ class Planner:
             yield counts, devices
             for moved in partition_neighbours(counts, sums(self.costs.layer_time, counts)):
                 yield moved, devices
-
-
-def _scaled(seen: list[tuple[float, float]], ops: float) -> float:
-    """Seconds to handle `ops` ops, from the (ops, seconds) of the last one or two
-    screenings of the same schedule: grown as ops^p, p fitted to the two (between 1 and
-    3), else 1.5 (compile and simulation grow a little faster than linearly)."""
-    if not seen or seen[-1][0] <= 0:
-        return 0.0
-    power = 1.5
-    if len(seen) == 2 and seen[1][0] > seen[0][0] and min(seen[0][1], seen[1][1]) > 0.05:
-        power = math.log(seen[1][1] / seen[0][1]) / math.log(seen[1][0] / seen[0][0])
-        power = min(3.0, max(1.0, power))
-    return seen[-1][1] * (ops / seen[-1][0]) ** power
 
 
 EXACT_PLANS = 1000
