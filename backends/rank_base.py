@@ -23,6 +23,7 @@ from pipelang.diagnostics import InternalError
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RankRuntime
+    from pipelang.ir import deps
 
 
 def make_optimizer(params: Sequence[nn.Parameter], config: RunConfig) -> Optimizer:
@@ -72,6 +73,12 @@ is None unless the schedule splits micro-batches into sequence chunks."""
 Value = tuple[str, int, int, str, int | None]
 """A value in flight between actions: (kind of the op that made it, micro-batch, stage,
 pipeline, chunk), `("F", 3, 1, "main", None)` is the output of F3@1/main."""
+
+
+def value_of(key: deps.Key) -> Value:
+    """The runtime's name for an op's result: its key (`ir.deps`) with the kind's letter."""
+    kind, mb, stage, pipeline, chunk = key
+    return cast(Value, (kind.value, mb, stage, pipeline, chunk))
 
 
 @dataclass(slots=True)

@@ -13,9 +13,10 @@ from pipelang.backends.models import (
     SequenceChunk,
     sequence_chunk,
 )
-from pipelang.backends.rank_base import Saved, StageCopy, Value, _action, _compute
+from pipelang.backends.rank_base import Saved, StageCopy, Value, _action, _compute, value_of
 from pipelang.backends.versions import installed
 from pipelang.diagnostics import InternalError
+from pipelang.ir import deps
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RankRuntime
@@ -57,11 +58,9 @@ class ComputeActions:
     def input_key(
         self: RankRuntime, mb: int, stage: int, pipeline: str, chunk: int | None = None
     ) -> Value:
-        """The value a forward of `stage` reads: the stage before's output, or for stage
-        0 of a schedule with a frozen part, the frozen part's (`P`)."""
-        if stage == 0 and self.program.frozen is not None:
-            return ("P", mb, 0, pipeline, None)
-        return ("F", mb, stage - 1, pipeline, chunk)
+        """The value a forward of `stage` reads (`deps.forward_input`): the stage before's
+        output, or for stage 0 of a schedule with a frozen part, the frozen part's."""
+        return value_of(deps.forward_input(mb, stage, pipeline, chunk))
 
     def _stage_input(
         self: RankRuntime, mb: int, copy: StageCopy, chunk: int | None
@@ -187,7 +186,8 @@ class ComputeActions:
         saved = self.saved[key]
         if saved.y is None:
             raise InternalError(f"B{mb}@{stage}/{pipeline} ran before its recompute")
-        dy = None if copy.last else self.values.pop(("B", mb, stage + 1, pipeline, chunk))
+        gradient = value_of(deps.gradient_input(mb, stage, pipeline, chunk))
+        dy = None if copy.last else self.values.pop(gradient)
         outputs, grads = _chunk_outputs(saved, dy)
         if not self.split_backward:
             torch.autograd.backward(outputs, grads)

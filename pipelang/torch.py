@@ -34,7 +34,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from pipelang.backends.transport import DistTransport, Handle
 from pipelang.diagnostics import fail
 from pipelang.features import refusal
-from pipelang.ir import Action, Kind
+from pipelang.ir import Action, Kind, deps
 from pipelang.ir.placement import reduce_ranks
 from pipelang.schedule import Schedule
 
@@ -125,7 +125,7 @@ class PipelineSchedule:
             raise fail("usage", f"a batch of {len(x)} does not split into {n} equal micro-batches")
         self.inputs, self.targets = inputs, targets
         self.scale = 1.0 / (n * self.copies_count)
-        self.values: dict[tuple[str, int, int, str], torch.Tensor] = {}
+        self.values: dict[deps.Key, torch.Tensor] = {}
         self.saved: dict[tuple[int, int, str], list[torch.Tensor | None]] = {}
         self.losses: list[torch.Tensor] = []
         self.reducing: list[tuple[nn.Module, torch.Tensor, list[torch.Tensor], Handle]] = []
@@ -166,7 +166,11 @@ class PipelineSchedule:
         if stage == 0:
             x = self.inputs[mb]
         else:
-            x = self.values.pop(("F", mb, stage - 1, pipe)).detach().requires_grad_(True)
+            x = (
+                self.values.pop(deps.forward_input(mb, stage, pipe, None))
+                .detach()
+                .requires_grad_(True)
+            )
         if self.recomputes:
             with torch.no_grad():
                 y = self._stage_output(a, x)
@@ -175,7 +179,7 @@ class PipelineSchedule:
             y = self._stage_output(a, x)
             self.saved[(mb, stage, pipe)] = [x, y, None]
         if stage < self.program.num_stages - 1:
-            self.values[("F", mb, stage, pipe)] = y.detach()
+            self.values[(Kind.F, mb, stage, pipe, None)] = y.detach()
 
     def _recompute(self, a: Action) -> None:
         saved = self.saved[_where(a)]
@@ -187,18 +191,18 @@ class PipelineSchedule:
         x, y, _ = self.saved[key]
         assert y is not None and x is not None
         last = stage == self.program.num_stages - 1
-        dy = None if last else self.values.pop(("B", mb, stage + 1, pipe))
+        dy = None if last else self.values.pop(deps.gradient_input(mb, stage, pipe, None))
         if self.split:
             if stage > 0:
                 (dx,) = torch.autograd.grad(y, [x], dy, retain_graph=True)
-                self.values[("B", mb, stage, pipe)] = dx
+                self.values[(Kind.B, mb, stage, pipe, None)] = dx
             self.saved[key][2] = dy
             return
         torch.autograd.backward(y, dy)
         del self.saved[key]
         if stage > 0:
             assert x.grad is not None
-            self.values[("B", mb, stage, pipe)] = x.grad
+            self.values[(Kind.B, mb, stage, pipe, None)] = x.grad
 
     def _weight_grad(self, a: Action) -> None:
         _, stage, pipe = key = _where(a)
@@ -211,7 +215,7 @@ class PipelineSchedule:
     def _send(self, a: Action) -> None:
         mb, stage, pipe = _where(a)
         assert a.of is not None and a.peer is not None
-        tensor = self.values.pop((a.of.value, mb, stage, pipe))
+        tensor = self.values.pop((a.of, mb, stage, pipe, None))
         channel = (a.of.value, stage, a.peer)
         if channel not in self.announced:
             header = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
@@ -228,7 +232,7 @@ class PipelineSchedule:
             header = self.transport.recv((HEADER,), torch.int64, a.peer).tolist()
             self.shapes[channel] = (tuple(header[2 : 2 + header[0]]), _DTYPES[header[1]])
         shape, dtype = self.shapes[channel]
-        self.values[(a.of.value, mb, stage, pipe)] = self.transport.recv(shape, dtype, a.peer)
+        self.values[(a.of, mb, stage, pipe, None)] = self.transport.recv(shape, dtype, a.peer)
 
     # ---- replicas --------------------------------------------------------------------------
 

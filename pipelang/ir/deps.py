@@ -1,6 +1,7 @@
 """The dependency rule: which ops an op waits for. The one definition: the op graph
 (`build-dag`) and `Program.inputs_of` (and through it the greedy and squeezed orders)
-both read `inputs`.
+both read `inputs`, and the executors find the value an op reads with `forward_input`
+and `gradient_input`.
 
 F(m, s) needs F(m, s-1), and F(m, 0) needs P(m, 0) when there is a frozen part; P needs
 nothing; B(m, s) needs F(m, s), R(m, s) when recompute is on, L(m, s) when the
@@ -40,6 +41,18 @@ def op_key(action: Action) -> Key:
     return (action.kind, action.mb, action.stage, action.pipeline, action.chunk)
 
 
+def forward_input(mb: int | None, stage: int, pipe: str | None, c: int | None) -> Key:
+    """The result a forward reads: the stage before's forward of the same chunk, or on
+    stage 0 the frozen part's (`P`; a schedule without one reads the batch itself)."""
+    return (_F, mb, stage - 1, pipe, c) if stage else (_P, mb, 0, pipe, None)
+
+
+def gradient_input(mb: int | None, stage: int, pipe: str | None, c: int | None) -> Key:
+    """The result a backward of a stage before the last reads: the next stage's
+    backward (the gradient of this stage's output)."""
+    return (_B, mb, stage + 1, pipe, c)
+
+
 def inputs(
     kind: Kind, mb: int | None, stage: int, pipe: str | None, c: int | None, num_stages: int,
     chunks: int | None,
@@ -50,7 +63,7 @@ def inputs(
     part, L without evictions) are listed all the same: callers keep those that exist.
     It runs once per op of large schedules, so it is written for speed."""
     if kind is _F:
-        before = (_F, mb, stage - 1, pipe, c) if stage else (_P, mb, 0, pipe, None)
+        before = forward_input(mb, stage, pipe, c)
         return (before, (_F, mb, stage, pipe, c - 1)) if c else (before,)
     if kind is _B:
         found: tuple[Key, ...] = (
@@ -59,7 +72,7 @@ def inputs(
             (_L, mb, stage, pipe, c),
         )
         if stage + 1 < num_stages:
-            found += ((_B, mb, stage + 1, pipe, c),)
+            found += (gradient_input(mb, stage, pipe, c),)
         if c is not None and chunks is not None and c + 1 < chunks:
             found += ((_B, mb, stage, pipe, c + 1),)
         return found

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import fail
-from pipelang.ir import Action, Kind, Program, placement
+from pipelang.ir import Action, Kind, Program, deps, placement
 from pipelang.passes.check_streams import Interleaving
 from pipelang.streams import RECORD, WAIT, Access, StreamOp, StreamProgram
 
@@ -160,10 +160,8 @@ class _Lowering:
         if kind is Kind.P:  # the frozen part's output: stage 0's input, saved by its F
             writes.append(("d", _token(Kind.P, mb, stage, pipe)))
         elif kind is Kind.F:
-            if stage > 0:
-                reads.append(("d", _token(Kind.F, mb, stage - 1, pipe, chunk)))
-            elif program.frozen is not None:
-                reads.append(("d", _token(Kind.P, mb, stage, pipe)))
+            if stage > 0 or program.frozen is not None:
+                reads.append(("d", _token(*deps.forward_input(mb, stage, pipe, chunk))))
             reads.extend(earlier)
             writes.append(("s", _token(Kind.F, mb, stage, pipe, chunk)))
             if not last:
@@ -173,7 +171,7 @@ class _Lowering:
             writes.append(("s", _token(Kind.R, mb, stage, pipe, chunk)))
         else:  # B, W
             if kind is Kind.B and not last:
-                reads.append(("d", _token(Kind.B, mb, stage + 1, pipe, chunk)))
+                reads.append(("d", _token(*deps.gradient_input(mb, stage, pipe, chunk))))
             reads.append(("s", _token(saved_by, mb, stage, pipe, chunk)))
             if kind is Kind.B:
                 reads.extend(earlier)
@@ -295,7 +293,7 @@ class _Lowering:
 
 
 def _token(
-    kind: Kind, mb: int | None, stage: int, pipe: str | None, chunk: int | None = None
+    kind: Kind, mb: int | None, stage: int | None, pipe: str | None, chunk: int | None = None
 ) -> str:
     return Action(kind, mb, stage, pipe, chunk=chunk).text()
 
