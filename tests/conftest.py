@@ -15,7 +15,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-golden",
         action="store_true",
-        help="rewrite tests/golden/*.expected from the current output",
+        help="rewrite tests/golden/*/*.expected from the current output",
     )
 
 

@@ -31,7 +31,7 @@ from pipelang.diagnostics import PipelangError
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = sorted((ROOT / "schedules").glob("*.pipe")) + sorted(
-    (ROOT / "tests" / "golden").glob("*.pipe")
+    (ROOT / "tests" / "golden").rglob("*.pipe")
 )
 SEED_TEXTS = [path.read_text() for path in SEEDS]
 

@@ -1,5 +1,7 @@
-"""The golden driver: each `tests/golden/NAME.pipe` says how to run it, `NAME.expected`
-holds what that printed.
+"""The golden driver: each `tests/golden/PASS/NAME.pipe` says how to run it,
+`NAME.expected` beside it holds what that printed. There is one directory per pass
+(`parse`, `resolve-params`, ... `streams`: its dumps and the errors it reports) and one
+per command that prints more than a pass does (`simulate`, `viz`).
 
 A golden file starts with one or more lines `# RUN: pipelang ARGS`, where `%s` stands
 for the file itself. The driver runs each command in-process and compares the exit
@@ -17,7 +19,8 @@ import pytest
 from tests.helpers import run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.pipe"))
+GOLDEN = sorted((ROOT / "tests" / "golden").rglob("*.pipe"))
+IDS = [p.relative_to(ROOT / "tests" / "golden").with_suffix("").as_posix() for p in GOLDEN]
 
 
 def transcript(path: Path) -> str:
@@ -37,7 +40,7 @@ def transcript(path: Path) -> str:
     return "\n".join(parts)
 
 
-@pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])
+@pytest.mark.parametrize("path", GOLDEN, ids=IDS)
 def test_golden(path: Path, update_golden: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     actual = transcript(path)

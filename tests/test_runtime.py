@@ -33,7 +33,7 @@ from pipelang.sim import memory
 from tests.helpers import host_op, lowered_by_hand, run, stdlib
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = ROOT / "tests" / "golden" / "codegen_1f1b_D2_N2_rank0.expected"
+GOLDEN = ROOT / "tests" / "golden" / "codegen" / "1f1b_D2_N2_rank0.expected"
 
 
 SCHEDULES = {

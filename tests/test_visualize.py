@@ -1,6 +1,6 @@
 """`pipelang viz`: every renderer against the Timeline it draws.
 
-The text grid is covered by tests/golden/viz_text.pipe. Here: the SVG has exactly one box
+The text grid is covered by tests/golden/viz/text.pipe. Here: the SVG has exactly one box
 per compute op, where the op runs; the Chrome trace has one event per op with the
 simulated times; measured traces (recorded by the runtime, tests/data/) read back; the
 HTML renders in headless Chromium to a non-blank picture; the PNG is a PNG.

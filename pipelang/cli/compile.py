@@ -20,6 +20,7 @@ from pipelang.cli.args import (
     write_output,
 )
 from pipelang.compiler import PASS_NAMES, Compilation
+from pipelang.passes.build_dag import OpGraph
 
 HELP = "compile a schedule to DIR/schedule.json and one program per rank"
 
@@ -100,4 +101,14 @@ def dump(c: Compilation, after: str) -> str:
     header = f"# {describe(program)}\n# after {after}"
     if after == "build-dag" and c.dag is not None:
         header += f": {c.dag.number_of_nodes()} nodes, {c.dag.number_of_edges()} edges"
+        return f"{header}\n{program.dump()}\n{_edges(c.need_graph())}"
     return f"{header}\n{program.dump()}"
+
+
+def _edges(graph: OpGraph) -> str:
+    """The op graph's `data` and `after` edges, one per line (each rank's `order` edges
+    are its line of the dump)."""
+    lines = ["# edges other than each rank's order:"]
+    for why, edges in (("data", graph.data), ("after", graph.after)):
+        lines += [f"{graph.ops[u]} -> {graph.ops[v]}  {why}" for u, v in edges]
+    return "\n".join(lines)
