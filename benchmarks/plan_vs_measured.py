@@ -8,7 +8,7 @@
    layers' compute, not the runtime's costs per action and per message, makes most of a
    step, and the partition matters. Profiled on this CPU with one thread (each of two
    gloo ranks gets one core here): per-layer times, optimizer step times, and the
-   runtime's costs read from a short traced gloo run (`pipelang/planner/calibrate.py`).
+   runtime's costs read from a short traced gloo run (`backends/calibrate.py`).
 2. Measure the loopback link gloo uses between two processes (latency from 4-byte
    messages, bandwidth from 8 MiB ones, the fastest of 20 ping-pongs) and describe the
    2-core machine with it.
@@ -59,9 +59,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipelang.planner.calibrate import calibrate
+from pipelang.backends.calibrate import calibrate
+from pipelang.backends.measure import ProfileOptions, measure
 from pipelang.planner.plans import Inputs, Plan
-from pipelang.planner.profile import Profile, ProfileOptions, measure
+from pipelang.planner.profile import Profile
 from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology
 from pipelang.planner.write import plan_source

@@ -249,8 +249,8 @@ def test_saved_bytes_are_what_the_memory_count_says(C: int, one_torch_thread: No
     `pipelang profile` measures them. Without `KV` the count is 20-28% short at C = 4."""
     from pipelang.backends.config import RunConfig
     from pipelang.backends.local import run_local
+    from pipelang.backends.measure import ProfileOptions, measure
     from pipelang.backends.models import plan_stages
-    from pipelang.planner.profile import ProfileOptions, measure
 
     config = RunConfig(backend="local", steps=1, count_activations=True)
     layers = measure(ProfileOptions("gpt:tiny", repeats=1, warmup=0)).layers

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from pipelang.api import compile_schedule
+from pipelang.backends.calibrate import WARMUP_STEPS, TraceEvent, runtime_costs
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
-from pipelang.planner.calibrate import WARMUP_STEPS, TraceEvent, runtime_costs
 from pipelang.planner.mapping import map_ranks
 from pipelang.planner.partition import best_partition
 from pipelang.planner.plans import Candidate, Inputs, Plan, candidates, lopsided

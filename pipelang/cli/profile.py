@@ -45,8 +45,8 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipelang.backends.measure import ProfileOptions, measure
     from pipelang.backends.models import ModelError
-    from pipelang.planner.profile import ProfileOptions, measure
 
     options = ProfileOptions(
         model=args.model,
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         from dataclasses import replace
 
-        from pipelang.planner.calibrate import calibrate
+        from pipelang.backends.calibrate import calibrate
 
         err.print(f"calibrating: {args.calibrate_ranks} ranks on {args.calibrate}", markup=False)
         costs = calibrate(profile, options, args.calibrate, args.calibrate_ranks)

@@ -36,8 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelang.backends.measure import ProfileOptions
 from pipelang.diagnostics import fail
-from pipelang.planner.profile import Profile, ProfileOptions, RuntimeCosts
+from pipelang.planner.profile import Profile, RuntimeCosts
 
 WARMUP_STEPS = 2
 """Steps of the calibration run left out of its statistics."""
