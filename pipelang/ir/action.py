@@ -12,8 +12,8 @@ from pipelang.diagnostics import InternalError
 from pipelang.source import Span
 
 
-class Kind(enum.Enum):
-    """What an action does."""
+class Kind(enum.StrEnum):
+    """What an action does. A str enum: `Kind.F == "F"`, and it prints as its letter."""
 
     F = "F"
     """Forward of one micro-batch through one stage. Roughly: `y = stage(x); save(x, y)`."""
