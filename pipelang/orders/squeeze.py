@@ -123,15 +123,8 @@ def _graph(
             action = slots[slot]
             kind = action.kind
             phase = WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
-            op = Op(
-                action,
-                r,
-                0.0,
-                0.0,
-                op_time(action),
-                phase,
-                (memory.change(kind), memory.change(kind, freed_by)),
-            )
+            changes = (memory.change(kind), memory.change(kind, freed_by))
+            op = Op(action, r, 0.0, 0.0, op_time(action), phase, changes)
             at = number(action)
             if at is None:
                 if others.setdefault(action, op) is not op:
