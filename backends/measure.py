@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import Node
 
 from pipelang.backends.config import SGD_MOMENTUM
-from pipelang.backends.models import ModelSpec
+from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
+from pipelang.backends.stash import Stash
+from pipelang.backends.weight_split import split_backward
+from pipelang.ir import CostModel, Kind, Program
 from pipelang.planner.profile import LayerCost, Profile
+from pipelang.sim import memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,54 @@ def measure(
     )
 
 
+def stage_activation_bytes(
+    spec: ModelSpec, num_stages: int, partition: Sequence[int] | None
+) -> list[tuple[int, int]]:
+    """Per stage of `spec` cut into `num_stages`, the bytes of activations one
+    micro-batch's forward saves, and what a split backward keeps of them after B for W,
+    measured on the CPU as the runtime counts them (`_saved_bytes`)."""
+    plan = plan_stages(spec, num_stages, partition)
+    model = spec.build()
+    x, targets = model.batch(0, 0, torch.device("cpu"))
+    with torch.no_grad():
+        for i in model.frozen_bounds if spec.frozen_layers else ():
+            x = model.layers[i](x)
+    found = []
+    for index, layers in enumerate(plan.bounds):
+        stage = model.stage_module(layers)
+        last = index == num_stages - 1
+
+        def fresh(
+            stage: torch.nn.Module = stage, x_in: torch.Tensor = x, last: bool = last
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            inp = x_in.detach().requires_grad_(x_in.is_floating_point())
+            y = stage(inp)
+            return inp, model.loss(y, targets) if last else y
+
+        params = [p for p in stage.parameters() if p.requires_grad]
+        found.append(_saved_bytes(fresh, stage, params))
+        with torch.no_grad():
+            x = stage(x)
+    return found
+
+
+def activation_peaks(spec: ModelSpec, program: Program, costs: CostModel) -> list[float]:
+    """Per rank of `program`, the most bytes of saved activations it holds at once
+    running `spec`: each stage's bytes for one micro-batch, and what a split backward
+    keeps of them for W, measured as the runtime counts them (`stage_activation_bytes`),
+    held along the rank's order by the one counter (`memory.peak_bytes`; `costs` for the
+    chunks' and shapes' shares). What `simulate --model` gives."""
+    stages = stage_activation_bytes(spec, program.num_stages, program.partition)
+    whole = [float(saved) for saved, _ in stages]
+    shares = [kept / saved if saved else 0.0 for saved, kept in stages]
+    w = None if Kind.W not in program.kinds else (lambda stage: shares[stage or 0])
+    kept, recomputed = whole, None
+    if Kind.R in program.kinds:  # F keeps no saved tensors; R makes them
+        kept, recomputed = [0.0] * len(whole), whole
+    share = memory.shares(program, costs)
+    return [memory.peak_bytes(actions, w, kept, recomputed, share) for actions in program.ranks]
+
+
 def _measure_layer(
     name: str,
     layer: torch.nn.Module,
@@ -135,6 +188,7 @@ def _measure_layer(
         full = input_grad = weight_grad = 0.0
     with torch.no_grad():
         out = layer(x_in.detach())
+    saved, kept_for_w = _saved_bytes(fresh, layer, params)
     sgd_step, adam_step = (_step_ms(params, kind, options, device) for kind in ("sgd", "adam"))
     return LayerCost(
         name=name,
@@ -142,7 +196,8 @@ def _measure_layer(
         backward_input_ms=round(input_grad, 6),
         backward_weight_ms=round(weight_grad, 6),
         backward_ms=round(full, 6),
-        activation_bytes=float(_saved_bytes(fresh, layer)),
+        activation_bytes=float(saved),
+        w_activation_bytes=float(kept_for_w),
         weight_bytes=float(sum(p.numel() * p.element_size() for p in layer.parameters())),
         output_bytes=float(out.numel() * out.element_size()),
         sgd_step_ms=round(sgd_step, 6),
@@ -216,22 +271,36 @@ def _step_ms(
     return statistics.median(samples)
 
 
-def _saved_bytes(forward: Callable[[], Any], layer: torch.nn.Module) -> int:
-    """Bytes of the distinct storages autograd saves for the backward during `forward`,
-    the layer's own parameters left out (they are weights, counted apart)."""
+def _saved_bytes(
+    fresh: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    layer: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+) -> tuple[int, int]:
+    """Bytes of the distinct storages autograd saves for the backward during a forward
+    (the layer's own parameters and buffers left out: they are weights, counted apart),
+    and of what a split backward keeps of them after B for W: the saved tensors W reads
+    and the gradients it starts from. Both counted as the runtime counts them (`Stash`,
+    `weight_split`)."""
 
-    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
+    stash = Stash()
+    key = (0, 0, "", None)
+    with stash.recording(key, type(layer).__name__, layer):
+        x, y = fresh()
+    whole = stash.resident_bytes({key})
+    needed: set[int] = set()
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    def probe(nodes: Iterable[Node]) -> bool:
+        found = stash.probe(key, nodes)
+        needed.update(found or ())
+        return found is not None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(seen.values())
+    grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
+    inputs = [x] if x.requires_grad else []
+    _, work = split_backward([y], [grad], inputs, params, probe)
+    if work is None:
+        return whole, whole
+    stash.keep(key, needed, work.gradients())
+    return whole, stash.resident_bytes({key})
 
 
 def _sync(device: torch.device) -> None:

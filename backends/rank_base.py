@@ -23,6 +23,7 @@ from pipelang.diagnostics import InternalError
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RankRuntime
+    from pipelang.backends.weight_split import WeightWork
     from pipelang.ir import deps
 
 
@@ -96,6 +97,9 @@ class Saved:
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """Sequence chunks: the same keys and values as leaves, which later chunks read and
     leave their gradients on."""
+    work: WeightWork | None = None
+    """A split backward: what W does once B has run (`weight_split`); None while B has
+    not run, or when the whole graph is kept for W."""
 
 
 @dataclass(slots=True)

@@ -4,17 +4,20 @@ and targets of its micro-batches."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.graph import Node
 
 from pipelang.backends.models import (
     SequenceChunk,
     sequence_chunk,
 )
-from pipelang.backends.rank_base import Saved, StageCopy, Value, _action, _compute, value_of
+from pipelang.backends.rank_base import Key, Saved, StageCopy, Value, _action, _compute, value_of
 from pipelang.backends.versions import installed
+from pipelang.backends.weight_split import Probe, split_backward, weight_backward
 from pipelang.diagnostics import InternalError
 from pipelang.ir import deps
 
@@ -207,33 +210,55 @@ class ComputeActions:
             for kv in self.saved[(mb, stage, pipeline, c)].kept.values()
             for t in kv
         ]
-        if own or earlier:
-            found = torch.autograd.grad(
-                outputs, own + earlier, grads, retain_graph=True, allow_unused=True
-            )
-            if own:
-                self.values[("B", mb, stage, pipeline, chunk)] = found[0]
-            for leaf, grad in zip(earlier, found[len(own) :], strict=True):
-                if grad is not None:
-                    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
-        saved.dy = dy
+        params = saved.params if saved.params is not None else copy.params
+        found, saved.work = split_backward(outputs, grads, own + earlier, params, self._probe(key))
+        if own:
+            self.values[("B", mb, stage, pipeline, chunk)] = found[0]
+        for leaf, grad in zip(earlier, found[len(own) :], strict=True):
+            if grad is not None:
+                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        if saved.work is None:
+            saved.dy = dy  # W differentiates the whole graph again
+        else:  # W reads only what the stash kept: drop the runtime's own references
+            assert self.stash is not None
+            self.stash.keep(key, self._needed.pop(key), saved.work.gradients())
+            saved.y, saved.x = None, saved.x.new_empty(0)
+            self._measure()  # the gradients kept for W can outweigh what was released
 
     @_compute
     def weight_grad(
         self: RankRuntime, mb: int, stage: int, pipeline: str, chunk: int | None = None
     ) -> None:
-        """W: accumulate the parameter gradients from the graph B kept."""
+        """W: accumulate the parameter gradients, from what B kept for it
+        (`weight_split`), else from the whole graph B kept."""
         copy = self.copies[(stage, pipeline)]
         saved = self.saved.pop((mb, stage, pipeline, chunk))
         self._forget((mb, stage, pipeline, chunk))
-        assert saved.y is not None
         params = saved.params if saved.params is not None else copy.params
-        if params:  # a stage without weights (an activation alone) has no W to do
+        if saved.work is not None:
+            weight_backward(saved.work)
+        elif params:  # a stage without weights (an activation alone) has no W to do
+            assert saved.y is not None
             outputs, grads = _chunk_outputs(saved, saved.dy)
             torch.autograd.backward(outputs, grads, inputs=params)
         if saved.params is not None:
             self.versions[(stage, pipeline)].collect(params)
             saved.y = saved.params = None
+
+    def _probe(self: RankRuntime, key: Key) -> Probe | None:
+        """How `split_backward` finds what W reads of `key`'s saved tensors (filed in
+        `_needed`); None when the forward saved nothing through the stash (recomputed)."""
+        stash = self.stash
+        if stash is None or key not in stash.entries:
+            return None
+
+        def probe(nodes: Iterable[Node]) -> bool:
+            found = stash.probe(key, nodes)
+            if found is not None:
+                self._needed[key] = found
+            return found is not None
+
+        return probe
 
     @_action
     def update(self: RankRuntime, stage: int, pipeline: str, version: int) -> None:

@@ -25,8 +25,8 @@ class StashActions:
     def _recording(
         self: RankRuntime, mb: int, copy: StageCopy, chunk: int | None = None
     ) -> AbstractContextManager[None]:
-        """File the tensors a forward saves under (mb, stage, pipeline, chunk) when
-        counting."""
+        """File the tensors a forward saves under (mb, stage, pipeline, chunk): for
+        evictions, the byte count, and a split backward's release after B."""
         if self.stash is None:
             return contextlib.nullcontext()
         key: Key = (mb, copy.stage, copy.pipeline, chunk)
@@ -34,7 +34,7 @@ class StashActions:
         return self.stash.recording(key, name, copy.module)
 
     def _measure(self: RankRuntime) -> None:
-        if self.stash is not None:
+        if self.stash is not None and self.counting:
             self.stash.measure(set(self.saved))
 
     def _forget(self: RankRuntime, key: Key) -> None:

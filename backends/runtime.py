@@ -138,9 +138,13 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.chunk_bounds = chunks and chunks.token_bounds(self.model.seq_len, attention)
         """The token boundaries of the sequence chunks (`Chunks.token_bounds`); None
         without chunks."""
-        counts = config.count_activations or program.first_eviction() is not None
-        self.stash = Stash() if counts else None
-        """Saved activations per forward, for evictions and their byte count."""
+        self.counting = config.count_activations or program.first_eviction() is not None
+        """Whether the saved activations' bytes are measured (`RankResult`)."""
+        self.stash = Stash() if self.counting or self.split_backward else None
+        """Saved activations per forward: for evictions, their byte count, and what a
+        split backward keeps for W (`weight_split`)."""
+        self._needed: dict[Key, set[int]] = {}
+        """A split backward: which saved tensors W reads, found during B."""
         self.values: dict[Value, torch.Tensor] = {}
         self.reducing: list[tuple[StageCopy, torch.Tensor, list[torch.Tensor], Handle]] = []
         self.losses: list[tuple[int, torch.Tensor]] = []

@@ -23,12 +23,13 @@ back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 
 Key = tuple[int, int, str, int | None]
 """(micro-batch, stage, pipeline) of one forward."""
@@ -38,20 +39,32 @@ class EvictedError(RuntimeError):
     """A backward needed activations that are on the partner rank (no `L` ran)."""
 
 
+class ReleasedError(RuntimeError):
+    """A weight gradient read a tensor that was released after its B (a bug)."""
+
+
 @dataclass(slots=True)
 class Entry:
     """The tensors one forward saved, and where their storages' bytes are."""
 
     name: str
-    tensors: list[torch.Tensor] = field(default_factory=list)
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    """Each saved tensor; None once released after B (`Stash.keep`)."""
     moved: list[tuple[torch.UntypedStorage, int]] = field(default_factory=list)
     """(storage, bytes) of each storage the eviction emptied, in buffer order."""
     evicted: bool = False
+    kept_grads: list[torch.Tensor] = field(default_factory=list)
+    """The output gradients kept for W after B (`Stash.keep`): held like activations."""
+    reads: set[int] | None = None
+    """While probing or counting, the indices of the saved tensors handed out."""
 
     def storages(self) -> dict[int, torch.UntypedStorage]:
-        """Every storage the entry's tensors view, by data pointer (each once)."""
+        """Every storage the entry's tensors and kept gradients view, by data pointer
+        (each once)."""
         out: dict[int, torch.UntypedStorage] = {}
-        for t in self.tensors:
+        for t in (*self.tensors, *self.kept_grads):
+            if t is None:
+                continue
             storage = t.untyped_storage()
             if storage.nbytes() > 0:
                 out.setdefault(storage.data_ptr(), storage)
@@ -126,6 +139,33 @@ class Stash:
             at += n
         entry.moved, entry.evicted = [], False
 
+    def probe(self, key: Key, nodes: Iterable[Node]) -> set[int] | None:
+        """The saved tensors of `key` that `nodes` read (by index), found by reading
+        every saved value of each node; None when some node's cannot be read."""
+        entry = self.entries[key]
+        entry.reads = set()
+        try:
+            for node in nodes:
+                names = [n for n in dir(node) if n.startswith("_saved_")]
+                if type(node).__name__ == "BackwardCFunction":
+                    names.append("saved_tensors")  # a custom autograd.Function
+                for name in names:
+                    getattr(node, name)
+        except RuntimeError:
+            return None
+        finally:
+            reads, entry.reads = entry.reads, None
+        return reads
+
+    def keep(self, key: Key, needed: set[int], grads: list[torch.Tensor]) -> None:
+        """After B: release every saved tensor of `key` but the `needed` ones, and hold
+        `grads` (what W reads beside them) in the entry."""
+        entry = self.entries[key]
+        for index in range(len(entry.tensors)):
+            if index not in needed:
+                entry.tensors[index] = None
+        entry.kept_grads = grads
+
     def drop_finished(self, alive: set[Key]) -> None:
         """Forget the entries whose backward is done (not in `alive`)."""
         for key in [k for k in self.entries if k not in alive]:
@@ -157,7 +197,12 @@ def _unpack(packed: object) -> torch.Tensor:
             f"the backward of {entry.name} needs its activations, but they are on the "
             "partner rank: no `L` loaded them back"
         )
-    return entry.tensors[packed.index]
+    if entry.reads is not None:
+        entry.reads.add(packed.index)
+    tensor = entry.tensors[packed.index]
+    if tensor is None:
+        raise ReleasedError(f"the W of {entry.name} read a tensor released after its B")
+    return tensor
 
 
 def _bytes_of(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:

@@ -90,14 +90,19 @@ def _garbage() -> bytes:
     return bytes(rng.randrange(256) for _ in range(300)) + b"\x00\xff\xfe"
 
 
-def test_simulate_says_what_the_runtime_holds_with_a_split_backward() -> None:
-    # ZB-H1 counts 4, 3, 2, 1 forwards to B (the paper's M_B); the runtime keeps each
-    # stage graph until W (tests/test_runtime.py measures it): 4 on every rank.
-    status, out, _ = run_in_process(["simulate", "zb-h1", "-p", "D=4", "-p", "N=8"])
+@pytest.mark.parametrize(
+    ("mw", "held"), [(None, [4, 4, 4, 4]), ("0", [4, 3, 2, 1]), ("0.5", [4, 3.5, 3, 2.5])]
+)
+def test_simulate_counts_what_w_holds_after_b(mw: str | None, held: list[float]) -> None:
+    """ZB-H1 worker i holds (p - i + 1) M_B + (i - 1) M_W (zero-bubble paper): `MW` is
+    M_W / M_B, 1 by default (what the runtime keeps of its built-in models), 0 the
+    papers' count to B."""
+    cost = [] if mw is None else ["--cost", f"MW={mw}"]
+    status, out, _ = run_in_process(
+        ["simulate", "zb-h1", "-p", "D=4", "-p", "N=8", "--json", *cost]
+    )
     assert status == 0
-    assert "runtime holds it until its W, so a run holds 4, 4, 4, 4" in " ".join(out.split())
-    status, out, _ = run_in_process(["simulate", "1f1b", "-p", "D=4", "-p", "N=8"])
-    assert status == 0 and "until its W" not in out
+    assert [r["peak_activations"] for r in json.loads(out)["ranks"]] == held
 
 
 BAD_FILES: dict[str, tuple[bytes | str, str, bool]] = {

@@ -313,12 +313,14 @@ def add_model_arguments(
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
 
 
-def add_slot_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model` and its inputs, optional: the bytes of the stream program's data slots."""
+def add_slot_model_arguments(parser: argparse.ArgumentParser, activations: bool = False) -> None:
+    """`--model` and its inputs, optional: the bytes of the stream program's data slots
+    (and with `activations`, each rank's peak bytes of saved activations)."""
+    held = ", and its peak bytes of saved activations (measured per stage)" if activations else ""
     add_model_arguments(
         parser,
         default_model=None,
-        purpose="give each rank's data-slot bytes (what a run allocates) for this model: ",
+        purpose=f"give each rank's data-slot bytes (what a run allocates){held} for this model: ",
     )
 
 
@@ -338,6 +340,24 @@ def data_slot_bytes(
     except ModelError as err:
         raise UsageError(str(err)) from None
     return [sum(slot_bytes(streams, r, shapes).values()) for r in range(streams.ranks)]
+
+
+def activation_bytes(
+    args: argparse.Namespace, program: Program, costs: CostModel
+) -> list[float] | None:
+    """Per rank, the most bytes of saved activations it holds at once for the model the
+    options of `add_slot_model_arguments` name (None without `--model`; see
+    `measure.activation_peaks`)."""
+    if args.model is None:
+        return None
+    from pipelang.backends.measure import activation_peaks
+    from pipelang.backends.models import ModelError, ModelSpec
+
+    spec = ModelSpec(args.model, args.seq_len, args.micro_batch_size, args.dtype, args.seed)
+    try:
+        return activation_peaks(spec, program, costs)
+    except ModelError as err:
+        raise UsageError(str(err)) from None
 
 
 READERS: dict[str, Any] = {

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipelang.cli.args import (
+    activation_bytes,
     add_schedule_arguments,
     add_slot_model_arguments,
     check_cost_stages,
@@ -19,9 +20,6 @@ from pipelang.cli.args import (
     parse_cost,
 )
 from pipelang.compiler import SCHEDULE_DONE
-from pipelang.ir import Kind
-from pipelang.sim import memory
-from pipelang.sim.timeline import as_number
 
 HELP = "replay a schedule with a cost model: makespan, bubbles, memory"
 
@@ -33,7 +31,9 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         default="",
         help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2; evicted "
-        "activations' trips to the partner and back: E=0.5,L=0.5. "
+        "activations' trips to the partner and back: E=0.5,L=0.5; shares of a stage's "
+        "activations: KV (keys and values, with chunks), MW (what W reads after B, "
+        "default 1; 0 counts to B as the papers do). "
         "Defaults come from the schedule's `cost` line, else 1 (C=0)",
     )
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
@@ -45,7 +45,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "(data, saved, grads; docs/runtime.md), and with --model their bytes; its cost "
         "grows with ranks x ops",
     )
-    add_slot_model_arguments(parser)
+    add_slot_model_arguments(parser, activations=True)
 
 
 TABLE_RANKS = 64
@@ -60,12 +60,16 @@ def run(args: argparse.Namespace) -> int:
     check_cost_stages(costs, args.cost, program)
     timeline = compiled.timeline(costs)
     metrics = timeline.metrics()
+    rows = cast(list[dict[str, object]], metrics["ranks"])
     if compiled.streams is not None:
         nbytes = data_slot_bytes(args, program, compiled.streams)
-        for rank, row in enumerate(cast(list[dict[str, object]], metrics["ranks"])):
+        for rank, row in enumerate(rows):
             row["slots"] = {cls: len(names) for cls, names in compiled.streams.slots(rank).items()}
             if nbytes is not None:
                 row["data_slot_bytes"] = nbytes[rank]
+    held = activation_bytes(args, program, timeline.costs)
+    for row, peak in zip(rows, held or (), strict=False):
+        row["peak_activation_bytes"] = round(peak)
     if args.json:
         print(json.dumps(metrics, allow_nan=False))  # strict JSON: costs are bounded
         return 0
@@ -82,15 +86,16 @@ def run(args: argparse.Namespace) -> int:
         keys.append("slots")
         table.add_column("slots (data, saved, grads)", justify="right")
     if args.model is not None:
-        keys.append("data_slot_bytes")
+        keys += ["data_slot_bytes", "peak_activation_bytes"]
         table.add_column(f"data slot bytes ({args.model})", justify="right")
+        table.add_column("peak activation bytes", justify="right")
     rows = cast(list[dict[str, object]], metrics["ranks"])
     for row in rows[:TABLE_RANKS]:
         cells = [
             ", ".join(map(str, cast(dict[str, int], row[k]).values()))
             if k == "slots"
             else f"{row[k]:,}"
-            if k == "data_slot_bytes"
+            if k in ("data_slot_bytes", "peak_activation_bytes")
             else str(row[k])
             for k in keys
         ]
@@ -98,19 +103,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     if len(rows) > TABLE_RANKS:
         console.print(f"... and {len(rows) - TABLE_RANKS} more ranks (--json lists every rank)")
-    if Kind.W in program.kinds:
-        share = memory.shares(program, timeline.costs)
-        held = [as_number(memory.peak(actions, Kind.W, share)) for actions in program.ranks]
-        if held != [timeline.peak_activations(r) for r in range(program.num_ranks)]:
-            shown = ", ".join(map(str, held[:TABLE_RANKS]))
-            if len(held) > TABLE_RANKS:
-                shown += f", ... ({len(held) - TABLE_RANKS} more ranks)"
-            console.print(
-                "note: peak activations count a forward until its B, as the papers do; "
-                f"pipelang's runtime holds it until its W, so a run holds {shown} "
-                "(docs/runtime.md)",
-                markup=False,
-            )
     if args.grid:
         print(timeline.text_grid())
     return 0

@@ -112,26 +112,34 @@ KV_SHARE = 0.12
 """A transformer block's keys and values over its saved activations: 4sbh of 34sbh
 (Korthikanti et al., arXiv 2205.05198, §4.1), 0.118 measured on gpt:tiny's block."""
 
+MW_SHARE = 1.0
+"""What a split backward's W still reads of a stage's saved activations after its B
+(each weighted layer's input and output gradient), as a share: 0.99 measured on the
+blocks of gpt:tiny and gpt:small (`pipelang profile`'s `w_activation_bytes`), whose
+attention saves no score matrix, so W's GEMM inputs and output gradients are about all
+B kept (the zero-bubble paper's 32sbh of 34sbh); 0.43 in the paper's setting, where
+the attention probabilities are saved (arXiv 2401.10241, Table 1)."""
+
 MAX_TIME = 1e15
 """The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
 
 
-COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "A", "S", "O", "KV")
+COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "A", "S", "O", "KV", "MW")
 """Every cost entry's name: the times of op kinds, a transfer (`C`), an overlapped pair
-(`FB`), an eviction's trips (`E`, `L`), and the shares and sizes `A`, `S`, `O`, `KV`
-(the grammar's `COSTNAME` spells the same list)."""
+(`FB`), an eviction's trips (`E`, `L`), and the shares and sizes `A`, `S`, `O`, `KV`,
+`MW` (the grammar's `COSTNAME` spells the same list)."""
 
 
 def cost_problem(kind: str, value: float) -> str | None:
     """What is wrong with cost entry `kind = value`, None when nothing: the one rule for
-    `cost` lines, `--cost` and the API's costs. A time is 0 to 10^15; `A`, `O` and `KV`
-    are shares, 0 to 1; `S` is tokens, 0 (the longest micro-batch) or at least 1."""
+    `cost` lines, `--cost` and the API's costs. A time is 0 to 10^15; `A`, `O`, `KV` and
+    `MW` are shares, 0 to 1; `S` is tokens, 0 (the longest micro-batch) or at least 1."""
     if not 0 <= value <= MAX_TIME:  # NaN fails too
         return f"`{kind}` is {value:g}; a time is between 0 and 10^15"
     if kind in ("A", "O") and value > 1:
         return f"`{kind}` is a share of an op's work, between 0 and 1, not {value:g}"
-    if kind == "KV" and value > 1:
-        return f"`KV` is a share of a stage's activations, between 0 and 1, not {value:g}"
+    if kind in ("KV", "MW") and value > 1:
+        return f"`{kind}` is a share of a stage's activations, between 0 and 1, not {value:g}"
     if kind == "S" and 0 < value < 1:
         return f"`S` is the reference's tokens, 0 (the longest) or at least 1, not {value:g}"
     return None
@@ -148,7 +156,9 @@ class CostModel:
     and `O` the share of the reference's time that a smaller micro-batch still takes.
     `KV` is memory, not time: the share of a stage's activations that are attention keys
     and values, which a sequence chunk's forward past the first saves again, concatenated
-    with the chunks' before it (`KV_SHARE` by default, `memory.shares`).
+    with the chunks' before it (`KV_SHARE` by default, `memory.shares`). `MW` is memory
+    too: the share of a stage's activations that a split backward's W still reads after
+    its B (`MW_SHARE` by default, `memory.w_share`).
 
     Entries are (kind, stage or None, time); a later entry overrides an earlier one, and a
     per-stage entry overrides a per-kind one. Unit costs by default, transfers free.
@@ -165,6 +175,7 @@ class CostModel:
         ("S", None, 0.0),
         ("O", None, 0.0),
         ("KV", None, KV_SHARE),
+        ("MW", None, MW_SHARE),
     )
     _table: dict[tuple[str, int | None], float] = field(
         default_factory=dict, compare=False, hash=False, repr=False

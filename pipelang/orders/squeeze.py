@@ -114,7 +114,7 @@ def _graph(
 
     numbered: list[Op | None] = [None] * (len(layout.assignment) * per_mb)
     others: dict[Action, Op] = {}
-    freed_by = Kind.W if Kind.W in kinds else Kind.B
+    to_w = 1.0 if Kind.W in kinds else None  # counted whole until W, where W is split
     op_time = layout.op_time()  # built once: it is a new CostModel with W in B
     ranks: list[list[Op]] = []
     for r, slots in enumerate(placed):
@@ -123,7 +123,7 @@ def _graph(
             action = slots[slot]
             kind = action.kind
             phase = WARM_UP if slot < steady[0] else COOL_DOWN if slot > steady[1] else STEADY
-            changes = (memory.change(kind), memory.change(kind, freed_by))
+            changes = (memory.change(kind), memory.change(kind, to_w))
             op = Op(action, r, 0.0, 0.0, op_time(action), phase, changes)
             at = number(action)
             if at is None:

@@ -36,7 +36,7 @@ class Op:
     end: float
     length: float
     phase: int
-    changes: tuple[int, int]
+    changes: tuple[float, float]
     """How it changes its rank's activations held to B, and held to W (`memory.change`)."""
     inputs: tuple[tuple[Op, float], ...] = ()
     """The ops it waits for, each with the delay from its end (a transfer, or none)."""
@@ -70,9 +70,9 @@ class Line:
     def __init__(self, ops: list[Op]) -> None:
         self.ops = ops
         self.starts = [op.start for op in ops]
-        self.held = [(0, 0)]
+        self.held: list[tuple[float, float]] = [(0.0, 0.0)]
         """`held[k]`: the activations held to B and to W after the first k ops."""
-        held_b = held_w = 0
+        held_b = held_w = 0.0
         for op in ops:
             held_b += op.changes[0]
             held_w += op.changes[1]

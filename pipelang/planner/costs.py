@@ -10,7 +10,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from pipelang.ir import Action, CostModel, Kind, Program, placement
+from pipelang.ir import MW_SHARE, Action, CostModel, Kind, Program, placement
 from pipelang.planner.mapping import Traffic
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
@@ -180,6 +180,19 @@ def stage_activations(profile: Profile, counts: Sequence[int]) -> list[float]:
     return sums([c.activation_bytes for c in profile.layers], counts)
 
 
+def stage_w_shares(profile: Profile, counts: Sequence[int]) -> list[float]:
+    """Per stage, the share of its activations a split backward keeps after B for W
+    (the profile's `w_activation_bytes`, else `ir.MW_SHARE` of a layer's activations)."""
+    kept = [
+        MW_SHARE * c.activation_bytes
+        if c.w_activation_bytes is None
+        else min(c.activation_bytes, c.w_activation_bytes)
+        for c in profile.layers
+    ]
+    whole = stage_activations(profile, counts)
+    return [k / a if a > 0 else 0.0 for k, a in zip(sums(kept, counts), whole, strict=True)]
+
+
 def stage_outputs(profile: Profile, counts: Sequence[int]) -> list[float]:
     """Bytes each stage sends forward: the output of its last layer."""
     ends = [sum(counts[: s + 1]) - 1 for s in range(len(counts))]
@@ -260,7 +273,8 @@ def peak_memory(
 ) -> list[float]:
     """Peak bytes of every rank: the weight state of its stage copies (weights x
     `state_factor`) plus the most activations it holds at once along its order (taken
-    at F, freed at B, or at W when W is split: the weight gradient needs the input).
+    at F, freed at B, and where W is split, all but W's share at B and that at W: the
+    profile's, `stage_w_shares`).
     In a schedule that recomputes (`R` before every B), F keeps only the stage's input
     and R takes the activations; both are freed together."""
     weights = stage_weights(profile, counts)
@@ -268,9 +282,12 @@ def peak_memory(
     kept, recomputed = activations, None
     if Kind.R in program.kinds:
         kept, recomputed = [0.0, *stage_outputs(profile, counts)[:-1]], activations
-    freed_by, share = memory.frees(program), memory.shares(program)
+    share, w = memory.shares(program), None
+    if Kind.W in program.kinds:
+        w_shares = stage_w_shares(profile, counts)
+        w = lambda stage: w_shares[stage or 0]  # noqa: E731
     peaks = []
     for rank, actions in enumerate(program.ranks):
         state = sum(weights[s] for s, _ in program.stage_copies(rank)) * state_factor
-        peaks.append(state + memory.peak_bytes(actions, freed_by, kept, recomputed, share))
+        peaks.append(state + memory.peak_bytes(actions, w, kept, recomputed, share))
     return peaks

@@ -61,6 +61,10 @@ class LayerCost:
     then clearing the gradients); None in a profile that did not measure it (then 0)."""
     adam_step_ms: float | None = None
     """The same with Adam."""
+    w_activation_bytes: float | None = None
+    """Of `activation_bytes`, what a split backward keeps after B for W (each weighted
+    op's saved input and its output gradient, backends/weight_split.py); None in an
+    older or hand-written profile (then `ir.MW_SHARE` of the activations)."""
 
     def step_ms(self, optimizer: str) -> float:
         """The optimizer step's time for `optimizer` (`sgd` or `adam`); 0 if unmeasured."""
@@ -249,14 +253,16 @@ def _layer(entry: object, index: int, where: str) -> LayerCost:
         most = MAX_MS if key.endswith("_ms") else MAX_BYTES
         values[key] = _number(entry[key], f"`{where}`: layer {index} `{key}`", most)
     optional: dict[str, float | None] = {}
-    for key in ("backward_ms", "sgd_step_ms", "adam_step_ms"):
+    for key in ("backward_ms", "sgd_step_ms", "adam_step_ms", "w_activation_bytes"):
         value = entry.get(key)
         what = f"`{where}`: layer {index} `{key}`"
-        optional[key] = None if value is None else _number(value, what)
+        most = MAX_MS if key.endswith("_ms") else MAX_BYTES
+        optional[key] = None if value is None else _number(value, what, most)
     return LayerCost(
         name=str(entry.get("name", f"layer{index}")),
         backward_ms=optional["backward_ms"],
         sgd_step_ms=optional["sgd_step_ms"],
         adam_step_ms=optional["adam_step_ms"],
+        w_activation_bytes=optional["w_activation_bytes"],
         **values,
     )

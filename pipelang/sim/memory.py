@@ -1,11 +1,13 @@
 """Held activations: the one rule for what a rank keeps between a forward and its backward.
 
-A forward `F` takes its activations; they are freed by the op that last needs them: its
-`B`, or its `W` where the runtime keeps the stage's graph for the weight gradient (the
-papers count a forward only until its B). An eviction `E` hands them to a partner and
-its load `L` brings them back. A recompute `R` rebuilds what its F dropped: counted in
-forwards it changes nothing (the F is still held); counted in bytes it adds the stage's
-activations over the stage input the F kept.
+A forward `F` takes its activations; its `B` frees them. Where the backward is split
+(ops `F, B, W`), B frees all but the share its `W` still reads, each weighted layer's
+input and output gradient (the cost model's `MW`, per stage, default `ir.MW_SHARE`),
+and W frees that: the zero-bubble paper's M_B and M_W (arXiv 2401.10241, Table 2; the
+runtime releases the rest after B, backends/weight_split.py). An eviction `E` hands the
+activations to a partner and its load `L` brings them back. A recompute `R` rebuilds
+what its F dropped: counted in forwards it changes nothing (the F is still held);
+counted in bytes it adds the stage's activations over the stage input the F kept.
 
 Counts are in micro-batches: with sequence chunks (`chunks C`), a chunk's forward holds
 its share of the micro-batch's tokens (`Chunks.tokens`), so a chunked schedule compares
@@ -17,11 +19,12 @@ all of it is freed by the chunk's own backward. With micro-batches of different 
 (`lengths`), one holds its tokens over the reference micro-batch's (`BatchShapes.memory`).
 
 Everything that counts activations asks here: `simulate` (peak activations; with
-evictions over time, the partner's side too, `peak_over_time`), `validate`
-(`--max-activations`, E0308), the squeeze
-orders (their memory bound) and the planner (peak bytes).
+evictions over time, the partner's side too, `peak_over_time`; in bytes with
+`--model`), `validate` (`--max-activations`, E0308), the squeeze orders (their memory
+bound) and the planner (peak bytes).
 
     held([F0, F1, B0, F2, B1, B2])  ->  1 2 1 2 1 0
+    held([F0, F1, B0, W0, B1, W1], MW = 0.4)  ->  1 2 1.4 1 0.4 0
 """
 
 from __future__ import annotations
@@ -36,19 +39,32 @@ if TYPE_CHECKING:
     from pipelang.sim.timeline import Event
 
 
-def frees(program: Program) -> Kind:
-    """The op that frees a forward's activations in `program`'s runtime: W when the
-    backward is split, else B."""
-    return Kind.W if Kind.W in program.kinds else Kind.B
+WShare = Callable[[int | None], float]
+"""What W still reads of a stage's activations after B, as a share (`w_share`)."""
 
 
-def change(kind: Kind, freed_by: Kind = Kind.B) -> int:
+def w_share(program: Program, costs: CostModel | None = None) -> WShare | None:
+    """Per stage, the share of a forward's activations its W reads after B (the cost
+    model's `MW`; `costs` stands for the schedule's own); None when the backward is not
+    split, so B frees everything."""
+    if Kind.W not in program.kinds:
+        return None
+    model = program.costs if costs is None else costs
+    return lambda stage: model.of("MW", stage)
+
+
+def change(kind: Kind, kept: float | None = None) -> float:
     """How an op of `kind` changes the forwards its rank holds: +1 at F and at a load L,
-    -1 at `freed_by` and at an eviction E, 0 otherwise."""
+    -1 at an eviction E; -1 at B, or where W is split off, -(1 - kept) at B and -kept
+    at W (`kept`: what W reads after B; 1 counts a forward until its W)."""
     if kind is Kind.F or kind is Kind.L:
         return 1
-    if kind is freed_by or kind is Kind.E:
+    if kind is Kind.E:
         return -1
+    if kind is Kind.B:
+        return -1 if kept is None else kept - 1
+    if kind is Kind.W and kept is not None:
+        return -kept
     return 0
 
 
@@ -90,57 +106,63 @@ def shares(program: Program, costs: CostModel | None = None) -> Share | None:
 
 
 def held(
-    actions: Iterable[Action], freed_by: Kind = Kind.B, share: Share | None = None
+    actions: Iterable[Action], w: WShare | None = None, share: Share | None = None
 ) -> Iterator[float]:
-    """After each action, how many forwards (micro-batches) the rank holds; `share` is
-    what each counts for (`shares`) where they differ."""
+    """After each action, how many forwards (micro-batches) the rank holds; `w` is what
+    W reads after B (`w_share`), `share` what each forward counts for (`shares`) where
+    they differ."""
     count: float = 0
     for action in actions:
-        delta = change(action.kind, freed_by)
+        delta = change(action.kind, None if w is None else w(action.stage))
         count += delta * share(action) if delta and share is not None else delta
         yield count
 
 
-def peak(actions: Iterable[Action], freed_by: Kind = Kind.B, share: Share | None = None) -> float:
+def peak(actions: Iterable[Action], w: WShare | None = None, share: Share | None = None) -> float:
     """The most forwards (micro-batches) the rank holds at once along `actions`."""
-    return max(held(actions, freed_by, share), default=0)
+    return max(held(actions, w, share), default=0)
 
 
-def holding(actions: Iterable[Action], freed_by: Kind = Kind.B) -> list[Action]:
-    """The forwards (or loads) still held after the last of `actions`, oldest first: who
-    makes up the count `held` gives, for messages."""
+def holding(actions: Iterable[Action], w: WShare | None = None) -> list[Action]:
+    """The forwards (or loads) still held, whole or their W's share, after the last of
+    `actions`, oldest first: who makes up the count `held` gives, for messages."""
     kept: dict[tuple[int | None, int | None, str | None, int | None], Action] = {}
     for action in actions:
-        delta = change(action.kind, freed_by)
         key = (action.mb, action.stage, action.pipeline, action.chunk)
-        if delta > 0:
+        kind = action.kind
+        if kind is Kind.F or kind is Kind.L:
             kept[key] = action
-        elif delta < 0:
+        elif kind is Kind.E or kind is (Kind.B if w is None or not w(action.stage) else Kind.W):
             kept.pop(key, None)
     return list(kept.values())
 
 
 def peak_bytes(
     actions: Iterable[Action],
-    freed_by: Kind,
+    w: WShare | None,
     kept: Sequence[float],
     recomputed: Sequence[float] | None = None,
     share: Share | None = None,
 ) -> float:
     """The most bytes of activations held at once along `actions`: `kept[stage]` from a
-    forward to the op that frees it, and with recomputation also `recomputed[stage]`
-    from the R to that op; where forwards differ (`shares`), each its share of either."""
+    forward, and with recomputation also `recomputed[stage]` from its R, until B frees
+    them (all, or where W is split off all but W's share `w`, which W frees); where
+    forwards differ (`shares`), each its share of either."""
     total = top = 0.0
     for action in actions:
         stage = action.stage or 0
+        kind = action.kind
         part = 1.0 if share is None else share(action)
-        delta = change(action.kind, freed_by)
-        if recomputed is not None:
-            if action.kind is Kind.R:
-                total += part * recomputed[stage]
-            elif action.kind is freed_by:
-                total -= part * recomputed[stage]
-        total += delta * part * kept[stage]
+        whole = kept[stage] + (recomputed[stage] if recomputed is not None else 0.0)
+        if kind is Kind.F or kind is Kind.L:
+            total += part * kept[stage]
+        elif kind is Kind.E:
+            total -= part * kept[stage]
+        elif kind is Kind.R and recomputed is not None:
+            total += part * recomputed[stage]
+        elif kind is Kind.B or kind is Kind.W:
+            kept_by_w = 0.0 if w is None else w(action.stage)
+            total -= part * whole * (1 - kept_by_w if kind is Kind.B else kept_by_w)
         top = max(top, total)
     return top
 
@@ -163,7 +185,7 @@ def peak_over_time(program: Program, events: Sequence[Event]) -> list[int] | Non
     evicted = False
     for seq, event in enumerate(events):
         kind, rows = event.action.kind, changes[event.rank]
-        delta = change(kind)
+        delta = int(change(kind))
         if delta:  # taken as the op starts, freed (or handed over) once it ends
             rows.append((event.start if delta > 0 else event.end, 1, seq, delta))
         if kind is Kind.E:

@@ -115,11 +115,15 @@ class Timeline:
         chunk its share of the tokens (`memory.shares`)."""
         if self._stash_peaks is not None:
             return self._stash_peaks[rank]
-        return as_number(memory.peak(self.program.ranks[rank], share=self._share))
+        return as_number(memory.peak(self.program.ranks[rank], self._w, self._share))
 
     @cached_property
     def _share(self) -> memory.Share | None:
         return memory.shares(self.program, self.costs)
+
+    @cached_property
+    def _w(self) -> memory.WShare | None:
+        return memory.w_share(self.program, self.costs)
 
     @cached_property
     def _stash_peaks(self) -> list[int] | None:

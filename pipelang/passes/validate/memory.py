@@ -9,27 +9,29 @@ from pipelang.sim import memory
 
 
 def check_memory(program: Program, cap: int) -> list[Diagnostic]:
-    """E0308: per rank, the first op after which more than `cap` forwards await their B."""
+    """E0308: per rank, the first op after which it holds more than `cap` forwards'
+    activations (until their B; where W is split off, W's share until their W)."""
     diagnostics = []
-    share = memory.shares(program)
+    share, w = memory.shares(program), memory.w_share(program)
     for rank, actions in enumerate(program.ranks):
-        for at, count in enumerate(memory.held(actions, share=share)):
+        for at, count in enumerate(memory.held(actions, w, share)):
             if count > cap + 1e-9:
-                held = memory.holding(actions[: at + 1])
-                diagnostics.append(_too_many(rank, actions[at], count, held, cap))
+                held = memory.holding(actions[: at + 1], w)
+                diagnostics.append(_too_many(rank, actions[at], count, held, cap, w is not None))
                 break
     return diagnostics
 
 
 def _too_many(
-    rank: int, action: Action, count: float, in_flight: list[Action], cap: int
+    rank: int, action: Action, count: float, in_flight: list[Action], cap: int, split: bool
 ) -> Diagnostic:
+    waiting = "B or W" if split else "backward"
     return Diagnostic(
         "E0308",
         f"rank {rank} holds {round(count, 6):g} activations after `{action}`, more than the "
         f"cap of {cap}",
         action.span,
-        notes=(f"forwards whose backward has not run yet: {listing(in_flight)}",),
+        notes=(f"forwards whose {waiting} has not run yet: {listing(in_flight)}",),
         help=f"start fewer forwards before the first backward on rank {rank}, "
         "or raise --max-activations",
     )

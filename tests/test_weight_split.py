@@ -1,0 +1,163 @@
+"""A backward split into B and W keeps, between them, exactly what W reads
+(backends/weight_split.py), and W's gradients are bitwise those of one backward."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import Node
+
+from pipelang.backends.models import ModelSpec, plan_stages
+from pipelang.backends.stash import ReleasedError, Stash
+from pipelang.backends.weight_split import split_backward, weight_backward
+
+KEY = (0, 0, "main", None)
+
+
+def split(
+    stage: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> tuple[Stash, list[torch.Tensor | None], object, torch.Tensor, torch.Tensor]:
+    """F under the stash, then B split off W with the release; the stash, B's input
+    gradients, the work kept for W, the stage input and the output gradient."""
+    inp = x.detach().requires_grad_(x.is_floating_point())
+    stash = Stash()
+    with stash.recording(KEY, "F0", stage):
+        y = run(stage, inp)
+    grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
+    needed: set[int] = set()
+
+    def probe(nodes: Iterable[Node]) -> bool:
+        found = stash.probe(KEY, nodes)
+        needed.update(found or ())
+        return found is not None
+
+    params = list(stage.parameters())
+    found, work = split_backward([y], [grad], [inp] if inp.requires_grad else [], params, probe)
+    if work is not None:
+        stash.keep(KEY, needed, work.gradients())
+    return stash, found, work, inp, grad
+
+
+def whole(
+    stage: nn.Module,
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    grad: torch.Tensor,
+) -> torch.Tensor | None:
+    """One plain backward on `stage`; the input's gradient."""
+    inp = x.detach().requires_grad_(x.is_floating_point())
+    torch.autograd.backward(run(stage, inp), grad)
+    return inp.grad
+
+
+@pytest.mark.parametrize("model", ["gpt:tiny", "llama:tiny"])
+def test_w_reads_every_tensor_b_kept_and_gets_the_whole_backwards_gradients(model: str) -> None:
+    """For every stage of a built-in model: the saved tensors that survive B are exactly
+    those W reads (an old runtime that kept the whole graph fails here), fewer than the
+    forward saved, and the weight and input gradients equal one backward's, bit for bit."""
+    spec = ModelSpec(model, None, 2, "float32", 0)
+    plan = plan_stages(spec, 4, None)
+    built = spec.build()
+    x, targets = built.batch(0, 0, torch.device("cpu"))
+    for index, layers in enumerate(plan.bounds):
+        stage = built.stage_module(layers)
+        twin = copy.deepcopy(stage)
+        last = index == len(plan.bounds) - 1
+
+        def run(module: nn.Module, inp: torch.Tensor, last: bool = last) -> torch.Tensor:
+            y = module(inp)
+            return built.loss(y, targets) if last else y
+
+        stash, found, work, inp, grad = split(stage, run, x)
+        assert work is not None
+        entry = stash.entries[KEY]
+        kept = {i for i, t in enumerate(entry.tensors) if t is not None}
+        assert 0 < len(kept) < len(entry.tensors)
+        entry.reads = set()
+        weight_backward(work)  # type: ignore[arg-type]
+        assert entry.reads == kept, f"stage {index} keeps tensors its W does not read"
+        reference = whole(twin, run, x, grad)
+        for ours, theirs in zip(stage.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad)  # type: ignore[arg-type]
+        if inp.requires_grad:
+            assert torch.equal(found[0], reference)  # type: ignore[arg-type]
+        with torch.no_grad():
+            x = stage(x)
+
+
+class Scale(torch.autograd.Function):
+    """A custom op with a weight: y = x * w, saving both."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors  # type: ignore[attr-defined]
+        return dy * w, (dy * x).sum(0)
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(Scale.apply(torch.relu(x), self.w)))
+
+
+def test_a_custom_autograd_function_is_split_too() -> None:
+    """A user's `autograd.Function` with a weight is a weight op: its saved input
+    survives B (read through `ctx.saved_tensors`), W gives the same gradients."""
+    torch.manual_seed(0)
+    stage = Custom()
+    twin = copy.deepcopy(stage)
+    x = torch.randn(4, 8)
+    _, _, work, _, grad = split(stage, lambda m, inp: m(inp), x)
+    assert work is not None
+    weight_backward(work)  # type: ignore[arg-type]
+    whole(twin, lambda m, inp: m(inp), x, grad)
+    for ours, theirs in zip(stage.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)  # type: ignore[arg-type]
+
+
+def test_weights_tied_inside_a_stage_keep_the_whole_graph() -> None:
+    """Two weight ops reach one parameter: not split, every saved tensor kept for a
+    whole backward in W."""
+    fc = nn.Linear(8, 8)
+    stage = nn.Sequential(fc, nn.Tanh(), fc)
+    stash, _, work, _, _ = split(stage, lambda m, inp: m(inp), torch.randn(4, 8))
+    assert work is None
+    assert all(t is not None for t in stash.entries[KEY].tensors)
+
+
+def test_a_stage_without_weights_keeps_nothing_for_w() -> None:
+    stash, found, work, _, _ = split(
+        nn.Sequential(nn.GELU(), nn.Tanh()), lambda m, inp: m(inp), torch.randn(4, 8)
+    )
+    assert work is not None and not work.groups  # type: ignore[attr-defined]
+    assert all(t is None for t in stash.entries[KEY].tensors)
+    assert found[0] is not None
+
+
+def test_reading_a_released_tensor_is_an_error() -> None:
+    stash, _, work, _, _ = split(
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh()), lambda m, x: m(x), torch.randn(4, 8)
+    )
+    entry = stash.entries[KEY]
+    released = [i for i, t in enumerate(entry.tensors) if t is None]
+    assert released
+    entry.tensors[:] = [None] * len(entry.tensors)
+    with pytest.raises(ReleasedError, match="released after its B"):
+        weight_backward(work)  # type: ignore[arg-type]
