@@ -27,7 +27,7 @@ from pipelang.backends.config import SGD_MOMENTUM
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.stash import Stash
-from pipelang.backends.weight_split import split_backward
+from pipelang.backends.weight_split import WeightWork, split_backward, weight_pass
 from pipelang.ir import CostModel, Kind, Program
 from pipelang.planner.profile import LayerCost, Profile
 from pipelang.sim import memory
@@ -120,7 +120,7 @@ def stage_activation_bytes(
             return inp, model.loss(y, targets) if last else y
 
         params = [p for p in stage.parameters() if p.requires_grad]
-        found.append(_saved_bytes(fresh, stage, params))
+        found.append(saved_bytes(fresh, stage, params))
         with torch.no_grad():
             x = stage(x)
     return found
@@ -160,35 +160,24 @@ def _measure_layer(
         return x, run(x)
 
     forward = _median_ms(fresh, options, device)
+    (full,) = _backward_ms(fresh, options, device, lambda x, y, grad: [_whole(x, y, grad, params)])
+    stashes: list[Stash] = []
 
-    def backward(*passes: Callable[[torch.Tensor], list[torch.Tensor]]) -> list[float]:
-        return _backward_ms(fresh, passes, options, device)
+    def recorded() -> tuple[torch.Tensor, torch.Tensor]:
+        stashes[:] = [Stash()]
+        with stashes[0].recording(_KEY, name, layer):
+            return fresh()
 
-    def of_input(x: torch.Tensor) -> list[torch.Tensor]:
-        return [x]
-
-    def of_weights(x: torch.Tensor) -> list[torch.Tensor]:
-        return list(params)
-
-    def of_both(x: torch.Tensor) -> list[torch.Tensor]:
-        return [x, *params]
-
-    if differentiable and params:
-        (full,) = backward(of_both)
-        # As the runtime splits it: the input gradient keeping the graph, then the
-        # weight gradient on that graph.
-        input_grad, weight_grad = backward(of_input, of_weights)
-    elif differentiable:
-        (full,) = backward(of_input)
-        input_grad, weight_grad = full, 0.0
-    elif params:
-        (full,) = backward(of_weights)
-        input_grad, weight_grad = 0.0, full
-    else:
-        full = input_grad = weight_grad = 0.0
+    # As the runtime splits it (`weight_split`): B, then W from what B kept.
+    input_grad, weight_grad = _backward_ms(
+        recorded,
+        options,
+        device,
+        lambda x, y, grad: list(split_passes(x, y, grad, layer, params, stashes[0])[:2]),
+    )
     with torch.no_grad():
         out = layer(x_in.detach())
-    saved, kept_for_w = _saved_bytes(fresh, layer, params)
+    saved, kept_for_w = saved_bytes(fresh, layer, params)
     sgd_step, adam_step = (_step_ms(params, kind, options, device) for kind in ("sgd", "adam"))
     return LayerCost(
         name=name,
@@ -220,26 +209,76 @@ def _median_ms(action: Callable[[], Any], options: ProfileOptions, device: torch
 
 def _backward_ms(
     fresh: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    passes: Sequence[Callable[[torch.Tensor], list[torch.Tensor]]],
     options: ProfileOptions,
     device: torch.device,
+    passes: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[Callable[[], object]]],
 ) -> list[float]:
     """Median times of backward passes run one after the other on one graph (`fresh`
-    makes it), each with respect to what its function picks (the input x, the weights)."""
+    makes it; `passes(x, y, grad)` gives them)."""
 
-    samples: list[list[float]] = [[] for _ in passes]
+    samples: list[list[float]] = []
     for i in range(options.warmup + options.repeats):
         x, y = fresh()
         grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
-        for index, select in enumerate(passes):
-            keep = index < len(passes) - 1
+        actions = passes(x, y, grad)
+        samples = samples or [[] for _ in actions]
+        for index, action in enumerate(actions):
             _sync(device)
             start = time.perf_counter()
-            torch.autograd.grad(y, select(x), grad, retain_graph=keep, allow_unused=True)
+            action()
             _sync(device)
             if i >= options.warmup:
                 samples[index].append((time.perf_counter() - start) * 1e3)
     return [statistics.median(s) for s in samples]
+
+
+def _whole(
+    x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor, params: list[torch.nn.Parameter]
+) -> Callable[[], object]:
+    """The whole backward of one graph, to its input and weights, as one pass."""
+    wrt = [x, *params] if x.requires_grad else list(params)
+    return lambda: torch.autograd.grad(y, wrt, grad, allow_unused=True) if wrt else None
+
+
+def split_passes(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad: torch.Tensor,
+    layer: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    stash: Stash | None = None,
+) -> tuple[Callable[[], None], Callable[[], None], Callable[[], int]]:
+    """B and W of one graph as the runtime runs them (`weight_split`: B releases all
+    that W does not read, found through `stash`, which recorded the forward), and the
+    bytes `stash` holds after B; without a stash, the graph is kept whole for W."""
+    inputs = [x] if x.requires_grad else []
+    state: list[WeightWork | None] = [None]
+
+    needed: set[int] = set()
+
+    def probe(nodes: Iterable[Node]) -> bool:
+        assert stash is not None
+        found = stash.probe(_KEY, nodes)
+        needed.update(found or ())
+        return found is not None
+
+    def b() -> None:
+        _, work = split_backward([y], [grad], inputs, params, None if stash is None else probe)
+        state[0] = work
+        if stash is not None and work is not None:
+            stash.keep(_KEY, needed, work.gradients())
+
+    def w() -> None:
+        weight_pass(state[0], [y], [grad], params)
+
+    def held() -> int:
+        return 0 if stash is None else stash.resident_bytes({_KEY})
+
+    return b, w, held
+
+
+_KEY = (0, 0, "", None)
+"""The one forward a measurement's stash records."""
 
 
 def _step_ms(
@@ -271,7 +310,7 @@ def _step_ms(
     return statistics.median(samples)
 
 
-def _saved_bytes(
+def saved_bytes(
     fresh: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     layer: torch.nn.Module,
     params: list[torch.nn.Parameter],
@@ -283,24 +322,13 @@ def _saved_bytes(
     `weight_split`)."""
 
     stash = Stash()
-    key = (0, 0, "", None)
-    with stash.recording(key, type(layer).__name__, layer):
+    with stash.recording(_KEY, type(layer).__name__, layer):
         x, y = fresh()
-    whole = stash.resident_bytes({key})
-    needed: set[int] = set()
-
-    def probe(nodes: Iterable[Node]) -> bool:
-        found = stash.probe(key, nodes)
-        needed.update(found or ())
-        return found is not None
-
+    whole = stash.resident_bytes({_KEY})
     grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
-    inputs = [x] if x.requires_grad else []
-    _, work = split_backward([y], [grad], inputs, params, probe)
-    if work is None:
-        return whole, whole
-    stash.keep(key, needed, work.gradients())
-    return whole, stash.resident_bytes({key})
+    b, _, held = split_passes(x, y, grad, layer, params, stash)
+    b()
+    return whole, held()
 
 
 def _sync(device: torch.device) -> None:

@@ -17,7 +17,7 @@ from pipelang.backends.models import (
 )
 from pipelang.backends.rank_base import Key, Saved, StageCopy, Value, _action, _compute, value_of
 from pipelang.backends.versions import installed
-from pipelang.backends.weight_split import Probe, split_backward, weight_backward
+from pipelang.backends.weight_split import Probe, split_backward, weight_pass
 from pipelang.diagnostics import InternalError
 from pipelang.ir import deps
 
@@ -235,12 +235,8 @@ class ComputeActions:
         saved = self.saved.pop((mb, stage, pipeline, chunk))
         self._forget((mb, stage, pipeline, chunk))
         params = saved.params if saved.params is not None else copy.params
-        if saved.work is not None:
-            weight_backward(saved.work)
-        elif params:  # a stage without weights (an activation alone) has no W to do
-            assert saved.y is not None
-            outputs, grads = _chunk_outputs(saved, saved.dy)
-            torch.autograd.backward(outputs, grads, inputs=params)
+        outputs, grads = ([], []) if saved.y is None else _chunk_outputs(saved, saved.dy)
+        weight_pass(saved.work, outputs, grads, params)
         if saved.params is not None:
             self.versions[(stage, pipeline)].collect(params)
             saved.y = saved.params = None

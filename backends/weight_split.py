@@ -106,6 +106,20 @@ def _cheap(params: Sequence[torch.Tensor]) -> bool:
     return all(p.dim() <= 1 for p in params)
 
 
+def weight_pass(
+    work: WeightWork | None,
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    params: Sequence[torch.Tensor],
+) -> None:
+    """W: from what B kept (`weight_backward`), or where the graph was not split, the
+    parameters' gradients from the whole graph B kept."""
+    if work is not None:
+        weight_backward(work)
+    elif params:  # a stage without weights (an activation alone) has no W to do
+        torch.autograd.backward(outputs, grads, inputs=list(params))
+
+
 def weight_backward(work: WeightWork) -> None:
     """W: each weight op's parameter gradients from the gradient B left it, added into
     `.grad` (set when there is none, as `backward` does)."""

@@ -13,9 +13,12 @@ On the device `local` uses (the GPU when there is one, else the CPU):
    hand-over between ranks, on CUDA the streams and events).
 2. Memory. A run with `count_activations` gives each rank's peak bytes of saved
    activations (backends/stash.py: the tensors autograd saves, not weights, not a
-   stage's output). A GPipe run with N = 1 gives what one micro-batch leaves on each
-   stage; the expectation for a rank is the simulator's `peak_activations` (forwards
-   whose backward has not run) times that. Issue 6's bar is 10%.
+   stage's output; after a split backward's B, only what W reads and the gradients it
+   starts from). The expectation for a rank is `pipelang simulate --model`'s
+   (`measure.activation_peaks`: each stage's bytes and W's share, held along the
+   rank's order by the one counter), for 1F1B and the schedules that split W off B, on
+   `--memory-models`. Issues 6's and 33's bar is 10%; issue 33 also asks for zb-h1's
+   largest rank within 1.1x of 1F1B's (the last table).
 
 On CUDA the memory table also gives the process's `torch.cuda.max_memory_allocated`.
 
@@ -110,6 +113,7 @@ def memory(config: RunConfig) -> tuple[list[str], list[str]]:
     runtime's measured peak; and per schedule the largest rank's peak over 1F1B's."""
     counting = replace(config, steps=2, count_activations=True)
     rows, largest = [], {}
+    model = config.model
     for name, params in MEMORY:
         program = program_of(name, params)
         if local_device().type == "cuda":
@@ -125,13 +129,15 @@ def memory(config: RunConfig) -> tuple[list[str], list[str]]:
         for rank, got in enumerate(measured):
             count = peak(program.ranks[rank], w)
             rows.append(
-                f"| {label(name, params)} | {rank} | {count:g} | {expected[rank] / 2**10:.1f} | "
+                f"| {model} | {label(name, params)} | {rank} | {count:g} | "
+                f"{expected[rank] / 2**10:.1f} | "
                 f"{got / 2**10:.1f} | {100 * (got / expected[rank] - 1):+.1f}% | "
                 f"{process if rank == 0 else ''} |"
             )
         largest[name] = max(measured)
     summary = [
-        f"| {name} | {largest[name] / 2**10:.1f} | {largest[name] / largest['1f1b']:.2f} |"
+        f"| {model} | {name} | {largest[name] / 2**10:.1f} | "
+        f"{largest[name] / largest['1f1b']:.2f} |"
         for name in largest
     ]
     return rows, summary
@@ -145,6 +151,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--memory-models",
+        default="gpt:tiny,gpt:small",
+        help="the models whose saved activations are measured (comma-separated)",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     if not cuda:
@@ -159,7 +170,11 @@ def main() -> None:
         micro_batch_size=args.micro_batch_size,
     )
     speed_rows = speed(config, args.warmup, args.rounds)
-    memory_rows, largest_rows = memory(config)
+    memory_rows, largest_rows = [], []
+    for model in args.memory_models.split(","):
+        rows, largest = memory(replace(config, model=model))
+        memory_rows += rows
+        largest_rows += largest
     where = torch.cuda.get_device_name() if cuda else f"{os.cpu_count()}-core CPU, 1 thread"
     text = "\n".join(
         [
@@ -171,9 +186,10 @@ def main() -> None:
             f"- Command: `python benchmarks/local_vs_reference.py` "
             f"({(time.perf_counter() - began) / 60:.1f} min)",
             f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
-            f"- Model `{args.model}`, micro-batches of {args.micro_batch_size}, SGD, fp32; "
-            f"{args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps, "
-            "alternating which runs first; the median timed step.",
+            f"- Speed: model `{args.model}`, micro-batches of {args.micro_batch_size}, SGD, "
+            f"fp32; {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed "
+            "steps, alternating which runs first; the median timed step. Memory: "
+            f"{args.memory_models}, the same micro-batches, 2 steps.",
             "",
             "| schedule | local steps/s | one process steps/s | local / one process | "
             "extra ms per compute action |",
@@ -187,15 +203,15 @@ def main() -> None:
             "the run's peak (backends/stash.py, after B only what W reads: "
             "backends/weight_split.py).",
             "",
-            "| schedule | rank | simulator count | expected | measured | error | "
+            "| model | schedule | rank | simulator count | expected | measured | error | "
             "process peak MiB (CUDA) |",
-            "|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|",
             *memory_rows,
             "",
             "The largest rank's measured peak, against 1F1B's largest:",
             "",
-            "| schedule | largest rank's peak KiB | over 1F1B's |",
-            "|---|---|---|",
+            "| model | schedule | largest rank's peak KiB | over 1F1B's |",
+            "|---|---|---|---|",
             *largest_rows,
             "",
         ]

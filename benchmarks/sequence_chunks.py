@@ -92,13 +92,13 @@ def measured() -> None:
         plan = plan_stages(config.spec, program.num_stages, None)
         kept = [sum(layers[i].activation_bytes for i in bounds) for bounds in plan.bounds]
         outcome = launch(program, config, plan.shapes, lambda *_: None)
-        freed_by = memory.frees(program)
+        w = memory.w_share(program)
         label = name if "C" not in params else f"{name} C = {params['C']}"
         for rank, result in enumerate(outcome.results):
             actions = program.ranks[rank]
             got = result.peak_activation_bytes
             with_kv, without = (
-                memory.peak_bytes(actions, freed_by, kept, share=memory.shares(program, costs))
+                memory.peak_bytes(actions, w, kept, share=memory.shares(program, costs))
                 for costs in (program.costs, program.costs.merged(no_kv))
             )
             print(

@@ -258,9 +258,9 @@ def test_saved_bytes_are_what_the_memory_count_says(C: int, one_torch_thread: No
     plan = plan_stages(config.spec, program.num_stages, None)
     kept = [sum(layers[i].activation_bytes for i in bounds) for bounds in plan.bounds]
     outcome = run_local(program, config, plan.shapes, lambda *_: None)
-    share, freed_by = memory.shares(program), memory.frees(program)
+    share, w = memory.shares(program), memory.w_share(program)
     for result, actions in zip(outcome.results, program.ranks, strict=True):
-        simulated = memory.peak_bytes(actions, freed_by, kept, share=share)
+        simulated = memory.peak_bytes(actions, w, kept, share=share)
         assert result.peak_activation_bytes == pytest.approx(simulated, rel=0.1)
 
 

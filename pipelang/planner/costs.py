@@ -62,14 +62,13 @@ class OpCosts:
             scale = self.scale / (speeds[stage] if speeds is not None else 1.0)
             f = scale * sum(c.forward_ms for c in part)
             if split_w:
-                # As the runtime splits a stage's backward: B is the input gradient
-                # through every layer, and nothing on the first stage (no stage before
-                # it needs one); W is the gradient of the weights, which walks each
-                # layer's whole backward but the first's (a layer's input gradient is
-                # the way to the weights of the layers before it).
-                inner = sum(c.full_backward_ms for c in part[1:])
-                b = 0.0 if stage == 0 else scale * sum(c.backward_input_ms for c in part)
-                w = scale * (part[0].backward_weight_ms + inner) if part else 0.0
+                # As the runtime splits a stage's backward (backends/weight_split.py):
+                # B runs every layer's backward up to its weight ops (and the cheap
+                # ones, norms and lone biases), W each weight op's parameter gradient,
+                # so a stage's B and W are its layers' (`pipelang profile` times them
+                # so, one layer at a time).
+                b = scale * sum(c.backward_input_ms for c in part)
+                w = scale * sum(c.backward_weight_ms for c in part)
             else:
                 b, w = scale * sum(c.full_backward_ms for c in part), 0.0
             if host is not None:
