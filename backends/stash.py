@@ -16,6 +16,11 @@ kept input) stays the same object, now without memory. `L` gives the storages th
 bytes back, so autograd finds the same tensors, bit for bit, when the backward runs; a
 backward that runs while its activations are away raises `EvictedError`.
 
+A split backward releases, right after B, every saved tensor its W will not read
+(`Stash.probe` finds them, `Stash.keep` drops the others and holds the gradients W
+starts from; backends/weight_split.py): its entry then counts only what W keeps, and a
+W that read a released tensor would raise `ReleasedError`.
+
 On the wire an eviction is two messages: its size in bytes (one int64), then the bytes;
 the partner does not know the shapes, and keeps the buffer from `H` until it sends it
 back.
@@ -23,6 +28,7 @@ back.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -146,10 +152,7 @@ class Stash:
         entry.reads = set()
         try:
             for node in nodes:
-                names = [n for n in dir(node) if n.startswith("_saved_")]
-                if type(node).__name__ == "BackwardCFunction":
-                    names.append("saved_tensors")  # a custom autograd.Function
-                for name in names:
+                for name in _saved_names(type(node)):
                     getattr(node, name)
         except RuntimeError:
             return None
@@ -185,6 +188,16 @@ class Stash:
     def measure(self, alive: set[Key]) -> None:
         """Update the peak with what is resident now."""
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes(alive))
+
+
+@functools.cache
+def _saved_names(node_type: type) -> tuple[str, ...]:
+    """The attributes of an autograd node type that give its saved values (`_saved_*`,
+    and a custom `autograd.Function`'s `saved_tensors`); asked once per type."""
+    names = tuple(n for n in dir(node_type) if n.startswith("_saved_"))
+    if node_type.__name__ == "BackwardCFunction":
+        names += ("saved_tensors",)
+    return names
 
 
 def _unpack(packed: object) -> torch.Tensor:

@@ -73,30 +73,47 @@ def split_backward(
     plain `backward(outputs, grads, inputs=params)`."""
     work = None if probe is None else _weight_ops(outputs, params)
     ops, reach = ([], {}) if work is None else work
-    edges = [GradientEdge(op, i) for op in ops for i in range(len(op._input_metadata))]
-    found: Sequence[torch.Tensor | None] = ()
-    if inputs or edges:
-        wrt: list[Any] = [*inputs, *edges]
-        found = torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
-    if work is None:
-        return list(found), None
     later = [op for op in ops if not _cheap(reach[op][0])]
-    chains = {node for op in later for node in reach[op][1]}
-    assert probe is not None
-    if not probe([*later, *chains]):
-        return list(found[: len(inputs)]), None
-    now, later_work = WeightWork([]), WeightWork([])
+    if work is not None:
+        assert probe is not None
+        if not probe([*later, *{node for op in later for node in reach[op][1]}]):
+            work = None
+    if work is None:  # not split: the input gradients alone, the whole graph kept for W
+        if not inputs:
+            return [], None
+        alone = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+        return list(alone), None
+    # One pass: the input gradients, the gradients into the weight ops W runs later,
+    # and the cheap weight ops' own parameter gradients (they are on B's way anyway).
+    edges = [GradientEdge(op, i) for op in later for i in range(len(op._input_metadata))]
+    deferred = set(later)
+    cheap = [p for op in ops if op not in deferred for p in reach[op][0]]
+    wrt: list[Any] = [*inputs, *edges, *cheap]
+    found: Sequence[torch.Tensor | None] = ()
+    if wrt:
+        found = torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+    _accumulate(cheap, found[len(inputs) + len(edges) :])
+    groups = []
     at = len(inputs)
-    for op in ops:
+    for op in later:
         count = len(op._input_metadata)
         given = found[at : at + count]
         at += count
         kept = [(GradientEdge(op, i), g) for i, g in enumerate(given) if g is not None]
         if kept:
-            group = ([e for e, _ in kept], [g for _, g in kept], reach[op][0])
-            (later_work if op in later else now).groups.append(group)
-    weight_backward(now)
-    return list(found[: len(inputs)]), later_work
+            groups.append(([e for e, _ in kept], [g for _, g in kept], reach[op][0]))
+    return list(found[: len(inputs)]), WeightWork(groups)
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add `grads` into the parameters' `.grad` (set when there is none), as `backward`
+    does."""
+    for param, grad in zip(params, grads, strict=True):
+        if grad is not None:
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
 
 
 def _cheap(params: Sequence[torch.Tensor]) -> bool:
@@ -124,13 +141,7 @@ def weight_backward(work: WeightWork) -> None:
     """W: each weight op's parameter gradients from the gradient B left it, added into
     `.grad` (set when there is none, as `backward` does)."""
     for edges, grads, params in work.groups:
-        found = torch.autograd.grad(edges, params, grads, allow_unused=True)
-        for param, grad in zip(params, found, strict=True):
-            if grad is not None:
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad += grad
+        _accumulate(params, torch.autograd.grad(edges, params, grads, allow_unused=True))
 
 
 def _weight_ops(

@@ -113,7 +113,7 @@ def memory(config: RunConfig) -> tuple[list[str], list[str]]:
     runtime's measured peak; and per schedule the largest rank's peak over 1F1B's."""
     counting = replace(config, steps=2, count_activations=True)
     rows, largest = [], {}
-    model = config.model
+    model = f"{config.model} (B = {config.micro_batch_size})"
     for name, params in MEMORY:
         program = program_of(name, params)
         if local_device().type == "cuda":
@@ -153,8 +153,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--memory-models",
-        default="gpt:tiny,gpt:small",
-        help="the models whose saved activations are measured (comma-separated)",
+        default="gpt:tiny,benchmarks/models/softmax_gpt.py:model",
+        help="the models whose saved activations are measured, comma-separated; "
+        "MODEL@B measures it with micro-batches of B",
     )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -171,8 +172,10 @@ def main() -> None:
     )
     speed_rows = speed(config, args.warmup, args.rounds)
     memory_rows, largest_rows = [], []
-    for model in args.memory_models.split(","):
-        rows, largest = memory(replace(config, model=model))
+    for entry in args.memory_models.split(","):
+        model, _, size = entry.partition("@")
+        batch = int(size) if size else args.micro_batch_size
+        rows, largest = memory(replace(config, model=model, micro_batch_size=batch))
         memory_rows += rows
         largest_rows += largest
     where = torch.cuda.get_device_name() if cuda else f"{os.cpu_count()}-core CPU, 1 thread"

@@ -13,7 +13,7 @@ from torch.autograd.graph import Node
 
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.stash import ReleasedError, Stash
-from pipelang.backends.weight_split import split_backward, weight_backward
+from pipelang.backends.weight_split import split_backward, weight_backward, weight_pass
 
 KEY = (0, 0, "main", None)
 
@@ -161,3 +161,17 @@ def test_reading_a_released_tensor_is_an_error() -> None:
     entry.tensors[:] = [None] * len(entry.tensors)
     with pytest.raises(ReleasedError, match="released after its B"):
         weight_backward(work)  # type: ignore[arg-type]
+
+
+def test_a_stage_that_is_one_embedding_keeps_its_graph_for_w() -> None:
+    """All of its backward is W's (its output is a chain to its weight): B has nothing
+    to do, W does the whole backward, as a ZBV rank's first stage needs."""
+    stage = nn.Embedding(16, 8)
+    twin = copy.deepcopy(stage)
+    ids = torch.randint(0, 16, (4, 5))
+    _, found, work, _, grad = split(stage, lambda m, x: m(x), ids)
+    assert work is None and found == []
+    y = stage(ids)
+    weight_pass(None, [y], [grad], list(stage.parameters()))
+    whole(twin, lambda m, x: m(x), ids, grad)
+    assert torch.equal(stage.weight.grad, twin.weight.grad)  # type: ignore[arg-type]
