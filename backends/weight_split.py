@@ -106,14 +106,12 @@ def split_backward(
 
 
 def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Add `grads` into the parameters' `.grad` (set when there is none), as `backward`
-    does."""
-    for param, grad in zip(params, grads, strict=True):
-        if grad is not None:
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad += grad
+    """Add `grads` into the parameters' `.grad` through their gradient accumulators, as
+    `backward` does (so hooks on them run: `--mixed-precision` moves them to fp32)."""
+    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    if pairs:
+        leaves = [p for p, _ in pairs]
+        torch.autograd.backward(leaves, [g for _, g in pairs], inputs=leaves)
 
 
 def _cheap(params: Sequence[torch.Tensor]) -> bool:
@@ -139,9 +137,9 @@ def weight_pass(
 
 def weight_backward(work: WeightWork) -> None:
     """W: each weight op's parameter gradients from the gradient B left it, added into
-    `.grad` (set when there is none, as `backward` does)."""
+    `.grad` by their gradient accumulators, as one `backward` adds them."""
     for edges, grads, params in work.groups:
-        _accumulate(params, torch.autograd.grad(edges, params, grads, allow_unused=True))
+        torch.autograd.backward(edges, grads, inputs=params)
 
 
 def _weight_ops(

@@ -14,6 +14,7 @@ from torch.autograd.graph import Node
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.stash import ReleasedError, Stash
 from pipelang.backends.weight_split import split_backward, weight_backward, weight_pass
+from tests.helpers import run, stdlib
 
 KEY = (0, 0, "main", None)
 
@@ -175,3 +176,14 @@ def test_a_stage_that_is_one_embedding_keeps_its_graph_for_w() -> None:
     weight_pass(None, [y], [grad], list(stage.parameters()))
     whole(twin, lambda m, x: m(x), ids, grad)
     assert torch.equal(stage.weight.grad, twin.weight.grad)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [(), ("--mixed-precision", "bfloat16")])
+def test_split_schedules_train_as_one_process(options: tuple[str, ...]) -> None:
+    """zb-h1 and zbv under `--check`, also with bf16 compute and fp32 masters (whose
+    gradients arrive through hooks on the bf16 parameters' accumulators): bitwise."""
+    for name in ("zb-h1", "zbv"):
+        program = stdlib(name, D=4, N=8)
+        args = ("--backend", "local", "--model", "gpt:tiny", "--steps", "2", "--check")
+        assert run(program, *args, *options) == 0
