@@ -285,3 +285,14 @@ def test_help_in_a_subprocess(tmp_path: Path) -> None:
     assert proc.returncode == 0
     for command in COMMANDS:
         assert command in proc.stdout
+
+
+def test_simulate_model_gives_bytes_for_a_schedule_with_a_frozen_part() -> None:
+    """`--model` on diffusionpipe: the frozen part's output is stage 0's input, so the
+    model is cut with its first layer frozen, as `pipelang run` does (this was a
+    KeyError)."""
+    args = ["simulate", "diffusionpipe", "-p", "D=2", "-p", "N=2", "--model", "gpt:tiny", "--json"]
+    status, out, err = run_in_process(args)
+    assert status == 0, err
+    ranks = json.loads(out)["ranks"]
+    assert all(r["data_slot_bytes"] > 0 and r["peak_activation_bytes"] > 0 for r in ranks)

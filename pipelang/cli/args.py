@@ -23,6 +23,7 @@ from pipelang.ir import COMPUTE_KINDS, COST_KINDS, CostModel, Program, cost_prob
 from pipelang.readers import ReadError, read_number_rows, whole_number
 
 if TYPE_CHECKING:
+    from pipelang.backends.models import ModelSpec
     from pipelang.streams import StreamProgram
 
 
@@ -331,10 +332,10 @@ def data_slot_bytes(
     `add_slot_model_arguments` name (None without `--model`)."""
     if args.model is None:
         return None
-    from pipelang.backends.models import ModelError, ModelSpec, plan_stages
+    from pipelang.backends.models import ModelError, plan_stages
     from pipelang.backends.stream_executor import slot_bytes
 
-    spec = ModelSpec(args.model, args.seq_len, args.micro_batch_size, args.dtype, args.seed)
+    spec = _model_spec(args, program)
     try:
         shapes = plan_stages(spec, program.num_stages, program.partition).shapes
     except ModelError as err:
@@ -351,13 +352,24 @@ def activation_bytes(
     if args.model is None:
         return None
     from pipelang.backends.measure import activation_peaks
-    from pipelang.backends.models import ModelError, ModelSpec
+    from pipelang.backends.models import ModelError
 
-    spec = ModelSpec(args.model, args.seq_len, args.micro_batch_size, args.dtype, args.seed)
+    spec = _model_spec(args, program)
     try:
         return activation_peaks(spec, program, costs)
     except ModelError as err:
         raise UsageError(str(err)) from None
+
+
+def _model_spec(args: argparse.Namespace, program: Program) -> ModelSpec:
+    """The model `--model` names, its first layer frozen where the schedule has a frozen
+    part (as `pipelang run` does by default)."""
+    from pipelang.backends.models import ModelSpec
+
+    frozen = 1 if program.frozen is not None else 0
+    return ModelSpec(
+        args.model, args.seq_len, args.micro_batch_size, args.dtype, args.seed, frozen_layers=frozen
+    )
 
 
 READERS: dict[str, Any] = {
