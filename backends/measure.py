@@ -100,7 +100,7 @@ def stage_activation_bytes(
 ) -> list[tuple[int, int]]:
     """Per stage of `spec` cut into `num_stages`, the bytes of activations one
     micro-batch's forward saves, and what a split backward keeps of them after B for W,
-    measured on the CPU as the runtime counts them (`_saved_bytes`)."""
+    measured on the CPU as the runtime counts them (`saved_bytes`)."""
     plan = plan_stages(spec, num_stages, partition)
     model = spec.build()
     x, targets = model.batch(0, 0, torch.device("cpu"))
