@@ -66,7 +66,14 @@ class RunConfig:
         "positive",
         metavar="K",
     )
-    check: bool = option(False, "compare weights and losses with single-process training")
+    check: bool = option(
+        False,
+        "compare weights and losses with single-process training that adds the gradients "
+        "in the run's order: bit for bit equal on a CPU, except with sequence chunks, "
+        "weights tied across stages, or on a GPU (kernels that add in varying order), "
+        "where a tolerance holds (docs/runtime.md); a failure names the first step that "
+        "differs and prints the per-step losses",
+    )
     graphs: bool = option(
         False,
         "graph mode, with capturable optimizers: with nccl, each rank's stream "

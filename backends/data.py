@@ -75,7 +75,7 @@ def sample_batch(
     tokens = load_tokens(path)
     starts = torch.randint(0, len(tokens) - seq_len, (size,), generator=_generator(seed, step, mb))
     windows = np.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()]).astype(np.int64)
-    batch = torch.from_numpy(windows)
+    batch = torch.from_numpy(windows).clone()  # memory of torch's own, as a synthetic batch's
     return batch[:, :-1].to(device), batch[:, 1:].to(device)
 
 

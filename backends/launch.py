@@ -392,7 +392,11 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
         reference = train_async_reference(config, program, device, threads)
     else:
         # the reference trains on every copy's micro-batches: K x N per step
-        reference = train_reference(config, program.num_microbatches * config.dp, device, threads)
+        from pipelang.backends.summation import accumulation
+
+        n = program.num_microbatches * config.dp
+        sums = accumulation(program, config.dp)
+        reference = train_reference(config, n, device, threads, sums, program.num_stages)
     comparison = compare(reference, outcome.results, outcome.losses, config)
     out.print(comparison.render(), markup=False)
     return 0 if comparison.ok else 1

@@ -5,6 +5,7 @@ optimizer of a stage copy, and the decorators that count, time and guard each ac
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +103,16 @@ class Saved:
     not run, or when the whole graph is kept for W."""
 
 
+def fingerprint(params: Sequence[torch.Tensor]) -> int:
+    """A 64-bit hash of the parameters' bytes: equal fingerprints, equal bits (but for
+    a collision)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for param in params:
+        data = param.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        digest.update(data.numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
 @dataclass(slots=True)
 class RankResult:
     """What one rank reports when it finishes: losses, action times, memory, weights."""
@@ -125,6 +136,9 @@ class RankResult:
     included (backends/stash.py); counted with evictions or `count_activations`."""
     copy_weights: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Final parameters of every copy (with `--check`), named as in the whole model."""
+    fingerprints: list[list[int]] = field(default_factory=list)
+    """Per step, a fingerprint of every copy's parameters after it (with `--check`; in
+    the order of `copies`): where a check fails, the first step that differs."""
     peak_weight_versions: int = 0
     """The most weight versions in memory at once over this rank's copies (counted in
     asynchronous schedules only; compare `pipelang simulate`'s peak_weight_versions)."""

@@ -49,7 +49,8 @@ class SyncActions:
         with peer_failures():
             for copy in self.reduced_at_step:
                 self._start_allreduce(copy)
-            for copy, flat, grads, handle in self.reducing:
+            # in stage order on every rank: a sum over more than two copies runs here
+            for copy, flat, grads, handle in sorted(self.reducing, key=lambda r: r[0].stage):
                 handle.wait()
                 set_grads(copy, flat, grads)
         self.reducing.clear()

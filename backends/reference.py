@@ -1,11 +1,13 @@
 """`--check`: train the same model without pipelining and compare.
 
 The reference runs in one process: the whole model, the same seed, data, micro-batches
-and optimizer; per step it sums `loss(mb) / N` over the N micro-batches in order, takes
-one optimizer step, and records the mean loss. A pipelined run then matches it up to
-floating-point summation order: micro-batch gradients accumulate in schedule order, and
-replicas add their partial sums in an allreduce. So the comparison is within a tolerance,
-not bitwise (it often is bitwise for single-pipeline schedules):
+and optimizer; per step it runs every micro-batch's backward, sums the gradients in the
+order the run sums them (`backends/summation.py`: each copy's micro-batches in its order,
+then the copies by `tree_sum`; the clipping norm likewise), takes one optimizer step, and
+records the mean loss. On a CPU that makes a run bit for bit equal to it. Where the run's
+sums cannot be repeated (sequence chunks, weights tied across stages) micro-batch
+gradients add in micro-batch order, and on GPUs kernels may add in another order each
+run, so the verdict is a tolerance, not bitwise equality:
 
     |pipelined - reference| <= ATOL + RTOL * |reference|, elementwise,
 
@@ -14,13 +16,15 @@ for every parameter of every stage copy and for every step's loss, with (ATOL, R
 is lr * m / (sqrt(v) + eps), so where a gradient is within eps (1e-8) of zero, a rounding
 difference dg in it moves the weight by about lr * dg / eps, a visible fraction of lr. A
 real mistake (a missing micro-batch, an unsynchronised replica) changes most steps by
-about lr and still fails.
+about lr and still fails. Per-step fingerprints of the parameters (`rank_base.fingerprint`)
+name the first step that differs in any bit.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +32,12 @@ from torch import nn
 
 from pipelang.backends.checkpoint import held_by_model, load
 from pipelang.backends.config import RunConfig
+from pipelang.backends.models import LayeredModel
 from pipelang.backends.precision import copy_back, master_weights
-from pipelang.backends.rank_base import RankResult, make_optimizer
+from pipelang.backends.rank_base import RankResult, fingerprint, make_optimizer
+from pipelang.backends.rank_sync import clip_coefficient
 from pipelang.backends.runtime import full_model_names
+from pipelang.backends.summation import SumPlan, tree_sum
 
 TOLERANCE = {
     torch.float32: (1e-5, 1e-4),
@@ -58,27 +65,43 @@ class Reference:
     losses: list[float]
     weights: dict[str, torch.Tensor]
     step_seconds: list[float] = field(default_factory=list)
+    fingerprints: list[list[int]] = field(default_factory=list)
+    """Per step, each stage's parameters' `fingerprint` (empty when not asked for)."""
 
 
 def train_reference(
-    config: RunConfig, num_microbatches: int, device: torch.device, threads: int | None = None
+    config: RunConfig,
+    num_microbatches: int,
+    device: torch.device,
+    threads: int | None = None,
+    sums: SumPlan | None = None,
+    stages: int | None = None,
 ) -> Reference:
     """Train the whole model in one process for `config.steps` steps (from the checkpoint
     of `--resume`, when given, for the steps after it).
 
     `threads`: CPU threads for the reference, as many as one rank had (kernels then split
     their work the same way, and an oversubscribed machine does not slow it down).
+    `sums`: the run's gradient sums (`summation.accumulation`), repeated exactly; without
+    them (or with tied weights) the micro-batch gradients add in micro-batch order.
+    `stages`: the run's stage count, to fingerprint each stage's parameters every step.
     """
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _train(config, num_microbatches, device)
+        return _train(config, num_microbatches, device, sums, stages)
     finally:
         torch.set_num_threads(saved)
 
 
-def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Reference:
+def _train(
+    config: RunConfig,
+    num_microbatches: int,
+    device: torch.device,
+    sums: SumPlan | None,
+    stages: int | None,
+) -> Reference:
     model = config.spec.build()
     full = nn.Sequential(*model.layers).to(device)
     params = [p for p in full.parameters() if p.requires_grad]
@@ -89,18 +112,30 @@ def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Re
         load([held_by_model(full, optimizer, masters=masters)], config.resume)
         if masters is not None:
             copy_back(params, masters)
+    by_stage = _stage_params(model, stages, config) if stages else []
+    grouped = None
+    if sums is not None and by_stage and not model.ties:
+        trained_of = {id(p): t for p, t in zip(params, trained, strict=True)}
+        grouped = _Grouping(sums, [[trained_of[id(p)] for p in ps] for ps in by_stage])
     scale = 1.0 / num_microbatches
-    losses, seconds = [], []
+    losses, seconds, fingerprints = [], [], []
     for step in range(config.first_step, config.steps):
         start = time.perf_counter()
-        total = 0.0
-        for mb in range(num_microbatches):
+        mb_losses: dict[int, float] = {}
+
+        def backward(mb: int, step: int = step, mb_losses: dict[int, float] = mb_losses) -> None:
             ids, targets = model.batch(step, mb, device)
             loss = model.loss(full(ids), targets)
             (loss * scale).backward()
-            total += loss.item()
-        if config.clip_grad is not None:
-            nn.utils.clip_grad_norm_(trained, config.clip_grad)
+            mb_losses[mb] = loss.item()
+
+        if grouped is None:
+            for mb in range(num_microbatches):
+                backward(mb)
+            if config.clip_grad is not None:
+                nn.utils.clip_grad_norm_(trained, config.clip_grad)
+        else:
+            grouped.gradients(trained, backward, config.clip_grad)
         optimizer.step()
         optimizer.zero_grad()
         if masters is not None:
@@ -108,8 +143,102 @@ def _train(config: RunConfig, num_microbatches: int, device: torch.device) -> Re
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)
-        losses.append(total / num_microbatches)
-    return Reference(losses, full_model_names(model), seconds)
+        losses.append(sum(mb_losses[mb] for mb in range(num_microbatches)) / num_microbatches)
+        fingerprints.append([fingerprint(ps) for ps in by_stage])
+    return Reference(losses, full_model_names(model), seconds, fingerprints if by_stage else [])
+
+
+def _stage_params(model: LayeredModel, stages: int, config: RunConfig) -> list[list[nn.Parameter]]:
+    """Per stage, the trained parameters its copies hold, in their order
+    (`StageCopy.params`)."""
+    return [
+        [p for p in model.stage_module(bounds).parameters() if p.requires_grad]
+        for bounds in model.stage_bounds(stages, config.partition)
+    ]
+
+
+class _Grouping:
+    """One step's gradients summed as the run sums them (`summation`): per stage, each
+    copy's micro-batches in its order, then the copies by `tree_sum`; `--clip-grad`'s
+    norm in the processes' parts, also by `tree_sum`."""
+
+    def __init__(self, sums: SumPlan, stage_params: list[list[nn.Parameter]]) -> None:
+        self.sums = sums
+        self.params = stage_params
+        first = sums.stages[min(sums.stages)][0].microbatches
+        every = {mb for members in sums.stages.values() for m in members for mb in m.microbatches}
+        self.order = [*first, *sorted(every - set(first))]
+        """The micro-batches in an order most copies add them in: each gradient is used
+        and dropped at once."""
+
+    def gradients(
+        self, trained: list[nn.Parameter], backward: Callable[[int], None], clip: float | None
+    ) -> None:
+        """Run every micro-batch's backward and leave the grouped sums in `.grad`."""
+        parts = self._fold(trained, backward)
+        for stage, params in enumerate(self.params):
+            members = range(len(self.sums.stages[stage]))
+            for k, param in enumerate(params):
+                found = [parts.get((stage, i), {}).get(k) for i in members]
+                some = next((g for g in found if g is not None), None)
+                if some is not None:  # a copy that added nothing sends zeros
+                    param.grad = tree_sum(
+                        [torch.zeros_like(some) if g is None else g for g in found]
+                    )
+        if clip is not None:
+            device = trained[0].device
+            total = tree_sum([self._norm_part(stages, device) for stages in self.sums.norms])
+            coefficient = clip_coefficient(total, clip)
+            for param in trained:
+                if param.grad is not None:
+                    param.grad.mul_(coefficient.to(param.grad.dtype))
+
+    def _fold(
+        self, trained: list[nn.Parameter], backward: Callable[[int], None]
+    ) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
+        """Each copy's sum of its micro-batches' gradients, added in its order: by
+        (stage, member), the sum of the stage's k-th parameter."""
+        members = [(s, i, m) for s, ms in self.sums.stages.items() for i, m in enumerate(ms)]
+        done = dict.fromkeys(((s, i) for s, i, _ in members), 0)
+        parts: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+        pending: dict[int, dict[int, torch.Tensor | None]] = {}
+        for mb in self.order:
+            for param in trained:
+                param.grad = None
+            backward(mb)
+            pending[mb] = {id(p): p.grad for p in trained}
+            for stage, index, member in members:
+                todo, key = member.microbatches, (stage, index)
+                while done[key] < len(todo) and todo[done[key]] in pending:
+                    grads = pending[todo[done[key]]]
+                    part = parts.setdefault(key, {})
+                    for k, param in enumerate(self.params[stage]):
+                        _add(part, k, grads[id(param)])
+                    done[key] += 1
+            pending = {m: g for m, g in pending.items() if self._needed(m, done)}
+        return parts
+
+    def _needed(self, mb: int, done: dict[tuple[int, int], int]) -> bool:
+        return any(
+            mb in m.microbatches[done[(s, i)] :]
+            for s, ms in self.sums.stages.items()
+            for i, m in enumerate(ms)
+        )
+
+    def _norm_part(self, stages: list[int], device: torch.device) -> torch.Tensor:
+        """One process's part of the squared norm (`RankRuntime.grad_square_sum`)."""
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for stage in stages:
+            for param in self.params[stage]:
+                if param.grad is not None:
+                    total += param.grad.detach().float().square().sum()
+        return total
+
+
+def _add(part: dict[int, torch.Tensor], k: int, grad: torch.Tensor | None) -> None:
+    """Add `grad` to `part[k]` as autograd accumulates a gradient."""
+    if grad is not None:
+        part[k] = grad.clone() if k not in part else part[k].add_(grad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +255,13 @@ class Comparison:
     rtol: float
     diverged: bool = False
     """The reference's own loss is not finite: there is nothing sound to compare with."""
+    first_difference: str | None = None
+    """The first step after which some copy's parameters differ from the reference's in
+    any bit, and where (None: none differ, or no fingerprints)."""
+    first_step: int = 0
+    """The number of the first step compared (after `--resume`'s checkpoint)."""
+    losses: list[tuple[float, float]] = field(default_factory=list)
+    """Per step: (the run's loss, the reference's)."""
 
     def render(self) -> str:
         if self.diverged:
@@ -135,12 +271,47 @@ class Comparison:
             )
         verdict = "OK" if self.ok else "FAILED"
         exact = " (bitwise equal)" if self.bitwise else ""
-        return (
+        line = (
             f"check {verdict}: {self.tensors} parameter tensors compared with a single-process "
             f"reference{exact}; largest parameter difference {self.max_weight_diff:.3g} "
             f"({self.worst_weight}), largest loss difference {self.max_loss_diff:.3g}; "
             f"tolerance atol {self.atol:g} + rtol {self.rtol:g} x |reference|"
         )
+        if self.first_difference is not None:
+            line += f"\n  parameters first differ (in any bit) after {self.first_difference}"
+        if not self.ok:
+            line += "\n" + self._loss_table()
+        return line
+
+    def _loss_table(self) -> str:
+        """The per-step losses around the first step whose loss leaves the tolerance (or
+        differs at all), and the last step."""
+        within = [
+            abs(a - b) <= self.atol + self.rtol * abs(b) if math.isfinite(a - b) else False
+            for a, b in self.losses
+        ]
+        out = next((i for i, w in enumerate(within) if not w), None)
+        differs = next((i for i, (a, b) in enumerate(self.losses) if a != b), None)
+        lines = []
+        if out is not None:
+            lines.append(f"  the loss first leaves the tolerance at step {self.first_step + out}")
+        start = max(0, (differs if differs is not None else len(self.losses)) - 1)
+        shown = [*range(start, min(start + 8, len(self.losses)))]
+        if out is not None and out not in shown:
+            shown += [i for i in range(max(out - 1, 0), out + 2) if i < len(self.losses)]
+        if len(self.losses) - 1 not in shown:
+            shown.append(len(self.losses) - 1)
+        lines.append(f"  {'step':>6}  {'run loss':>14}  {'reference':>14}  {'difference':>11}")
+        previous = None
+        for i in sorted(set(shown)):
+            if previous is not None and i > previous + 1:
+                lines.append(f"  {'...':>6}")
+            run, ref = self.losses[i]
+            lines.append(
+                f"  {self.first_step + i:>6}  {run:>14.9g}  {ref:>14.9g}  {abs(run - ref):>11.3g}"
+            )
+            previous = i
+        return "\n".join(lines)
 
 
 def compare(
@@ -170,5 +341,36 @@ def compare(
     bitwise = bitwise and loss_diff == 0.0
     diverged = not all(math.isfinite(b) for b in reference.losses)
     return Comparison(
-        worst, worst_name, loss_diff, count, bitwise, ok and not diverged, atol, rtol, diverged
+        worst,
+        worst_name,
+        loss_diff,
+        count,
+        bitwise,
+        ok and not diverged,
+        atol,
+        rtol,
+        diverged,
+        first_difference(reference, results, config.first_step),
+        config.first_step,
+        pairs,
     )
+
+
+def first_difference(
+    reference: Reference, results: list[RankResult], first_step: int
+) -> str | None:
+    """ "step K (stage S/P on rank R)": the first step after which a copy's parameters
+    differ from the reference's in any bit; None when none does, or when either side has
+    no fingerprints."""
+    if not reference.fingerprints:
+        return None
+    for index, expected in enumerate(reference.fingerprints):
+        for result in results:
+            if len(result.fingerprints) <= index:
+                return None
+            found = zip(result.copies, result.fingerprints[index], strict=True)
+            for (stage, pipeline, _), value in found:
+                if value != expected[stage]:
+                    where = f"stage {stage}/{pipeline} on rank {result.rank}"
+                    return f"step {first_step + index} ({where})"
+    return None

@@ -58,6 +58,7 @@ from pipelang.backends.rank_base import (
     Saved,
     StageCopy,
     Value,
+    fingerprint,
     make_optimizer,
 )
 from pipelang.backends.rank_comms import CommActions
@@ -148,6 +149,8 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.values: dict[Value, torch.Tensor] = {}
         self.reducing: list[tuple[StageCopy, torch.Tensor, list[torch.Tensor], Handle]] = []
         self.losses: list[tuple[int, torch.Tensor]] = []
+        self.fingerprints: list[list[int]] = []
+        """Per step, each copy's parameters' `fingerprint` (with `--check`)."""
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """Static ids and targets per micro-batch (`load_inputs`); empty: made per use."""
         self.events: list[tuple[int, int, int, int]] = []
@@ -244,6 +247,8 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         if left or self.reducing or not (self.stepped or self.versions):
             what = ", ".join(left) if left else "no `step` action ran"
             raise InternalError(f"rank {self.rank} ended step {self.step_index} unfinished: {what}")
+        if self.config.check:
+            self.fingerprints.append([fingerprint(c.params) for c in self.copies.values()])
         losses: dict[int, float] = {}
         for mb, loss in self.losses:  # a chunked micro-batch's loss is its chunks' sum
             losses[mb] = losses.get(mb, 0.0) + float(loss)
@@ -277,6 +282,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
             span_ns=self.span_ns or (0, 0),
             peak_weight_versions=self.peak_versions,
             peak_activation_bytes=self.stash.peak_bytes if self.stash is not None else 0,
+            fingerprints=self.fingerprints,
         )
         if with_weights:
             for c in self.copies.values():

@@ -111,15 +111,20 @@ class Stash:
     def evict(self, key: Key, keep: torch.Tensor | None) -> torch.Tensor:
         """Free the storages of `key`'s activations; their bytes as one uint8 buffer.
 
-        `keep` (the stage's output, possibly still being sent) and storages another
-        resident entry also saved stay where they are."""
+        `keep` (the stage's output, possibly still being sent), storages another
+        resident entry also saved, and memory torch cannot resize (a tensor made by
+        `torch.from_numpy`) stay where they are."""
         entry = self.entries[key]
         if entry.evicted:
             raise EvictedError(f"the activations of {entry.name} are evicted twice")
         shared = {p for k, e in self.entries.items() if k != key for p in e.storages()}
         if keep is not None:
             shared.add(keep.untyped_storage().data_ptr())
-        moved = [(s, s.nbytes()) for p, s in entry.storages().items() if p not in shared]
+        moved = [
+            (s, s.nbytes())
+            for p, s in entry.storages().items()
+            if p not in shared and s.resizable()  # memory torch does not own (numpy's) stays
+        ]
         parts = [_bytes_of(s, n).clone() for s, n in moved]
         buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
         for storage, _ in moved:

@@ -48,6 +48,7 @@ from pipelang.backends.models import Shapes
 from pipelang.backends.rank_sync import clip_coefficient, copy_grads, set_grads
 from pipelang.backends.report import Outcome
 from pipelang.backends.runtime import RankRuntime
+from pipelang.backends.summation import tree_sum
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
 from pipelang.passes.check_streams import Interleaving, random_choice
@@ -320,11 +321,11 @@ class StreamExecutor:
         runtimes = [self.processes[o.rank].runtime for o in ops]
         self._meet(*ops)
         if runtime.tied:
-            tied = torch.stack([rt.tied.contribution() for rt in runtimes]).sum(0)
+            tied = tree_sum([rt.tied.contribution() for rt in runtimes])
             for rt in runtimes:
                 rt.tied.set(tied)
         if self.config.clip_grad is not None:
-            total = torch.stack([rt.grad_square_sum() for rt in runtimes]).sum()
+            total = tree_sum([rt.grad_square_sum() for rt in runtimes])
             coefficient = clip_coefficient(total, self.config.clip_grad)
             for rt in runtimes:
                 rt.scale_grads(coefficient)
@@ -353,9 +354,7 @@ class StreamExecutor:
             return
         with self._stream(members[0]):
             parts = [copy_grads(copy) for copy in copies]
-            total = parts[0][0].clone()
-            for flat, _ in parts[1:]:
-                total += flat
+            total = tree_sum([flat for flat, _ in parts])
             for op, copy, (_, grads) in zip(members, copies, parts, strict=True):
                 with self._stream(op, "compute"):  # where the sum is used and freed
                     mine = torch.empty_like(total)

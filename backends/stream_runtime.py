@@ -44,7 +44,7 @@ from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult, StageCopy, _action
 from pipelang.backends.runtime import RankRuntime
-from pipelang.backends.transport import DistTransport, PeerFailure, peer_failures
+from pipelang.backends.transport import DistTransport, PeerFailure, StepSum, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
 from pipelang.streams import value_boundary, value_key
@@ -285,7 +285,9 @@ class StreamRankRuntime(RankRuntime):
             return
         if not self.cuda:
             self._start_allreduce(copy)
-            self._issue(f"reduce{stage}", self.reducing[-1][3])
+            handle = self.reducing[-1][3]
+            if not isinstance(handle, StepSum):  # an exchange runs at `step`, in stage order
+                self._issue(f"reduce{stage}", handle)
             return
         with torch.cuda.stream(self._stream(f"reduce{stage}")):
             self._start_allreduce(copy)

@@ -4,7 +4,7 @@
 per directed rank pair that talks, so a receive can never queue behind unrelated traffic,
 and one group per stage whose replicas live on several ranks. Sends are non-blocking and
 waited at the end of the step; receives block; allreduces start at `allreduce` and are
-waited at `step`.
+waited at `step`. Every sum over processes adds in `summation.tree_sum`'s order.
 
 With `--dp K` the run has K copies of the pipeline, K x R processes, replica-major: the
 process of rank r in copy k is `k * R + r`. A transport speaks program ranks (0..R-1) and
@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from pipelang.backends.summation import exchange_sum, tree_sum
 from pipelang.ir import COMM_KINDS, Program
 from pipelang.ir.placement import reduce_ranks
 
@@ -115,13 +116,15 @@ class DistTransport:
                 table[peer] = (group, dist.get_group_rank(group, base + peer))
                 if self.cuda:
                     self.streams[(src, dst)] = torch.cuda.Stream(device)
-        self.reduce_groups: dict[int, dist.ProcessGroup] = {}
+        self.reduce_groups: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
         for stage in range(program.num_stages):
             ranks = reduce_ranks(program, stage, dp)
             if len(ranks) > 1:
                 group = dist.new_group(ranks, timeout=wait)
                 if me in ranks:
-                    self.reduce_groups[stage] = group
+                    self.reduce_groups[stage] = (group, ranks)
+        self.me = me
+        self.world = program.num_ranks * dp
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
@@ -153,19 +156,44 @@ class DistTransport:
         return buf
 
     def allreduce(self, stage: int, flat: torch.Tensor) -> Handle:
-        work = dist.all_reduce(flat, group=self.reduce_groups[stage], async_op=True)
+        """Start summing `flat` over the stage's copies, in `summation.tree_sum`'s order:
+        an allreduce for two (one addition, exact either way), exchanges for more (run
+        when the handle is waited)."""
+        group, members = self.reduce_groups[stage]
+        if len(members) > 2:
+            return StepSum(flat, members, members.index(self.me), group)
+        work = dist.all_reduce(flat, group=group, async_op=True)
         assert work is not None
         return work
 
     def world_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over every process of the run (`--clip-grad`'s norm)."""
-        dist.all_reduce(value)
+        """`value` summed over every process of the run (`--clip-grad`'s norm, tied
+        weights), in `summation.tree_sum`'s order."""
+        if self.world > 2:
+            exchange_sum(value, range(self.world), self.me, None)
+        else:
+            dist.all_reduce(value)
         return value
 
     def end_step(self) -> None:
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()
+
+
+class StepSum:
+    """A sum over more than two copies by `summation.exchange_sum`, run at `wait`: every
+    member waits for it at `step`, where they take their stages in one order (a CPU
+    rank blocks in an exchange, and two ranks waiting in different orders would
+    deadlock)."""
+
+    def __init__(self, flat: torch.Tensor, members: list[int], me: int, group: object) -> None:
+        self.args: tuple[torch.Tensor, list[int], int, object] | None = (flat, members, me, group)
+
+    def wait(self) -> None:
+        if self.args is not None:
+            exchange_sum(*self.args)
+            self.args = None
 
 
 class Aborted(Exception):
@@ -322,9 +350,7 @@ class LocalTransport:
             parts = [reduction.parts[r] for r in sorted(reduction.parts)]
             for _, event in parts:
                 self._wait_event(event)
-            total = parts[0][0].clone()
-            for part, _ in parts[1:]:
-                total += part
+            total = tree_sum([part for part, _ in parts])
             for part, _ in parts:
                 part.copy_(total)
             reduction.event = self._event()

@@ -280,11 +280,17 @@ def run_torchrun_rank(
         dist.barrier()
         runtime.start_clock()
 
+        n = program.num_microbatches * config.dp
+
         def done(i: int, losses: dict[int, float], seconds: float) -> None:
-            total = torch.tensor([sum(losses.values())], dtype=torch.float64, device=device)
-            dist.all_reduce(total)
+            # one slot per micro-batch, filled by the one rank that computed its loss: the
+            # sum is exact, and the mean adds them in micro-batch order, as --check does
+            each = torch.zeros(n, dtype=torch.float64, device=device)
+            for mb, loss in losses.items():
+                each[mb] = loss
+            dist.all_reduce(each)
             if rank == 0:
-                on_step(i, float(total[0]) / (program.num_microbatches * config.dp), seconds)
+                on_step(i, sum(each.tolist()) / n, seconds)
 
         train(runtime, iteration, config, done)
         result = runtime.result(config.check)

@@ -1,0 +1,182 @@
+"""The one order of gradient sums (backends/summation.py) and the `--check` reference that
+repeats it: the tree's grouping, the exchanges that compute it across processes, the
+plan of who adds what, a bitwise check on long Adam runs on real text (Chimera's two
+replicas, `--dp` copies, clipping), and the report of a check that fails."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import run, stdlib
+
+from pipelang.backends.config import RunConfig
+from pipelang.backends.rank_base import RankResult
+from pipelang.backends.reference import Comparison, Reference, compare
+from pipelang.backends.summation import accumulation, exchange_sum, tree_sum
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _grouped(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The tree written out by hand for up to 8 parts: extras fold into i - m, then a
+    balanced pairwise sum."""
+    m = 1 << (len(parts).bit_length() - 1)
+    level = [parts[i] + parts[i + m] if i + m < len(parts) else parts[i] for i in range(m)]
+    if m == 1:
+        return level[0]
+    if m == 2:
+        return level[0] + level[1]
+    if m == 4:
+        return (level[0] + level[1]) + (level[2] + level[3])
+    return ((level[0] + level[1]) + (level[2] + level[3])) + (
+        (level[4] + level[5]) + (level[6] + level[7])
+    )
+
+
+@pytest.mark.parametrize("count", range(1, 9))
+def test_tree_sum_groups_as_written(count: int) -> None:
+    gen = torch.Generator().manual_seed(count)
+    # magnitudes far apart: another grouping changes the last bits
+    parts = [torch.randn(257, generator=gen) * 10.0 ** (i % 5 - 2) for i in range(count)]
+    assert torch.equal(tree_sum(parts), _grouped(parts))
+    if count >= 3:  # and the grouping matters: a left fold differs somewhere
+        fold = parts[0].clone()
+        for part in parts[1:]:
+            fold += part
+        assert not torch.equal(fold, tree_sum(parts))
+
+
+def _exchange(rank: int, world: int, port: int, queue: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        flat = torch.randn(1000, generator=gen) * 10.0 ** (rank % 5 - 2)
+        exchange_sum(flat, range(world), rank, None)
+        queue.put((rank, flat.numpy().tobytes()))  # bytes: the process may exit first
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4, 5])
+def test_exchange_sum_gives_every_process_the_tree_sum(world: int) -> None:
+    """Processes exchanging over gloo each end with `tree_sum`'s bits."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_exchange, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(world):
+        rank, data = queue.get(timeout=120)
+        got[rank] = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    parts = [
+        torch.randn(1000, generator=torch.Generator().manual_seed(r)) * 10.0 ** (r % 5 - 2)
+        for r in range(world)
+    ]
+    expected = tree_sum(parts)
+    for rank in range(world):
+        assert torch.equal(got[rank], expected), rank
+
+
+def test_accumulation_names_each_copy_and_its_micro_batches() -> None:
+    plan = accumulation(stdlib("chimera", D=4, N=4), dp=2)
+    assert plan is not None
+    # stage 0: down on rank 0 (micro-batches 0, 1), up on rank 3 (2, 3); copy 1 is +4
+    assert [(m.process, m.microbatches) for m in plan.stages[0]] == [
+        (0, (0, 1)),
+        (3, (2, 3)),
+        (4, (4, 5)),
+        (7, (6, 7)),
+    ]
+    # the norm: each stage once, by its lowest rank in copy 0, in that rank's copy order
+    assert plan.norms == [[0, 3], [1, 2], [], [], [], [], [], []]
+    # looped-bfs adds its micro-batches last to first
+    bfs = accumulation(stdlib("looped-bfs", D=2, N=4), dp=1)
+    assert bfs is not None and bfs.stages[0][0].microbatches == (3, 2, 1, 0)
+    # a sequence chunk's gradient is a computation of its own: nothing to repeat
+    assert accumulation(stdlib("seq1f1b", D=2, N=4), dp=1) is None
+
+
+def _text(tmp_path: Path) -> str:
+    """Real text: the project's own docs."""
+    path = tmp_path / "docs.txt"
+    path.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md"))))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sched", "options"),
+    [
+        ("chimera", ("--steps", "40")),
+        ("chimera", ("--steps", "40", "--clip-grad", "1.0")),
+        ("chimera", ("--steps", "15", "--dp", "2", "--clip-grad", "1.0")),
+        ("zb-h1", ("--steps", "30", "--clip-grad", "1.0", "--optimizer", "sgd")),
+    ],
+)
+def test_check_is_bitwise_on_long_adam_runs_on_text(
+    sched: str, options: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the sums had one order, Chimera with Adam on text left the tolerance
+    after 15-40 steps (0.05 at step 40; 0.0045 with clipping): the replicas' sum added
+    micro-batches in another grouping than the reference. With `--dp 2` four copies sum
+    each stage, by exchanges."""
+    program = stdlib(sched, D=4, N=4)
+    assert run(program, "--check", "--data", _text(tmp_path), *options) == 0
+    out = capsys.readouterr().out
+    assert "check OK" in out and "(bitwise equal)" in out, out
+
+
+def _result(fingerprints: list[list[int]]) -> RankResult:
+    weights = {"0.w": torch.zeros(2)}
+    return RankResult(0, [(0, "main", 0)], copy_weights=[weights], fingerprints=fingerprints)
+
+
+def test_a_failed_check_names_the_first_step_that_differs_and_shows_the_losses() -> None:
+    reference = Reference(
+        losses=[2.0, 1.9, 1.8, 1.7, 1.6],
+        weights={"0.w": torch.zeros(2)},
+        fingerprints=[[7], [8], [9], [10], [11]],
+    )
+    run_losses = [2.0, 1.9, 1.8 + 1e-7, 1.75, 1.7]
+    # the parameters first differ after step 2 (of steps 10-14, after a resume at 10)
+    result = _result([[7], [8], [99], [98], [97]])
+    config = _config(first_step=10)
+    comparison = compare(reference, [result], run_losses, config)
+    assert not comparison.ok and not comparison.bitwise
+    text = comparison.render()
+    assert "parameters first differ (in any bit) after step 12 (stage 0/main on rank 0)" in text
+    assert "the loss first leaves the tolerance at step 13" in text
+    rows = [line.split() for line in text.splitlines() if line.strip()[:2].isdigit()]
+    assert [int(r[0]) for r in rows] == [11, 12, 13, 14]
+    assert math.isclose(float(rows[2][3]), 0.05, rel_tol=1e-6)
+
+
+def test_a_bitwise_check_reports_no_first_difference() -> None:
+    reference = Reference([2.0], {"0.w": torch.zeros(2)}, fingerprints=[[7]])
+    comparison = compare(reference, [_result([[7]])], [2.0], _config())
+    assert comparison.ok and comparison.bitwise and comparison.first_difference is None
+    assert isinstance(comparison, Comparison) and "\n" not in comparison.render()
+
+
+def _config(first_step: int = 0) -> RunConfig:
+    return RunConfig(optimizer="sgd", first_step=first_step)
