@@ -89,3 +89,36 @@ def test_a_fault_at_a_hold_stops_every_rank(
 def test_cuda_evictions_are_refused_before_any_rank() -> None:
     with pytest.raises(RunError, match="evictions have run only on the CPU"):
         preflight(BPIPE, RunConfig(backend="nccl"))
+
+
+def test_an_eviction_leaves_memory_torch_does_not_own_in_place() -> None:
+    """Ids made by `torch.from_numpy` (what `--data` used to hand the embedding) cannot be
+    resized: the eviction moves the other activations and leaves them, and the backward
+    after the load gives the gradients of one without eviction."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from pipelang.backends.stash import Stash
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 6), nn.Tanh())
+    ids = torch.from_numpy(np.arange(8, dtype=np.int64) % 11)
+    assert not ids.untyped_storage().resizable()
+
+    def grads(evict: bool) -> list[torch.Tensor]:
+        module.zero_grad()
+        stash = Stash()
+        key = (0, 0, "main", None)
+        with stash.recording(key, "F0@0/main", module):
+            out = module(ids)
+        if evict:
+            buffer = stash.evict(key, keep=out)
+            assert buffer.numel() > 0  # the Linear's input and the Tanh's output moved
+            stash.load(key, buffer)
+        out.sum().backward()
+        return [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
+
+    for plain, evicted in zip(grads(False), grads(True), strict=True):
+        assert torch.equal(plain, evicted)
+    assert ids.tolist() == [i % 11 for i in range(8)]
