@@ -157,6 +157,14 @@ class RunConfig:
         "data_file",
         metavar="FILE",
     )
+    rank_hosts: str | None = option(
+        None,
+        "the host each process must run on, one per line in rank order (--dp copies "
+        "included); every process checks it at start, and the run stops before its first "
+        "step when one runs elsewhere (a plan's devices held across nodes: docs/runtime.md)",
+        "data_file",
+        metavar="FILE",
+    )
     save: str | None = option(
         None,
         "write a checkpoint (torch.distributed.checkpoint) of parameters and optimizer "

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipelang.backends.termination import EXIT_STATUS, Terminated
 from pipelang.diagnostics import PipelangError
 from pipelang.features import refusal
 from pipelang.ir import Kind, Program
@@ -37,6 +39,7 @@ if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--
     from pipelang.backends.config import RunConfig
     from pipelang.backends.models import Shapes
     from pipelang.backends.report import Outcome, StepProgress
+    from pipelang.backends.worker import RankStopped
     from pipelang.streams import StreamProgram
 
 
@@ -91,6 +94,11 @@ def run_program(program: Program, config: RunConfig) -> int:
     except KeyboardInterrupt:
         err.print(f"interrupted: every rank stopped{_where_to_resume(config)}", markup=False)
         return 130
+    except Terminated:
+        err.print(
+            f"terminated (SIGTERM): every rank stopped{_where_to_resume(config)}", markup=False
+        )
+        return EXIT_STATUS
     return report(program, config, outcome)
 
 
@@ -189,6 +197,16 @@ def _check_world(program: Program, config: RunConfig) -> None:
             f"torchrun started {os.environ['WORLD_SIZE']} processes but the run needs "
             f"{ranks}; WORLD_SIZE must be --dp x the program's ranks"
         )
+    if config.rank_hosts is not None and not under_torchrun():
+        from pipelang.backends.hosts import HostsError, mismatch, read_hosts, this_host
+
+        try:  # every process starts here: each must be on this host
+            hosts = read_hosts(config.rank_hosts)
+        except HostsError as error:
+            raise WorldError(str(error)) from error
+        problem = mismatch(config.rank_hosts, hosts, [this_host()] * world)
+        if problem is not None:
+            raise WorldError(problem.split(". Launch")[0] + " (every process runs here)")
 
 
 def _check_rank(program: Program, rank: int) -> None:
@@ -315,13 +333,17 @@ def _run_here(
     if config.dp > 1:
         ranks = f"{config.dp} x {ranks}"
     title = f"{program.name} on {config.model} ({config.backend}, {ranks})"
+    from pipelang.backends.termination import passing_sigterm
+
     if streams is not None and config.backend == "local":
-        return _run_streams(program, config, shapes, err, title, streams)
+        with passing_sigterm(None):
+            return _run_streams(program, config, shapes, err, title, streams)
     with step_progress(program, config, title, err) as progress:
         if config.backend == "local":
             from pipelang.backends.local import run_local
 
-            return run_local(program, config, shapes, progress.step)
+            with passing_sigterm(None):
+                return run_local(program, config, shapes, progress.step)
         from pipelang.backends.processes import launch
 
         return launch(program, config, shapes, progress.step, streams)
@@ -335,7 +357,7 @@ def _run_as_torchrun_rank(
     from rich.console import Console
 
     from pipelang.backends.report import Outcome
-    from pipelang.backends.worker import run_torchrun_rank
+    from pipelang.backends.worker import RankStopped, run_torchrun_rank
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     losses: list[float] = []
@@ -349,18 +371,54 @@ def _run_as_torchrun_rank(
         if progress is not None:
             progress.step(step, loss, seconds)
 
-    with progress or contextlib.nullcontext():
-        results = run_torchrun_rank(program, config, on_step, source, filename)
+    try:
+        with progress or contextlib.nullcontext():
+            results = run_torchrun_rank(program, config, on_step, source, filename)
+    except RankStopped as stopped:
+        from pipelang.backends.hosts import HostsError
+
+        if isinstance(stopped.cause, HostsError):  # every process knows it: rank 0 says it
+            if os.environ["RANK"] == "0":
+                err.print(f"error: {stopped.cause}", markup=False)
+            return 2
+        err.print(f"error: {torchrun_failure(program, config, stopped)}", markup=False)
+        if config.debug:
+            err.print("".join(traceback.format_exception(stopped.cause)), markup=False)
+        return 1
     if results is None:
         return 0
     return report(program, config, Outcome(results, losses))
 
 
+def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) -> str:
+    """One line for a rank under torchrun that failed: where, and what. A peer that went
+    away is named as such (rank K when the transfer names it, else its address); this
+    rank's own error is the cause."""
+    from pipelang.backends.processes import action_labels, where
+    from pipelang.backends.transport import PeerFailure
+    from pipelang.backends.worker import describe, lower_streams, runs_streams
+
+    rank = int(os.environ["RANK"])
+    streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
+    labels = action_labels(program, streams, config.backend == "nccl")
+    place = where(labels, rank, *stopped.place)
+    cause = stopped.cause
+    if isinstance(cause, PeerFailure):
+        base = rank - rank % program.num_ranks
+        return (
+            f"rank {rank} stopped {place}: {cause.who(base)} went away (it stopped or lost "
+            f"its connection; its own output says why)"
+        )
+    return f"rank {rank} failed {place}: {describe(cause)}"
+
+
 def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
-    """Print the summary, write the trace, run the check; the exit status."""
+    """Print the summary, write the trace, run the check; the exit status (143 when
+    SIGTERM stopped the run early: there is no check then)."""
     from rich.console import Console
 
     from pipelang.backends.report import summary, write_trace
+    from pipelang.backends.termination import stopped_line
 
     out = Console(highlight=False, soft_wrap=True)
     tokens = tokens_per_step(program, config)
@@ -377,6 +435,11 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
         from pipelang.backends.versions import versions_line
 
         out.print(versions_line(program, outcome.results), markup=False)
+    stopped = outcome.results[0].stopped_after if outcome.results else None
+    if stopped is not None:
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
+        err.print(stopped_line(stopped, config.save), markup=False)
+        return EXIT_STATUS
     if not config.check:
         return 0
     from pipelang.backends.reference import compare, train_reference

@@ -32,6 +32,7 @@ from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
 from pipelang.backends.report import Outcome
+from pipelang.backends.termination import passing_sigterm
 from pipelang.backends.worker import (
     PHASE_DONE,
     PHASE_FAILED,
@@ -128,7 +129,8 @@ class Launcher:
         self.cuda = config.backend == "nccl"
         self.labels = action_labels(program, self.streams, self.cuda)
         self.ctx = forkserver()
-        self.status: Any = self.ctx.Array("q", 3 * self.world, lock=False)
+        self.status: Any = self.ctx.Array("q", 3 * self.world + 1, lock=False)
+        """Per rank (phase, step, action); last, whether SIGTERM asked the run to stop."""
         self.queue: Any = self.ctx.Queue()
         self.procs: list[Any] = []
         self.results: dict[int, RankResult] = {}
@@ -173,7 +175,8 @@ class Launcher:
                 with _main_module_hidden():
                     for proc in self.procs:
                         proc.start()
-                self._watch()
+                with passing_sigterm(self.status):
+                    self._watch()
             finally:
                 self._stop_all()
             if self.failures:
@@ -340,21 +343,15 @@ class Launcher:
         return "\n" + "\n".join(parts) if parts else ""
 
     def _stop_all(self) -> None:
-        """Let finished ranks exit; terminate, then kill, whatever is left."""
+        """Let finished ranks exit; kill whatever is left (a rank takes SIGTERM as a
+        request to stop at its next step, backends/termination.py)."""
         if not self.failures:
             deadline = time.monotonic() + 5.0
             for proc in self.procs:
                 if proc.pid is not None:
                     proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + 2.0
-        for proc in self.procs:
-            if proc.pid is None:
-                continue
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
+            if proc.pid is not None and proc.is_alive():
                 proc.kill()
                 proc.join()
 

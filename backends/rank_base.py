@@ -136,6 +136,9 @@ class RankResult:
     included (backends/stash.py); counted with evictions or `count_activations`."""
     copy_weights: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Final parameters of every copy (with `--check`), named as in the whole model."""
+    stopped_after: int | None = None
+    """The step after which SIGTERM stopped the run (backends/termination.py); None when
+    every step ran."""
     fingerprints: list[list[int]] = field(default_factory=list)
     """Per step, a fingerprint of every copy's parameters after it (with `--check`; in
     the order of `copies`): where a check fails, the first step that differs."""
@@ -193,7 +196,7 @@ def _comm(method: T) -> T:
 
     @functools.wraps(method)
     def talk(*args: Any, **kwargs: Any) -> None:
-        with peer_failures():
+        with peer_failures(kwargs.get("to", kwargs.get("src"))):
             method(*args, **kwargs)
 
     return _wrapped(cast(T, talk), busy=False)

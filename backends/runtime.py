@@ -235,6 +235,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
 
     def end_step(self) -> dict[int, float]:
         """Finish the iteration: wait for sends, check nothing is left; losses by mb."""
+        self.status[self.action_slot] = self.action_index  # past the last: "after step k"
         with peer_failures():
             self.transport.end_step()
         left = [Action(Kind(k[0]), k[1], k[2], k[3], chunk=k[4]).text() for k in self.values] + [

@@ -176,7 +176,7 @@ class StreamRankRuntime(RankRuntime):
     def _on(self, stream: str, issue: Callable[[], Any]) -> None:
         """Issue a communication on `stream`: on a GPU, that stream waits for it; on a
         CPU, the work joins the stream's list for `wait_event`."""
-        with peer_failures():
+        with peer_failures(_peer(stream)):
             if not self.cuda:
                 self._issue(stream, issue())
                 return
@@ -233,7 +233,7 @@ class StreamRankRuntime(RankRuntime):
             return
         stream, upto = self.marks[event]
         start = self.waited.get(stream, 0)
-        with peer_failures():
+        with peer_failures(_peer(stream)):
             for work in self.issued.get(stream, [])[start:upto]:
                 work.wait()
         self.waited[stream] = max(start, upto)
@@ -346,6 +346,14 @@ class StreamRankRuntime(RankRuntime):
         self.marks.clear()
         self.waited.clear()
         return super().end_step()
+
+
+def _peer(stream: str) -> int | None:
+    """The rank a channel stream talks to (`send3`, `recv3`); None for another stream."""
+    for prefix in ("send", "recv"):
+        if stream.startswith(prefix) and stream[len(prefix) :].isdigit():
+            return int(stream[len(prefix) :])
+    return None
 
 
 def _nbytes(shape_dtype: tuple[tuple[int, ...], torch.dtype]) -> int:

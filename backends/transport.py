@@ -20,6 +20,7 @@ ordered by events.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -37,16 +38,30 @@ from pipelang.ir.placement import reduce_ranks
 class PeerFailure(Exception):
     """Communication failed because another rank stopped (a consequence, not the cause)."""
 
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        """The program rank (in this rank's data-parallel copy) it was talking to, when
+        one: a transfer's; None for a collective."""
+
+    def who(self, base: int = 0) -> str:
+        """Who went away: `rank K` (K = `base` + the peer) when known, else the address
+        the transport names (`the peer at 10.0.0.2:36021`), else `a peer`."""
+        if self.peer is not None:
+            return f"rank {base + self.peer}"
+        found = re.search(r"\[([0-9A-Za-z.:-]+)\]:(\d+)", str(self))
+        return f"the peer at {found[1]}:{found[2]}" if found else "a peer"
+
 
 @contextlib.contextmanager
-def peer_failures() -> Iterator[None]:
+def peer_failures(peer: int | None = None) -> Iterator[None]:
     """Around calls into torch.distributed: their RuntimeError (a peer that stopped, a
     closed connection) becomes PeerFailure, so that the report names the rank that
-    failed first and not the ones it left waiting."""
+    failed first and not the ones it left waiting; `peer` is the rank talked to."""
     try:
         yield
     except RuntimeError as err:
-        raise PeerFailure(str(err)) from err
+        raise PeerFailure(str(err), peer) from err
 
 
 class Handle(Protocol):
@@ -125,7 +140,7 @@ class DistTransport:
                     self.reduce_groups[stage] = (group, ranks)
         self.me = me
         self.world = program.num_ranks * dp
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.sends: list[tuple[dist.Work, torch.Tensor, int]] = []
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         group, group_peer = self.out[peer]
@@ -139,7 +154,7 @@ class DistTransport:
                 work = group.send([tensor], group_peer, 0)
         else:
             work = group.send([tensor], group_peer, 0)
-        self.sends.append((work, tensor))
+        self.sends.append((work, tensor, peer))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
         group, group_peer = self.into[peer]
@@ -176,8 +191,9 @@ class DistTransport:
         return value
 
     def end_step(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
+        for work, _, peer in self.sends:
+            with peer_failures(peer):
+                work.wait()
         self.sends.clear()
 
 

@@ -26,10 +26,12 @@ import torch.distributed as dist
 
 from pipelang.backends.codegen import load_iteration, render_rank_program
 from pipelang.backends.config import RunConfig
+from pipelang.backends.hosts import HostsError, mismatch, read_hosts, this_host
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
 from pipelang.backends.runtime import RankRuntime
-from pipelang.backends.transport import DistTransport, PeerFailure, Transport
+from pipelang.backends.termination import Termination
+from pipelang.backends.transport import DistTransport, PeerFailure, Transport, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
 from pipelang.streams import StreamProgram
@@ -157,9 +159,13 @@ def train(
     iteration: Iteration,
     config: RunConfig,
     done: Callable[[int, dict[int, float], float], None],
-) -> None:
+    termination: Termination | None = None,
+) -> int | None:
     """The steps of a run on one rank: from `--resume`'s checkpoint if given, saving
-    where `--save` asks; `done(i, losses, seconds)` after the i-th step of this run."""
+    where `--save` asks; `done(i, losses, seconds)` after the i-th step of this run.
+
+    With `termination`, every rank stops after the first step at which any was asked
+    to (SIGTERM), saving there under `--save`; returns that step (None: all ran)."""
     from pipelang.backends import checkpoint
 
     if config.resume is not None:
@@ -168,8 +174,15 @@ def train(
         step = config.first_step + i
         losses, seconds = run_step(runtime, iteration, step)
         done(i, losses, seconds)
-        if checkpoint.saves_after(config, step + 1):
+        saved = checkpoint.saves_after(config, step + 1)
+        if saved:
             checkpoint.write(runtime.held(), step + 1, config, runtime.program.name)
+        last = i + 1 == config.run_steps
+        if termination is not None and not last and termination.agreed(runtime.device):
+            if config.save is not None and not saved:
+                checkpoint.write(runtime.held(), step + 1, config, runtime.program.name)
+            return step + 1
+    return None
 
 
 def describe(err: BaseException) -> str:
@@ -190,8 +203,11 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
     try:
         runtime, iteration = _set_up(job, status)
         status[slot] = PHASE_RUNNING
-        train(runtime, iteration, job.config, lambda *done: queue.put(("step", job.rank, *done)))
+        termination = Termination(status, len(status) - 1)  # the launcher's own SIGTERM
+        report = lambda *done: queue.put(("step", job.rank, *done))  # noqa: E731
+        stopped = train(runtime, iteration, job.config, report, termination)
         result = runtime.result(job.config.check)
+        result.stopped_after = stopped
         status[slot] = PHASE_DONE
         queue.put(("done", job.rank, _to_bytes(result)))
         runtime.close()  # a captured graph goes before the process groups it uses
@@ -259,8 +275,17 @@ def run_torchrun_rank(
         torch.set_num_threads(rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     wait = timedelta(seconds=config.timeout)
     backend = "nccl" if config.backend == "nccl" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=wait)
+    status = [0] * (3 * world)
+    slot = 3 * rank
+    status[slot], status[slot + 1] = PHASE_SETUP, -1
     try:
+        with peer_failures():
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=wait)
+    except PeerFailure as err:
+        raise RankStopped(err, (PHASE_SETUP, -1, 0)) from err
+    try:
+        if config.rank_hosts is not None:
+            _check_hosts(config.rank_hosts, world)
         device = device_for(config, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -272,14 +297,15 @@ def run_torchrun_rank(
             config,
             transport,
             device,
-            None,
+            status,
             source,
             filename,
             replica=replica,
         )
-        dist.barrier()
+        with peer_failures():
+            dist.barrier()
         runtime.start_clock()
-
+        status[slot] = PHASE_RUNNING
         n = program.num_microbatches * config.dp
 
         def done(i: int, losses: dict[int, float], seconds: float) -> None:
@@ -288,18 +314,47 @@ def run_torchrun_rank(
             each = torch.zeros(n, dtype=torch.float64, device=device)
             for mb, loss in losses.items():
                 each[mb] = loss
-            dist.all_reduce(each)
+            with peer_failures():
+                dist.all_reduce(each)
             if rank == 0:
                 on_step(i, sum(each.tolist()) / n, seconds)
 
-        train(runtime, iteration, config, done)
+        stopped = train(runtime, iteration, config, done, Termination())
+        status[slot] = PHASE_DONE
         result = runtime.result(config.check)
+        result.stopped_after = stopped
         gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
+        with peer_failures():
+            dist.gather_object(result, gathered, dst=0)
         runtime.close()  # a captured graph goes before the process groups it uses
         return gathered if rank == 0 else None  # type: ignore[return-value]
+    except Exception as err:
+        place = (status[slot], status[slot + 1], status[slot + 2])
+        raise RankStopped(err, place) from err  # type: ignore[arg-type]
     finally:
         dist.destroy_process_group()
+
+
+def _check_hosts(path: str, world: int) -> None:
+    """Every process's host against the `--rank-hosts` file; raises HostsError on every
+    process alike when one is elsewhere."""
+    hosts = read_hosts(path)
+    actual: list[Any] = [None] * world
+    with peer_failures():
+        dist.all_gather_object(actual, this_host())
+    problem = mismatch(path, hosts, actual)
+    if problem is not None:
+        raise HostsError(problem)
+
+
+class RankStopped(Exception):
+    """A rank under torchrun failed: its error, and where (phase, step, action index), as
+    the launcher's status array would say (`processes.where`)."""
+
+    def __init__(self, cause: Exception, place: tuple[int, int, int]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.place = place
 
 
 def _to_bytes(result: RankResult) -> bytes:

@@ -103,7 +103,7 @@ class PipelineSchedule:
             ranks = reduce_ranks(self.program, stage, self.copies_count)
             if len(ranks) < 2:
                 continue
-            group = self.transport.reduce_groups.get(stage)
+            group, _ = self.transport.reduce_groups.get(stage, (None, []))
             copies = [m for (s, _), m in self.stages.items() if s == stage]
             if me in ranks and group is not None and copies:
                 for param in copies[0].parameters():
@@ -128,7 +128,7 @@ class PipelineSchedule:
         self.values: dict[deps.Key, torch.Tensor] = {}
         self.saved: dict[tuple[int, int, str], list[torch.Tensor | None]] = {}
         self.losses: list[torch.Tensor] = []
-        self.reducing: list[tuple[nn.Module, torch.Tensor, list[torch.Tensor], Handle]] = []
+        self.reducing: list[tuple[int, nn.Module, torch.Tensor, list[torch.Tensor], Handle]] = []
         for action in self.program.ranks[self.rank]:
             self._run(action)
         self.transport.end_step()
@@ -243,16 +243,17 @@ class PipelineSchedule:
         params = list(module.parameters())
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = _flatten_dense_tensors(grads)
-        self.reducing.append((module, flat, grads, self.transport.allreduce(stage, flat)))
+        self.reducing.append((stage, module, flat, grads, self.transport.allreduce(stage, flat)))
 
     def _finish(self) -> None:
         """At `step`: stages with no allreduce of their own (no replica in the schedule,
         but `--dp`-style copies) are summed now; then every sum is written back."""
-        reduced = {id(m) for m, *_ in self.reducing}
+        reduced = {id(m) for _, m, *_ in self.reducing}
         for (stage, _), module in self.stages.items():
             if id(module) not in reduced:
                 self._allreduce(stage)
-        for module, flat, grads, handle in self.reducing:
+        # in stage order on every process: a sum over more than two copies runs here
+        for _, module, flat, grads, handle in sorted(self.reducing, key=lambda r: r[0]):
             handle.wait()
             for param, grad in zip(
                 module.parameters(), _unflatten_dense_tensors(flat, grads), strict=True

@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [3, 4, 5])
+@pytest.mark.parametrize("world", [5])  # a fold into the power of two, then two levels
 def test_exchange_sum_gives_every_process_the_tree_sum(world: int) -> None:
     """Processes exchanging over gloo each end with `tree_sum`'s bits."""
     ctx = mp.get_context("spawn")
@@ -128,7 +128,6 @@ def _text(tmp_path: Path) -> str:
     ("sched", "options"),
     [
         ("chimera", ("--steps", "40")),
-        ("chimera", ("--steps", "40", "--clip-grad", "1.0")),
         ("chimera", ("--steps", "15", "--dp", "2", "--clip-grad", "1.0")),
         ("zb-h1", ("--steps", "30", "--clip-grad", "1.0", "--optimizer", "sgd")),
     ],
