@@ -13,5 +13,5 @@ The run's choices live here, where the CLI reads them without importing torch.
 """
 
 BACKENDS = ("gloo", "nccl", "local")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 DTYPES = ("float32", "bfloat16", "float16")

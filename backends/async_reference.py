@@ -124,6 +124,7 @@ class _Replay:
         self.names: list[list[str]] = []
         self.newest: list[Weights] = []
         self.optimizers: list[Optimizer] = []
+        self.lr = config.lr_schedule_at()
         for module in self.modules:
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             self.names.append([n for n, _ in named])
@@ -149,6 +150,8 @@ class _Replay:
 
     def iteration(self, step: int) -> float:
         """Replay one iteration; its mean loss."""
+        for optimizer in self.optimizers:
+            optimizer.set_lr(self.lr.lr(step))
         uses: dict[tuple[int, int], int] = {}
         for kind, stage, n in self.tasks:
             version = n if kind is Kind.U else self.read(kind, stage, n)

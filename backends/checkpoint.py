@@ -26,6 +26,7 @@ import io
 import json
 import pickle
 import re
+import shutil
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ __all__ = [
     "find",
     "held_by_model",
     "load",
+    "prune",
     "saves_after",
     "step_dir",
     "verify",
@@ -135,6 +137,29 @@ def write(held: Iterable[Held], step: int, config: RunConfig, schedule: str) -> 
         dist.barrier()
     if first:
         (path / INFO).write_text(json.dumps(info, indent=1) + "\n")
+        if config.keep_last is not None:
+            prune(config.save, config.keep_last)
+
+
+def prune(root: str, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints under `root` (run by the
+    first process, right after a newer one is complete), and any cut-short `step-K`
+    older than the newest complete one (it can never be resumed); what it deleted."""
+    steps = sorted(
+        (int(m.group(1)), d)
+        for d in Path(root).iterdir()
+        if (m := STEP_DIR.fullmatch(d.name)) and d.is_dir()
+    )
+    complete = [(step, d) for step, d in steps if (d / INFO).is_file()]
+    if not complete:
+        return []
+    newest = complete[-1][0]
+    kept = {d for _, d in complete[-keep:]}
+    gone = [d for step, d in steps if d not in kept and step < newest]
+    for directory in gone:
+        (directory / INFO).unlink(missing_ok=True)  # incomplete first: never half-resumed
+        shutil.rmtree(directory, ignore_errors=True)
+    return gone
 
 
 @torch.no_grad()

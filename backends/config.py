@@ -18,9 +18,12 @@ from pipelang.backends import BACKENDS, OPTIMIZERS
 
 if TYPE_CHECKING:
     from pipelang.backends.models import ModelSpec
+    from pipelang.backends.optim import LrSchedule
     from pipelang.ir import Program
 
-DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3}
+DEFAULT_LR = {"sgd": 0.05, "adam": 3e-3, "adamw": 3e-3}
+DEFAULT_WEIGHT_DECAY = 0.1
+LR_SCHEDULES = ("constant", "cosine", "linear")
 SGD_MOMENTUM = 0.9
 MAX_STEPS = 10**9
 """The most training steps a run takes (a bound on what a command line can ask for)."""
@@ -90,10 +93,42 @@ class RunConfig:
         metavar="S",
     )
     optimizer: str = option(
-        "adam", "adam, or sgd with momentum 0.9 (default adam)", choices=OPTIMIZERS
+        "adam",
+        "adam; adamw (Adam with decoupled weight decay); or sgd with momentum 0.9 (default adam)",
+        choices=OPTIMIZERS,
     )
     lr: float | None = option(
-        None, "learning rate (default 0.05 sgd, 3e-3 adam)", "positive_number"
+        None,
+        "learning rate, the peak of --lr-schedule (default 0.05 sgd, 3e-3 adam and adamw)",
+        "positive_number",
+    )
+    weight_decay: float | None = option(
+        None,
+        "adamw's decoupled weight decay (default 0.1); matrices and embeddings decay, "
+        "biases and norms do not (as nanoGPT and torchtitan), unless --decay-all",
+        "fraction",
+        metavar="WD",
+    )
+    decay_all: bool = option(False, "adamw: decay every parameter, biases and norms too")
+    betas: tuple[float, float] | None = option(
+        None, "adam and adamw's betas (default 0.9,0.999)", "betas", metavar="B1,B2"
+    )
+    eps: float | None = option(None, "adam and adamw's eps (default 1e-8)", "positive_number")
+    lr_schedule: str = option(
+        "constant",
+        "the learning rate over the run: constant, or after --warmup-steps a cosine or "
+        "linear decay from --lr to --min-lr at the last of --steps (a function of the "
+        "step: a resumed run goes on where it was) (default constant)",
+        choices=LR_SCHEDULES,
+    )
+    warmup_steps: int = option(
+        0, "steps of linear warm-up from --lr / K to --lr (default 0)", "count", metavar="K"
+    )
+    min_lr: float | None = option(
+        None,
+        "where --lr-schedule's decay ends (default --lr / 10)",
+        "fraction",
+        metavar="LR",
     )
     mixed_precision: str | None = option(
         None,
@@ -175,6 +210,13 @@ class RunConfig:
     save_every: int | None = option(
         None, "with --save: also checkpoint after every K steps", "positive", metavar="K"
     )
+    keep_last: int | None = option(
+        None,
+        "with --save: keep only the newest K complete checkpoints, deleting an older one "
+        "only once a newer one is complete (default: keep all)",
+        "positive",
+        metavar="K",
+    )
     resume: str | None = option(
         None,
         "start from a checkpoint: DIR/step-K as --save wrote it, or the latest one "
@@ -237,4 +279,13 @@ class RunConfig:
 
     @property
     def learning_rate(self) -> float:
+        """The peak learning rate (the constant one without a schedule)."""
         return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    def lr_schedule_at(self) -> LrSchedule:
+        """The learning rate of every step (`optim.LrSchedule`)."""
+        from pipelang.backends.optim import LrSchedule
+
+        peak = self.learning_rate
+        floor = self.min_lr if self.min_lr is not None else peak / 10
+        return LrSchedule(peak, self.lr_schedule, self.warmup_steps, floor, self.steps)

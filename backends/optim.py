@@ -1,16 +1,22 @@
-"""SGD with momentum and Adam, per parameter, as torch.optim's single-tensor code computes them.
+"""SGD with momentum, Adam and AdamW, per parameter, as torch.optim's single-tensor code
+computes them, and the learning-rate schedule.
 
 Our own because constructing a torch.optim optimizer imports torch._dynamo, seconds of
-start-up in every rank process; the update formulas are torch's (`foreach=False`,
-no weight decay), and tests/test_runtime.py checks them against torch.optim. An update
-depends only on its own parameter, so a stage copy's optimizer and the `--check`
-reference's whole-model optimizer give the same result for the same gradient.
+start-up in every rank process; the update formulas are torch's (`foreach=False`; AdamW's
+decay decoupled, `param *= 1 - lr * weight_decay` before the moments), and
+tests/test_optim.py checks them against torch.optim bit for bit. An update depends only on
+its own parameter, so a stage copy's optimizer and the `--check` reference's whole-model
+optimizer give the same result for the same gradient. Which parameters decay is a rule
+on each alone (`decays`). The learning rate of each step is a function of the step
+(`LrSchedule`), set before the step (`set_lr`), so a resumed run goes on with the rate it
+would have had.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,6 +34,10 @@ class SGD:
     def step(self) -> None:
         """Update every parameter from its `.grad`."""
         self.apply(self.params, [p.grad for p in self.params])
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps."""
+        self.lr = lr
 
     @torch.no_grad()
     def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -68,7 +78,9 @@ class SGD:
 
 
 class Adam:
-    """`torch.optim.Adam(params, lr, betas, eps)`, bias-corrected, no weight decay."""
+    """`torch.optim.Adam(params, lr, betas, eps)`, bias-corrected; with `weight_decay`,
+    `torch.optim.AdamW` for the parameters `decay` marks (decoupled: the weight shrinks
+    by lr x weight_decay before the moments' step)."""
 
     def __init__(
         self,
@@ -76,11 +88,15 @@ class Adam:
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decay: Sequence[bool] | None = None,
     ) -> None:
         self.params = list(params)
         self.lr = lr
         self.beta1, self.beta2 = betas
         self.eps = eps
+        self.weight_decay = weight_decay
+        self.decay = list(decay) if decay is not None else [True] * len(self.params)
         self.steps = 0
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
@@ -89,6 +105,10 @@ class Adam:
         """Update every parameter from its `.grad`."""
         self.apply(self.params, [p.grad for p in self.params])
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps."""
+        self.lr = lr
+
     @torch.no_grad()
     def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
         """Update `params` in place from `grads` (see `SGD.apply`); one Adam step."""
@@ -96,10 +116,12 @@ class Adam:
         correction1 = 1 - self.beta1**self.steps
         correction2_sqrt = math.sqrt(1 - self.beta2**self.steps)
         step_size = self.lr / correction1
-        moments = zip(params, grads, self.exp_avg, self.exp_avg_sq, strict=True)
-        for param, grad, avg, avg_sq in moments:
+        moments = zip(params, grads, self.exp_avg, self.exp_avg_sq, self.decay, strict=True)
+        for param, grad, avg, avg_sq, decays in moments:
             if grad is None:
                 continue
+            if self.weight_decay and decays:
+                param.mul_(1 - self.lr * self.weight_decay)
             avg.lerp_(grad, 1 - self.beta1)
             avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
             denom = (avg_sq.sqrt() / correction2_sqrt).add_(self.eps)
@@ -137,6 +159,26 @@ class CapturableSGD(SGD):
     def __init__(self, params: Sequence[nn.Parameter], lr: float, momentum: float) -> None:
         super().__init__(params, lr, momentum)
         self.buffers = [torch.zeros_like(p) for p in self.params] if momentum else self.buffers
+        self.lr_tensor = _lr_tensor(self.params, lr)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps, written into the tensor a graph reads."""
+        self.lr = lr
+        self.lr_tensor.fill_(lr)
+
+    @torch.no_grad()
+    def apply(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        """`SGD.apply` with the rate as a tensor (`param - grad * lr`, torch's formula
+        for a tensor rate)."""
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            if grad is None:
+                continue
+            if self.momentum:
+                buffer = self.buffers[i]
+                assert buffer is not None
+                buffer.mul_(self.momentum).add_(grad)
+                grad = buffer
+            param.addcmul_(grad, self.lr_tensor, value=-1)
 
 
 class CapturableAdam(Adam):
@@ -151,10 +193,18 @@ class CapturableAdam(Adam):
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decay: Sequence[bool] | None = None,
     ) -> None:
-        super().__init__(params, lr, betas, eps)
+        super().__init__(params, lr, betas, eps, weight_decay, decay)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
+        self.lr_tensor = _lr_tensor(self.params, lr)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps, written into the tensor a graph reads."""
+        self.lr = lr
+        self.lr_tensor.fill_(lr)
 
     def state(self, i: int) -> dict[str, torch.Tensor]:
         return {**super().state(i), "step": self.step_count}
@@ -168,11 +218,13 @@ class CapturableAdam(Adam):
         self.step_count += 1
         correction1 = 1 - self.beta1**self.step_count
         correction2_sqrt = (1 - self.beta2**self.step_count).sqrt()
-        step_size_neg = (self.lr / correction1).neg()
-        moments = zip(params, grads, self.exp_avg, self.exp_avg_sq, strict=True)
-        for param, grad, avg, avg_sq in moments:
+        step_size_neg = (self.lr_tensor / correction1).neg()
+        moments = zip(params, grads, self.exp_avg, self.exp_avg_sq, self.decay, strict=True)
+        for param, grad, avg, avg_sq, decays in moments:
             if grad is None:
                 continue
+            if self.weight_decay and decays:
+                param.mul_(1 - self.lr_tensor * self.weight_decay)
             avg.lerp_(grad, 1 - self.beta1)
             avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
             denom = (avg_sq.sqrt() / (correction2_sqrt * step_size_neg)).add_(
@@ -182,4 +234,43 @@ class CapturableAdam(Adam):
 
 
 Optimizer = SGD | Adam
-"""Either optimizer; the capturable ones are subclasses."""
+"""Either optimizer (AdamW is Adam with a weight decay); the capturable ones are
+subclasses."""
+
+
+def _lr_tensor(params: Sequence[torch.Tensor], lr: float) -> torch.Tensor:
+    """The learning rate as a 0-d float32 tensor on the parameters' device: a captured
+    step reads it, and `set_lr` rewrites it between replays."""
+    device = params[0].device if params else torch.device("cpu")
+    return torch.tensor(lr, dtype=torch.float32, device=device)
+
+
+def decays(param: torch.Tensor) -> bool:
+    """Whether AdamW's weight decay applies to `param` by default: matrices and
+    embeddings (two dimensions or more), not biases and norms' gains (one), as nanoGPT
+    and torchtitan do."""
+    return param.dim() >= 2
+
+
+@dataclass(frozen=True, slots=True)
+class LrSchedule:
+    """The learning rate of each step: `warmup` steps rising linearly to `peak`, then
+    constant, or a cosine or linear decay to `floor` at step `steps` (the run's
+    `--steps`, counted from 0 as checkpoints count them)."""
+
+    peak: float
+    kind: str = "constant"
+    warmup: int = 0
+    floor: float = 0.0
+    steps: int = 1
+
+    def lr(self, step: int) -> float:
+        """The rate of step `step` (0 first)."""
+        if step < self.warmup:
+            return self.peak * (step + 1) / self.warmup
+        if self.kind == "constant":
+            return self.peak
+        done = min(1.0, (step - self.warmup) / max(1, self.steps - 1 - self.warmup))
+        if self.kind == "cosine":
+            return self.floor + 0.5 * (self.peak - self.floor) * (1 + math.cos(math.pi * done))
+        return self.peak - (self.peak - self.floor) * done

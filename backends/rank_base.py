@@ -16,8 +16,15 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 from torch import nn
 
-from pipelang.backends.config import SGD_MOMENTUM, RunConfig
-from pipelang.backends.optim import SGD, Adam, CapturableAdam, CapturableSGD, Optimizer
+from pipelang.backends.config import DEFAULT_WEIGHT_DECAY, SGD_MOMENTUM, RunConfig
+from pipelang.backends.optim import (
+    SGD,
+    Adam,
+    CapturableAdam,
+    CapturableSGD,
+    Optimizer,
+    decays,
+)
 from pipelang.backends.precision import copy_back
 from pipelang.backends.transport import peer_failures
 from pipelang.diagnostics import InternalError
@@ -31,12 +38,21 @@ if TYPE_CHECKING:
 def make_optimizer(params: Sequence[nn.Parameter], config: RunConfig) -> Optimizer:
     """The optimizer of one stage copy, and of the `--check` reference: same settings
     (under `--graphs`, the capturable ones, which equal torch's `capturable=True`)."""
+    lr = config.lr_schedule_at().lr(config.first_step)
     if config.optimizer == "sgd":
         sgd = CapturableSGD if config.graphs else SGD
-        return sgd(params, config.learning_rate, SGD_MOMENTUM)
-    if config.optimizer == "adam":
+        return sgd(params, lr, SGD_MOMENTUM)
+    if config.optimizer in ("adam", "adamw"):
         adam = CapturableAdam if config.graphs else Adam
-        return adam(params, config.learning_rate)
+        betas = config.betas or (0.9, 0.999)
+        eps = config.eps if config.eps is not None else 1e-8
+        if config.optimizer == "adam":
+            return adam(params, lr, betas, eps)
+        decay = [config.decay_all or decays(p) for p in params]
+        weight_decay = config.weight_decay
+        if weight_decay is None:
+            weight_decay = DEFAULT_WEIGHT_DECAY
+        return adam(params, lr, betas, eps, weight_decay, decay)
     raise InternalError(f"unknown optimizer {config.optimizer!r}")
 
 

@@ -118,6 +118,7 @@ def _train(
         trained_of = {id(p): t for p, t in zip(params, trained, strict=True)}
         grouped = _Grouping(sums, [[trained_of[id(p)] for p in ps] for ps in by_stage])
     scale = 1.0 / num_microbatches
+    schedule = config.lr_schedule_at()
     losses, seconds, fingerprints = [], [], []
     for step in range(config.first_step, config.steps):
         start = time.perf_counter()
@@ -136,6 +137,7 @@ def _train(
                 nn.utils.clip_grad_norm_(trained, config.clip_grad)
         else:
             grouped.gradients(trained, backward, config.clip_grad)
+        optimizer.set_lr(schedule.lr(step))
         optimizer.step()
         optimizer.zero_grad()
         if masters is not None:

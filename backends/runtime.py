@@ -149,6 +149,8 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.values: dict[Value, torch.Tensor] = {}
         self.reducing: list[tuple[StageCopy, torch.Tensor, list[torch.Tensor], Handle]] = []
         self.losses: list[tuple[int, torch.Tensor]] = []
+        self.lr = config.lr_schedule_at()
+        """The learning rate of each step (`--lr-schedule`)."""
         self.fingerprints: list[list[int]] = []
         """Per step, each copy's parameters' `fingerprint` (with `--check`)."""
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -224,7 +226,10 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         )
 
     def begin_step(self, step: int) -> None:
-        """Start iteration `step`: reset the action counter."""
+        """Start iteration `step`: reset the action counter, set the step's learning rate."""
+        lr = self.lr.lr(step)
+        for copy in self.copies.values():
+            copy.optimizer.set_lr(lr)
         self.step_index = step
         self.action_index = 0
         self.stepped = False

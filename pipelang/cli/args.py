@@ -44,9 +44,6 @@ def at_least_zero(text: str) -> int:
     return _whole_number(text, 0)
 
 
-"""The most training steps one `run` takes."""
-
-
 def _whole_number(text: str, least: int, most: int | None = None) -> int:
     try:
         return whole_number(text.strip(), least, most)
@@ -82,6 +79,31 @@ def positive_number(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number more than 0, not {text}")
     return value
+
+
+def non_negative_number(text: str) -> float:
+    """An argparse type: a finite number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of at least 0, not {text}")
+    return value
+
+
+def betas(text: str) -> tuple[float, float]:
+    """An argparse type: `B1,B2`, two numbers in [0, 1) (Adam's moment decays)."""
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 2 or not all(0 <= v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected two numbers in [0, 1) as B1,B2 (0.9,0.999), not {text!r}"
+        )
+    return values[0], values[1]
 
 
 def schedule_name(text: str) -> str:
@@ -381,6 +403,9 @@ READERS: dict[str, Any] = {
     "layer_counts": layer_counts,
     "path": path,
     "data_file": data_file,
+    "fraction": non_negative_number,
+    "betas": betas,
+    "count": lambda text: _whole_number(text, 0, MAX_STEPS),
 }
 """How the text of each kind of run option is read (`config.Option.parse`)."""
 
@@ -422,7 +447,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     for name in ("trace", "log", "save", "resume"):
         if given[name] is not None:
             given[name] = str(given[name])
-    return RunConfig(
+    config = RunConfig(
         model=args.model,
         micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len,
@@ -431,6 +456,31 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         debug=bool(getattr(args, "debug", False)),
         **given | {"mixed_precision": _mixed_precision(args)} | _checkpoint_options(args),
     )
+    _check_optimizer(config)
+    return config
+
+
+def _check_optimizer(config: RunConfig) -> None:
+    """The optimizer options fit the optimizer and the schedule; UsageError if not."""
+    optimizer = config.optimizer
+    if optimizer != "adamw" and (config.weight_decay is not None or config.decay_all):
+        raise UsageError(
+            f"--weight-decay and --decay-all are adamw's (decoupled decay); the optimizer "
+            f"is {optimizer}: give --optimizer adamw"
+        )
+    if optimizer == "sgd" and (config.betas is not None or config.eps is not None):
+        raise UsageError("--betas and --eps are adam's and adamw's; the optimizer is sgd")
+    if config.lr_schedule == "constant" and config.min_lr is not None:
+        raise UsageError("--min-lr is where a decay ends: give --lr-schedule cosine or linear")
+    if config.min_lr is not None and config.min_lr > config.learning_rate:
+        raise UsageError(
+            f"--min-lr {config.min_lr:g} is above the peak --lr {config.learning_rate:g}"
+        )
+    if config.warmup_steps >= config.steps and config.lr_schedule != "constant":
+        raise UsageError(
+            f"--warmup-steps {config.warmup_steps} leaves no step of the run (--steps "
+            f"{config.steps}) for the {config.lr_schedule} decay"
+        )
 
 
 def _mixed_precision(args: argparse.Namespace) -> str | None:
@@ -447,6 +497,8 @@ def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
     work together."""
     if args.save_every is not None and args.save is None:
         raise UsageError("--save-every needs --save DIR (where the checkpoints go)")
+    if args.keep_last is not None and args.save is None:
+        raise UsageError("--keep-last needs --save DIR (where the checkpoints go)")
     if (args.save or args.resume) and args.backend == "local":
         raise UsageError(
             "checkpoints (--save, --resume) need a process per rank: use --backend gloo "
@@ -459,6 +511,7 @@ def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--save: cannot make `{args.save}`: {err.strerror}") from None
     options: dict[str, Any] = {"save": str(args.save) if args.save else None}
     options["save_every"] = args.save_every
+    options["keep_last"] = args.keep_last
     if args.resume is None:
         return options
     from pipelang.backends.checkpoint import CheckpointError, find
