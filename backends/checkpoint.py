@@ -125,6 +125,7 @@ def write(held: Iterable[Held], step: int, config: RunConfig, schedule: str) -> 
     path = step_dir(config.save, step)
     info = {"step": step, "model": config.model, "optimizer": config.optimizer}
     info |= {"precision": precision(config), "schedule": schedule}
+    info["lr_schedule"] = lr_text(config)
 
     state = {key: value.detach() for h in held for key, value in h.entries()}
     distributed = dist.is_initialized()
@@ -342,6 +343,30 @@ def verify(config: RunConfig) -> None:
                 f"`--resume {path}`: `{name}` is {_text(saved[key])} there and "
                 f"{_text(want)} in {config.model} ({precision(config)})"
             )
+
+
+def lr_text(config: RunConfig) -> str:
+    """The learning rate over the run, in words (`pipelang.json` keeps it)."""
+    lr = config.lr_schedule_at()
+    warmup = f", {lr.warmup} steps of warm-up" if lr.warmup else ""
+    if lr.kind == "constant":
+        return f"constant {lr.peak:g}{warmup}"
+    return f"{lr.kind} from {lr.peak:g} to {lr.floor:g} at step {lr.steps}{warmup}"
+
+
+def lr_note(config: RunConfig) -> str | None:
+    """A note when `--resume`'s checkpoint was saved by a run with another learning-rate
+    schedule (another --steps moves a decay's end): the rate then jumps; None if not."""
+    if config.resume is None:
+        return None
+    saved = _info(Path(config.resume)).get("lr_schedule")
+    here = lr_text(config)
+    if saved is None or saved == here:
+        return None
+    return (
+        f"note: `--resume {config.resume}` was trained with the learning rate {saved}; "
+        f"this run's is {here}, so the rate jumps at step {config.first_step + 1}"
+    )
 
 
 def precision(config: RunConfig) -> str:

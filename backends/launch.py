@@ -74,6 +74,7 @@ def run_program(program: Program, config: RunConfig) -> int:
 
             forkserver()  # its imports overlap the checks below
         shapes = preflight(program, config)
+        _resume_note(config, err)
         if under_torchrun():
             return _run_as_torchrun_rank(program, config)
         from pipelang.backends.worker import lower_streams, runs_streams
@@ -100,6 +101,17 @@ def run_program(program: Program, config: RunConfig) -> int:
         )
         return EXIT_STATUS
     return report(program, config, outcome)
+
+
+def _resume_note(config: RunConfig, err: Console) -> None:
+    """Say (once: rank 0 under torchrun) when the resumed run's learning rate jumps."""
+    if config.resume is None or os.environ.get("RANK", "0") != "0":
+        return
+    from pipelang.backends.checkpoint import lr_note
+
+    note = lr_note(config)
+    if note is not None:
+        err.print(note, markup=False)
 
 
 def _where_to_resume(config: RunConfig) -> str:

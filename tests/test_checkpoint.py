@@ -125,6 +125,8 @@ def test_resume_and_save_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "no such directory" in capsys.readouterr().err
     assert main([*base, "--save-every", "2"]) == 2
     assert "--save-every needs --save DIR" in capsys.readouterr().err
+    assert main([*base, "--keep-last", "2"]) == 2
+    assert "--keep-last needs --save DIR" in capsys.readouterr().err
     (tmp_path / "step-1").mkdir()
     (tmp_path / "step-1" / "pipelang.json").write_text("{not json")
     assert main([*base, "--resume", str(tmp_path / "step-1")]) == 2
@@ -189,3 +191,53 @@ def test_an_interrupted_run_says_where_to_resume(tmp_path: Path) -> None:
     assert proc.returncode == 130
     assert "interrupted: every rank stopped; the latest checkpoint is" in err
     assert f"go on with --resume {tmp_path}" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_run_stopped_and_resumed_goes_on_with_its_learning_rate_schedule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """AdamW with warm-up and a cosine decay over --steps 6: resumed from step 3 with the
+    same command line, steps 4-6 and the final state equal the uninterrupted run's, bit
+    for bit (the rate is a function of the step). A resume with another --steps says
+    that the rate jumps."""
+    program = stdlib("1f1b", D=2, N=2)
+    options = ("--optimizer", "adamw", "--lr-schedule", "cosine", "--warmup-steps", "2")
+    whole = ("--steps", "6", "--save", str(tmp_path / "a"), "--save-every", "3")
+    assert run(program, *options, *whole) == 0
+    first = losses(capsys.readouterr().err)
+    info = json.loads((tmp_path / "a" / "step-3" / "pipelang.json").read_text())
+    assert info["lr_schedule"] == "cosine from 0.003 to 0.0003 at step 6, 2 steps of warm-up"
+    resumed = ("--steps", "6", "--resume", str(tmp_path / "a" / "step-3"))
+    assert run(program, *options, *resumed, "--save", str(tmp_path / "b")) == 0
+    err = capsys.readouterr().err
+    after = losses(err)
+    assert "note:" not in err
+    assert sorted(after) == [4, 5, 6] and all(after[s] == first[s] for s in after)
+    one, two = (read_checkpoint(tmp_path / x / "step-6") for x in "ab")
+    assert all(torch.equal(one[key], two[key]) for key in one)
+    longer = ("--steps", "8", "--resume", str(tmp_path / "a" / "step-3"))
+    assert run(program, *options, *longer) == 0
+    assert "so the rate jumps at step 4" in capsys.readouterr().err
+
+
+def test_keep_last_deletes_older_complete_checkpoints_only(tmp_path: Path) -> None:
+    from pipelang.backends.checkpoint import prune
+
+    for step in (2, 4, 5, 6, 8):
+        (tmp_path / f"step-{step}").mkdir()
+        if step != 5:  # step-5 was cut short
+            (tmp_path / f"step-{step}" / "pipelang.json").write_text(f'{{"step": {step}}}')
+    (tmp_path / "step-9").mkdir()  # being written: newer than every complete one
+    (tmp_path / "notes").mkdir()
+    gone = prune(str(tmp_path), 2)
+    assert sorted(p.name for p in gone) == ["step-2", "step-4", "step-5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step-6", "step-8", "step-9"]
+
+
+@pytest.mark.slow
+def test_keep_last_over_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    program = stdlib("1f1b", D=2, N=2)
+    save = ("--save", str(tmp_path), "--save-every", "2", "--keep-last", "2")
+    assert run(program, "--steps", "9", *save) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-8", "step-9"]
