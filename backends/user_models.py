@@ -9,11 +9,13 @@ FUNC (called with `seq_len=` when it takes one and `--seq-len` is given) returns
 - a dict with the model under `"model"` (any of the above) and, optionally,
   `"split_spec"` (torch's `{"layers.4": SplitPoint.BEGINNING, ...}`, for a module without
   `pipe_split()` calls), `"loss"` (`loss(output, targets) -> scalar`, instead of
-  next-token cross-entropy on logits), `"vocab_size"` and `"seq_len"`.
+  next-token cross-entropy on logits), `"vocab_size"`, `"seq_len"` and `"unpack"`.
 
-A stage may hand the next several tensors, as a tuple (the next stage's positional
-arguments) or a dict (its keyword arguments); for a split `nn.Sequential` the value is
-passed as one argument, as `nn.Sequential` itself does. Such a value crosses a stage
+A stage may hand the next several tensors (a tuple, a list, a dict). Between the layers
+of an `nn.Sequential` and between the modules of a list it is passed on whole, `x =
+stage(x)`, as plain PyTorch does; with `"unpack": True` a tuple becomes the next stage's
+positional arguments and a dict its keyword arguments. Modules split by torch's
+`pipeline()` take their values unpacked, as torch calls them. Such a value crosses a stage
 boundary packed into one flat tensor (`Boundary`), so the transport, the stream
 program's slots and `--check` see one tensor per boundary as they do for the built-in
 models. The boundaries are found by running the model once on the meta device (nothing
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["Boundary", "PackedStage", "Tie", "UserModel", "find_ties", "user_model"]
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
-KEYS = {"model", "split_spec", "loss", "vocab_size", "seq_len"}
+KEYS = {"model", "split_spec", "loss", "vocab_size", "seq_len", "unpack"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +258,7 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
     seq_len = spec.seq_len or int(extras.get("seq_len") or getattr(returned, "seq_len", None) or 32)
     if isinstance(returned, nn.Sequential | list | tuple):
         layers = list(returned)
-        stages, whole = not isinstance(returned, nn.Sequential), isinstance(returned, nn.Sequential)
+        stages, whole = not isinstance(returned, nn.Sequential), not extras.get("unpack")
         if "split_spec" in extras:
             raise ModelError(f"`--model {name}`: `split_spec` splits one module, not a list")
     elif isinstance(returned, nn.Module):
@@ -338,7 +340,7 @@ def _boundaries(spec: ModelSpec, built: _Built) -> list[Boundary | None]:
     try:
         with torch.no_grad():
             for i, layer in enumerate(built.layers):
-                x = layer(x) if i == 0 else _call(layer, x, built.whole)
+                x = _probe(spec, built, i, layer, x)
                 if i < len(built.layers) - 1:
                     found.append(Boundary.of(x, f"`--model {spec.name}` layer {i}"))
                 elif not isinstance(x, torch.Tensor):
@@ -354,6 +356,41 @@ def _boundaries(spec: ModelSpec, built: _Built) -> list[Boundary | None]:
             raise
         raise ModelError(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
     return found
+
+
+def _probe(spec: ModelSpec, built: _Built, i: int, layer: nn.Module, x: object) -> object:
+    """Layer (or stage) `i` run on what the one before it returned; a ModelError naming
+    it, and what it was given, when it fails."""
+    try:
+        return layer(x) if i == 0 else _call(layer, x, built.whole)
+    except ModelError:
+        raise
+    except Exception as err:
+        what = "stage" if built.stages else "layer"
+        given = "a batch of token ids" if i == 0 else f"what {what} {i - 1} returns ({_kind(x)})"
+        hint = ""
+        if i and built.whole and isinstance(x, tuple | list | dict):
+            hint = (
+                f"; the value is handed on whole (`x = {what}(x)`, as nn.Sequential does): to "
+                "call the next with a tuple as positional arguments or a dict as keyword "
+                'arguments, return {"model": ..., "unpack": True}'
+            )
+        message = str(err).splitlines()[0] if str(err) else ""
+        raise ModelError(
+            f"`--model {spec.name}`: {what} {i} ({type(layer).__name__}) fails on {given}: "
+            f"{type(err).__name__}: {message}{hint}"
+        ) from None
+
+
+def _kind(value: object) -> str:
+    """What a stage returned, in words: `a tensor [4, 32, 64]`, `a dict of h, mask`."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {list(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict of {', '.join(map(str, value))}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def _packed(built: _Built, boundaries: Sequence[Boundary | None]) -> list[nn.Module]:

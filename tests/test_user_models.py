@@ -53,8 +53,48 @@ class Last(nn.Module):
         return self.fc(x) + mask.unsqueeze(-1)
 
 
-def several():
+def several():  # a tuple, then a dict: unpacked into arguments, as asked
+    return {"model": [Masked(), Middle(), Last()], "unpack": True}
+
+
+def several_whole():  # the same stages handed each value whole: Middle takes two
     return [Masked(), Middle(), Last()]
+
+
+class DictEmbed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+
+    def forward(self, ids):
+        return {"h": self.emb(ids), "mask": ids % 3 != 0}
+
+
+class DictBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, state):
+        return {"h": torch.tanh(self.fc(state["h"])) * state["mask"].unsqueeze(-1),
+                "mask": state["mask"]}
+
+
+class DictHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+
+    def forward(self, state):
+        return self.fc(state["h"])
+
+
+def dict_stages():  # trains in one process as `x = stage(x)`
+    return [DictEmbed(), DictBlock(), DictHead()]
+
+
+def dict_stages_unpacked():
+    return {"model": dict_stages(), "unpack": True}
 
 
 class Split(nn.Module):
@@ -187,6 +227,7 @@ def test_a_boundary_packs_a_tree_of_tensors_into_one_and_back() -> None:
         ("several", 3, ("--backend", "gloo")),  # a tuple, then a dict, with a bool mask
         ("several", 3, ("--backend", "local", "--graphs")),  # the stream executor
         ("several", 3, ("--mixed-precision", "bfloat16")),
+        ("dict_stages", 3, ("--backend", "gloo")),  # a dict handed on whole
         ("marked", 2, ("--backend", "gloo")),  # pipe_split(): torch's pipeline() splits
         ("by_spec", 2, ("--backend", "gloo")),  # a split_spec
         ("own_loss", 2, ("--backend", "gloo")),
@@ -232,6 +273,18 @@ def test_the_models_own_loss_is_the_one_trained(
         ("loss_not_callable", 2, "its `loss` is not callable"),
         ("marked", 3, "gives 2 stages (a list of stage modules, or split at pipe_split()"),
         ("tied_split", 2, "its module ties weights (one parameter under several names)"),
+        (
+            "several_whole",
+            3,
+            "stage 1 (Middle) fails on what stage 0 returns (a tuple of 2): TypeError: ",
+        ),
+        ("several_whole", 3, 'return {"model": ..., "unpack": True}'),
+        (
+            "dict_stages_unpacked",
+            3,
+            "stage 1 (DictBlock) fails on what stage 0 returns (a dict of h, mask): "
+            "TypeError: DictBlock.forward() got an unexpected keyword argument 'h'",
+        ),
     ],
 )
 def test_a_user_model_that_cannot_run_says_why(
