@@ -266,15 +266,17 @@ def chunks_refusal(program: Program, config: RunConfig) -> str | None:
     refused = refusal(program, "the runtime's chunks")
     if refused is not None:
         return refused
-    if not config.model.startswith("gpt:"):
+    from pipelang.backends.models import MODEL_FAMILIES
+
+    family, _, name = config.model.partition(":")
+    if family not in MODEL_FAMILIES:
         return (
             f"`{program.name}` splits micro-batches into {count} sequence chunks, which the "
-            "runtime runs on the built-in GPT (`--model gpt:SIZE`), whose attention reads "
-            f"the keys and values of earlier chunks; `--model {config.model}` cannot yet"
+            "runtime runs on the built-in models (`--model gpt:SIZE` or `llama:SIZE`), whose "
+            f"attention reads the keys and values of earlier chunks; `--model {config.model}` "
+            "cannot yet"
         )
-    from pipelang.backends.models import GPT_SIZES
-
-    size = GPT_SIZES.get(config.model.partition(":")[2])
+    size = MODEL_FAMILIES[family].get(name)
     seq_len = config.seq_len or (size.seq_len if size is not None else count)
     if seq_len < count:
         return (

@@ -88,9 +88,10 @@ _CHUNK: contextvars.ContextVar[SequenceChunk | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def sequence_chunk(chunk: SequenceChunk) -> Iterator[SequenceChunk]:
     """Run the model's layers over one sequence chunk: `Embedding` offsets positions by
-    `chunk.start`, and `Block` attends over the cached keys and values. A module call
-    takes no extra arguments through an nn.Sequential, so they travel in a context
-    variable, set only around one stage's forward."""
+    `chunk.start` (a Llama block rotates from it), and blocks attend over the cached keys
+    and values (`causal_attention`). A module call takes no extra arguments through an
+    nn.Sequential, so they travel in a context variable, set only around one stage's
+    forward."""
     token = _CHUNK.set(chunk)
     try:
         yield chunk
@@ -133,27 +134,28 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln_attn(x)).split(width, dim=-1)
         shape = (batch, seq, self.heads, width // self.heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        chunk = _CHUNK.get()
-        if chunk is None:
-            attn = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            attn = self._chunk_attention(chunk, q, k, v)
+        attn = causal_attention(self, q, k, v)
         x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, width))
         return x + self.out(functional.gelu(self.fc(self.ln_mlp(x))))
 
-    def _chunk_attention(
-        self, chunk: SequenceChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Causal attention of one chunk's queries over the keys and values of the chunks
-        before it and its own: query i (position start + i) sees keys 0..start + i."""
-        chunk.made[id(self)] = (k, v)
-        past = chunk.past.get(id(self), [])
-        # The first chunk attends to its own keys only: no copy to save for the backward.
-        keys = torch.cat([*(p[0] for p in past), k], dim=2) if past else k
-        values = torch.cat([*(p[1] for p in past), v], dim=2) if past else v
-        # lower-right causal: the last query sees every key (SDPA keeps its fused kernels)
-        mask = causal_lower_right(q.shape[2], keys.shape[2])
-        return functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+def causal_attention(
+    block: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention of `block`'s (batch, heads, seq, dim) queries; within a sequence
+    chunk (`sequence_chunk`), over the keys and values of the chunks before it on this
+    stage and its own: query i (position start + i) sees keys 0..start + i."""
+    chunk = _CHUNK.get()
+    if chunk is None:
+        return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    chunk.made[id(block)] = (k, v)
+    past = chunk.past.get(id(block), [])
+    # The first chunk attends to its own keys only: no copy to save for the backward.
+    keys = torch.cat([*(p[0] for p in past), k], dim=2) if past else k
+    values = torch.cat([*(p[1] for p in past), v], dim=2) if past else v
+    # lower-right causal: the last query sees every key (SDPA keeps its fused kernels)
+    mask = causal_lower_right(q.shape[2], keys.shape[2])
+    return functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 class Head(nn.Module):
@@ -223,12 +225,14 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding of (batch, heads, seq, dim) queries or keys: each pair
-    of dimensions (i, i + dim/2) turned by an angle that grows with the position."""
+def rotary(x: torch.Tensor, start: int = 0, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of (batch, heads, seq, dim) queries or keys at positions
+    `start`, `start` + 1, ...: each pair of dimensions (i, i + dim/2) turned by an angle
+    that grows with the position."""
     seq, dim = x.shape[-2], x.shape[-1]
     freqs = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * freqs
+    where = torch.arange(start, start + seq, device=x.device, dtype=torch.float32)
+    angles = where[:, None] * freqs
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     first, second = x[..., : dim // 2], x[..., dim // 2 :]
     return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
@@ -257,9 +261,11 @@ class LlamaBlock(nn.Module):
             t.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
             for t in self.kv(h).chunk(2, dim=-1)
         )
+        chunk = _CHUNK.get()
+        start = 0 if chunk is None else chunk.start  # a sequence chunk's first position
         group = self.heads // self.kv_heads  # each key/value head serves `group` queries
-        k, v = rotary(k).repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        attn = functional.scaled_dot_product_attention(rotary(q), k, v, is_causal=True)
+        k, v = rotary(k, start).repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        attn = causal_attention(self, rotary(q, start), k, v)
         x = x + self.o(attn.transpose(1, 2).reshape(batch, seq, -1))
         gate, up = self.gate_up(self.norm_mlp(x)).chunk(2, dim=-1)
         return x + self.down(functional.silu(gate) * up)

@@ -264,16 +264,20 @@ def test_saved_bytes_are_what_the_memory_count_says(C: int, one_torch_thread: No
         assert result.peak_activation_bytes == pytest.approx(simulated, rel=0.1)
 
 
-def test_chunked_gradients_equal_the_whole_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One rank, float64: the chunks' forwards over cached keys and values and their
-    backwards in reverse give the gradient of the model on the whole sequence."""
+@pytest.mark.parametrize("model", ["gpt:tiny", "llama:tiny"])
+def test_chunked_gradients_equal_the_whole_sequences(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank, float64: the chunks' forwards over cached keys and values (Llama's
+    rotated from each chunk's first position) and their backwards in reverse give the
+    gradient of the model on the whole sequence."""
     from pipelang.backends import models
     from pipelang.backends.config import RunConfig
     from pipelang.backends.runtime import RankRuntime
 
     monkeypatch.setitem(models.DTYPES, "float64", torch.float64)
     program = stdlib("seq1f1b", D=1, N=1, C=3)
-    config = RunConfig(model="gpt:tiny", dtype="float64")
+    config = RunConfig(model=model, dtype="float64")
 
     class Still:
         def end_step(self) -> None: ...
@@ -358,7 +362,7 @@ def test_check_equals_unchunked_training(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (("--model", "llama:tiny"), "runs on the built-in GPT"),
+        (("--model", "pipelang.planner.demo:unbalanced_short"), "runs on the built-in models"),
         (("--seq-len", "2"), "more than its 2 tokens"),
     ],
 )
