@@ -124,6 +124,21 @@ def test_a_lengths_file_stands_for_the_lines(tmp_path: Path) -> None:
         ["check", "1f1b", "-p", "D=2", "-p", "N=4", "--lengths", str(path)]
     )
     assert status == 1 and "E0212" in err and "gives 3 micro-batches" in err
+    # without -p N, N is the file's number of micro-batches (1f1b's default is 4)
+    status, out, err = run_in_process(["simulate", "1f1b", "-p", "D=2", "--lengths", str(path)])
+    assert status == 0 and "N=3" in out, err
+    # and viz draws them: 4 x 512 and 2 x 1024 tokens take 8 times the 256 tokens' time
+    status, out, err = run_in_process(["viz", "1f1b", "-p", "D=2", "--lengths", str(path)])
+    assert status == 0 and "N=3" in out, err
+    rank0 = next(line for line in out.splitlines() if line.startswith("rank 0"))
+    cells = rank0.split("|")[1].split()
+    spans = {}
+    for i, cell in enumerate(cells):
+        if cell.startswith("F"):
+            spans[cell] = 1 + next(
+                (k for k, c in enumerate(cells[i + 1 :]) if c != "-"), len(cells) - i - 1
+            )
+    assert spans["F0"] == spans["F1"] == 8 * spans["F2"], rank0
     path.write_text("4 512 9\n")  # a bad value inside a file: exit 1 (docs/language.md)
     status, _, err = run_in_process(["check", "1f1b", "--lengths", str(path)])
     assert status == 1 and "E0212" in err and "l.txt:1:1" in err

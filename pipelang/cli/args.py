@@ -164,13 +164,18 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         help="a .pipe file, or the name of a stdlib schedule (see `pipelang list`)",
     )
     add_param_options(parser, "set a schedule parameter; repeat for several (-p D=4 -p N=8)")
+    add_lengths_argument(parser)
+
+
+def add_lengths_argument(parser: argparse.ArgumentParser) -> None:
+    """`--lengths FILE`: the micro-batches' shapes."""
     parser.add_argument(
         "--lengths",
         type=path,
         metavar="FILE",
         help="micro-batches of different shapes: one line per micro-batch, `LENGTH` or "
         "`SAMPLES LENGTH` (what `pipelang pack` writes); replaces the schedule's "
-        "`lengths` and `sizes` lines",
+        "`lengths` and `sizes` lines, and N is their number unless -p N= gives it",
     )
 
 

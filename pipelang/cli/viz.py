@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipelang.cli.args import (
     UsageError,
+    add_lengths_argument,
     add_param_options,
     at_least_zero,
     check_cost_stages,
@@ -43,6 +44,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help="a .pipe file or a stdlib name; several are drawn one under another on one time scale",
     )
     add_param_options(parser, "set a schedule parameter, for every SCHED; repeat for several")
+    add_lengths_argument(parser)
     parser.add_argument(
         "--cost",
         metavar="SPEC",
