@@ -56,13 +56,12 @@ def run_program(program: Program, config: RunConfig) -> int:
     """Run a compiled Program as `config` says; returns the exit status. The config is
     completed by the schedule first (`RunConfig.for_program`: its `partition` line, its
     frozen part)."""
-    from rich.console import Console
-
     from pipelang.backends.models import ModelError
     from pipelang.backends.processes import RunFailure
+    from pipelang.progress import console
 
     config = config.for_program(program)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = console(stderr=True)
     if config.graphs:
         refusal = graphs_refusal(config)
         if refusal is not None:
@@ -368,12 +367,11 @@ def _run_as_torchrun_rank(
 ) -> int:
     import contextlib
 
-    from rich.console import Console
-
     from pipelang.backends.report import Outcome
     from pipelang.backends.worker import RankStopped, run_torchrun_rank
+    from pipelang.progress import console
 
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = console(stderr=True)
     losses: list[float] = []
     progress = None
     if os.environ["RANK"] == "0":  # the rank that reports: the bar, the lines, --log
@@ -429,12 +427,11 @@ def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) 
 def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     """Print the summary, write the trace, run the check; the exit status (143 when
     SIGTERM stopped the run early: there is no check then)."""
-    from rich.console import Console
-
     from pipelang.backends.report import summary, write_trace
     from pipelang.backends.termination import stopped_line
+    from pipelang.progress import console
 
-    out = Console(highlight=False, soft_wrap=True)
+    out = console()
     tokens = tokens_per_step(program, config)
     out.print(
         summary(program, outcome.results, outcome.losses, config.model, config.backend, tokens)
@@ -451,7 +448,7 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
         out.print(versions_line(program, outcome.results), markup=False)
     stopped = outcome.results[0].stopped_after if outcome.results else None
     if stopped is not None:
-        err = Console(stderr=True, highlight=False, soft_wrap=True)
+        err = console(stderr=True)
         err.print(stopped_line(stopped, config.save), markup=False)
         return EXIT_STATUS
     if not config.check:

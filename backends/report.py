@@ -53,6 +53,7 @@ class StepProgress:
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=console,
+            disable=not console.is_terminal,  # off a terminal the step lines say it all
         )
         self.task = self.progress.add_task(title, total=steps - first, loss="-", rate="-")
 

@@ -7,6 +7,7 @@ token. Imports are resolved here, so the rest of the compiler sees one `ast.File
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from importlib import resources
@@ -296,7 +297,26 @@ def _syntax_error(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
     line_before = source.text[source.text.rfind("\n", 0, offset) + 1 : offset]
     if re.search(r"\bin\s+range\s*\(", line_before):
         help_text = "a range is written `0..N` (or `a..b`), not `range(N)`"
-    return Diagnostic("E0001", f"unexpected `{text}`", Span(source, offset, end), help=help_text)
+    return Diagnostic(
+        "E0001",
+        f"unexpected `{text}`",
+        Span(source, offset, end),
+        help=_misspelled_keyword(line_before) or help_text,
+    )
+
+
+def _misspelled_keyword(line_before: str) -> str | None:
+    """ "did you mean `pipeline`?" when the line starts with a word that is no keyword but
+    close to one (`pipline main: ...`, `lett x = 1`) and the parse failed right after it."""
+    found = re.fullmatch(r"\s*([A-Za-z_]\w*)\s+", line_before)
+    if found is None:
+        return None
+    word = found.group(1)
+    keywords = sorted({v for v in _literals().values() if v.isidentifier()})
+    if word in keywords:
+        return None
+    close = difflib.get_close_matches(word, keywords, n=1, cutoff=0.75)
+    return f"`{word}` is not a keyword: did you mean `{close[0]}`?" if close else None
 
 
 _SEMICOLON = "statements end with the line (or the next statement); drop the `;`"

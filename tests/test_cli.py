@@ -296,3 +296,56 @@ def test_simulate_model_gives_bytes_for_a_schedule_with_a_frozen_part() -> None:
     assert status == 0, err
     ranks = json.loads(out)["ranks"]
     assert all(r["data_slot_bytes"] > 0 and r["peak_activation_bytes"] > 0 for r in ranks)
+
+
+@pytest.mark.parametrize(
+    ("line", "wanted"),
+    [
+        ("pipline main: stage s in 0..D -> rank s", "pipeline"),
+        ("microbatch 0..N -> main", "microbatches"),
+        ("lett x = 3", "let"),
+        ("ordr rank r {", "order"),
+    ],
+)
+def test_a_mistyped_keyword_gets_did_you_mean(line: str, wanted: str, tmp_path: Path) -> None:
+    path = tmp_path / "t.pipe"
+    path.write_text(f"schedule t(D: int = 2, N: int = 2) {{\n    {line}\n}}\n")
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1 and "E0001" in err
+    assert f"is not a keyword: did you mean `{wanted}`?" in err
+
+
+def test_a_parameter_in_the_wrong_case_gets_did_you_mean() -> None:
+    status, _, err = run_in_process(["check", "1f1b", "-p", "d=4"])
+    assert status == 1 and "has no parameter `d`" in err and "did you mean `-p D=...`?" in err
+    status, _, err = run_in_process(["check", "1f1b", "-p", "depth=4"])
+    assert status == 1 and "did you mean" not in err  # nothing close: no guess
+
+
+@pytest.mark.parametrize("code", ["E0306", "e0306", "306", "0306"])
+def test_explain_takes_the_number_alone(code: str) -> None:
+    status, out, _ = run_in_process(["explain", code])
+    assert status == 0 and out.startswith("E0306: deadlock")
+
+
+def test_off_a_terminal_tables_are_whole_and_no_bar_is_drawn(tmp_path: Path) -> None:
+    """Piped (as in CI logs), `run` prints its step lines and a whole table, not a bar cut
+    into `0:… 0:0…`; a table wider than 80 columns is not cut either."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "pipelang.cli", "run", "1f1b", "-p", "D=2", "-p", "N=2"]
+    done = subprocess.run(
+        [*argv, "--backend", "local", "--steps", "2"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "step 2/2  loss" in done.stderr
+    assert "…" not in done.stderr + done.stdout and "━" not in done.stderr
+    listing = subprocess.run(
+        [sys.executable, "-m", "pipelang.cli", "list"],
+        capture_output=True, text=True, env=env, timeout=60, check=False,
+    )  # fmt: skip
+    assert listing.returncode == 0 and "…" not in listing.stdout
+    assert max(len(line) for line in listing.stdout.splitlines()) > 80

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.console import Console
 from rich.table import Table
 
 from pipelang import api
+from pipelang.progress import console
 
 HELP = "show the standard-library schedules and their parameters"
 
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column)
     for row in rows:
         table.add_row(*row)
-    Console(highlight=False, soft_wrap=True).print(table)
+    console().print(table)
     return 0
 
 

@@ -7,7 +7,6 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from rich.console import Console
 from rich.table import Table
 
 from pipelang.cli.args import (
@@ -22,6 +21,7 @@ from pipelang.cli.args import (
     write_output,
 )
 from pipelang.ir import CostModel
+from pipelang.progress import console
 from pipelang.readers import read_number_rows
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(f"pack: {err}") from None
     baselines = _baselines(args, lengths, params, costs, started, budget)
-    Console(highlight=False).print(_table(args, lengths, best, baselines))
+    console().print(_table(args, lengths, best, baselines))
     if args.out:
         write_output(args.out, best.lines())
         print(

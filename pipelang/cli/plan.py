@@ -8,18 +8,17 @@ import json
 import time
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from pipelang.cli.args import UsageError, path, positive, seconds_or_zero, write_output
 from pipelang.diagnostics import PipelangError, fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
 from pipelang.planner.units import positive as more_than_0
-from pipelang.progress import work_progress
+from pipelang.progress import console, work_progress
 
 HELP = "choose schedule, partition and device mapping for a model on a cluster"
 
-_console = Console(highlight=False, soft_wrap=True)
+_console = console()
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         schedules,
         args.data_parallel,
     )
-    notes = Console(stderr=True, highlight=False, soft_wrap=True)
+    notes = console(stderr=True)
     for note in inputs.notes():
         notes.print(f"note: {note}", markup=False)
     left = max(args.time_budget - (time.perf_counter() - started), 0.1)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
 from pipelang.cli.args import add_model_arguments, at_least_zero, path, positive, write_output
-from pipelang.progress import work_progress
+from pipelang.progress import console, work_progress
 
 HELP = "measure a model's per-layer times and memory into a profile JSON"
 
@@ -59,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         seed=args.seed,
     )
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = console(stderr=True)
     try:
         with work_progress(err) as update:
             profile = measure(options, lambda i, n, name: update("profiling", i, n, name))

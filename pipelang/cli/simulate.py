@@ -6,7 +6,6 @@ import argparse
 import json
 from typing import cast
 
-from rich.console import Console
 from rich.table import Table
 
 from pipelang.cli.args import (
@@ -20,6 +19,7 @@ from pipelang.cli.args import (
     parse_cost,
 )
 from pipelang.compiler import SCHEDULE_DONE
+from pipelang.progress import console
 
 HELP = "replay a schedule with a cost model: makespan, bubbles, memory"
 
@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(metrics, allow_nan=False))  # strict JSON: costs are bounded
         return 0
-    console = Console(highlight=False, soft_wrap=True)
-    console.print(f"{describe(program)}")
-    console.print(f"makespan {metrics['makespan']}   bubble ratio {metrics['bubble_ratio']:.4f}")
+    out = console()
+    out.print(f"{describe(program)}")
+    out.print(f"makespan {metrics['makespan']}   bubble ratio {metrics['bubble_ratio']:.4f}")
     table = Table()
     keys = ["rank", "busy", "idle", "peak_activations", "weight_copies"]
     if program.weights is not None:  # asynchronous: versions and staleness matter
@@ -100,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
             for k in keys
         ]
         table.add_row(*cells)
-    console.print(table)
+    out.print(table)
     if len(rows) > TABLE_RANKS:
-        console.print(f"... and {len(rows) - TABLE_RANKS} more ranks (--json lists every rank)")
+        out.print(f"... and {len(rows) - TABLE_RANKS} more ranks (--json lists every rank)")
     if args.grid:
         print(timeline.text_grid())
     return 0

@@ -12,6 +12,7 @@ problems at once (E0201 missing, E0202 unknown, E0203 wrong type, E0204 failed r
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -99,10 +100,18 @@ def _unknown_params(schedule: ast.Schedule, given: Mapping[str, str]) -> list[Di
             f"`{schedule.name}` has no parameter `{name}`",
             schedule.span,
             notes=(f"its parameters are {names}",),
+            help=_closest(name, [p.name for p in schedule.params]),
         )
         for name in given
         if name not in declared
     ]
+
+
+def _closest(name: str, declared: list[str]) -> str | None:
+    """ "did you mean `D`?" for `-p d=4` (another case) or a near spelling."""
+    same = [d for d in declared if d.lower() == name.lower()]
+    close = same or difflib.get_close_matches(name, declared, n=1, cutoff=0.7)
+    return f"did you mean `-p {close[0]}=...`?" if close else None
 
 
 def _param_value(
