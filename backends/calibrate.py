@@ -2,9 +2,10 @@
 
 `pipelang profile --calibrate gloo` runs the profiled model with `pipelang run`: 1F1B on
 `ranks` ranks of this machine, N = 4 x ranks micro-batches, the layers split as evenly
-as they go, SGD, `steps` steps, `--trace`. From the trace (the first two steps left
-out: they warm up, a layer running 10-30% slower in them than later on the development
-machine) it takes:
+as they go, SGD, `steps` steps, `--trace`; `rounds` times (`--calibrate-rounds`, default
+3), each cost the median of the runs' and their least and most kept as its spread. From
+the trace (the first two steps left out: they warm up, a layer running 10-30% slower in
+them than later on the development machine) it takes:
 
     action_ms      the median gap between two consecutive actions of a rank in a step: the
                    generated line's call and the runtime's bookkeeping
@@ -33,12 +34,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from pipelang.backends.measure import ProfileOptions
 from pipelang.diagnostics import fail
-from pipelang.planner.profile import Profile, RuntimeCosts
+from pipelang.planner.profile import RUNTIME_FIELDS, Profile, RuntimeCosts
 
 WARMUP_STEPS = 2
 """Steps of the calibration run left out of its statistics."""
@@ -71,11 +73,45 @@ def calibrate(
     backend: str = "gloo",
     ranks: int = 2,
     steps: int = 8,
+    rounds: int = 3,
 ) -> RuntimeCosts:
-    """Run the profiled model under the runtime and measure what it adds (see the module
-    docstring). A run that fails is E0404 with the run's own error."""
+    """Run the profiled model under the runtime `rounds` times and measure what it adds
+    (see the module docstring): each cost is the median of the runs' own, with the least
+    and most one run measured as its spread (one run on a busy machine can be 10x off).
+    A run that fails is E0404 with the run's own error."""
     ranks = max(1, min(ranks, len(profile.layers)))
     counts = even_split(len(profile.layers), ranks)
+    runs = [
+        _calibration_run(profile, options, backend, ranks, steps, counts) for _ in range(rounds)
+    ]
+    return combined(runs)
+
+
+def combined(runs: Sequence[RuntimeCosts]) -> RuntimeCosts:
+    """Several calibration runs as one: each cost their median, its least and most kept
+    as its spread."""
+    if len(runs) == 1:
+        return runs[0]
+    keys = (*RUNTIME_FIELDS, "compute_scale")
+    values = {key: [float(getattr(run, key)) for run in runs] for key in keys}
+    medians: dict[str, Any] = {key: round(statistics.median(v), 6) for key, v in values.items()}
+    return replace(
+        runs[0],
+        **medians,
+        rounds=len(runs),
+        spread={key: (min(v), max(v)) for key, v in values.items() if key != "message_bytes"},
+    )
+
+
+def _calibration_run(
+    profile: Profile,
+    options: ProfileOptions,
+    backend: str,
+    ranks: int,
+    steps: int,
+    counts: tuple[int, ...],
+) -> RuntimeCosts:
+    """One calibration run and the costs its trace shows."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         command = [

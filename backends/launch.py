@@ -499,6 +499,8 @@ def plan_line(program: Program, config: RunConfig, outcome: Outcome) -> str | No
     )
     if predicted.model != config.model:
         line += f" (this run trains {config.model}, not the profiled model)"
+    if predicted.assumed is not None:
+        line += f"; the plan assumed {predicted.assumed}"
     return line
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipelang.api import compile_schedule
-from pipelang.backends.calibrate import WARMUP_STEPS, TraceEvent, runtime_costs
+from pipelang.backends.calibrate import WARMUP_STEPS, TraceEvent, combined, runtime_costs
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import CostModel, Program
 from pipelang.planner.mapping import map_ranks
@@ -427,6 +427,8 @@ def test_written_plan_runs_with_gloo(tmp_path: Path) -> None:
     )
     assert line is not None, proc.stdout
     assert float(line.group(1)) == pytest.approx(float(header.group(1)), abs=1e-3)
+    assumed = re.search(r"^#   assumes (.+)$", path.read_text(), re.MULTILINE)
+    assert assumed is not None and f"the plan assumed {assumed.group(1)}" in proc.stdout
     ratio = float(line.group(4)) / float(line.group(1))
     assert float(line.group(5)) == pytest.approx(ratio, abs=0.01)
 
@@ -733,9 +735,34 @@ def test_profile_runtime_fields_round_trip_and_old_profiles_load_with_notes() ->
     assert len(notes) == 2 and "optimizer step" in notes[0] and "--calibrate gloo" in notes[1]
 
 
+def test_calibration_runs_combine_into_medians_with_their_spread() -> None:
+    """One run on a busy machine measured a send 10x slower: the median of three keeps
+    the steady value, the spread shows the outlier, and both survive the profile file."""
+    runs = [
+        RuntimeCosts("gloo", 2, 0.02, 2.185, 0.3, 0.05, 131072.0, 1.25),
+        RuntimeCosts("gloo", 2, 0.03, 0.188, 0.2, 0.04, 131072.0, 1.10),
+        RuntimeCosts("gloo", 2, 0.01, 0.190, 0.4, 0.06, 131072.0, 1.20),
+    ]
+    costs = combined(runs)
+    assert (costs.action_ms, costs.send_ms, costs.recv_ms) == (0.02, 0.19, 0.3)
+    assert costs.compute_scale == 1.2 and costs.rounds == 3
+    assert costs.spread["send_ms"] == (0.188, 2.185)
+    assert "message_bytes" not in costs.spread
+    text = costs.described()
+    assert "median of 3 runs" in text and "send 0.190 ms (0.188-2.185)" in text
+    assert "compute x1.20 (x1.10-x1.25)" in text
+    again = profile_from_dict(json.loads(with_costs(make_profile([1.0]), costs).to_json()))
+    assert again.runtime == costs
+    assert combined(runs[:1]) == runs[0] and runs[0].described().startswith(
+        "runtime (gloo, 2 ranks): 0.020 ms per action, send 2.185 ms,"
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
+        ({"runtime": {"spread": {"send_ms": [1]}}}, "`runtime.spread.send_ms` must be [least"),
+        ({"runtime": {"spread": {"speed": [1, 2]}}}, "of a runtime field"),
         ({"runtime": [1]}, "`runtime` must be an object"),
         ({"runtime": {"send_ms": -1}}, "`runtime.send_ms` must be between 0 and 1e+09, not -1"),
         ({"runtime": {"compute_scale": 0}}, "`runtime.compute_scale` must be more than 0"),

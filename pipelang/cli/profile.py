@@ -40,6 +40,13 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="ranks of the calibration run (default 2; as many as the plan will use)",
     )
+    parser.add_argument(
+        "--calibrate-rounds",
+        type=positive,
+        default=3,
+        metavar="R",
+        help="calibration runs, each cost the median of theirs, their spread printed (default 3)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         from pipelang.backends.calibrate import calibrate
 
         err.print(f"calibrating: {args.calibrate_ranks} ranks on {args.calibrate}", markup=False)
-        costs = calibrate(profile, options, args.calibrate, args.calibrate_ranks)
+        costs = calibrate(
+            profile, options, args.calibrate, args.calibrate_ranks, rounds=args.calibrate_rounds
+        )
         profile = replace(profile, runtime=costs)
     write_output(args.out, profile.to_json() + "\n")
     total = sum(c.forward_ms + c.full_backward_ms for c in profile.layers)
@@ -79,10 +88,17 @@ def run(args: argparse.Namespace) -> int:
         f"{total:.3f} ms forward + backward per micro-batch"
     )
     if profile.runtime is not None:
-        rt = profile.runtime
-        print(
-            f"runtime ({rt.backend}, {rt.ranks} ranks): {rt.action_ms:.3f} ms per action, "
-            f"send {rt.send_ms:.3f} ms, receive {rt.recv_ms:.3f} ms, message "
-            f"{rt.message_ms:.3f} ms, compute x{rt.compute_scale:.2f} beside the other ranks"
-        )
+        print(profile.runtime.described())
+        unsteady = [
+            f"{key.removesuffix('_ms').replace('_', ' ')} {low:.3g}-{high:.3g}"
+            for key, (low, high) in profile.runtime.spread.items()
+            if high > 2 * low and high - low > 0.05
+        ]
+        if unsteady:
+            err.print(
+                f"note: the runs disagreed by more than 2x ({', '.join(unsteady)}): the "
+                "machine was busy; calibrate again when it is quiet, or with more "
+                "--calibrate-rounds",
+                markup=False,
+            )
     return 0

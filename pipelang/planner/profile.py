@@ -17,7 +17,7 @@ it imports no torch.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipelang.diagnostics import clip, fail
@@ -151,6 +151,27 @@ class RuntimeCosts:
     """Compute actions' time in the run over the profile's time for the same layers:
     how much slower a layer runs beside the other ranks (shared cores, memory, the
     transport's threads, other load on the machine) than alone."""
+    rounds: int = 1
+    """Calibration runs the values are the medians of."""
+    spread: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per field, the least and the most that one run measured (empty for one run)."""
+
+    def described(self) -> str:
+        """The costs in one line, with each one's spread over the runs."""
+
+        def one(key: str, value: float) -> str:
+            low, high = self.spread.get(key, (value, value))
+            return f"{value:.3f} ms" + (f" ({low:.3f}-{high:.3f})" if low != high else "")
+
+        runs = f", median of {self.rounds} runs" if self.rounds > 1 else ""
+        low, high = self.spread.get("compute_scale", (self.compute_scale,) * 2)
+        scale = f"x{self.compute_scale:.2f}" + (f" (x{low:.2f}-x{high:.2f})" if low != high else "")
+        return (
+            f"runtime ({self.backend}, {self.ranks} ranks{runs}): "
+            f"{one('action_ms', self.action_ms)} per action, "
+            f"send {one('send_ms', self.send_ms)}, receive {one('recv_ms', self.recv_ms)}, "
+            f"message {one('message_ms', self.message_ms)}, compute {scale} beside the other ranks"
+        )
 
 
 def load_profile(path: Path) -> Profile:
@@ -215,10 +236,23 @@ def _runtime(entry: object, where: str) -> RuntimeCosts | None:
     scale = _number(entry.get("compute_scale", 1.0), f"`{where}`: `runtime.compute_scale`")
     if scale <= 0:
         raise fail("E0401", f"`{where}`: `runtime.compute_scale` must be more than 0")
+    spread_entry = entry.get("spread", {})
+    if not isinstance(spread_entry, dict):
+        raise fail("E0401", f"`{where}`: `runtime.spread` must be an object")
+    spread = {}
+    for key, pair in spread_entry.items():
+        what = f"`{where}`: `runtime.spread.{key}`"
+        if key not in (*RUNTIME_FIELDS, "compute_scale") or not isinstance(pair, list):
+            raise fail("E0401", f"{what} must be [least, most] of a runtime field")
+        if len(pair) != 2:
+            raise fail("E0401", f"{what} must be [least, most]")
+        spread[str(key)] = (_number(pair[0], what, MAX_BYTES), _number(pair[1], what, MAX_BYTES))
     return RuntimeCosts(
         backend=str(entry.get("backend", "?")),
         ranks=_whole(entry.get("ranks", 0), where, "runtime.ranks"),
         compute_scale=scale,
+        rounds=max(1, _whole(entry.get("rounds", 1), where, "runtime.rounds")),
+        spread=spread,
         **values,
     )
 

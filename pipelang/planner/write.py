@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pipelang import __version__, api
 from pipelang.planner.plans import Plan
+from pipelang.planner.profile import Profile
 from pipelang.planner.search import Planner
 from pipelang.planner.units import format_bytes
 from pipelang.source import one_line
@@ -72,6 +73,7 @@ def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str)
         f"{HEADER.removeprefix('# ')} (pipelang {__version__}): {plan.candidate.label}",
         f"  profile {profile_name}: {profile.model} on {profile.device}, {profile.dtype}, "
         f"micro-batches of {profile.micro_batch_size} x {profile.seq_len} tokens",
+        f"  assumes {_assumed(profile)}",
         f"  topology {topology_name}: {len(names)} devices",
         f"  predicted iteration {plan.time_ms:.3f} ms, bubble ratio {plan.bubble_ratio:.3f}, "
         f"peak memory {format_bytes(peak)} (rank {rank})",
@@ -84,9 +86,17 @@ def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str)
     return "".join(f"# {one_line(line)}".rstrip() + "\n" for line in lines)
 
 
+def _assumed(profile: Profile) -> str:
+    """The speed of the runtime the prediction assumes, in one line."""
+    if profile.runtime is None:
+        return "no runtime calibration: the runtime's work per action and message as 0"
+    return profile.runtime.described()
+
+
 HEADER = "# Plan from `pipelang plan`"
 PREDICTED = re.compile(r"^#   predicted iteration ([0-9.]+) ms", re.MULTILINE)
 PROFILE = re.compile(r"^#   profile .*?: (\S+) on (.+?), ", re.MULTILINE)
+ASSUMED = re.compile(r"^#   assumes (.+)$", re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +106,8 @@ class Prediction:
     ms: float
     model: str
     device: str
+    assumed: str | None = None
+    """The runtime speed the prediction assumed (the profile's calibration), in words."""
 
 
 def read_prediction(text: str) -> Prediction | None:
@@ -105,7 +117,10 @@ def read_prediction(text: str) -> Prediction | None:
     ms, profile = PREDICTED.search(text), PROFILE.search(text)
     if ms is None or profile is None:
         return None
-    return Prediction(float(ms.group(1)), profile.group(1), profile.group(2))
+    assumed = ASSUMED.search(text)
+    return Prediction(
+        float(ms.group(1)), profile.group(1), profile.group(2), assumed and assumed.group(1)
+    )
 
 
 def _copies(plan: Plan) -> list[str]:
