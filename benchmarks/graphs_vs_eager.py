@@ -169,28 +169,31 @@ def main() -> int:
     for model, size in sizes:
         rows.append(measure(model, size, steps))
         print(f"  {model} micro-batch {size} done", file=sys.stderr, flush=True)
-    text = table(rows)
-    print(text)
-    if args.smoke:
-        return 0
-    device = torch.cuda.get_device_name()
-    section = "\n".join(
+        if not args.smoke:  # each row as soon as it exists: a cut-off run keeps it
+            write_section(SECTION, _section(rows, len(sizes), steps, began))
+    print(table(rows))
+    return 0
+
+
+def _section(rows: list[Row], planned: int, steps: int, began: float) -> str:
+    """The RESULTS.md section of the rows measured so far (of `planned`)."""
+    so_far = "" if len(rows) == planned else f"; {len(rows)} of {planned} rows so far"
+    return "\n".join(
         [
             SECTION,
             "",
-            f"- Device: {device}; torch {torch.__version__}; Python {sys.version.split()[0]}",
+            f"- Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+            f"Python {sys.version.split()[0]}",
             f"- Command: `python benchmarks/graphs_vs_eager.py` "
-            f"({time.perf_counter() - began:.0f} s)",
+            f"({time.perf_counter() - began:.0f} s{so_far})",
             f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             f"- Setup: 1f1b D=4 N=8, Adam, fp32, {steps} steps per runner; medians after "
             f"{GRAPH_WARMUP} warm-up steps (graphs: over the replays after the capture)",
             "",
-            text,
+            table(rows),
             "",
         ]
     )
-    write_section(SECTION, section)
-    return 0
 
 
 if __name__ == "__main__":

@@ -171,15 +171,36 @@ def main() -> None:
         micro_batch_size=args.micro_batch_size,
     )
     speed_rows = speed(config, args.warmup, args.rounds)
-    memory_rows, largest_rows = [], []
+    memory_rows: list[str] = []
+    largest_rows: list[str] = []
+    if not args.no_write:  # the speed rows at once: a run cut off later keeps them
+        write_section(SECTION, _section(args, load, began, speed_rows, [], [], partial=True))
     for entry in args.memory_models.split(","):
         model, _, size = entry.partition("@")
         batch = int(size) if size else args.micro_batch_size
         rows, largest = memory(replace(config, model=model, micro_batch_size=batch))
         memory_rows += rows
         largest_rows += largest
+    text = _section(args, load, began, speed_rows, memory_rows, largest_rows, partial=False)
+    print(text)
+    if not args.no_write:
+        write_section(SECTION, text)
+
+
+def _section(
+    args: argparse.Namespace,
+    load: float,
+    began: float,
+    speed_rows: list[str],
+    memory_rows: list[str],
+    largest_rows: list[str],
+    partial: bool,
+) -> str:
+    """The RESULTS.md section of what is measured so far."""
+    cuda = torch.cuda.is_available()
     where = torch.cuda.get_device_name() if cuda else f"{os.cpu_count()}-core CPU, 1 thread"
-    text = "\n".join(
+    so_far = "; speed only so far, memory still running" if partial else ""
+    return "\n".join(
         [
             SECTION,
             "",
@@ -187,7 +208,7 @@ def main() -> None:
             f"{os.getloadavg()[0]:.2f} after",
             f"- torch {torch.__version__}, Python {platform.python_version()}",
             f"- Command: `python benchmarks/local_vs_reference.py` "
-            f"({(time.perf_counter() - began) / 60:.1f} min)",
+            f"({(time.perf_counter() - began) / 60:.1f} min{so_far})",
             f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             f"- Speed: model `{args.model}`, micro-batches of {args.micro_batch_size}, SGD, "
             f"fp32; {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed "
@@ -219,9 +240,6 @@ def main() -> None:
             "",
         ]
     )
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
 
 
 if __name__ == "__main__":

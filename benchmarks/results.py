@@ -1,14 +1,26 @@
 """Writing a benchmark's part of benchmarks/RESULTS.md, leaving the rest as it is.
 
 A part is a `## ` section (`write_section`), or a `### ` block inside one
-(`write_block`); either is replaced when present and appended when not.
+(`write_block`); either is replaced when present and appended when not. With
+`PIPELANG_RESULTS_COPY` set (benchmarks/gpu_batch.sh sets it to `$OUT/RESULTS.md`), every
+write also copies the file there at once, so a run that is cut off still returns what it
+measured.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def _copied() -> None:
+    """Copy RESULTS.md where `PIPELANG_RESULTS_COPY` says, if it says."""
+    target = os.environ.get("PIPELANG_RESULTS_COPY")
+    if target:
+        shutil.copyfile(RESULTS, target)
 
 
 def _section_bounds(doc: str, section: str) -> tuple[int, int]:
@@ -26,9 +38,10 @@ def write_section(section: str, text: str) -> None:
     start, end = _section_bounds(doc, section)
     if start < 0:
         RESULTS.write_text(doc.rstrip("\n") + "\n\n" + text)
-        return
-    rest = doc[end:]
-    RESULTS.write_text(doc[:start] + text + ("\n" + rest if rest else ""))
+    else:
+        rest = doc[end:]
+        RESULTS.write_text(doc[:start] + text + ("\n" + rest if rest else ""))
+    _copied()
 
 
 def write_block(section: str, intro: str, heading: str, text: str) -> None:
@@ -47,3 +60,4 @@ def write_block(section: str, intro: str, heading: str, text: str) -> None:
         part = part + "\n" + text
     rest = doc[end:]
     RESULTS.write_text(doc[:start] + part.rstrip("\n") + "\n" + ("\n" + rest if rest else ""))
+    _copied()
