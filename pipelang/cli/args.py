@@ -61,34 +61,28 @@ def seconds(text: str) -> float:
 
 def seconds_or_zero(text: str) -> float:
     """An argparse type: a time in seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, not {text}")
-    return value
+    return _number(text, "a number of seconds", True, "a number of seconds, 0 or more")
 
 
 def positive_number(text: str) -> float:
     """An argparse type: a finite number more than 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number more than 0, not {text}")
-    return value
+    return _number(text, "a number", False, "a number more than 0")
 
 
 def non_negative_number(text: str) -> float:
     """An argparse type: a finite number of at least 0."""
+    return _number(text, "a number", True, "a number of at least 0")
+
+
+def _number(text: str, noun: str, zero: bool, rule: str) -> float:
+    """`text` as a finite number above 0 (or from 0, with `zero`), else an argparse
+    error saying `rule`."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of at least 0, not {text}")
+        raise argparse.ArgumentTypeError(f"expected {noun}, not {text!r}") from None
+    if not (value >= 0 if zero else value > 0) or value == math.inf:
+        raise argparse.ArgumentTypeError(f"must be {rule}, not {text}")
     return value
 
 
