@@ -71,11 +71,11 @@ class RunConfig:
     )
     check: bool = option(
         False,
-        "compare weights and losses with single-process training that adds the gradients "
-        "in the run's order: bit for bit equal on a CPU, except with sequence chunks, "
-        "weights tied across stages, or on a GPU (kernels that add in varying order), "
-        "where a tolerance holds (docs/runtime.md); a failure names the first step that "
-        "differs and prints the per-step losses",
+        "compare weights and losses with single-process training that computes and adds "
+        "the gradients as the run does: bit for bit equal on a CPU, except with weights "
+        "tied across stages, or on a GPU (kernels that add in varying order), where a "
+        "tolerance holds (docs/runtime.md); a failure names the first step that differs "
+        "and prints the per-step losses",
     )
     graphs: bool = option(
         False,

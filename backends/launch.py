@@ -470,7 +470,7 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
 
         n = program.num_microbatches * config.dp
         sums = accumulation(program, config.dp)
-        reference = train_reference(config, n, device, threads, sums, program.num_stages)
+        reference = train_reference(config, n, device, threads, sums, program)
     comparison = compare(reference, outcome.results, outcome.losses, config)
     out.print(comparison.render(), markup=False)
     return 0 if comparison.ok else 1

@@ -4,10 +4,11 @@ The reference runs in one process: the whole model, the same seed, data, micro-b
 and optimizer; per step it runs every micro-batch's backward, sums the gradients in the
 order the run sums them (`backends/summation.py`: each copy's micro-batches in its order,
 then the copies by `tree_sum`; the clipping norm likewise), takes one optimizer step, and
-records the mean loss. On a CPU that makes a run bit for bit equal to it. Where the run's
-sums cannot be repeated (sequence chunks, weights tied across stages) micro-batch
-gradients add in micro-batch order, and on GPUs kernels may add in another order each
-run, so the verdict is a tolerance, not bitwise equality:
+records the mean loss. A schedule with sequence chunks has each chunk's gradient computed
+as a stage computes it (`reference_runs.ChunkedModel`). On a CPU that makes a run bit for
+bit equal to it. Where the run's sums cannot be repeated (weights tied across stages)
+micro-batch gradients add in micro-batch order, and on GPUs kernels may add in another
+order each run, so the verdict is a tolerance, not bitwise equality:
 
     |pipelined - reference| <= ATOL + RTOL * |reference|, elementwise,
 
@@ -32,12 +33,12 @@ from torch import nn
 
 from pipelang.backends.checkpoint import held_by_model, load
 from pipelang.backends.config import RunConfig
-from pipelang.backends.models import LayeredModel
-from pipelang.backends.precision import copy_back, master_weights
-from pipelang.backends.rank_base import RankResult, fingerprint, make_optimizer
+from pipelang.backends.precision import copy_back
+from pipelang.backends.rank_base import RankResult, fingerprint
 from pipelang.backends.rank_sync import clip_coefficient
-from pipelang.backends.runtime import full_model_names
-from pipelang.backends.summation import SumPlan, tree_sum
+from pipelang.backends.reference_runs import ChunkedModel, WholeModel
+from pipelang.backends.summation import SumPlan, Unit, tree_sum
+from pipelang.ir import Program
 
 TOLERANCE = {
     torch.float32: (1e-5, 1e-4),
@@ -75,7 +76,7 @@ def train_reference(
     device: torch.device,
     threads: int | None = None,
     sums: SumPlan | None = None,
-    stages: int | None = None,
+    program: Program | None = None,
 ) -> Reference:
     """Train the whole model in one process for `config.steps` steps (from the checkpoint
     of `--resume`, when given, for the steps after it).
@@ -84,79 +85,72 @@ def train_reference(
     their work the same way, and an oversubscribed machine does not slow it down).
     `sums`: the run's gradient sums (`summation.accumulation`), repeated exactly; without
     them (or with tied weights) the micro-batch gradients add in micro-batch order.
-    `stages`: the run's stage count, to fingerprint each stage's parameters every step.
+    `program`: the run's, for its stages (each fingerprinted every step) and its
+    sequence chunks (computed as the run computes them, `reference_runs.ChunkedModel`).
     """
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _train(config, num_microbatches, device, sums, stages)
+        return _train(config, num_microbatches, device, sums, program)
     finally:
         torch.set_num_threads(saved)
 
 
 def _train(
     config: RunConfig,
-    num_microbatches: int,
+    n: int,
     device: torch.device,
     sums: SumPlan | None,
-    stages: int | None,
+    program: Program | None,
 ) -> Reference:
-    model = config.spec.build()
-    full = nn.Sequential(*model.layers).to(device)
-    params = [p for p in full.parameters() if p.requires_grad]
-    masters = master_weights(params) if config.mixed_precision else None
-    trained = masters or params
-    optimizer = make_optimizer(trained, config)
+    chunked = program is not None and program.chunks is not None
+    run = (
+        ChunkedModel(config, device, 1.0 / n, program, n)  # type: ignore[arg-type]
+        if chunked
+        else WholeModel(config, device, 1.0 / n)
+    )
+    trained = run.masters or run.params
     if config.resume is not None:
-        load([held_by_model(full, optimizer, masters=masters)], config.resume)
-        if masters is not None:
-            copy_back(params, masters)
-    by_stage = _stage_params(model, stages, config) if stages else []
+        load([held_by_model(run.full, run.optimizer, masters=run.masters)], config.resume)
+        if run.masters is not None:
+            copy_back(run.params, run.masters)
+    by_stage = run.stage_params(program.num_stages, config.partition) if program else []
     grouped = None
-    if sums is not None and by_stage and not model.ties:
-        trained_of = {id(p): t for p, t in zip(params, trained, strict=True)}
+    if sums is not None and by_stage and not run.model.ties:
+        trained_of = {id(p): t for p, t in zip(run.params, trained, strict=True)}
         grouped = _Grouping(sums, [[trained_of[id(p)] for p in ps] for ps in by_stage])
-    scale = 1.0 / num_microbatches
     schedule = config.lr_schedule_at()
     losses, seconds, fingerprints = [], [], []
     for step in range(config.first_step, config.steps):
         start = time.perf_counter()
-        mb_losses: dict[int, float] = {}
-
-        def backward(mb: int, step: int = step, mb_losses: dict[int, float] = mb_losses) -> None:
-            ids, targets = model.batch(step, mb, device)
-            loss = model.loss(full(ids), targets)
-            (loss * scale).backward()
-            mb_losses[mb] = loss.item()
-
+        run.begin_step(step)
         if grouped is None:
-            for mb in range(num_microbatches):
-                backward(mb)
+            for mb in range(n):
+                for chunk in _chunks(program):
+                    run.backward((mb, chunk))
             if config.clip_grad is not None:
                 nn.utils.clip_grad_norm_(trained, config.clip_grad)
         else:
-            grouped.gradients(trained, backward, config.clip_grad)
-        optimizer.set_lr(schedule.lr(step))
-        optimizer.step()
-        optimizer.zero_grad()
-        if masters is not None:
-            copy_back(params, masters)
+            grouped.gradients(trained, run.backward, config.clip_grad)
+        run.optimizer.set_lr(schedule.lr(step))
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+        if run.masters is not None:
+            copy_back(run.params, run.masters)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)
-        losses.append(sum(mb_losses[mb] for mb in range(num_microbatches)) / num_microbatches)
+        losses.append(sum(run.losses[mb] for mb in range(n)) / n)
         fingerprints.append([fingerprint(ps) for ps in by_stage])
-    return Reference(losses, full_model_names(model), seconds, fingerprints if by_stage else [])
+    return Reference(losses, run.weights(), seconds, fingerprints)
 
 
-def _stage_params(model: LayeredModel, stages: int, config: RunConfig) -> list[list[nn.Parameter]]:
-    """Per stage, the trained parameters its copies hold, in their order
-    (`StageCopy.params`)."""
-    return [
-        [p for p in model.stage_module(bounds).parameters() if p.requires_grad]
-        for bounds in model.stage_bounds(stages, config.partition)
-    ]
+def _chunks(program: Program | None) -> list[int | None]:
+    """A micro-batch's backwards, in the order they can run: its chunks last first."""
+    if program is None or program.chunks is None:
+        return [None]
+    return list(reversed(range(program.chunks.count)))
 
 
 class _Grouping:
@@ -167,16 +161,17 @@ class _Grouping:
     def __init__(self, sums: SumPlan, stage_params: list[list[nn.Parameter]]) -> None:
         self.sums = sums
         self.params = stage_params
-        first = sums.stages[min(sums.stages)][0].microbatches
-        every = {mb for members in sums.stages.values() for m in members for mb in m.microbatches}
-        self.order = [*first, *sorted(every - set(first))]
-        """The micro-batches in an order most copies add them in: each gradient is used
-        and dropped at once."""
+        first = sums.stages[min(sums.stages)][0].units
+        every = {u for members in sums.stages.values() for m in members for u in m.units}
+        rest = sorted(every - set(first), key=lambda u: (u[0], -(u[1] or 0)))
+        self.order = [*first, *rest]
+        """The backwards in an order most copies add them in (each gradient is used and
+        dropped at once), a micro-batch's chunks last first."""
 
     def gradients(
-        self, trained: list[nn.Parameter], backward: Callable[[int], None], clip: float | None
+        self, trained: list[nn.Parameter], backward: Callable[[Unit], None], clip: float | None
     ) -> None:
-        """Run every micro-batch's backward and leave the grouped sums in `.grad`."""
+        """Run every backward and leave the grouped sums in `.grad`."""
         parts = self._fold(trained, backward)
         for stage, params in enumerate(self.params):
             members = range(len(self.sums.stages[stage]))
@@ -196,21 +191,21 @@ class _Grouping:
                     param.grad.mul_(coefficient.to(param.grad.dtype))
 
     def _fold(
-        self, trained: list[nn.Parameter], backward: Callable[[int], None]
+        self, trained: list[nn.Parameter], backward: Callable[[Unit], None]
     ) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
-        """Each copy's sum of its micro-batches' gradients, added in its order: by
+        """Each copy's sum of its backwards' gradients, added in its order: by
         (stage, member), the sum of the stage's k-th parameter."""
         members = [(s, i, m) for s, ms in self.sums.stages.items() for i, m in enumerate(ms)]
         done = dict.fromkeys(((s, i) for s, i, _ in members), 0)
         parts: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
-        pending: dict[int, dict[int, torch.Tensor | None]] = {}
-        for mb in self.order:
+        pending: dict[Unit, dict[int, torch.Tensor | None]] = {}
+        for unit in self.order:
             for param in trained:
                 param.grad = None
-            backward(mb)
-            pending[mb] = {id(p): p.grad for p in trained}
+            backward(unit)
+            pending[unit] = {id(p): p.grad for p in trained}
             for stage, index, member in members:
-                todo, key = member.microbatches, (stage, index)
+                todo, key = member.units, (stage, index)
                 while done[key] < len(todo) and todo[done[key]] in pending:
                     grads = pending[todo[done[key]]]
                     part = parts.setdefault(key, {})
@@ -220,9 +215,9 @@ class _Grouping:
             pending = {m: g for m, g in pending.items() if self._needed(m, done)}
         return parts
 
-    def _needed(self, mb: int, done: dict[tuple[int, int], int]) -> bool:
+    def _needed(self, unit: Unit, done: dict[tuple[int, int], int]) -> bool:
         return any(
-            mb in m.microbatches[done[(s, i)] :]
+            unit in m.units[done[(s, i)] :]
             for s, ms in self.sums.stages.items()
             for i, m in enumerate(ms)
         )

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from pipelang.ir import Kind, Program
 
-__all__ = ["Member", "SumPlan", "accumulation", "exchange_sum", "tree_sum"]
+__all__ = ["Member", "SumPlan", "Unit", "accumulation", "exchange_sum", "tree_sum"]
 
 
 def _fold_width(members: int) -> int:
@@ -97,14 +97,19 @@ def _recv_into(tensor: torch.Tensor, peer: int, group: object) -> None:
     dist.recv(tensor, peer, group=group)  # type: ignore[arg-type]
 
 
+Unit = tuple[int, int | None]
+"""What one backward adds to a copy's gradients: (micro-batch of the step's K x N, its
+sequence chunk or None)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Member:
     """One process's part of a stage's gradient sum."""
 
     process: int
     """Its rank in the whole run (`replica * R + rank`)."""
-    microbatches: tuple[int, ...]
-    """The step's micro-batches (of K x N) whose gradients its copy adds, in order."""
+    units: tuple[Unit, ...]
+    """The backwards whose gradients its copy adds, in order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +125,8 @@ class SumPlan:
 
 def accumulation(program: Program, dp: int) -> SumPlan | None:
     """The gradient sums of a run of `program` with `--dp dp`. None where they cannot be
-    repeated exactly by summing whole micro-batches: sequence chunks (a chunk's gradient
-    is a computation of its own), a rank with two copies of one stage, or a copy whose
-    weight gradients are not all added in one micro-batch order (B and W orders differ)."""
-    if program.chunks is not None:
-        return None
+    repeated exactly: a rank with two copies of one stage, or a copy whose weight
+    gradients are not all added in one order (its B and W orders differ)."""
     stages: dict[int, list[Member]] = {}
     norms: list[list[int]] = [[] for _ in range(program.num_ranks * dp)]
     n = program.num_microbatches
@@ -136,7 +138,7 @@ def accumulation(program: Program, dp: int) -> SumPlan | None:
             order, w_order = (
                 tuple(
                     dict.fromkeys(
-                        a.mb
+                        (a.mb or 0, a.chunk)
                         for a in actions
                         if a.kind is kind and (a.stage, a.pipeline) == (stage, pipeline)
                     )
@@ -146,8 +148,8 @@ def accumulation(program: Program, dp: int) -> SumPlan | None:
             if w_order and w_order != order:
                 return None
             for k in range(dp):
-                mbs = tuple(k * n + (mb or 0) for mb in order)
-                stages.setdefault(stage, []).append(Member(k * program.num_ranks + rank, mbs))
+                units = tuple((k * n + mb, chunk) for mb, chunk in order)
+                stages.setdefault(stage, []).append(Member(k * program.num_ranks + rank, units))
             if min(program.replicas(stage)) == rank:
                 norms[rank].append(stage)
     for members in stages.values():

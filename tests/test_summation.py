@@ -101,19 +101,22 @@ def test_accumulation_names_each_copy_and_its_micro_batches() -> None:
     plan = accumulation(stdlib("chimera", D=4, N=4), dp=2)
     assert plan is not None
     # stage 0: down on rank 0 (micro-batches 0, 1), up on rank 3 (2, 3); copy 1 is +4
-    assert [(m.process, m.microbatches) for m in plan.stages[0]] == [
-        (0, (0, 1)),
-        (3, (2, 3)),
-        (4, (4, 5)),
-        (7, (6, 7)),
+    assert [(m.process, [mb for mb, _ in m.units]) for m in plan.stages[0]] == [
+        (0, [0, 1]),
+        (3, [2, 3]),
+        (4, [4, 5]),
+        (7, [6, 7]),
     ]
     # the norm: each stage once, by its lowest rank in copy 0, in that rank's copy order
     assert plan.norms == [[0, 3], [1, 2], [], [], [], [], [], []]
     # looped-bfs adds its micro-batches last to first
     bfs = accumulation(stdlib("looped-bfs", D=2, N=4), dp=1)
-    assert bfs is not None and bfs.stages[0][0].microbatches == (3, 2, 1, 0)
-    # a sequence chunk's gradient is a computation of its own: nothing to repeat
-    assert accumulation(stdlib("seq1f1b", D=2, N=4), dp=1) is None
+    assert bfs is not None
+    assert bfs.stages[0][0].units == ((3, None), (2, None), (1, None), (0, None))
+    # a sequence chunk's backward is a unit of its own: a micro-batch's, last chunk first
+    seq = accumulation(stdlib("seq1f1b", D=2, N=2, C=3), dp=1)
+    assert seq is not None
+    assert seq.stages[1][0].units == ((0, 2), (0, 1), (0, 0), (1, 2), (1, 1), (1, 0))
 
 
 def _text(tmp_path: Path) -> str:
@@ -130,6 +133,7 @@ def _text(tmp_path: Path) -> str:
         ("chimera", ("--steps", "40")),
         ("chimera", ("--steps", "15", "--dp", "2", "--clip-grad", "1.0")),
         ("zb-h1", ("--steps", "30", "--clip-grad", "1.0", "--optimizer", "sgd")),
+        ("seq1f1b", ("--steps", "30", "--clip-grad", "1.0")),  # each chunk as the run has it
     ],
 )
 def test_check_is_bitwise_on_long_adam_runs_on_text(
@@ -138,7 +142,8 @@ def test_check_is_bitwise_on_long_adam_runs_on_text(
     """Before the sums had one order, Chimera with Adam on text left the tolerance
     after 15-40 steps (0.05 at step 40; 0.0045 with clipping): the replicas' sum added
     micro-batches in another grouping than the reference. With `--dp 2` four copies sum
-    each stage, by exchanges."""
+    each stage, by exchanges. Seq1F1B's reference computes each sequence chunk as the run
+    does (it left the tolerance within 30 steps when it trained on whole sequences)."""
     program = stdlib(sched, D=4, N=4)
     assert run(program, "--check", "--data", _text(tmp_path), *options) == 0
     out = capsys.readouterr().out

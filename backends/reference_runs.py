@@ -1,0 +1,145 @@
+"""How the `--check` reference computes the gradients of one backward (a `summation.Unit`).
+
+- `WholeModel`: the whole model as one nn.Sequential, a micro-batch's forward and
+  backward at once (every schedule without sequence chunks).
+- `ChunkedModel`: for a schedule with sequence chunks, the runtime itself
+  (`RankRuntime`) on a program of one stage that holds the whole model: a micro-batch's
+  chunks forward in order over the cached keys and values, then each chunk's backward,
+  the last first. So each chunk's gradient, and its loss weighted by its share of the
+  tokens, is the computation a pipelined run makes, and the reference can add them in
+  the run's order (a whole sequence's gradient is another computation, equal only up
+  to rounding, which Adam amplifies over a long run).
+
+Both hold the model, its trained parameters (fp32 masters with `--mixed-precision`) and
+the optimizer, and record each micro-batch's loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from pipelang.backends.config import RunConfig
+from pipelang.backends.precision import master_weights
+from pipelang.backends.rank_base import make_optimizer
+from pipelang.backends.runtime import RankRuntime, full_model_names
+from pipelang.backends.summation import Unit
+from pipelang.ir import Kind, Pipeline, Program
+
+
+class WholeModel:
+    """The whole model in one process, a micro-batch's backward at once."""
+
+    def __init__(self, config: RunConfig, device: torch.device, scale: float) -> None:
+        self.model = config.spec.build()
+        self.full = nn.Sequential(*self.model.layers).to(device)
+        self.params = [p for p in self.full.parameters() if p.requires_grad]
+        self.masters = master_weights(self.params) if config.mixed_precision else None
+        self.optimizer = make_optimizer(self.masters or self.params, config)
+        self.device = device
+        self.scale = scale
+        self.losses: dict[int, float] = {}
+        """This step's loss of every micro-batch run so far."""
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.losses = {}
+
+    def backward(self, unit: Unit) -> None:
+        """Add the gradient of micro-batch `unit[0]`'s scaled loss to `.grad`."""
+        mb, _ = unit
+        ids, targets = self.model.batch(self.step, mb, self.device)
+        loss = self.model.loss(self.full(ids), targets)
+        (loss * self.scale).backward()
+        self.losses[mb] = loss.item()
+
+    def stage_params(
+        self, stages: int, partition: tuple[int, ...] | None
+    ) -> list[list[nn.Parameter]]:
+        """Per stage, the parameters its copies hold, in their order (`StageCopy.params`)."""
+        return [
+            [p for p in self.model.stage_module(bounds).parameters() if p.requires_grad]
+            for bounds in self.model.stage_bounds(stages, partition)
+        ]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The parameters by whole-model name."""
+        return full_model_names(self.model)
+
+
+class _Silent:
+    """The transport of a one-rank program: nothing to send."""
+
+    def end_step(self) -> None: ...
+
+
+class ChunkedModel(WholeModel):
+    """The whole model as the one stage of a one-rank program with `program`'s chunks,
+    run by the runtime (see the module docstring)."""
+
+    def __init__(
+        self, config: RunConfig, device: torch.device, scale: float, program: Program, n: int
+    ) -> None:
+        one = Program(
+            name="reference",
+            source="<--check reference>",
+            params=(),
+            num_ranks=1,
+            num_stages=1,
+            pipelines=(Pipeline("main", (0,)),),
+            assignment=("main",) * n,
+            kinds=(Kind.F, Kind.B),
+            ranks=((),),
+            costs=program.costs,
+            chunks=program.chunks,
+        )
+        self.runtime = RankRuntime(
+            one,
+            0,
+            replace(config, dp=1, partition=None),
+            _Silent(),
+            device,  # type: ignore[arg-type]
+        )
+        self.copy = self.runtime.copies[(0, "main")]
+        self.model = self.runtime.model
+        self.full = self.copy.module
+        self.params = self.copy.params
+        self.masters = self.copy.masters
+        self.optimizer = self.copy.optimizer
+        self.config = config
+        self.device = device
+        self.scale = scale
+        self.count = program.chunks.count if program.chunks is not None else 1
+        self.losses = {}
+
+    def backward(self, unit: Unit) -> None:
+        """The backward of chunk `unit[1]` of micro-batch `unit[0]` (its chunks' forwards
+        first, once): its gradient added to `.grad`, its earlier chunks' keys and values
+        given theirs, as on a stage."""
+        mb, chunk = unit
+        where = {"mb": mb, "stage": 0, "pipeline": "main"}
+        if mb not in self.losses:
+            self.runtime.begin_step(self.step)
+            for c in range(self.count):
+                self.runtime.forward(**where, chunk=c)  # type: ignore[arg-type]
+            total = 0.0
+            for _, loss in self.runtime.losses:  # as `end_step`: the chunks' sum
+                total += float(loss)
+            self.runtime.losses.clear()
+            self.losses[mb] = total
+        self.runtime.backward(**where, chunk=chunk)  # type: ignore[arg-type]
+
+    def stage_params(
+        self, stages: int, partition: tuple[int, ...] | None
+    ) -> list[list[nn.Parameter]]:
+        """Per stage, the parameters its copies hold: the one module's, cut as the run's
+        stages are (its layers are the model's, in order)."""
+        layers = list(self.full)
+        with torch.device("meta"):  # the runtime kept only the module: cut as a model is
+            bounds = self.config.spec.build().stage_bounds(stages, partition)
+        return [[p for i in b for p in layers[i].parameters() if p.requires_grad] for b in bounds]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.full.state_dict().items()}
