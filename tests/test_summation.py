@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [5])  # a fold into the power of two, then two levels
+@pytest.mark.parametrize("world", [3])  # a fold into the power of two, then a level
 def test_exchange_sum_gives_every_process_the_tree_sum(world: int) -> None:
     """Processes exchanging over gloo each end with `tree_sum`'s bits."""
     ctx = mp.get_context("spawn")
