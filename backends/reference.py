@@ -143,7 +143,7 @@ def _train(
         seconds.append(time.perf_counter() - start)
         losses.append(sum(run.losses[mb] for mb in range(n)) / n)
         fingerprints.append([fingerprint(ps) for ps in by_stage])
-    return Reference(losses, run.weights(), seconds, fingerprints)
+    return Reference(losses, run.weights(), seconds, fingerprints if by_stage else [])
 
 
 def _chunks(program: Program | None) -> list[int | None]:

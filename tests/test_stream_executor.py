@@ -39,10 +39,12 @@ def executor(name: str, text: str | None = None, seed: int = 0, **params: int) -
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LOWERED)
 def test_every_stdlib_schedule_checks_on_the_executor(name: str) -> None:
+    """One interleaving per schedule, seeds alternating over the list (any two legal
+    interleavings train the same: `test_any_legal_interleaving_trains_the_same`)."""
     program = stdlib(name)
-    for seed in ("0", "1"):
-        options = ["--backend", "local", "--graphs", "--stream-seed", seed, "--steps", "2"]
-        assert run(program, *options, "--check") == 0
+    seed = str(LOWERED.index(name) % 2)
+    options = ["--backend", "local", "--graphs", "--stream-seed", seed, "--steps", "2"]
+    assert run(program, *options, "--check") == 0
 
 
 def final_weights(run: StreamExecutor) -> list[torch.Tensor]:
