@@ -131,9 +131,9 @@ def _text(tmp_path: Path) -> str:
     ("sched", "options"),
     [
         ("chimera", ("--steps", "40")),
-        ("chimera", ("--steps", "15", "--dp", "2", "--clip-grad", "1.0")),
-        ("zb-h1", ("--steps", "30", "--clip-grad", "1.0", "--optimizer", "sgd")),
-        ("seq1f1b", ("--steps", "30", "--clip-grad", "1.0")),  # each chunk as the run has it
+        ("chimera", ("--steps", "5", "--dp", "2", "--clip-grad", "1.0")),
+        ("zb-h1", ("--steps", "5", "--clip-grad", "1.0", "--optimizer", "sgd")),
+        ("seq1f1b", ("--steps", "5", "--clip-grad", "1.0")),  # each chunk as the run has it
     ],
 )
 def test_check_is_bitwise_on_long_adam_runs_on_text(
