@@ -140,12 +140,12 @@ def test_sigterm_stops_every_rank_at_a_step_saves_and_exits_143(tmp_path: Path) 
     save = tmp_path / "ckpt"
     argv = [sys.executable, "-m", "pipelang.cli", *RUN_1F1B[1:], "--save", str(save)]
     proc = subprocess.Popen(
-        [*argv, "--steps", "100000", "--save-every", "3"],
+        [*argv, "--steps", "100000", "--save-every", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for(save / "step-3" / "pipelang.json", proc)
+    _wait_for(save / "step-2" / "pipelang.json", proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err

@@ -504,17 +504,14 @@ def test_profile_calibrate_runs_the_model_and_reads_its_trace(tmp_path: Path) ->
     out = tmp_path / "p.json"
     proc = pipelang_cmd(
         "profile", "--model", "gpt:tiny", "-o", str(out), "--repeats", "2", "--threads", "1",
-        "--calibrate", "gloo", "--calibrate-rounds", "2", cwd=tmp_path, timeout=180,
+        "--calibrate", "gloo", "--calibrate-rounds", "1", cwd=tmp_path, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "calibrating: 2 ranks on gloo" in proc.stderr
-    assert "median of 2 runs" in proc.stdout
     profile = load_profile(out)
     runtime = profile.runtime
     assert runtime is not None and (runtime.backend, runtime.ranks) == ("gloo", 2)
-    assert runtime.rounds == 2 and set(runtime.spread) >= {"send_ms", "compute_scale"}
-    low, high = runtime.spread["send_ms"]
-    assert low <= runtime.send_ms <= high
+    assert runtime.rounds == 1  # several: test_calibration_runs_combine_into_medians_...
     # Host costs of a Python runtime on a CPU: more than nothing, less than a layer's
     # forward of a model this small would make of them if they were compute.
     assert 0 < runtime.action_ms < 20 and 0 < runtime.send_ms < 50 and runtime.recv_ms >= 0

@@ -293,11 +293,10 @@ def test_a_hand_edited_schedule_json_is_refused_before_any_rank_runs(
         if entry.startswith("python")
         else [sys.executable, str(tmp_path / "rank0.py")]
     )
-    for text, code in (
-        (json.dumps(_swap_first_recvs(program, 1)), "E0307"),
-        ('{"format": "pipelang-program/1", "ranks": 3}', "E0003"),
-        ("\x00", "E0003"),
-    ):
+    cases = [(json.dumps(_swap_first_recvs(program, 1)), "E0307")]
+    if entry.startswith("python"):  # a rank file reads it the same way (`read_lowered`)
+        cases += [('{"format": "pipelang-program/1", "ranks": 3}', "E0003"), ("\x00", "E0003")]
+    for text, code in cases:
         schedule.write_text(text)
         done = subprocess.run(
             [*command, "--steps", "1", "--timeout", "5"],
