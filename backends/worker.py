@@ -194,6 +194,8 @@ def describe(err: BaseException) -> str:
 def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
     """Entry of a rank process started by the launcher; never returns normally on error."""
     _die_with_parent()
+    # from the start: a SIGTERM during set-up stops the run at its first step
+    termination = Termination(status, len(status) - 1)  # and the launcher's own
     _redirect_output(Path(job.run_dir) / f"rank{job.rank}.log")
     os.environ.clear()
     os.environ.update(job.env)
@@ -203,7 +205,6 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
     try:
         runtime, iteration = _set_up(job, status)
         status[slot] = PHASE_RUNNING
-        termination = Termination(status, len(status) - 1)  # the launcher's own SIGTERM
         report = lambda *done: queue.put(("step", job.rank, *done))  # noqa: E731
         stopped = train(runtime, iteration, job.config, report, termination)
         result = runtime.result(job.config.check)
@@ -269,6 +270,7 @@ def run_torchrun_rank(
     is the rank's generated program (a hand-started rank{r}.py); by default it is
     rendered from `program`.
     """
+    termination = Termination()  # from the start: SIGTERM in set-up stops at step 1
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; a hand-started rank may not
@@ -319,7 +321,7 @@ def run_torchrun_rank(
             if rank == 0:
                 on_step(i, sum(each.tolist()) / n, seconds)
 
-        stopped = train(runtime, iteration, config, done, Termination())
+        stopped = train(runtime, iteration, config, done, termination)
         status[slot] = PHASE_DONE
         result = runtime.result(config.check)
         result.stopped_after = stopped
