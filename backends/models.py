@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.nn.functional as functional
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from pipelang.backends.data import DataError, check_tokens, sample_batch, synthetic_batch
 from pipelang.backends.model_error import ModelError
@@ -153,7 +152,11 @@ def causal_attention(
     # The first chunk attends to its own keys only: no copy to save for the backward.
     keys = torch.cat([*(p[0] for p in past), k], dim=2) if past else k
     values = torch.cat([*(p[1] for p in past), v], dim=2) if past else v
-    # lower-right causal: the last query sees every key (SDPA keeps its fused kernels)
+    # lower-right causal: the last query sees every key (SDPA keeps its fused kernels).
+    # Imported here: torch.nn.attention.bias imports torch._dynamo, about 1.8 s of every
+    # rank's start-up that only a chunked schedule needs.
+    from torch.nn.attention.bias import causal_lower_right
+
     mask = causal_lower_right(q.shape[2], keys.shape[2])
     return functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
