@@ -24,7 +24,7 @@ from torch import nn
 from pipelang.backends.config import RunConfig
 from pipelang.backends.precision import master_weights
 from pipelang.backends.rank_base import make_optimizer
-from pipelang.backends.runtime import RankRuntime, full_model_names
+from pipelang.backends.runtime import RankRuntime, copy_names, full_model_names
 from pipelang.backends.summation import Unit
 from pipelang.ir import Kind, Pipeline, Program
 
@@ -142,4 +142,4 @@ class ChunkedModel(WholeModel):
         return [[p for i in b for p in layers[i].parameters() if p.requires_grad] for b in bounds]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.full.state_dict().items()}
+        return copy_names(self.copy)

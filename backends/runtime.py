@@ -292,7 +292,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         )
         if with_weights:
             for c in self.copies.values():
-                result.copy_weights.append(_full_names(c))
+                result.copy_weights.append(copy_names(c))
         return result
 
 
@@ -311,7 +311,7 @@ def _versions(
     return versions, weight_versions(program).gradient_delays() if predict else {}
 
 
-def _full_names(copy: StageCopy) -> dict[str, torch.Tensor]:
+def copy_names(copy: StageCopy) -> dict[str, torch.Tensor]:
     """A stage copy's parameters named as in the whole model (`{layer}.{name}`)."""
     out = {}
     for name, tensor in copy.module.state_dict().items():
@@ -328,7 +328,7 @@ def peak_memory(device: torch.device) -> int:
 
 
 def full_model_names(model: LayeredModel) -> dict[str, torch.Tensor]:
-    """The whole model's parameters named like `_full_names`."""
+    """The whole model's parameters named like `copy_names`."""
     return {
         k: v.detach().cpu().clone() for k, v in nn.Sequential(*model.layers).state_dict().items()
     }

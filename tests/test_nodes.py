@@ -179,3 +179,27 @@ def test_sigterm_under_torchrun_saves_the_step_every_rank_stopped_at(tmp_path: P
     step = int(stopped[0].split("after step ")[1].split(";")[0])
     assert (save / f"step-{step}" / "pipelang.json").is_file()
     assert "internal error" not in out
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"vm extra-word\n", "hosts.txt:1: one host name per line"),
+        (b"\xff\xfe\x00garbage", "cannot read it"),
+        (b"a\n" * (600 * 1024), "over 1 MiB, not a list of hosts"),
+        (b"# only a comment\n", "names 0 hosts, the run has 2 processes"),
+    ],
+)
+def test_a_bad_hosts_file_is_one_usage_error(
+    content: bytes, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hostile or wrong `--rank-hosts` files: read with a size cap, never evaluated, one
+    line of error before any rank starts (exit 2)."""
+    from pipelang.cli import main
+
+    path = tmp_path / "hosts.txt"
+    path.write_bytes(content)
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--rank-hosts", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
