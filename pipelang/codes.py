@@ -480,5 +480,32 @@ CODES: dict[str, Code] = {
             "for every side stream. A chain through another rank does not count: a "
             "meeting of a send and a receive is not an edge of a CUDA graph.",
         ),
+        # 06xx: synthesis (`pipelang synthesize`)
+        Code(
+            "E0601",
+            "cap below what any order meets",
+            "`pipelang synthesize --max-activations M` asks for an order in which no rank "
+            "holds more than M micro-batches of activations, and no order can: when a "
+            "micro-batch's last forward runs, none of its backwards has run yet, so every "
+            "rank holds that micro-batch's forwards on all the stages it has of its "
+            "pipeline (two on a V). The message names the least cap; raise M to it or "
+            "more, or use a placement with fewer stages per rank.",
+        ),
+        Code(
+            "E0602",
+            "schedule synthesize cannot order",
+            "`pipelang synthesize` orders the F, B and W ops of synchronous schedules. It "
+            "does not handle a frozen part (`frozen on`), sequence chunks, micro-batches "
+            "of different shapes, recomputation (`R`) or asynchronous weights (`weights`) "
+            "yet. Synthesize on a placement without them (a file of `pipeline` and "
+            "`microbatches` lines will do).",
+        ),
+        Code(
+            "E0603",
+            "solver not installed",
+            "`pipelang synthesize` searches with OR-Tools' CP-SAT solver, an optional "
+            "dependency. Install it with `pip install 'pipelang[synth]'` (or `pip install "
+            "ortools`).",
+        ),
     )
 }

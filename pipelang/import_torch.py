@@ -274,6 +274,8 @@ def placement_expr(placement: tuple[int, ...], ranks: int) -> tuple[str, str]:
             f"if s < {ranks} then s else {2 * ranks - 1} - s",
             "V, rank r holds stages r and 2D-1-r",
         )
+    if placement == tuple(stages - 1 - s for s in range(stages)):
+        return f"{stages - 1} - s", "reversed, stage s on rank D-1-s"
     expr = str(placement[-1])
     for s in range(stages - 2, -1, -1):
         expr = f"if s == {s} then {placement[s]} else {expr}"

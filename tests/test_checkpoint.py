@@ -180,10 +180,10 @@ def test_an_interrupted_run_says_where_to_resume(tmp_path: Path) -> None:
     import time
 
     argv = [sys.executable, "-m", "pipelang.cli", "run", "1f1b", "-p", "D=2", "-p", "N=2"]
-    argv += ["--steps", "100000", "--save", str(tmp_path), "--save-every", "2"]
+    argv += ["--steps", "100000", "--save", str(tmp_path), "--save-every", "1"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (tmp_path / "step-2" / "pipelang.json").exists():
+    while not (tmp_path / "step-1" / "pipelang.json").exists():
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)

@@ -78,9 +78,10 @@ def test_two_nodes_train_dp_across_them_check_save_and_resume(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_the_torchrun_example_runs_on_two_nodes() -> None:
-    """Two data-parallel copies of a 2-rank pipeline, one per node: the gradients match
-    one process's (tests/test_torch_api.py runs the other cases on one node)."""
-    results = _finish(_nodes(["examples/train_with_torchrun.py", "1f1b", "D=2", "N=4"]))
+    """Two data-parallel copies of a 2-rank zero-bubble pipeline (its backward split),
+    one per node: the gradients match one process's (tests/test_torch_api.py runs
+    Chimera on one node)."""
+    results = _finish(_nodes(["examples/train_with_torchrun.py", "zb-h1", "D=2", "N=4"]))
     assert [code for code, _ in results] == [0, 0], results
     found = re.search(r"gradients against one process: largest difference (\S+)", results[0][1])
     assert found is not None, results[0][1]

@@ -34,7 +34,7 @@ from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
 from pipelang.planner.write import plan_source
-from tests.helpers import make_profile, pipelang_cmd, replay
+from tests.helpers import make_profile, pipelang_cmd, replay, run_in_process
 
 MiB = 2**20
 
@@ -392,13 +392,11 @@ def test_run_takes_the_partition_from_the_schedule(tmp_path: Path) -> None:
         "    order rank r {\n        for i in 0..N { F(i) }\n        for i in 0..N { B(i) }\n"
         "    }\n}\n"
     )
-    proc = pipelang_cmd(
-        "run", str(path), "--model", "pipelang.planner.demo:unbalanced", cwd=tmp_path
+    status, _, err = run_in_process(
+        ["run", str(path), "--model", "pipelang.planner.demo:unbalanced"]
     )
-    assert proc.returncode == 1
-    assert "--partition 3,3 must give every stage at least one layer and add up to the 10" in (
-        proc.stderr
-    )
+    assert status == 1
+    assert "--partition 3,3 must give every stage at least one layer and add up to the 10" in err
 
 
 @pytest.mark.slow

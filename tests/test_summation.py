@@ -74,8 +74,10 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3])  # a fold into the power of two, then a level
 def test_exchange_sum_gives_every_process_the_tree_sum(world: int) -> None:
-    """Processes exchanging over gloo each end with `tree_sum`'s bits."""
-    ctx = mp.get_context("spawn")
+    """Processes exchanging over gloo each end with `tree_sum`'s bits. (Forked: this
+    process has started no threads of torch's yet that a child could inherit stuck, and
+    a spawned child would import the whole test module again, seconds each.)"""
+    ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_exchange, args=(r, world, port, queue)) for r in range(world)]

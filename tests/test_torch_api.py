@@ -25,8 +25,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_with_torc
     "args",
     [
         [],  # Chimera D=4 N=4: two pipelines, replicas summed
-        ["zb-h1", "D=4", "N=8"],  # split backward
-        # two data-parallel copies of a 2-rank pipeline: tests/test_nodes.py, on two nodes
+        # a split backward in two data-parallel copies of a 2-rank pipeline:
+        # tests/test_nodes.py, on two nodes
     ],
 )
 def test_the_torchrun_example_matches_one_process(args: list[str]) -> None:

@@ -24,6 +24,7 @@ from pipelang.cli import (
     plan,
     profile,
     simulate,
+    synthesize,
     viz,
 )
 from pipelang.cli import compile as compile_command
@@ -47,6 +48,7 @@ COMMANDS = {
     "profile": profile,
     "plan": plan,
     "pack": pack,
+    "synthesize": synthesize,
 }
 
 EXAMPLES = """\

@@ -120,6 +120,9 @@ attention saves no score matrix, so W's GEMM inputs and output gradients are abo
 B kept (the zero-bubble paper's 32sbh of 34sbh); 0.43 in the paper's setting, where
 the attention probabilities are saved (arXiv 2401.10241, Table 1)."""
 
+_FORWARD_KINDS = frozenset((Kind.F, Kind.R, Kind.P))
+"""The op kinds whose result travels down the stages (to stage s + 1)."""
+
 MAX_TIME = 1e15
 """The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
 
@@ -147,7 +150,8 @@ def cost_problem(kind: str, value: float) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Time of each op kind (`F`, `B`, `W`, `R`, `P`), of one transfer (`C`), and of an
+    """Time of each op kind (`F`, `B`, `W`, `R`, `P`), of one transfer (`C`; `C[b]` the
+    link between stages b and b + 1, `transfer`), and of an
     overlapped forward-backward pair (`FB`, for the forward's stage; without it a pair
     takes the sum of its ops). `A` is no time but a share: how much of an op's work on
     a whole micro-batch is attention, which splits it over sequence chunks (`Chunks`)
@@ -234,6 +238,21 @@ class CostModel:
             return base
 
         return time
+
+    def transfer(self, op: Action) -> float:
+        """How long `op`'s result takes to reach the rank of the stage that reads it: `C`,
+        or `C[b]` where an entry names boundary b, the link between stages b and b + 1.
+        A forward's output (F, R, P) on stage s crosses boundary s; a backward's (the
+        gradient of the stage's input) crosses boundary s - 1."""
+        stage = op.stage or 0
+        return self.of("C", stage if op.kind in _FORWARD_KINDS else stage - 1)
+
+    def link(self) -> Callable[[Action, int, int], float] | None:
+        """`transfer` as the timing engine's link (`sim.engine.Link`) where some `C` entry
+        names a stage boundary; None when one `C` times every transfer."""
+        if not any(kind == "C" and stage is not None for kind, stage, _ in self.entries):
+            return None
+        return lambda op, src, dst: self.transfer(op)
 
     def whole_backward(self) -> CostModel:
         """This model for a schedule that does not split W off its backward: its `B`

@@ -109,7 +109,8 @@ class _Replay:
         """One replay: every rank's order and the time the last op ends. With `upfront`,
         no op that reads a frozen output starts before every frozen forward has ended."""
         layout, ops = self.layout, self.ops
-        engine = Engine(self.rank_of, self.times, self.inputs, layout.costs.of("C"))
+        costs = layout.costs
+        engine = Engine(self.rank_of, self.times, self.inputs, costs.of("C"), costs.link(), ops)
         rule = _Rule(self, engine.ranks, frozenset(layout.frozen or ()), upfront and bool(self.fed))
         gated = self.fed if rule.gate else ()
         orders, end, pending = engine.dispatch(rule, layout.num_ranks, gated)

@@ -47,10 +47,14 @@ def w_share(program: Program, costs: CostModel | None = None) -> WShare | None:
     """Per stage, the share of a forward's activations its W reads after B (the cost
     model's `MW`; `costs` stands for the schedule's own); None when the backward is not
     split, so B frees everything."""
-    if Kind.W not in program.kinds:
+    return kinds_w_share(program.kinds, program.costs if costs is None else costs)
+
+
+def kinds_w_share(kinds: Iterable[Kind], costs: CostModel) -> WShare | None:
+    """`w_share` for a schedule of these op kinds under `costs`."""
+    if Kind.W not in kinds:
         return None
-    model = program.costs if costs is None else costs
-    return lambda stage: model.of("MW", stage)
+    return lambda stage: costs.of("MW", stage)
 
 
 def change(kind: Kind, kept: float | None = None) -> float:

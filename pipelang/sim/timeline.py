@@ -224,8 +224,9 @@ def simulate(
     """Replay `program`'s compute ops under `costs` (see the module docstring); `graph`
     is its op graph, validated (`Compilation.timeline` hands both on).
 
-    `link`, when given, times each transfer instead of the single `C` (the planner gives
-    every stage boundary the time of the link between its two ranks' devices).
+    `link`, when given, times each transfer instead of the cost model's (`C`, or `C[b]`
+    per stage boundary, `CostModel.transfer`): the planner gives every stage boundary the
+    time of the link between its two ranks' devices.
     """
     time = costs.timer(program.chunks, program.shapes)
     times = durations(graph.ops, graph.heads, time, costs)
@@ -241,7 +242,7 @@ def simulate(
     for delayed, edges in ((False, graph.after), (True, graph.data)):
         for u, v in edges:
             inputs[v].append((u, delayed))
-    link = stash_link(program, graph, costs, link)
+    link = stash_link(program, graph, costs, link or costs.link())
     engine = Engine(graph.ranks, times, inputs, costs.of("C"), link, graph.ops)
     # Ops are numbered in rank order, then in each rank's order; none is listed twice.
     orders: list[list[int]] = [[] for _ in range(program.num_ranks)]

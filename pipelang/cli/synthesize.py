@@ -1,0 +1,132 @@
+"""`pipelang synthesize`: the fastest order for a schedule's placement, written as a `.pipe`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.table import Table
+
+from pipelang.cli.args import (
+    UsageError,
+    add_param_options,
+    parse_cost,
+    parse_params,
+    path,
+    positive_number,
+    schedule_name,
+    write_output,
+)
+from pipelang.progress import console
+from pipelang.sim.timeline import as_number
+
+HELP = "search the fastest order for a schedule's placement under costs and a memory cap"
+
+EPILOG = """\
+The placement is SCHED's `pipeline` and `microbatches` lines (one stage per rank, a V,
+Chimera's two directions, interleaved loops; a file of those lines alone will do). The
+answer is never slower than the fastest stdlib schedule on that placement that fits the
+cap, and the written file says by how much it is faster and how far it may be from the
+best possible (the solver's lower bound). Needs OR-Tools: pip install 'pipelang[synth]'.
+
+examples:
+  pipelang synthesize 1f1b -p D=4 -p N=8 --cost F=1,B=1,W=1 --max-activations 4 -o zb.pipe
+  pipelang synthesize zbv -p D=4 -p N=16 --cost "F=1,B=2,W=1,F[7]=2,C=0.1" -o v.pipe
+See docs/synthesize.md.
+"""
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "sched",
+        type=schedule_name,
+        metavar="SCHED",
+        help="a .pipe file or a stdlib schedule name: its placement is kept, its order replaced",
+    )
+    add_param_options(parser, "set a schedule parameter; repeat for several (-p D=4 -p N=8)")
+    parser.add_argument(
+        "--cost",
+        metavar="SPEC",
+        default="",
+        help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2; C[b]=0.5 is the link "
+        "between stages b and b+1; MW: the share of a forward's activations W keeps "
+        "after B. Defaults come from the schedule's `cost` line, else 1 (W=0, C=0)",
+    )
+    parser.add_argument(
+        "--max-activations",
+        type=positive_number,
+        metavar="M",
+        help="the most activations any rank may hold, in micro-batches of one stage "
+        "(what `check --max-activations` counts; default: no cap)",
+    )
+    parser.add_argument(
+        "--ops",
+        choices=("F,B,W", "F,B"),
+        help="split the backward into B and W (F,B,W) or not (F,B); default: as SCHED does",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=positive_number,
+        default=30.0,
+        metavar="S",
+        help="seconds the solver searches (default 30); the best order found so far is "
+        "written, with the solver's bound and the gap",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="K",
+        help="solver threads (default: cores, at most 8)",
+    )
+    parser.add_argument("--name", metavar="NAME", help="the written schedule's name")
+    parser.add_argument(
+        "-o", "--out", type=path, metavar="FILE", help="write the .pipe here (default: stdout)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelang.synthesize import synthesize
+
+    if args.workers is not None and args.workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if args.name is not None and not args.name.isidentifier():
+        raise UsageError(
+            f"--name {args.name!r}: a schedule name is a letter or _ then letters, digits or _"
+        )
+    result = synthesize(
+        args.sched,
+        parse_params(args.params),
+        costs=parse_cost(args.cost) if args.cost else None,
+        max_activations=args.max_activations,
+        split=None if args.ops is None else args.ops == "F,B,W",
+        time_limit=args.time_limit,
+        name=args.name,
+        workers=args.workers,
+    )
+    if args.out is not None:
+        write_output(args.out, result.text)
+    if args.json:
+        print(json.dumps(result.summary()))
+        return 0
+    if args.out is None:
+        print(result.text, end="")
+        return 0
+    out = console()
+    table = Table(title=f"synthesized {args.out}")
+    for column in ("order", "makespan", "peak activations"):
+        table.add_column(column, justify="right" if column != "order" else "left")
+    table.add_row("synthesized", str(as_number(result.makespan)), str(as_number(result.peak)))
+    stdlib = result.best_stdlib
+    if stdlib is not None:
+        table.add_row(stdlib.name, str(as_number(stdlib.makespan)), str(as_number(stdlib.peak)))
+    table.add_row("lower bound", str(as_number(result.bound)), "")
+    out.print(table)
+    out.print(
+        f"solver: {result.status} after {result.seconds:.1f} s; gap {result.gap:.1%} "
+        f"({result.ops} ops)"
+    )
+    return 0
