@@ -40,6 +40,7 @@ from typing import Any
 
 from pipelang.backends.measure import ProfileOptions
 from pipelang.diagnostics import fail
+from pipelang.planner.partition import even_split
 from pipelang.planner.profile import RUNTIME_FIELDS, Profile, RuntimeCosts
 
 WARMUP_STEPS = 2
@@ -59,12 +60,6 @@ class TraceEvent:
     kind: str
     start: float
     end: float
-
-
-def even_split(layers: int, stages: int) -> tuple[int, ...]:
-    """`layers` cut into `stages` contiguous parts, the first ones one longer."""
-    base, extra = divmod(layers, stages)
-    return tuple(base + (1 if s < extra else 0) for s in range(stages))
 
 
 def calibrate(

@@ -34,6 +34,7 @@ from torch import nn
 from pipelang.backends.data import DataError, check_tokens, sample_batch, synthetic_batch
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.user_models import Tie, user_model
+from pipelang.planner.partition import even_split
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,8 +474,7 @@ def partition_layers(
                 f"the schedule has {num_stages} stages but {name} has only {num_layers} "
                 f"layer{'s' * (num_layers != 1)}; every stage needs at least one",
             )
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        counts = list(even_split(num_layers, num_stages))
     bounds, start = [], 0
     for count in counts:
         bounds.append(range(start, start + count))

@@ -25,6 +25,12 @@ PICTURES = {
     "1f1b": ["1f1b", "-p", "D=4", "-p", "N=8"],
     "zbv": ["zbv", "-p", "D=4", "-p", "N=8"],
     "dualpipev": ["dualpipev", "-p", "D=4", "-p", "N=8"],
+    # docs/synthesize.md: the best stdlib order within the cap against the synthesized one
+    "synthesized": [
+        "zb-h1",
+        "examples/zb-synth-4x8.pipe",
+        *("-p", "D=4", "-p", "N=8", "--cost", "F=1,B=1,W=1,C=0.5"),
+    ],
 }
 MEASURED = {
     "chimera-measured": [

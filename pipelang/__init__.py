@@ -10,6 +10,6 @@ docs/api.md describes the API.
 __version__ = "0.1.0"
 
 from pipelang.diagnostics import Diagnostic, PipelangError
-from pipelang.schedule import Schedule, load
+from pipelang.schedule import Schedule, load, synthesize
 
-__all__ = ["Diagnostic", "PipelangError", "Schedule", "__version__", "load"]
+__all__ = ["Diagnostic", "PipelangError", "Schedule", "__version__", "load", "synthesize"]

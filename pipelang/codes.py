@@ -501,6 +501,15 @@ CODES: dict[str, Code] = {
             "`microbatches` lines will do).",
         ),
         Code(
+            "E0604",
+            "profile or topology does not fit the placement",
+            "`pipelang synthesize --profile P.json` gives each stage the times of its "
+            "layers: the schedule's `partition` line, else the layers split evenly. The "
+            "profile needs at least one layer per stage, and as many layers as a "
+            "`partition` line adds up to. With `--topology`, rank r runs on the "
+            "topology's device r, so it needs a device per rank.",
+        ),
+        Code(
             "E0603",
             "solver not installed",
             "`pipelang synthesize` searches with OR-Tools' CP-SAT solver, an optional "

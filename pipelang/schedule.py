@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipelang.compiler import Compilation
 from pipelang.diagnostics import PipelangError, clip, fail
 from pipelang.evaluate import MAX_DIGITS
 from pipelang.ir import COST_KINDS, Action, CostModel, cost_problem
 from pipelang.sim.timeline import Timeline
+
+if TYPE_CHECKING:
+    from pipelang.synthesis import Synthesized
 
 """The keys a cost model takes: op kinds, a transfer (C), an overlapped pair (FB), an
 evicted activation's trips (E, L), and the shares and reference that split work over
@@ -163,6 +167,39 @@ def load(sched: str | Path, **params: int | bool) -> Schedule:
     its parameters as keywords. Raises PipelangError with every problem found."""
     from pipelang.api import compile_schedule
 
+    return Schedule(compile_schedule(str(sched), _param_text(params)))
+
+
+def synthesize(
+    sched: str | Path,
+    *,
+    costs: Costs | None = None,
+    max_activations: float | None = None,
+    split: bool | None = None,
+    time_limit: float = 30.0,
+    name: str | None = None,
+    **params: int | bool,
+) -> Synthesized:
+    """The fastest order for the placement of a schedule (a stdlib name or a `.pipe`
+    path, its parameters as keywords) under `costs` (as for `simulate`; `C` as a list
+    gives each stage boundary's link), with at most `max_activations` micro-batches of
+    activations on any rank; `split` splits the backward into B and W (None: as the
+    schedule does). Needs `pipelang[synth]`; docs/synthesize.md says what it returns."""
+    from pipelang.synthesis import synthesize as search
+
+    return search(
+        str(sched),
+        _param_text(params),
+        costs=cost_model(costs),
+        max_activations=max_activations,
+        split=split,
+        time_limit=time_limit,
+        name=name,
+    )
+
+
+def _param_text(params: Mapping[str, int | bool]) -> dict[str, str]:
+    """Keyword parameters as `-p` would give them (E0203 on a value that is neither)."""
     text = {}
     for name, value in params.items():
         if isinstance(value, bool):
@@ -172,4 +209,4 @@ def load(sched: str | Path, **params: int | bool) -> Schedule:
         else:
             what = f"over {MAX_DIGITS} digits" if isinstance(value, int) else _shown(value)
             raise fail("E0203", f"parameter `{name}` is {what}; give an int or a bool")
-    return Schedule(compile_schedule(str(sched), text))
+    return text

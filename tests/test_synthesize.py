@@ -11,14 +11,14 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from helpers import run, run_in_process
+from helpers import make_profile, run, run_in_process
 
 from pipelang import api
 from pipelang.cli.args import parse_cost
 from pipelang.export import to_torch_csv
 from pipelang.import_torch import check_pipe
 from pipelang.ir import Kind
-from pipelang.synthesize import problem_of, synthesize
+from pipelang.synthesis import problem_of, synthesize
 
 pytest.importorskip("ortools", reason="the solver is the `synth` extra")
 
@@ -233,3 +233,48 @@ def test_the_synthesized_order_trains_as_the_reference_does(
     path.write_text(solve(sched, params, cost, cap).text)
     program = api.load_program(str(path))
     assert run(program, "--model", "gpt:tiny", "--backend", "gloo", "--steps", "2", "--check") == 0
+
+
+def test_a_profile_gives_each_stage_its_layers_times_and_a_topology_its_links(
+    tmp_path: Path,
+) -> None:
+    """Eight layers on four stages (two each, the last two layers twice as slow), the
+    middle boundary between two nodes: the written costs are the layers' sums and the
+    link's time, and the order is timed under them."""
+    profile = make_profile([1.0] * 6 + [2.0, 2.0], output=4e6)
+    (tmp_path / "p.json").write_text(profile.to_json())
+    (tmp_path / "t.yaml").write_text(
+        "nodes: 2\ngpus_per_node: 2\nmemory: 80GiB\n"
+        "intra_node: {bandwidth: 400GB/s}\ninter_node: {bandwidth: 1GB/s}\n"
+    )
+    out = tmp_path / "s.pipe"
+    status, _, err = run_in_process(
+        ["synthesize", "1f1b", "-p", "D=4", "-p", "N=4", "--ops", "F,B,W",
+         "--profile", str(tmp_path / "p.json"), "--topology", str(tmp_path / "t.yaml"),
+         "-o", str(out)]
+    )  # fmt: skip
+    assert status == 0, err
+    text = out.read_text()
+    assert "cost F[0] = 2, F[1] = 2, F[2] = 2, F[3] = 4" in text  # ms, summed per stage
+    assert "cost B[0] = 4, B[1] = 4, B[2] = 4, B[3] = 8" in text
+    assert "C[0] = 0.01, C[1] = 4, C[2] = 0.01" in text  # 4 MB at 400 GB/s and at 1 GB/s
+    compiled = check_pipe(text, "s.pipe")
+    assert f"makespan {compiled.timeline().makespan:g};" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-p", "D=4"], "the profile of synthetic has 3 layers, and one_f_one_b's placement "
+         "has 4 stages"),
+        (["-p", "D=2", "--topology", "t.yaml"], "the topology has 1 devices"),
+    ],
+)  # fmt: skip
+def test_a_profile_or_topology_that_does_not_fit_the_placement(
+    args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.json").write_text(make_profile([1.0] * 3).to_json())
+    (tmp_path / "t.yaml").write_text("nodes: 1\ngpus_per_node: 1\nmemory: 80GiB\n")
+    status, _, err = run_in_process(["synthesize", "1f1b", "--profile", "p.json", *args])
+    assert status == 1 and "error[E0604]" in err and message in err, err

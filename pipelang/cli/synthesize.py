@@ -55,6 +55,21 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "after B. Defaults come from the schedule's `cost` line, else 1 (W=0, C=0)",
     )
     parser.add_argument(
+        "--profile",
+        type=path,
+        metavar="P.json",
+        help="take each stage's F, B and W (ms) and W's share of the activations from a "
+        "`pipelang profile`, summed over its layers (SCHED's `partition`, else even); "
+        "--cost entries override them",
+    )
+    parser.add_argument(
+        "--topology",
+        type=path,
+        metavar="T.yaml",
+        help="with --profile: rank r on device r of this cluster (as for `plan`), each "
+        "stage's output sent over the link between its ranks (C[b])",
+    )
+    parser.add_argument(
         "--max-activations",
         type=positive_number,
         metavar="M",
@@ -89,14 +104,19 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelang.synthesize import synthesize
+    from pipelang.synthesis import synthesize
 
     if args.workers is not None and args.workers < 1:
         raise UsageError("--workers must be at least 1")
+    if args.topology is not None and args.profile is None:
+        raise UsageError("--topology times a profile's transfers: give --profile too")
     if args.name is not None and not args.name.isidentifier():
         raise UsageError(
             f"--name {args.name!r}: a schedule name is a letter or _ then letters, digits or _"
         )
+    from pipelang.planner.profile import load_profile
+    from pipelang.planner.topology import load_topology
+
     result = synthesize(
         args.sched,
         parse_params(args.params),
@@ -106,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         time_limit=args.time_limit,
         name=args.name,
         workers=args.workers,
+        profile=None if args.profile is None else load_profile(args.profile),
+        topology=None if args.topology is None else load_topology(args.topology),
     )
     if args.out is not None:
         write_output(args.out, result.text)

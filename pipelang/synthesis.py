@@ -45,10 +45,15 @@ from dataclasses import dataclass, field
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError, fail
+from pipelang.evaluate import Value
 from pipelang.import_torch import check_pipe, placement_expr
 from pipelang.ir import Action, CostModel, Kind, Program, deps
 from pipelang.orders import Layout
-from pipelang.passes.layout import read_weights, schedule_layout
+from pipelang.passes.layout import read_partition, read_weights, schedule_layout
+from pipelang.planner.costs import OpCosts, stage_outputs, stage_w_shares
+from pipelang.planner.partition import even_split
+from pipelang.planner.profile import Profile
+from pipelang.planner.topology import Topology
 from pipelang.sim import memory
 from pipelang.sim.engine import Engine, Input
 from pipelang.sim.timeline import as_number
@@ -147,15 +152,21 @@ def synthesize(
     time_limit: float = 30.0,
     name: str | None = None,
     workers: int | None = None,
+    profile: Profile | None = None,
+    topology: Topology | None = None,
 ) -> Synthesized:
     """The fastest order for the placement of `sched` (a path or a stdlib name, with
-    `-p`-style `params`) under `costs` (over the schedule's `cost` lines), holding at
-    most `max_activations` micro-batches of activations on any rank (None: no cap).
-    `split` splits the backward into B and W (None: as the schedule does). The solver
-    stops after `time_limit` seconds with the best order it has; `name` is the written
-    schedule's (default: the schedule's with `_synth`)."""
+    `-p`-style `params`) under `costs` (over the schedule's `cost` lines, and over the
+    times a `profile` gives its stages, with transfers over `topology`'s links: see
+    `profile_costs`), holding at most `max_activations` micro-batches of activations on
+    any rank (None: no cap). `split` splits the backward into B and W (None: as the
+    schedule does). The solver stops after `time_limit` seconds with the best order it
+    has; `name` is the written schedule's (default: the schedule's with `_synth`)."""
     began = time.monotonic()
     solver = _solver_module()
+    if profile is not None:
+        measured = profile_costs(sched, params, profile, topology, split)
+        costs = measured.merged(costs)
     problem, own = problem_of(sched, params, costs, split)
     kinds = problem.kinds
     least, why = problem.least_cap()
@@ -216,13 +227,14 @@ def _solver_module():  # type: ignore[no-untyped-def]
 
 def _placement(
     sched: str, params: Mapping[str, str] | None, costs: CostModel | None
-) -> tuple[Layout, Compilation | None, str]:
+) -> tuple[Layout, Compilation | None, ast.File, Mapping[str, Value]]:
     """The schedule's layout under `costs`, its compilation when it has an order (a file
-    of `pipeline` and `microbatches` lines alone is a placement too), and its name."""
+    of `pipeline` and `microbatches` lines alone is a placement too), the file, and its
+    parameters' values."""
     file = api.load_file(sched)
-    bound = run_passes(file, Options(dict(params or {}), costs=costs), "resolve-params")
-    assert bound.params is not None  # resolve-params ran
-    layout = schedule_layout(file, bound.params)
+    bindings = run_passes(file, Options(dict(params or {}), costs=costs), "resolve-params").params
+    assert bindings is not None  # resolve-params ran
+    layout = schedule_layout(file, bindings)
     schedule = file.schedule
     unsupported = [
         (layout.frozen is not None, "a frozen part (`frozen on`)"),
@@ -250,10 +262,10 @@ def _placement(
     layout = dataclasses.replace(layout, costs=layout.costs.merged(costs))
     orders = (ast.OrderRank, ast.OrderGreedy, ast.OrderRepeat)
     if not any(isinstance(d, orders) for d in schedule.body):
-        return layout, None, schedule.name
+        return layout, None, file, bindings
     compiled = api.compile_schedule(sched, params, costs=costs, stop_after="insert-holds")
     layout = dataclasses.replace(layout, after=compiled.need_program().after)
-    return layout, compiled, schedule.name
+    return layout, compiled, file, bindings
 
 
 def problem_of(
@@ -264,9 +276,67 @@ def problem_of(
 ) -> tuple[Problem, Compilation | None]:
     """The ops to order for the placement of `sched` (see `synthesize`), and the
     schedule's compilation when it has an order of its own."""
-    layout, own, name = _placement(sched, params, costs)
+    layout, own, file, bound = _placement(sched, params, costs)
     kinds = layout.kinds if split is None else SPLIT if split else WHOLE
-    return Problem(layout, kinds, name), own
+    values = tuple((p.name, bound[p.name]) for p in file.schedule.params)
+    return Problem(layout, kinds, file.schedule.name, values), own
+
+
+def profile_costs(
+    sched: str,
+    params: Mapping[str, str] | None,
+    profile: Profile,
+    topology: Topology | None,
+    split: bool | None,
+) -> CostModel:
+    """Per-stage costs in milliseconds from a profile: each stage's F, B and W summed over
+    its layers (the schedule's `partition`, else the runtime's even split; with the
+    profile's runtime calibration, as the planner counts them, `OpCosts`), W's share of
+    the activations (`MW`), and with a topology, rank r on its device r, each stage
+    boundary's transfer of the stage's output over the link between the two ranks
+    (`C[b]`; the slowest, where pipelines cross a boundary between other ranks).
+    A profile or topology that does not fit the placement is E0604."""
+    layout, _, file, _ = _placement(sched, params, None)
+    stages, ranks = layout.num_stages, layout.num_ranks
+    layers = len(profile.layers)
+    counts = read_partition(file.schedule, layout.scope, layout.env, stages)
+    if counts is None:
+        if layers < stages:
+            raise fail(
+                "E0604",
+                f"the profile of {profile.model} has {layers} layers, and {file.schedule.name}'s "
+                f"placement has {stages} stages: every stage needs a layer",
+                file.schedule.span,
+            )
+        counts = even_split(layers, stages)
+    elif sum(counts) != layers:
+        raise fail(
+            "E0604",
+            f"{file.schedule.name}'s `partition` gives {sum(counts)} layers, and the profile "
+            f"of {profile.model} has {layers}",
+            file.schedule.span,
+        )
+    if topology is not None and topology.size < ranks:
+        raise fail(
+            "E0604",
+            f"the topology has {topology.size} devices, and {file.schedule.name}'s placement has "
+            f"{ranks} ranks",
+        )
+    kinds = layout.kinds if split is None else SPLIT if split else WHOLE
+    crossing = [
+        any(p.placement[b] != p.placement[b + 1] for p in layout.pipelines)
+        for b in range(stages - 1)
+    ]
+    model = OpCosts(profile, "sgd").cost_model(counts, Kind.W in kinds, crossing)
+    entries = [("MW", s, share) for s, share in enumerate(stage_w_shares(profile, counts))]
+    if topology is not None:
+        outputs = stage_outputs(profile, counts)
+        ops = OpCosts(profile, "sgd")
+        for b in range(stages - 1):
+            pairs = {(p.placement[b], p.placement[b + 1]) for p in layout.pipelines}
+            times = [ops.boundary_ms(topology, x, y, outputs[b]) for x, y in pairs]
+            entries.append(("C", b, max(times, default=0.0)))
+    return model.merged(CostModel(tuple(entries)))
 
 
 def _identifier(text: str) -> str:
@@ -278,8 +348,17 @@ class Problem:
     """The ops to order, numbered: each with its rank, time and inputs, and how it
     changes the activations its rank holds."""
 
-    def __init__(self, layout: Layout, kinds: Sequence[Kind], name: str = "placement") -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        kinds: Sequence[Kind],
+        name: str = "placement",
+        params: tuple[tuple[str, Value], ...] = (),
+    ) -> None:
         self.layout, self.kinds, self.name = layout, tuple(kinds), name
+        self.params = params
+        """The schedule's parameters and their values: the written file declares them,
+        each required to be what the order was found for."""
         self.costs = costs = layout.costs.for_kinds(self.kinds)
         self.ops = [
             Action(kind, mb, stage, pipe)
@@ -662,7 +741,16 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
     layout = problem.layout
     names = {p.name: _identifier(p.name) for p in layout.pipelines}
     lines = [header.rstrip("\n")] if header else []
-    lines.append(f"schedule {name}() {{")
+    declared = ", ".join(
+        f"{key}: {'bool' if isinstance(v, bool) else 'int'} = {_value(v)}"
+        for key, v in problem.params
+    )
+    lines.append(f"schedule {name}({declared}) {{")
+    for key, v in problem.params:
+        lines.append(
+            f'    require {key} == {_value(v)} : "this order was synthesized for '
+            f'{key} = {_value(v)}: synthesize again for another"'
+        )
     lines.append("    ops " + ", ".join(k.value for k in problem.kinds))
     lines += [f"    cost {item}" for item in _cost_items(layout.costs, layout.num_stages)]
     used = set(layout.assignment)
@@ -704,6 +792,11 @@ def _cost_items(costs: CostModel, stages: int) -> list[str]:
         if differ:
             items.append(", ".join(f"{kind}[{s}] = {_number(costs.of(kind, s))}" for s in differ))
     return items
+
+
+def _value(value: Value) -> str:
+    """A parameter's value as a `.pipe` literal."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def _number(value: float) -> str:
