@@ -47,7 +47,7 @@ from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError, fail
 from pipelang.evaluate import Value
 from pipelang.import_torch import check_pipe, placement_expr
-from pipelang.ir import Action, CostModel, Kind, Program, deps
+from pipelang.ir import Action, CostModel, Kind, Program, deps, stage_problem
 from pipelang.orders import Layout
 from pipelang.passes.layout import read_partition, read_weights, schedule_layout
 from pipelang.planner.costs import OpCosts, stage_outputs, stage_w_shares
@@ -177,10 +177,10 @@ def synthesize(
             help=f"the least cap any order meets here is {least:g}",
         )
     known = starting_points(problem, sched, params, costs, own, max_activations)
-    start = min(known, key=lambda k: k.makespan)
     stdlib = [k for k in known if k.name.startswith("stdlib ")]
     best_stdlib = min(stdlib, key=lambda k: k.makespan, default=None)
-    found = _solve(solver, problem, max_activations, start, time_limit, workers)
+    start = min(known, key=lambda k: k.makespan)
+    found = _solve(solver, problem, _scaled(problem), max_activations, start, time_limit, workers)
     title = name or f"{problem.name}_synth"
     compiled = check_text(write_pipe(problem, problem.actions(found.orders), title, ""))
     timeline = compiled.timeline()
@@ -251,14 +251,10 @@ def _placement(
                 "W ops of synchronous schedules",
                 schedule.span,
             )
-    extra = sorted(s for s in (costs.stages() if costs else ()) if s >= layout.num_stages)
-    if extra:
-        raise fail(
-            "E0209",
-            f"a cost for stage {extra[0]}, but {schedule.name} has stages "
-            f"0..{layout.num_stages - 1}",
-            schedule.span,
-        )
+    for kind, stage, _ in () if costs is None else costs.entries:
+        problem = None if stage is None else stage_problem(kind, stage, layout.num_stages)
+        if problem is not None:
+            raise fail("E0209", f"`{kind}[{stage}]` for {schedule.name}: {problem}", schedule.span)
     layout = dataclasses.replace(layout, costs=layout.costs.merged(costs))
     orders = (ast.OrderRank, ast.OrderGreedy, ast.OrderRepeat)
     if not any(isinstance(d, orders) for d in schedule.body):
@@ -580,20 +576,51 @@ def _scale(values: Sequence[float]) -> tuple[float, bool]:
     return ROUNDED_STEPS / max(values), False
 
 
+@dataclass(frozen=True)
+class _Scaled:
+    """The problem's times in the solver's integers: every op's time and, per op, its
+    inputs with the delay after their end (a transfer where they ran on another rank)."""
+
+    scale: float
+    exact: bool
+    times: list[int]
+    inputs: list[list[tuple[int, int]]]
+
+
+def _scaled(problem: Problem) -> _Scaled:
+    transfers = [problem.costs.transfer(op) for op in problem.ops]
+    scale, exact = _scale([t for t in (*problem.times, *transfers) if t > 0] or [1.0])
+    inputs = [
+        [
+            (
+                u,
+                round(transfers[u] * scale)
+                if delayed and problem.ranks[u] != problem.ranks[v]
+                else 0,
+            )
+            for u, delayed in row
+        ]
+        for v, row in enumerate(problem.inputs)
+    ]
+    return _Scaled(scale, exact, [round(t * scale) for t in problem.times], inputs)
+
+
 def _solve(
     cp_model,  # type: ignore[no-untyped-def]
     problem: Problem,
+    scaled: _Scaled,
     cap: float | None,
     start: Known,
     time_limit: float,
     workers: int | None,
 ) -> _Found:
     """CP-SAT's best order within `time_limit` seconds, starting from `start`."""
-    transfers = [problem.costs.transfer(op) for op in problem.ops]
-    scale, exact = _scale([t for t in (*problem.times, *transfers) if t > 0] or [1.0])
-    times = [round(t * scale) for t in problem.times]
+    scale, exact, times = scaled.scale, scaled.exact, scaled.times
     hint_ends = _timed(problem, start.orders, times, scale)
     horizon = max(hint_ends, default=0)
+    least = _rank_bound(problem, scaled)
+    if least >= horizon:  # the start is as fast as any order can be
+        return _Found(start.orders, "optimal", least / scale, exact)
     model = cp_model.CpModel()
     starts = [model.NewIntVar(0, max(0, round(horizon) - d), f"s{i}") for i, d in enumerate(times)]
     by_rank: list[list[object]] = [[] for _ in range(problem.num_ranks)]
@@ -603,23 +630,14 @@ def _solve(
     for intervals in by_rank:
         model.AddNoOverlap(intervals)
     consumed = [False] * problem.size
-    delays: list[list[tuple[int, int]]] = []
-    for v, inputs in enumerate(problem.inputs):
-        delays.append([])
-        for u, delayed in inputs:
+    for v, inputs in enumerate(scaled.inputs):
+        for u, delay in inputs:
             consumed[u] = True
-            delay = 0
-            if delayed and problem.ranks[u] != problem.ranks[v]:
-                delay = round(transfers[u] * scale)
-            delays[v].append((u, delay))
             model.Add(starts[v] >= starts[u] + times[u] + delay)
     makespan = model.NewIntVar(0, round(horizon), "makespan")
     for i, d in enumerate(times):
         if not consumed[i]:
             model.Add(makespan >= starts[i] + d)
-    least = _rank_bound(problem, times, delays)
-    if least >= horizon:  # the start is as fast as any order can be
-        return _Found(start.orders, "optimal", least / scale, exact)
     model.Add(makespan >= least)
     if cap is not None:
         _reservoirs(model, problem, starts, times, cap)
@@ -629,10 +647,7 @@ def _solve(
         model.AddHint(starts[i], round(end) - times[i])
     model.AddHint(makespan, round(horizon))
     model.Minimize(makespan)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit)
-    solver.parameters.num_workers = workers or min(8, os.cpu_count() or 1)
-    solver.parameters.expand_reservoir_constraints = False
+    solver = _solver(cp_model, time_limit, workers)
     result = solver.Solve(model)
     if result not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return _Found(start.orders, "kept", least / scale, exact)
@@ -644,12 +659,19 @@ def _solve(
     return _Found(orders, status, bound, exact)
 
 
-def _rank_bound(
-    problem: Problem, times: Sequence[int], delays: Sequence[Sequence[tuple[int, int]]]
-) -> int:
+def _solver(cp_model, seconds: float, workers: int | None):  # type: ignore[no-untyped-def]
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, seconds)
+    solver.parameters.num_workers = workers or min(8, os.cpu_count() or 1)
+    solver.parameters.expand_reservoir_constraints = False
+    return solver
+
+
+def _rank_bound(problem: Problem, scaled: _Scaled) -> int:
     """A makespan no order beats: for each rank, the earliest any of its ops can start,
     then all of its work, then the least time any of its ops needs after it ends (the
     longest chain of inputs before an op, and of consumers after it, with delays)."""
+    times, delays = scaled.times, scaled.inputs
     order = _topological(problem)
     head = [0] * problem.size
     for v in order:

@@ -69,6 +69,9 @@ def test_a_cost_for_a_missing_stage_says_which() -> None:
     status, _, err = run_in_process(["simulate", "1f1b", "-p", "D=4", "--cost", "F[99]=5"])
     assert status == 2
     assert "no stage 99 (its stages are 0..3)" in err
+    status, _, err = run_in_process(["simulate", "1f1b", "-p", "D=4", "--cost", "C[3]=5"])
+    assert status == 2
+    assert "`C[3]` names no stage boundary" in err and "boundaries are 0..2" in err
 
 
 def test_a_cost_line_for_a_missing_stage_is_an_error_at_its_position(tmp_path: Path) -> None:

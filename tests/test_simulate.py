@@ -127,6 +127,19 @@ def test_transfer_cost_on_cross_rank_edges_only() -> None:
     assert replay(local, costs(F=1, B=1, C=0.5)).makespan == 4
 
 
+def test_a_link_cost_times_both_directions_of_its_boundary_only() -> None:
+    """`C[b]` is the link between stages b and b + 1: the activation that crosses it going
+    down and the gradient coming back take it; the other boundaries take `C`."""
+    program = program_from_dump(one_f_one_b(3, 1))
+    model = costs(F=1, B=1, C=0.5).merged(CostModel((("C", 1, 4.0),)))
+    timeline = replay(program, model)
+    starts = {e.action.text(): e.start for e in timeline.events}
+    # F0@0 | 0.5 | F0@1 | 4 | F0@2 B0@2 | 4 | B0@1 | 0.5 | B0@0
+    assert [starts[f"F0@{s}/main"] for s in range(3)] == [0, 1.5, 6.5]
+    assert [starts[f"B0@{s}/main"] for s in range(3)] == [14, 12.5, 7.5]
+    assert timeline.makespan == 15
+
+
 def test_per_stage_costs() -> None:
     program = program_from_dump(gpipe(2, 1))
     model = costs(F=1, B=1).merged(CostModel((("F", 1, 3.0),)))

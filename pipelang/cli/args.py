@@ -19,7 +19,7 @@ from pipelang.backends import DTYPES
 from pipelang.backends.config import MAX_STEPS, Option, RunConfig
 from pipelang.compiler import Compilation
 from pipelang.evaluate import MAX_OPS
-from pipelang.ir import COMPUTE_KINDS, COST_KINDS, CostModel, Program, cost_problem
+from pipelang.ir import COMPUTE_KINDS, COST_KINDS, CostModel, Program, cost_problem, stage_problem
 from pipelang.readers import ReadError, read_number_rows, whole_number
 
 if TYPE_CHECKING:
@@ -245,12 +245,10 @@ def parse_cost(spec: str) -> CostModel:
 def check_cost_stages(costs: CostModel, spec: str, program: Program) -> None:
     """A `--cost` entry for a stage the schedule does not have is a usage error, not
     ignored."""
-    extra = sorted(s for s in costs.stages() if s >= program.num_stages)
-    if extra:
-        raise UsageError(
-            f"`--cost {spec}`: {program.name} has no stage {extra[0]} "
-            f"(its stages are 0..{program.num_stages - 1})"
-        )
+    for kind, stage, _ in costs.entries:
+        problem = None if stage is None else stage_problem(kind, stage, program.num_stages)
+        if problem is not None:
+            raise UsageError(f"`--cost {spec}`: {program.name}: {problem}")
 
 
 # ---- files ----------------------------------------------------------------------------------

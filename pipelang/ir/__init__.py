@@ -46,6 +46,7 @@ from pipelang.ir.costs import (
     CostModel,
     cost_problem,
     shape_work,
+    stage_problem,
 )
 from pipelang.ir.program import Dependency, Pipeline, Program, WeightPolicy
 
@@ -69,4 +70,5 @@ __all__ = [
     "WeightPolicy",
     "cost_problem",
     "shape_work",
+    "stage_problem",
 ]

@@ -148,6 +148,22 @@ def cost_problem(kind: str, value: float) -> str | None:
     return None
 
 
+def stage_problem(kind: str, stage: int, num_stages: int) -> str | None:
+    """What is wrong with a cost entry `kind[stage]` for a schedule of `num_stages`
+    stages, None when nothing: the one rule for `cost` lines, `--cost` and
+    `synthesize`. `C[b]` names the boundary between stages b and b + 1."""
+    if kind == "C":
+        if not 0 <= stage < num_stages - 1:
+            return (
+                f"`C[{stage}]` names no stage boundary: `C[b]` is the link between stages b "
+                f"and b + 1, and the schedule's boundaries are 0..{num_stages - 2}"
+            )
+        return None
+    if not 0 <= stage < num_stages:
+        return f"the schedule has no stage {stage} (its stages are 0..{num_stages - 1})"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """Time of each op kind (`F`, `B`, `W`, `R`, `P`), of one transfer (`C`; `C[b]` the

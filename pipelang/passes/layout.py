@@ -34,6 +34,7 @@ from pipelang.ir import (
     Pipeline,
     WeightPolicy,
     placement,
+    stage_problem,
 )
 from pipelang.orders import Layout
 
@@ -297,13 +298,9 @@ def _costs(schedule: ast.Schedule, scope: Scope, env: Env, num_stages: int) -> C
         if isinstance(decl, ast.Cost):
             for item in decl.items:
                 stage = None if item.stage is None else compile_int(item.stage, scope)(env)
-                if stage is not None and not 0 <= stage < num_stages:
-                    raise fail(
-                        "E0209",
-                        f"`cost {item.kind}[{stage}]`: the schedule has no stage {stage} "
-                        f"(its stages are 0..{num_stages - 1})",
-                        item.span,
-                    )
+                problem = None if stage is None else stage_problem(item.kind, stage, num_stages)
+                if problem is not None:
+                    raise fail("E0209", f"`cost {item.kind}[{stage}]`: {problem}", item.span)
                 entries.append((item.kind, stage, item.value))
     return CostModel().merged(CostModel(tuple(entries)))
 
