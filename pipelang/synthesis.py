@@ -176,7 +176,7 @@ def synthesize(
             f"no order holds at most {max_activations:g} activations on every rank: {why}",
             help=f"the least cap any order meets here is {least:g}",
         )
-    known = starting_points(problem, sched, params, costs, own, max_activations)
+    known = starting_points(problem, sched, params, own, max_activations)
     stdlib = [k for k in known if k.name.startswith("stdlib ")]
     best_stdlib = min(stdlib, key=lambda k: k.makespan, default=None)
     start = min(known, key=lambda k: k.makespan)
@@ -487,14 +487,14 @@ def starting_points(
     problem: Problem,
     sched: str,
     params: Mapping[str, str] | None,
-    costs: CostModel | None,
     own: Compilation | None,
     cap: float | None,
 ) -> list[Known]:
     """The known orders that fit the cap: the schedule's own, every stdlib schedule on the
     same placement (compiled with D and N), and one micro-batch at a time (which always
     fits a cap the least cap allows). Each is timed as `pipelang simulate` times the
-    schedule it comes from."""
+    schedule it comes from, under the problem's costs."""
+    costs = problem.layout.costs
     found: list[Known] = []
 
     def add(name: str, compiled: Compilation) -> None:

@@ -110,18 +110,22 @@ def test_the_order_is_as_fast_as_an_exhaustive_search_finds(cost: str, cap: floa
 
 
 def test_a_file_of_placement_lines_alone_is_a_placement(tmp_path: Path) -> None:
+    """No order, and costs on its own `cost` line: the stdlib orders on the placement are
+    timed under those costs too."""
     path = tmp_path / "v.pipe"
     path.write_text(
         "schedule v(D: int = 2, N: int = 4) {\n"
         "    ops F, B, W\n"
+        "    cost F = 1, B = 1, W = 1, C = 0.5\n"
         "    pipeline main: stage s in 0..2 * D -> rank if s < D then s else 2 * D - 1 - s\n"
         "    microbatches 0..N -> main\n"
         "}\n"
     )
-    found = synthesize(str(path), costs=parse_cost("F=1,B=1,W=1,C=0.5"), time_limit=20)
+    found = synthesize(str(path), time_limit=20)
     zbv = api.compile_schedule("zbv", {"D": "2", "N": "4"}, costs=parse_cost("C=0.5,W=1"))
     assert found.best_stdlib is not None and found.best_stdlib.name == "stdlib zbv"
-    assert found.makespan <= zbv.timeline().makespan
+    assert found.best_stdlib.makespan == zbv.timeline().makespan == 26.5
+    assert found.makespan <= 26.5
     assert found.program.name == "v_synth"
 
 
