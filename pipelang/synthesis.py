@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
-from pipelang.diagnostics import PipelangError, fail
+from pipelang.diagnostics import InternalError, PipelangError, fail
 from pipelang.evaluate import Value
 from pipelang.import_torch import check_pipe, placement_expr
 from pipelang.ir import Action, CostModel, Kind, Program, deps, stage_problem
@@ -154,6 +154,7 @@ def synthesize(
     workers: int | None = None,
     profile: Profile | None = None,
     topology: Topology | None = None,
+    stage_bytes: Sequence[tuple[float, float]] | None = None,
 ) -> Synthesized:
     """The fastest order for the placement of `sched` (a path or a stdlib name, with
     `-p`-style `params`) under `costs` (over the schedule's `cost` lines, and over the
@@ -161,20 +162,22 @@ def synthesize(
     `profile_costs`), holding at most `max_activations` micro-batches of activations on
     any rank (None: no cap). `split` splits the backward into B and W (None: as the
     schedule does). The solver stops after `time_limit` seconds with the best order it
-    has; `name` is the written schedule's (default: the schedule's with `_synth`)."""
+    has; `name` is the written schedule's (default: the schedule's with `_synth`). With
+    `stage_bytes` (per stage, the bytes one forward saves and what W keeps of them after
+    B: `backends.measure.stage_activation_bytes`), activations and the cap are in bytes."""
     began = time.monotonic()
     solver = _solver_module()
     if profile is not None:
         measured = profile_costs(sched, params, profile, topology, split)
         costs = measured.merged(costs)
-    problem, own = problem_of(sched, params, costs, split)
-    kinds = problem.kinds
+    problem, own = problem_of(sched, params, costs, split, stage_bytes)
     least, why = problem.least_cap()
     if max_activations is not None and max_activations < least:
         raise fail(
             "E0601",
-            f"no order holds at most {max_activations:g} activations on every rank: {why}",
-            help=f"the least cap any order meets here is {least:g}",
+            f"no order holds at most {_amount(max_activations, problem)} of activations on "
+            f"every rank: {why}",
+            help=f"the least cap any order meets here is {_amount(least, problem)}",
         )
     known = starting_points(problem, sched, params, own, max_activations)
     stdlib = [k for k in known if k.name.startswith("stdlib ")]
@@ -190,7 +193,10 @@ def synthesize(
         timeline, status = compiled.timeline(), "kept"
     program = compiled.need_program()
     makespan = timeline.makespan
-    peak = max((timeline.peak_activations(r) for r in range(program.num_ranks)), default=0)
+    numbered = problem.numbered(program.ranks)
+    if numbered is None:
+        raise InternalError("the written order is not the problem's ops")
+    peak = problem.peak(numbered)
     result = Synthesized(
         text="",
         makespan=makespan,
@@ -205,7 +211,7 @@ def synthesize(
         exact_times=found.exact,
         program=program,
     )
-    header = _header(result, sched, params, costs, max_activations, kinds, time_limit)
+    header = _header(result, problem, sched, params, costs, max_activations, time_limit)
     return dataclasses.replace(result, text=write_pipe(problem, program.ranks, title, header))
 
 
@@ -269,13 +275,33 @@ def problem_of(
     params: Mapping[str, str] | None = None,
     costs: CostModel | None = None,
     split: bool | None = None,
+    stage_bytes: Sequence[tuple[float, float]] | None = None,
 ) -> tuple[Problem, Compilation | None]:
     """The ops to order for the placement of `sched` (see `synthesize`), and the
     schedule's compilation when it has an order of its own."""
     layout, own, file, bound = _placement(sched, params, costs)
+    if stage_bytes is not None and len(stage_bytes) != layout.num_stages:
+        raise InternalError(f"{len(stage_bytes)} stages' bytes for {layout.num_stages} stages")
     kinds = layout.kinds if split is None else SPLIT if split else WHOLE
     values = tuple((p.name, bound[p.name]) for p in file.schedule.params)
-    return Problem(layout, kinds, file.schedule.name, values), own
+    return Problem(layout, kinds, file.schedule.name, values, stage_bytes), own
+
+
+def stages_of(
+    sched: str, params: Mapping[str, str] | None = None
+) -> tuple[int, tuple[int, ...] | None]:
+    """The placement's stage count and its `partition` line (None: even), what measuring a
+    model's bytes per stage needs."""
+    layout, _, file, _ = _placement(sched, params, None)
+    partition = read_partition(file.schedule, layout.scope, layout.env, layout.num_stages)
+    return layout.num_stages, partition
+
+
+def _amount(value: float, problem: Problem) -> str:
+    """A number of activations as the problem counts them."""
+    if problem.stage_bytes is None:
+        return f"{value:g} micro-batches"
+    return f"{value:,.0f} bytes"
 
 
 def profile_costs(
@@ -350,11 +376,15 @@ class Problem:
         kinds: Sequence[Kind],
         name: str = "placement",
         params: tuple[tuple[str, Value], ...] = (),
+        stage_bytes: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         self.layout, self.kinds, self.name = layout, tuple(kinds), name
         self.params = params
         """The schedule's parameters and their values: the written file declares them,
         each required to be what the order was found for."""
+        self.stage_bytes = stage_bytes
+        """Per stage, the bytes one forward saves and what W keeps of them after B: then
+        activations are counted in bytes, else in micro-batches."""
         self.costs = costs = layout.costs.for_kinds(self.kinds)
         self.ops = [
             Action(kind, mb, stage, pipe)
@@ -387,9 +417,21 @@ class Problem:
             for i, op in enumerate(self.ops)
         ]
         self.w = memory.kinds_w_share(self.kinds, costs)
+        sizes = [1.0] * layout.num_stages
+        if stage_bytes is not None:
+            sizes = [saved for saved, _ in stage_bytes]
+            shares = [kept / saved if saved else 0.0 for saved, kept in stage_bytes]
+            self.w = None if Kind.W not in self.kinds else (lambda stage: shares[stage or 0])
+        self.sizes = sizes
+        """What one forward holds on each stage: 1 micro-batch, or its bytes."""
         self.changes = [
-            memory.change(op.kind, None if self.w is None else self.w(op.stage)) for op in self.ops
+            memory.change(op.kind, None if self.w is None else self.w(op.stage))
+            * sizes[op.stage or 0]
+            for op in self.ops
         ]
+        self.memory_scale = MEMORY_SCALE if stage_bytes is None else 1.0
+        """The solver counts activations in these integer units per micro-batch (bytes
+        are integers already)."""
 
     @property
     def size(self) -> int:
@@ -415,27 +457,38 @@ class Problem:
         )
 
     def peak(self, orders: Sequence[Sequence[int]]) -> float:
-        """The most activations a rank holds along `orders` (`sim.memory.held`)."""
-        return max((memory.peak((self.ops[i] for i in row), self.w) for row in orders), default=0.0)
+        """The most activations a rank holds along `orders`, in micro-batches or bytes
+        (`sim.memory.peak`, `peak_bytes`)."""
+        if self.stage_bytes is None:
+            rows = (memory.peak((self.ops[i] for i in row), self.w) for row in orders)
+        else:
+            rows = (
+                memory.peak_bytes((self.ops[i] for i in row), self.w, self.sizes) for row in orders
+            )
+        return max(rows, default=0.0)
 
     def least_cap(self) -> tuple[float, str]:
         """The fewest activations some rank holds under any order, and why: when a
         micro-batch's last forward runs, no backward of it can have run, so every rank
         holds all its stages of that micro-batch's pipeline."""
-        most, why = 0, ""
+        most, why = 0.0, ""
         for pipe in self.layout.pipelines:
             if pipe.name not in self.layout.assignment:
                 continue
-            counts = {rank: pipe.placement.count(rank) for rank in set(pipe.placement)}
-            rank = min(counts, key=lambda r: (-counts[r], r))
-            if counts[rank] > most:
-                most = counts[rank]
+            held: dict[int, float] = {}
+            for stage, rank in enumerate(pipe.placement):
+                held[rank] = held.get(rank, 0.0) + self.sizes[stage]
+            rank = min(held, key=lambda r: (-held[r], r))
+            if held[rank] > most:
+                most = held[rank]
+                stages = pipe.placement.count(rank)
+                amount = f" ({most:,.0f} bytes)" if self.stage_bytes is not None else ""
                 why = (
-                    f"rank {rank} holds {most} stage(s) of pipeline `{pipe.name}`, and a "
-                    "micro-batch's forwards on all of them are held at once, before its "
-                    "first backward"
+                    f"rank {rank} holds {stages} stage(s) of pipeline `{pipe.name}`{amount}, "
+                    "and a micro-batch's forwards on all of them are held at once, before "
+                    "its first backward"
                 )
-        return float(most), why
+        return most, why
 
     def numbered(self, ranks: Sequence[Sequence[Action]]) -> tuple[tuple[int, ...], ...] | None:
         """Each rank's op numbers for an order of Actions; where the order's backward is
@@ -501,11 +554,9 @@ def starting_points(
         numbered = problem.numbered(compiled.need_program().ranks)
         if numbered is None:
             return
-        timeline = compiled.timeline(costs)
-        program = compiled.need_program()
-        peak = max(timeline.peak_activations(r) for r in range(program.num_ranks))
+        peak = problem.peak(numbered)
         if cap is None or peak <= cap + 1e-9:
-            found.append(Known(name, numbered, timeline.makespan, peak))
+            found.append(Known(name, numbered, compiled.timeline(costs).makespan, peak))
 
     stdlib_path = api.find_schedule(sched)[1].startswith("<stdlib>")
     if own is not None:
@@ -693,10 +744,11 @@ def _rank_bound(problem: Problem, scaled: _Scaled) -> int:
 def _reservoirs(model, problem: Problem, starts, times: Sequence[int], cap: float) -> None:  # type: ignore[no-untyped-def]
     """Each rank's activations within the cap: a forward adds its activations at its
     start, a B and a W take theirs away at their ends (`sim.memory.change`)."""
-    limit = math.floor(cap * MEMORY_SCALE + 1e-6)
+    scale = problem.memory_scale
+    limit = math.floor(cap * scale + 1e-6)
     events: list[tuple[list[object], list[int]]] = [([], []) for _ in range(problem.num_ranks)]
     for i, change in enumerate(problem.changes):
-        amount = round(change * MEMORY_SCALE)
+        amount = round(change * scale)
         if amount == 0:
             continue
         at = starts[i] if amount > 0 else starts[i] + times[i]
@@ -835,11 +887,11 @@ def check_text(text: str) -> Compilation:
 
 def _header(
     result: Synthesized,
+    problem: Problem,
     sched: str,
     params: Mapping[str, str] | None,
     costs: CostModel | None,
     cap: float | None,
-    kinds: Sequence[Kind],
     time_limit: float,
 ) -> str:
     """The comment block at the top of the written file: inputs and results."""
@@ -847,8 +899,12 @@ def _header(
     stdlib = result.best_stdlib
     rows = [
         f"Synthesized by `pipelang synthesize` from the placement of {sched} {given}".rstrip(),
-        f"ops {', '.join(k.value for k in kinds)}; costs on the `cost` lines below; "
-        + ("no cap on activations" if cap is None else f"at most {cap:g} activations per rank"),
+        f"ops {', '.join(k.value for k in problem.kinds)}; costs on the `cost` lines below; "
+        + (
+            "no cap on activations"
+            if cap is None
+            else f"at most {_amount(cap, problem)} of activations per rank"
+        ),
         f"makespan {as_number(result.makespan)}; lower bound {as_number(result.bound)} "
         f"(gap {result.gap:.1%}); solver: {result.status} in {result.seconds:.1f} s "
         f"(limit {time_limit:g} s), {result.ops} ops",
@@ -859,8 +915,8 @@ def _header(
             if stdlib is None
             else f"{stdlib.name.removeprefix('stdlib ')} (makespan {as_number(stdlib.makespan)})"
         ),
-        f"peak activations {as_number(result.peak)} per rank (least possible "
-        f"{as_number(result.least_cap)})",
+        f"peak activations {_amount(result.peak, problem)} on a rank (least possible "
+        f"{_amount(result.least_cap, problem)})",
     ]
     if not result.exact_times:
         rows.append("the solver saw the times rounded; the bound is for the rounded times")

@@ -5,6 +5,7 @@ search can tell, runs with `--check`, and loads in torch's own runtime."""
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -282,3 +283,51 @@ def test_a_profile_or_topology_that_does_not_fit_the_placement(
     (tmp_path / "t.yaml").write_text("nodes: 1\ngpus_per_node: 1\nmemory: 80GiB\n")
     status, _, err = run_in_process(["synthesize", "1f1b", "--profile", "p.json", *args])
     assert status == 1 and "error[E0604]" in err and message in err, err
+
+
+def test_a_cap_in_bytes_holds_as_simulate_measures_the_model(tmp_path: Path) -> None:
+    """Capped at the bytes 1F1B's fullest rank holds for gpt:tiny: `simulate --model`
+    (its own measurement, another path) finds every rank of the answer within the cap,
+    and its largest rank at the peak the synthesizer reported."""
+    one_f_one_b = ["1f1b", "-p", "D=4", "-p", "N=8", "--model", "gpt:tiny", "--json"]
+    status, text, err = run_in_process(["simulate", *one_f_one_b])
+    assert status == 0, err
+    cap = max(row["peak_activation_bytes"] for row in json.loads(text)["ranks"])
+    out = tmp_path / "s.pipe"
+    status, text, err = run_in_process(
+        ["synthesize", "1f1b", "-p", "D=4", "-p", "N=8", "--ops", "F,B,W",
+         "--cost", "F=1,B=1,W=1,C=0.5", "--model", "gpt:tiny",
+         "--max-activation-bytes", str(cap), "--time-limit", "20", "-o", str(out), "--json"]
+    )  # fmt: skip
+    assert status == 0, err
+    found = json.loads(text)
+    assert f"at most {cap:,} bytes of activations per rank" in out.read_text()
+    status, text, err = run_in_process(["simulate", str(out), "--model", "gpt:tiny", "--json"])
+    assert status == 0, err
+    peaks = [row["peak_activation_bytes"] for row in json.loads(text)["ranks"]]
+    assert max(peaks) <= cap and max(peaks) == found["peak_activations"]
+    assert found["makespan"] < found["best_stdlib"]["makespan"]  # bytes, not counts, bind
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-activation-bytes", "1MiB"], "--max-activation-bytes and --model go together"),
+        (["--model", "gpt:tiny"], "--max-activation-bytes and --model go together"),
+        (["--max-activation-bytes", "1MiB", "--model", "gpt:tiny", "--max-activations", "4"],
+         "give the cap once"),
+        (["--max-activation-bytes", "lots", "--model", "gpt:tiny"], "cannot read `lots`"),
+    ],
+)  # fmt: skip
+def test_bad_byte_caps_are_usage_errors(args: list[str], message: str) -> None:
+    status, _, err = run_in_process(["synthesize", "1f1b", "-p", "D=4", *args])
+    assert status == 2 and message in err, err
+
+
+def test_a_byte_cap_below_what_any_order_meets_names_the_bytes() -> None:
+    status, _, err = run_in_process(
+        ["synthesize", "1f1b", "-p", "D=4", "--model", "gpt:tiny",
+         "--max-activation-bytes", "1KiB"]
+    )  # fmt: skip
+    assert status == 1 and "error[E0601]: no order holds at most 1,024 bytes" in err, err
+    assert "the least cap any order meets here is" in err and "bytes" in err

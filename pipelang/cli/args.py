@@ -69,6 +69,19 @@ def positive_number(text: str) -> float:
     return _number(text, "a number", False, "a number more than 0")
 
 
+def byte_size(text: str) -> float:
+    """An argparse type: a size in bytes more than 0 (`40MiB`, `2GB`, `1e9`)."""
+    from pipelang.planner.units import UnitError, parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except UnitError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"`{text}`: a size more than 0")
+    return value
+
+
 def non_negative_number(text: str) -> float:
     """An argparse type: a finite number of at least 0."""
     return _number(text, "a number", True, "a number of at least 0")

@@ -9,7 +9,9 @@ from rich.table import Table
 
 from pipelang.cli.args import (
     UsageError,
+    add_model_arguments,
     add_param_options,
+    byte_size,
     parse_cost,
     parse_params,
     path,
@@ -77,6 +79,16 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "(what `check --max-activations` counts; default: no cap)",
     )
     parser.add_argument(
+        "--max-activation-bytes",
+        type=byte_size,
+        metavar="SIZE",
+        help="the cap in bytes (40MiB, 2GB) of saved activations, each stage's measured "
+        "for --model as `simulate --model` counts them (and what W keeps after B)",
+    )
+    add_model_arguments(
+        parser, default_model=None, purpose="with --max-activation-bytes, measure this model: "
+    )
+    parser.add_argument(
         "--ops",
         choices=("F,B,W", "F,B"),
         help="split the backward into B and W (F,B,W) or not (F,B); default: as SCHED does",
@@ -108,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise UsageError("--workers must be at least 1")
+    if args.max_activation_bytes is not None and args.max_activations is not None:
+        raise UsageError("give the cap once: --max-activations or --max-activation-bytes")
+    if (args.max_activation_bytes is None) != (args.model is None):
+        raise UsageError("--max-activation-bytes and --model go together: the cap in bytes "
+                         "of the model's activations")  # fmt: skip
     if args.topology is not None and args.profile is None:
         raise UsageError("--topology times a profile's transfers: give --profile too")
     if args.name is not None and not args.name.isidentifier():
@@ -117,17 +134,21 @@ def run(args: argparse.Namespace) -> int:
     from pipelang.planner.profile import load_profile
     from pipelang.planner.topology import load_topology
 
+    params = parse_params(args.params)
+    stage_bytes = None if args.model is None else _stage_bytes(args, params)
+
     result = synthesize(
         args.sched,
-        parse_params(args.params),
+        params,
         costs=parse_cost(args.cost) if args.cost else None,
-        max_activations=args.max_activations,
+        max_activations=args.max_activations or args.max_activation_bytes,
         split=None if args.ops is None else args.ops == "F,B,W",
         time_limit=args.time_limit,
         name=args.name,
         workers=args.workers,
         profile=None if args.profile is None else load_profile(args.profile),
         topology=None if args.topology is None else load_topology(args.topology),
+        stage_bytes=stage_bytes,
     )
     if args.out is not None:
         write_output(args.out, result.text)
@@ -141,10 +162,11 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"synthesized {args.out}")
     for column in ("order", "makespan", "peak activations"):
         table.add_column(column, justify="right" if column != "order" else "left")
-    table.add_row("synthesized", str(as_number(result.makespan)), str(as_number(result.peak)))
+    held = (lambda n: f"{n:,.0f} B") if stage_bytes is not None else (lambda n: f"{n:g}")
+    table.add_row("synthesized", str(as_number(result.makespan)), held(result.peak))
     stdlib = result.best_stdlib
     if stdlib is not None:
-        table.add_row(stdlib.name, str(as_number(stdlib.makespan)), str(as_number(stdlib.peak)))
+        table.add_row(stdlib.name, str(as_number(stdlib.makespan)), held(stdlib.peak))
     table.add_row("lower bound", str(as_number(result.bound)), "")
     out.print(table)
     out.print(
@@ -152,3 +174,18 @@ def run(args: argparse.Namespace) -> int:
         f"({result.ops} ops)"
     )
     return 0
+
+
+def _stage_bytes(args: argparse.Namespace, params: dict[str, str]) -> list[tuple[int, int]]:
+    """Per stage of SCHED's placement, the bytes one forward of `--model` saves and what W
+    keeps of them, measured as `simulate --model` measures them."""
+    from pipelang.backends.measure import stage_activation_bytes
+    from pipelang.backends.models import ModelError, ModelSpec
+    from pipelang.synthesis import stages_of
+
+    stages, partition = stages_of(args.sched, params)
+    spec = ModelSpec(args.model, args.seq_len, args.micro_batch_size, args.dtype, args.seed)
+    try:
+        return stage_activation_bytes(spec, stages, partition)
+    except ModelError as err:
+        raise UsageError(str(err)) from None
