@@ -178,7 +178,9 @@ class Launcher:
                 with passing_sigterm(self.status):
                     self._watch()
             finally:
-                self._stop_all()
+                # Interrupted (Ctrl-C): the ranks are stopped at once; else finished ranks
+                # get a moment to exit (and ranks stopping at a step, to save).
+                self._stop_all(graceful=not isinstance(sys.exc_info()[1], KeyboardInterrupt))
             if self.failures:
                 raise self._failure_report()
         return Outcome([self.results[r] for r in range(self.world)], self.losses)
@@ -342,10 +344,11 @@ class Launcher:
                 parts.append(f"--- rank {rank} log ---\n{text[-4000:]}")
         return "\n" + "\n".join(parts) if parts else ""
 
-    def _stop_all(self) -> None:
-        """Let finished ranks exit; kill whatever is left (a rank takes SIGTERM as a
-        request to stop at its next step, backends/termination.py)."""
-        if not self.failures:
+    def _stop_all(self, graceful: bool) -> None:
+        """Let finished ranks exit (`graceful`, and none failed); kill whatever is left (a
+        rank takes SIGTERM as a request to stop at its next step,
+        backends/termination.py)."""
+        if graceful and not self.failures:
             deadline = time.monotonic() + 5.0
             for proc in self.procs:
                 if proc.pid is not None:

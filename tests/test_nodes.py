@@ -141,12 +141,12 @@ def test_sigterm_stops_every_rank_at_a_step_saves_and_exits_143(tmp_path: Path) 
     save = tmp_path / "ckpt"
     argv = [sys.executable, "-m", "pipelang.cli", *RUN_1F1B[1:], "--save", str(save)]
     proc = subprocess.Popen(
-        [*argv, "--steps", "100000", "--save-every", "2"],
+        [*argv, "--steps", "100000", "--save-every", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for(save / "step-2" / "pipelang.json", proc)
+    _wait_for(save / "step-1" / "pipelang.json", proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
@@ -171,8 +171,8 @@ def test_sigterm_under_torchrun_saves_the_step_every_rank_stopped_at(tmp_path: P
     save = tmp_path / "ckpt"
     (launcher,) = _nodes(
         ["--no-python", *RUN_1F1B, "--steps", "100000", "--save", str(save),
-         "--save-every", "3"], 1, 2)  # fmt: skip
-    _wait_for(save / "step-3" / "pipelang.json", launcher)
+         "--save-every", "1"], 1, 2)  # fmt: skip
+    _wait_for(save / "step-1" / "pipelang.json", launcher)
     launcher.send_signal(signal.SIGTERM)  # torchrun passes it to its ranks
     out = launcher.communicate(timeout=90)[0]
     stopped = [line for line in out.splitlines() if line.startswith("terminated (SIGTERM)")]
