@@ -15,6 +15,7 @@ from pipelang.cli.args import (
     parse_cost,
     parse_params,
     path,
+    positive,
     positive_number,
     schedule_name,
     write_output,
@@ -91,6 +92,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ops",
         choices=("F,B,W", "F,B"),
+        metavar="F,B,W|F,B",
         help="split the backward into B and W (F,B,W) or not (F,B); default: as SCHED does",
     )
     parser.add_argument(
@@ -103,8 +105,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=int,
-        default=None,
+        type=positive,
         metavar="K",
         help="solver threads (default: cores, at most 8)",
     )
@@ -118,8 +119,6 @@ def setup(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipelang.synthesis import synthesize
 
-    if args.workers is not None and args.workers < 1:
-        raise UsageError("--workers must be at least 1")
     if args.max_activation_bytes is not None and args.max_activations is not None:
         raise UsageError("give the cap once: --max-activations or --max-activation-bytes")
     if (args.max_activation_bytes is None) != (args.model is None):
