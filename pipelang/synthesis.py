@@ -2,7 +2,8 @@
 
 Given a schedule's placement (its `pipeline` and `microbatches` lines; an order it has is
 one starting point among others), its op kinds, a cost model and a cap on the
-activations any rank holds, find each rank's order of compute ops that ends soonest, and
+activations any rank holds (in micro-batches, or in bytes from each stage's measured
+activations), find each rank's order of compute ops that ends soonest, and
 write it as a `.pipe` file with explicit `order rank r` blocks.
 
 The model is the simulator's, so that the order found simulates to the makespan reported:
@@ -28,14 +29,16 @@ any order can meet), and the answer is never slower than that order. The solver'
 holds for every order of these ops on this placement: the first forwards of a pipeline
 are taken in micro-batch order, which loses nothing, since its micro-batches are alike.
 
-    synthesize("1f1b", {"D": "4", "N": "8"}, costs=F=1,B=1,W=1, max_activations=4)
+    synthesize("1f1b", {"D": "4", "N": "8"}, costs=<F=1,B=1,W=1,C=0.5>,
+               max_activations=6, split=True)
   =>
-    Synthesized(makespan=27, bound=27, status="optimal", best_stdlib=zb-h1 at 27, ...)
+    Synthesized(makespan=28.5, bound=28.5, status="optimal", best_stdlib=zb-h1 at 33, ...)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import graphlib
 import math
 import os
 import time
@@ -787,21 +790,9 @@ def _orders(
 
 
 def _topological(problem: Problem) -> list[int]:
-    waiting = [len(inputs) for inputs in problem.inputs]
-    consumers: list[list[int]] = [[] for _ in range(problem.size)]
-    for v, inputs in enumerate(problem.inputs):
-        for u, _ in inputs:
-            consumers[u].append(v)
-    ready = [v for v, count in enumerate(waiting) if count == 0]
-    order = []
-    while ready:
-        u = ready.pop()
-        order.append(u)
-        for v in consumers[u]:
-            waiting[v] -= 1
-            if waiting[v] == 0:
-                ready.append(v)
-    return order
+    """The ops in an order that puts every op after its inputs."""
+    graph = {v: [u for u, _ in inputs] for v, inputs in enumerate(problem.inputs)}
+    return list(graphlib.TopologicalSorter(graph).static_order())
 
 
 # ---- the written schedule -------------------------------------------------------------------

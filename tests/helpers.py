@@ -233,6 +233,24 @@ def pipelang_cmd(*args: str, cwd: Path, timeout: float = 60) -> subprocess.Compl
     return proc
 
 
+def pipelang_here(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`pipelang_cmd` in this process, in `cwd` with the same 100 columns and the same
+    checks, but no Python start-up (seconds, with torch): for tests of what a command
+    does rather than of the process around it. (`timeout` is `pipelang_cmd`'s.)"""
+    here, columns = Path.cwd(), os.environ.get("COLUMNS")
+    os.chdir(cwd)
+    os.environ["COLUMNS"] = "100"
+    try:
+        status, out, err = run_in_process(list(args))
+    finally:
+        os.chdir(here)
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+    return subprocess.CompletedProcess(list(args), status, out, err)
+
+
 def run_in_process(args: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -34,7 +34,7 @@ from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
 from pipelang.planner.write import plan_source
-from tests.helpers import make_profile, pipelang_cmd, replay, run_in_process
+from tests.helpers import make_profile, pipelang_here, replay, run_in_process
 
 MiB = 2**20
 
@@ -293,7 +293,7 @@ def test_written_data_parallel_plan_runs_with_its_dp(tmp_path: Path) -> None:
     path = tmp_path / "dp.pipe"
     path.write_text(plan_source(plan, planner, "p.json", "t.yaml"))
     assert "run with `pipelang run THIS.pipe --dp 2`" in path.read_text()
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "run", str(path), "--model", "pipelang.planner.demo:unbalanced", "--backend", "gloo",
         "--dp", "2", "--steps", "1", "--check", cwd=tmp_path, timeout=180,
     )  # fmt: skip
@@ -377,9 +377,9 @@ def test_written_plan_passes_check_and_round_trips(tmp_path: Path) -> None:
     text = path.read_text()
     assert text.startswith("# Plan from `pipelang plan`")
     assert "partition " in text and "cost F[0] = " in text
-    proc = pipelang_cmd("check", str(path), cwd=tmp_path)
+    proc = pipelang_here("check", str(path), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    proc = pipelang_cmd("viz", str(path), "-o", str(tmp_path / "t.txt"), cwd=tmp_path)
+    proc = pipelang_here("viz", str(path), "-o", str(tmp_path / "t.txt"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -402,7 +402,7 @@ def test_run_takes_the_partition_from_the_schedule(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_written_plan_runs_with_gloo(tmp_path: Path) -> None:
     path = plan_for_demo(tmp_path, schedules=("1f1b",))
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "run",
         str(path),
         "--model",
@@ -459,7 +459,7 @@ def test_bad_partition_statement(tmp_path: Path, text: str, message: str) -> Non
 @pytest.mark.slow
 def test_profile_command_measures_every_layer(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "profile",
         "--model",
         "gpt:tiny",
@@ -500,7 +500,7 @@ def test_profile_command_measures_every_layer(tmp_path: Path) -> None:
 def test_profile_calibrate_runs_the_model_and_reads_its_trace(tmp_path: Path) -> None:
     """`--calibrate gloo` end to end: a real 2-rank run of the model, its trace read back."""
     out = tmp_path / "p.json"
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "profile", "--model", "gpt:tiny", "-o", str(out), "--repeats", "2", "--threads", "1",
         "--calibrate", "gloo", "--calibrate-rounds", "1", cwd=tmp_path, timeout=180,
     )  # fmt: skip
@@ -554,7 +554,7 @@ def write_inputs(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def plan_cmd(tmp_path: Path, *extra: str) -> object:
-    return pipelang_cmd(
+    return pipelang_here(
         "plan",
         "--profile",
         "p.json",
@@ -1300,4 +1300,4 @@ def test_text_from_the_inputs_cannot_add_lines_to_the_written_plan(tmp_path: Pat
     text = (tmp_path / "best.pipe").read_text()
     assert "m\\nfn evil() = 1\\r# x" in text and "a\\nfn bad() = 2" in text
     assert not [line for line in text.splitlines() if line.lstrip().startswith("fn")]
-    assert pipelang_cmd("check", "best.pipe", cwd=tmp_path).returncode == 0
+    assert pipelang_here("check", "best.pipe", cwd=tmp_path).returncode == 0

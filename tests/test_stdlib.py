@@ -20,7 +20,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -34,7 +33,7 @@ from pipelang.export import to_torch_csv
 from pipelang.import_torch import check_pipe, import_torch
 from pipelang.ir import CostModel, Kind, Program
 from pipelang.sim.timeline import Timeline
-from tests.helpers import replay
+from tests.helpers import replay, run_in_process
 
 torch_pipelining = pytest.importorskip("torch.distributed.pipelining")
 from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E402
@@ -188,24 +187,10 @@ def test_torch_1f1b_off_by_one_is_only_on_the_last_rank() -> None:
 @pytest.mark.slow
 def test_chimera_fig3_per_rank_order() -> None:
     """Chimera (Li & Hoefler, SC'21) Fig. 3, D = 4, N = 4 [P]: each worker's order."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipelang.cli",
-            "export",
-            "chimera",
-            "-p",
-            "D=4",
-            "-p",
-            "N=4",
-            "--format",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    status, out, err = run_in_process(
+        ["export", "chimera", "-p", "D=4", "-p", "N=4", "--format", "json"]
+    )
+    assert status == 0, err
     ranks = json.loads(out)["ranks"]
     shown = [" ".join(f"{o['op']}{o['mb']}{o['pipeline'][0]}" for o in r["ops"]) for r in ranks]
     assert shown == [
@@ -516,12 +501,8 @@ def test_stdlib_requires(name: str, params: dict[str, int], message: str) -> Non
 
 
 def test_list_shows_every_schedule_with_a_summary() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "pipelang.cli", "list", "--format", "json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    status, out, err = run_in_process(["list", "--format", "json"])
+    assert status == 0, err
     rows = {row["name"]: row for row in json.loads(out)}
     assert sorted(rows) == api.stdlib_names()
     for row in rows.values():
@@ -578,9 +559,8 @@ def our_rows_of(prog: Program) -> list[list[str]]:
 
 
 def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipelang.cli", *map(str, args)], capture_output=True, text=True
-    )
+    status, out, err = run_in_process([str(a) for a in args])
+    return subprocess.CompletedProcess(list(args), status, out, err)
 
 
 @pytest.mark.slow

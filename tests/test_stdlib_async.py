@@ -12,8 +12,8 @@ update).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,7 @@ from pipelang.import_torch import check_pipe
 from pipelang.ir import Action, CostModel, Kind, Program
 from pipelang.sim.timeline import Timeline
 from pipelang.weights import weight_versions
-from tests.helpers import at, errors, replay
+from tests.helpers import at, errors, replay, run_in_process
 
 UNIT = CostModel((("F", None, 1.0), ("B", None, 1.0), ("C", None, 0.0)))
 
@@ -42,9 +42,9 @@ def timeline(name: str, **params: int) -> Timeline:
 
 
 def pipelang(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipelang.cli", *args], capture_output=True, text=True, timeout=120
-    )
+    """`pipelang ARGS` in this process (tests/test_cli.py runs the command as a process)."""
+    status, out, err = run_in_process(list(args))
+    return subprocess.CompletedProcess(list(args), status, out, err)
 
 
 SWEEP = [(D, N) for D in (1, 2, 3, 4, 6) for N in (D, 2 * D + 1, 4 * D)]
@@ -238,13 +238,12 @@ def test_simulate_json_per_rank() -> None:
 def test_run_refuses_asynchronous_schedules_with_dp_before_any_rank(tmp_path: Path) -> None:
     # asynchronous schedules run (tests/test_runtime_async.py), but not with --dp
     command = ["run", "pipedream", "--model", "gpt:tiny", "--dp", "2"]
-    done = subprocess.run(
-        [sys.executable, "-m", "pipelang.cli", *command],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    here = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        done = pipelang(*command)
+    finally:
+        os.chdir(here)
     assert done.returncode == 1
     assert done.stderr.startswith("error: `pipedream` is asynchronous (`weights stash`)")
     assert "with --dp yet" in done.stderr and "Traceback" not in done.stderr

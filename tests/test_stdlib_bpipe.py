@@ -9,7 +9,6 @@ for a two-rank program. The expected peaks are derived below from those facts al
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from pipelang.diagnostics import PipelangError
 from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
 from pipelang.passes.validate.lowered import check_lowered
 from pipelang.sim.timeline import Timeline
-from tests.helpers import replay
+from tests.helpers import replay, run_in_process
 
 SIZES = [(D, N) for D in (4, 6, 8) for N in (D, D + 1, 2 * D, 3 * D + 1)]
 
@@ -259,9 +258,9 @@ def test_max_activations_counts_evictions() -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipelang.cli", *args], capture_output=True, text=True, check=False
-    )
+    """`pipelang ARGS` in this process (tests/test_cli.py runs the command as a process)."""
+    status, out, err = run_in_process(list(args))
+    return subprocess.CompletedProcess(list(args), status, out, err)
 
 
 @pytest.mark.slow

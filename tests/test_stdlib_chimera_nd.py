@@ -32,7 +32,7 @@ from pipelang.cli.args import add_run_arguments, config_from_args
 from pipelang.compiler import Options, run_passes
 from pipelang.ir import Action, CostModel, Kind, Program
 from pipelang.sim.timeline import Timeline
-from tests.helpers import replay
+from tests.helpers import replay, run_in_process
 
 NAMES = ("chimera-fwd-double", "chimera-bwd-half")
 
@@ -339,12 +339,7 @@ RUN_OPTIONS += ["--steps", "2", "--check"]
 
 @pytest.mark.slow
 def test_cli_run_fwd_double_with_adam() -> None:
-    """The command of the docs page, as a user types it (adam is the default)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pipelang.cli", "run", "chimera-fwd-double", *RUN_OPTIONS],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "check OK" in done.stdout
+    """The command of the docs page (adam is the default), in this process."""
+    status, out, err = run_in_process(["run", "chimera-fwd-double", *RUN_OPTIONS])
+    assert status == 0, err
+    assert "check OK" in out

@@ -19,7 +19,7 @@ from pipelang.ir import Kind
 from pipelang.passes.check_streams import check_streams
 from pipelang.sim import memory
 from pipelang.streams import StreamProgram
-from tests.helpers import pipelang_cmd
+from tests.helpers import pipelang_here
 
 LOWERED = [name for name in api.stdlib_names() if name != "bpipe"]
 
@@ -84,7 +84,7 @@ def test_deleting_any_wait_fails_the_check(name: str, params: dict[str, int]) ->
 def test_a_race_names_the_read_the_slot_and_the_write(tmp_path: Path) -> None:
     """Rank 1 of 1F1B waits for its receive before the forward that reads it; without
     that wait, the forward races with the receive."""
-    dump = pipelang_cmd(
+    dump = pipelang_here(
         "compile", "1f1b", "-p", "D=2", "-p", "N=2", "--dump-after", "streams", cwd=tmp_path
     ).stdout
     lines = dump.split("\n")
@@ -94,9 +94,9 @@ def test_a_race_names_the_read_the_slot_and_the_write(tmp_path: Path) -> None:
     (tmp_path / "ok.txt").write_text(dump)
     (tmp_path / "racy.txt").write_text("\n".join(lines[: read - 1] + lines[read:]))
 
-    ok = pipelang_cmd("check-streams", "ok.txt", cwd=tmp_path)
+    ok = pipelang_here("check-streams", "ok.txt", cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("ok: ")
-    racy = pipelang_cmd("check-streams", "racy.txt", cwd=tmp_path)
+    racy = pipelang_here("check-streams", "racy.txt", cwd=tmp_path)
     assert racy.returncode == 1
     # (the same missing wait also breaks the chain that let rank 0 reuse a slot: that
     # race is reported too, first, as diagnostics are sorted by line)
@@ -136,7 +136,7 @@ def test_wait_before_record_and_unreadable_lines(tmp_path: Path) -> None:
     assert caught.value.diagnostics[0].code == "E0505"
 
     (tmp_path / "bad.txt").write_text("r0.compute  F0@0\n")
-    bad = pipelang_cmd("check-streams", "bad.txt", cwd=tmp_path)
+    bad = pipelang_here("check-streams", "bad.txt", cwd=tmp_path)
     assert bad.returncode == 1
     assert bad.stderr.startswith("error[E0501]: not a stream program line")
     assert "bad.txt:1:1" in bad.stderr
@@ -169,7 +169,7 @@ def test_simulate_reports_the_slots(tmp_path: Path) -> None:
     peak activations (Chimera has no split backward)."""
     import json
 
-    out = pipelang_cmd("simulate", "chimera", "--json", "--slots", cwd=tmp_path)
+    out = pipelang_here("simulate", "chimera", "--json", "--slots", cwd=tmp_path)
     assert out.returncode == 0
     ranks = json.loads(out.stdout)["ranks"]
     assert [r["slots"]["saved"] for r in ranks] == [r["peak_activations"] for r in ranks]
