@@ -510,6 +510,14 @@ CODES: dict[str, Code] = {
             "topology's device r, so it needs a device per rank.",
         ),
         Code(
+            "E0605",
+            "too many ops to synthesize",
+            "`pipelang synthesize` gives the solver every op of the iteration (micro-batches "
+            "x stages x op kinds), and the solver's memory grows with them: it takes at "
+            "most 8,192 ops (D = 16, N = 128 with B and W split is 6,144, about 650 MB). "
+            "Synthesize for fewer micro-batches or stages.",
+        ),
+        Code(
             "E0603",
             "solver not installed",
             "`pipelang synthesize` searches with OR-Tools' CP-SAT solver, an optional "

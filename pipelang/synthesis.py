@@ -71,6 +71,10 @@ rounded to `ROUNDED_STEPS` steps of the largest (the header says so)."""
 
 ROUNDED_STEPS = 100_000
 
+MAX_OPS = 8192
+"""The most ops the solver takes: D = 16, N = 128 with B and W split (6144 ops) solves
+in about 35 s within 650 MB here, and the solver's memory grows with the ops."""
+
 MEMORY_SCALE = 1000
 """Activations are counted in thousandths of a micro-batch inside the solver."""
 
@@ -174,6 +178,13 @@ def synthesize(
         measured = profile_costs(sched, params, profile, topology, split)
         costs = measured.merged(costs)
     problem, own = problem_of(sched, params, costs, split, stage_bytes)
+    if problem.size > MAX_OPS:
+        raise fail(
+            "E0605",
+            f"{problem.name} has {problem.size:,} ops here; `synthesize` orders at most "
+            f"{MAX_OPS:,}, which keep the solver within about 1 GiB",
+            help="synthesize for fewer micro-batches (N) or stages",
+        )
     least, why = problem.least_cap()
     if max_activations is not None and max_activations < least:
         raise fail(
