@@ -305,6 +305,11 @@ def _syntax_error(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
     )
 
 
+def keywords() -> frozenset[str]:
+    """The grammar's words (`schedule`, `pipeline`, `order`, ...), which no name may be."""
+    return frozenset(v for v in _literals().values() if v.isidentifier())
+
+
 def _misspelled_keyword(line_before: str) -> str | None:
     """ "did you mean `pipeline`?" when the line starts with a word that is no keyword but
     close to one (`pipline main: ...`, `lett x = 1`) and the parse failed right after it."""
@@ -312,10 +317,10 @@ def _misspelled_keyword(line_before: str) -> str | None:
     if found is None:
         return None
     word = found.group(1)
-    keywords = sorted({v for v in _literals().values() if v.isidentifier()})
-    if word in keywords:
+    words = sorted(keywords())
+    if word in words:
         return None
-    close = difflib.get_close_matches(word, keywords, n=1, cutoff=0.75)
+    close = difflib.get_close_matches(word, words, n=1, cutoff=0.75)
     return f"`{word}` is not a keyword: did you mean `{close[0]}`?" if close else None
 
 

@@ -41,17 +41,19 @@ import dataclasses
 import graphlib
 import math
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
-from pipelang.diagnostics import InternalError, PipelangError, fail
+from pipelang.diagnostics import InternalError, PipelangError, clip, fail
 from pipelang.evaluate import Value
 from pipelang.import_torch import check_pipe, placement_expr
 from pipelang.ir import Action, CostModel, Kind, Program, deps, stage_problem
 from pipelang.orders import Layout
+from pipelang.parser import keywords
 from pipelang.passes.layout import read_partition, read_weights, schedule_layout
 from pipelang.planner.costs import OpCosts, stage_outputs, stage_w_shares
 from pipelang.planner.partition import even_split
@@ -173,6 +175,10 @@ def synthesize(
     `stage_bytes` (per stage, the bytes one forward saves and what W keeps of them after
     B: `backends.measure.stage_activation_bytes`), activations and the cap are in bytes."""
     began = time.monotonic()
+    if name is not None and (
+        not re.fullmatch(r"[A-Za-z_]\w*", name, re.ASCII) or name in keywords()
+    ):
+        raise fail("usage", f"the schedule's name {clip(repr(name))} is not a name a .pipe allows")
     solver = _solver_module()
     if profile is not None:
         measured = profile_costs(sched, params, profile, topology, split)

@@ -16,6 +16,7 @@ from helpers import make_profile, run, run_in_process
 
 from pipelang import api
 from pipelang.cli.args import parse_cost
+from pipelang.diagnostics import PipelangError
 from pipelang.export import to_torch_csv
 from pipelang.import_torch import check_pipe
 from pipelang.ir import Kind
@@ -161,6 +162,7 @@ def test_a_missing_solver_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> No
         (["--max-activations", "0"], "--max-activations"),
         (["--time-limit", "-1"], "--time-limit"),
         (["--name", "a b"], "--name 'a b'"),
+        (["--name", "schedule"], "not a word of the language"),
         (["--ops", "F"], "--ops"),
     ],
 )
@@ -338,3 +340,8 @@ def test_more_ops_than_the_solver_takes_is_an_error_at_once() -> None:
     status, _, err = run_in_process(args)
     assert status == 1 and "error[E0605]: one_f_one_b has 9,600 ops here" in err, err
     assert "at most 8,192" in err
+
+
+def test_a_name_from_the_api_cannot_add_text_to_the_written_file() -> None:
+    with pytest.raises(PipelangError, match=r"is not a name a \.pipe allows"):
+        synthesize("1f1b", {"D": "2", "N": "2"}, name="x() {}\nschedule y")

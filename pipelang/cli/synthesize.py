@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from rich.table import Table
 
@@ -20,6 +21,7 @@ from pipelang.cli.args import (
     schedule_name,
     write_output,
 )
+from pipelang.parser import keywords
 from pipelang.progress import console
 from pipelang.sim.timeline import as_number
 
@@ -126,9 +128,12 @@ def run(args: argparse.Namespace) -> int:
                          "of the model's activations")  # fmt: skip
     if args.topology is not None and args.profile is None:
         raise UsageError("--topology times a profile's transfers: give --profile too")
-    if args.name is not None and not args.name.isidentifier():
+    if args.name is not None and (
+        not re.fullmatch(r"[A-Za-z_]\w*", args.name, re.ASCII) or args.name in keywords()
+    ):
         raise UsageError(
-            f"--name {args.name!r}: a schedule name is a letter or _ then letters, digits or _"
+            f"--name {args.name!r}: a schedule name is a letter or _ then letters, digits or "
+            "_, and not a word of the language"
         )
     from pipelang.planner.profile import load_profile
     from pipelang.planner.topology import load_topology
