@@ -320,7 +320,7 @@ def stages_of(
 def _amount(value: float, problem: Problem) -> str:
     """A number of activations as the problem counts them."""
     if problem.stage_bytes is None:
-        return f"{value:g} micro-batches"
+        return f"{value:g} micro-batch{'es' if value != 1 else ''}"
     return f"{value:,.0f} bytes"
 
 
