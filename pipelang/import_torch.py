@@ -31,7 +31,7 @@ from pathlib import Path
 from pipelang import ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import Diagnostic, PipelangError, clip, fail
-from pipelang.parser import parse_text, read_source
+from pipelang.parser import keywords, parse_text, read_source
 from pipelang.source import SourceFile, Span, one_line
 
 _ID = r"([0-9]{1,9})"  # a stage or micro-batch: ASCII digits, and few (any id past the
@@ -282,21 +282,10 @@ def placement_expr(placement: tuple[int, ...], ranks: int) -> tuple[str, str]:
     return expr, "as listed"
 
 
-# Words the grammar reserves; a schedule cannot be named after one of them.
-_KEYWORDS = frozenset(
-    re.findall(
-        r"\w+",
-        """import fn schedule int bool require let ops cost pipeline stage in rank microbatches
-        after for order greedy repeat every prefer priority cap if then else and or not true
-        false F B W R C""",
-    )
-)
-
-
 def schedule_name(path: Path) -> str:
     """An identifier made from the file's name: `zbv-4x8.csv` -> `zbv_4x8`."""
     name = re.sub(r"[^A-Za-z0-9_]", "_", path.stem)
-    if name in _KEYWORDS or not re.match(r"[A-Za-z_]", name):
+    if name in keywords() or not re.match(r"[A-Za-z_]", name):
         return f"imported_{name}"
     return name
 

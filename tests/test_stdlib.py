@@ -30,7 +30,7 @@ from pipelang import api, ast
 from pipelang.compiler import Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.export import to_torch_csv
-from pipelang.import_torch import check_pipe, import_torch
+from pipelang.import_torch import check_pipe, import_torch, schedule_name
 from pipelang.ir import CostModel, Kind, Program
 from pipelang.sim.timeline import Timeline
 from tests.helpers import replay, run_in_process
@@ -596,3 +596,15 @@ def test_schedules_readme_table_is_generated() -> None:
     assert f"{script.BEGIN}\n{script.table(8, 16, script.COSTS)}\n{script.END}" in readme, (
         "run `python benchmarks/stdlib_table.py --write`"
     )
+
+
+def test_a_csv_named_after_a_word_of_the_language_is_imported_under_another_name(
+    tmp_path: Path,
+) -> None:
+    """Every word of the grammar (`parser.keywords`), not a list kept beside it."""
+    for word in ("order", "chunks", "frozen"):
+        path = tmp_path / f"{word}.csv"
+        path.write_text(to_torch_csv(program("1f1b", D=2, N=2)))
+        assert schedule_name(path) == f"imported_{word}"
+        check_pipe(import_torch(path).text, "t.pipe")
+    assert schedule_name(tmp_path / "zbv-4x8.csv") == "zbv_4x8"
