@@ -51,7 +51,7 @@ from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import InternalError, PipelangError, clip, fail
 from pipelang.evaluate import Value
 from pipelang.import_torch import check_pipe, placement_expr
-from pipelang.ir import Action, CostModel, Kind, Program, deps, stage_problem
+from pipelang.ir import Action, CostModel, Kind, Pipeline, Program, deps, stage_problem
 from pipelang.orders import Layout
 from pipelang.parser import keywords
 from pipelang.passes.layout import read_partition, read_weights, schedule_layout
@@ -257,6 +257,20 @@ def _placement(
     """The schedule's layout under `costs`, its compilation when it has an order (a file
     of `pipeline` and `microbatches` lines alone is a placement too), the file, and its
     parameters' values."""
+    layout, file, bindings = _declarations(sched, params, costs)
+    orders = (ast.OrderRank, ast.OrderGreedy, ast.OrderRepeat)
+    if not any(isinstance(d, orders) for d in file.schedule.body):
+        return layout, None, file, bindings
+    compiled = api.compile_schedule(sched, params, costs=costs, stop_after="insert-holds")
+    layout = dataclasses.replace(layout, after=compiled.need_program().after)
+    return layout, compiled, file, bindings
+
+
+def _declarations(
+    sched: str, params: Mapping[str, str] | None, costs: CostModel | None
+) -> tuple[Layout, ast.File, Mapping[str, Value]]:
+    """The schedule's declarations (its order not run): the layout under `costs`, the
+    file and its parameters' values; what `synthesize` cannot order is E0602."""
     file = api.load_file(sched)
     bindings = run_passes(file, Options(dict(params or {}), costs=costs), "resolve-params").params
     assert bindings is not None  # resolve-params ran
@@ -281,13 +295,7 @@ def _placement(
         problem = None if stage is None else stage_problem(kind, stage, layout.num_stages)
         if problem is not None:
             raise fail("E0209", f"`{kind}[{stage}]` for {schedule.name}: {problem}", schedule.span)
-    layout = dataclasses.replace(layout, costs=layout.costs.merged(costs))
-    orders = (ast.OrderRank, ast.OrderGreedy, ast.OrderRepeat)
-    if not any(isinstance(d, orders) for d in schedule.body):
-        return layout, None, file, bindings
-    compiled = api.compile_schedule(sched, params, costs=costs, stop_after="insert-holds")
-    layout = dataclasses.replace(layout, after=compiled.need_program().after)
-    return layout, compiled, file, bindings
+    return dataclasses.replace(layout, costs=layout.costs.merged(costs)), file, bindings
 
 
 def problem_of(
@@ -302,9 +310,14 @@ def problem_of(
     layout, own, file, bound = _placement(sched, params, costs)
     if stage_bytes is not None and len(stage_bytes) != layout.num_stages:
         raise InternalError(f"{len(stage_bytes)} stages' bytes for {layout.num_stages} stages")
-    kinds = layout.kinds if split is None else SPLIT if split else WHOLE
     values = tuple((p.name, bound[p.name]) for p in file.schedule.params)
-    return Problem(layout, kinds, file.schedule.name, values, stage_bytes), own
+    problem = Problem(layout, _kinds(layout, split), file.schedule.name, values, stage_bytes)
+    return problem, own
+
+
+def _kinds(layout: Layout, split: bool | None) -> tuple[Kind, ...]:
+    """The op kinds to order: B and W split or not, or as the schedule declares them."""
+    return layout.kinds if split is None else SPLIT if split else WHOLE
 
 
 def stages_of(
@@ -312,7 +325,7 @@ def stages_of(
 ) -> tuple[int, tuple[int, ...] | None]:
     """The placement's stage count and its `partition` line (None: even), what measuring a
     model's bytes per stage needs."""
-    layout, _, file, _ = _placement(sched, params, None)
+    layout, file, _ = _declarations(sched, params, None)
     partition = read_partition(file.schedule, layout.scope, layout.env, layout.num_stages)
     return layout.num_stages, partition
 
@@ -338,7 +351,7 @@ def profile_costs(
     boundary's transfer of the stage's output over the link between the two ranks
     (`C[b]`; the slowest, where pipelines cross a boundary between other ranks).
     A profile or topology that does not fit the placement is E0604."""
-    layout, _, file, _ = _placement(sched, params, None)
+    layout, file, _ = _declarations(sched, params, None)
     stages, ranks = layout.num_stages, layout.num_ranks
     layers = len(profile.layers)
     counts = read_partition(file.schedule, layout.scope, layout.env, stages)
@@ -364,26 +377,20 @@ def profile_costs(
             f"the topology has {topology.size} devices, and {file.schedule.name}'s placement has "
             f"{ranks} ranks",
         )
-    kinds = layout.kinds if split is None else SPLIT if split else WHOLE
     crossing = [
         any(p.placement[b] != p.placement[b + 1] for p in layout.pipelines)
         for b in range(stages - 1)
     ]
-    model = OpCosts(profile, "sgd").cost_model(counts, Kind.W in kinds, crossing)
+    ops = OpCosts(profile, "sgd")
+    model = ops.cost_model(counts, Kind.W in _kinds(layout, split), crossing)
     entries = [("MW", s, share) for s, share in enumerate(stage_w_shares(profile, counts))]
     if topology is not None:
         outputs = stage_outputs(profile, counts)
-        ops = OpCosts(profile, "sgd")
         for b in range(stages - 1):
             pairs = {(p.placement[b], p.placement[b + 1]) for p in layout.pipelines}
             times = [ops.boundary_ms(topology, x, y, outputs[b]) for x, y in pairs]
             entries.append(("C", b, max(times, default=0.0)))
     return model.merged(CostModel(tuple(entries)))
-
-
-def _identifier(text: str) -> str:
-    cleaned = "".join(ch if ch.isalnum() else "_" for ch in text)
-    return cleaned if cleaned[:1].isalpha() else f"s_{cleaned}"
 
 
 class Problem:
@@ -578,14 +585,14 @@ def starting_points(
         if cap is None or peak <= cap + 1e-9:
             found.append(Known(name, numbered, compiled.timeline(costs).makespan, peak))
 
-    stdlib_path = api.find_schedule(sched)[1].startswith("<stdlib>")
+    path, shown = api.find_schedule(sched)
     if own is not None:
-        add(f"stdlib {sched}" if stdlib_path else f"the order of {sched}", own)
+        add(f"stdlib {sched}" if shown.startswith("<stdlib>") else f"the order of {sched}", own)
     layout = problem.layout
     shape = _shape(layout.pipelines, layout.assignment)
     values = {"D": str(layout.num_ranks), "N": str(len(layout.assignment))}
     for stdlib in api.stdlib_names():
-        if own is not None and api.find_schedule(sched)[0] == api.find_schedule(stdlib)[0]:
+        if own is not None and path == api.find_schedule(stdlib)[0]:
             continue
         try:
             file = api.load_file(stdlib)
@@ -610,9 +617,9 @@ def starting_points(
     return found
 
 
-def _shape(pipelines: Sequence[object], assignment: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+def _shape(pipelines: Sequence[Pipeline], assignment: Sequence[str]) -> tuple[tuple[int, ...], ...]:
     """Each micro-batch's placement: what two schedules must share to swap orders."""
-    placements = {p.name: p.placement for p in pipelines}  # type: ignore[attr-defined]
+    placements = {p.name: p.placement for p in pipelines}
     return tuple(placements[name] for name in assignment)
 
 
@@ -821,7 +828,6 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
     """The `.pipe` text of the placement with each rank's compute ops in `orders`, under
     `cost` lines that give the problem's costs."""
     layout = problem.layout
-    names = {p.name: _identifier(p.name) for p in layout.pipelines}
     lines = [header.rstrip("\n")] if header else []
     declared = ", ".join(
         f"{key}: {'bool' if isinstance(v, bool) else 'int'} = {_value(v)}"
@@ -840,16 +846,14 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
         if pipe.name in used:
             expr, _ = placement_expr(pipe.placement, layout.num_ranks)
             stages = len(pipe.placement)
-            lines.append(f"    pipeline {names[pipe.name]}: stage s in 0..{stages} -> rank {expr}")
+            lines.append(f"    pipeline {pipe.name}: stage s in 0..{stages} -> rank {expr}")
     runs: list[tuple[int, int, str]] = []
     for mb, pipe_name in enumerate(layout.assignment):
         if runs and runs[-1][2] == pipe_name:
             runs[-1] = (runs[-1][0], mb + 1, pipe_name)
         else:
             runs.append((mb, mb + 1, pipe_name))
-    lines.append(
-        "    microbatches " + ", ".join(f"m in {a}..{b} -> {names[p]}" for a, b, p in runs)
-    )
+    lines.append("    microbatches " + ", ".join(f"m in {a}..{b} -> {p}" for a, b, p in runs))
     lines.append("    order rank r {")
     for rank, row in enumerate(orders):
         head = "if" if rank == 0 else "} else if"
