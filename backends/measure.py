@@ -270,6 +270,8 @@ def split_passes(
 
     def w() -> None:
         weight_pass(state[0], [y], [grad], params)
+        if stash is not None:
+            stash.forget(_KEY)  # as the runtime does after W: the graph can go
 
     def held() -> int:
         return 0 if stash is None else stash.resident_bytes({_KEY})
@@ -328,7 +330,9 @@ def saved_bytes(
     grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
     b, _, held = split_passes(x, y, grad, layer, params, stash)
     b()
-    return whole, held()
+    kept = held()
+    stash.forget(_KEY)  # no W follows: the graph can go (`Stash.forget`)
+    return whole, kept
 
 
 def _sync(device: torch.device) -> None:

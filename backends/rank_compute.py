@@ -233,10 +233,10 @@ class ComputeActions:
         (`weight_split`), else from the whole graph B kept."""
         copy = self.copies[(stage, pipeline)]
         saved = self.saved.pop((mb, stage, pipeline, chunk))
-        self._forget((mb, stage, pipeline, chunk))
         params = saved.params if saved.params is not None else copy.params
         outputs, grads = ([], []) if saved.y is None else _chunk_outputs(saved, saved.dy)
         weight_pass(saved.work, outputs, grads, params)
+        self._forget((mb, stage, pipeline, chunk))
         if saved.params is not None:
             self.versions[(stage, pipeline)].collect(params)
             saved.y = saved.params = None

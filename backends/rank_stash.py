@@ -39,7 +39,7 @@ class StashActions:
 
     def _forget(self: RankRuntime, key: Key) -> None:
         if self.stash is not None:
-            self.stash.entries.pop(key, None)
+            self.stash.forget(key)
 
     def _stash(self: RankRuntime) -> Stash:
         if self.stash is None:

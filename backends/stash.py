@@ -174,10 +174,16 @@ class Stash:
                 entry.tensors[index] = None
         entry.kept_grads = grads
 
-    def drop_finished(self, alive: set[Key]) -> None:
-        """Forget the entries whose backward is done (not in `alive`)."""
-        for key in [k for k in self.entries if k not in alive]:
-            del self.entries[key]
+    def forget(self, key: Key) -> None:
+        """Forget `key`'s forward once its backward is done, and let its entry go of the
+        tensors. The graph's saved values hold the entry (a `Handle` each), and a kept
+        tensor's own graph holds saved values: a cycle through autograd's C++ nodes that
+        Python's garbage collector cannot see, so without this, a split backward's
+        graph (kept with `retain_graph` past B) would stay, every step's."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            entry.tensors = [None] * len(entry.tensors)
+            entry.kept_grads = []
 
     def resident_bytes(self, alive: set[Key]) -> int:
         """Bytes of activations on this rank now: the distinct storages of live entries
