@@ -18,7 +18,10 @@ On the device `local` uses (the GPU when there is one, else the CPU):
    (`measure.activation_peaks`: each stage's bytes and W's share, held along the
    rank's order by the one counter), for 1F1B and the schedules that split W off B, on
    `--memory-models`. Issues 6's and 33's bar is 10%; issue 33 also asks for zb-h1's
-   largest rank within 1.1x of 1F1B's (the last table).
+   largest rank within 1.1x of 1F1B's (the last table). That holds where the stages are
+   alike, the paper's premise; a model entry `MODEL=L0-L1-L2-L3` also measures 1f1b,
+   zb-h1 and zb-h2 with that partition of its layers (docs/runtime.md, "Memory of split
+   schedules").
 
 On CUDA the memory table also gives the process's `torch.cuda.max_memory_allocated`.
 
@@ -68,6 +71,12 @@ MEMORY = (
 )
 """1F1B and the schedules that split W off B: the runtime's peaks against the one
 counter's (`simulate --model`)."""
+PARTITIONED = MEMORY[:3]
+"""The schedules of one stage per rank, measured again with an entry's own partition."""
+MEMORY_MODELS = "gpt:tiny=3-2-1-2,gpt:small@1=5-4-4-1,benchmarks/models/softmax_gpt.py:model"
+"""gpt:tiny's 3-2-1-2 is the embedding and two blocks, two, one, one and the head;
+gpt:small's 5-4-4-1 is the embedding and four blocks, four, four, and its head (50,257
+words) alone: a stage as large as four blocks."""
 
 
 def label(name: str, params: dict[str, int]) -> str:
@@ -79,8 +88,10 @@ def program_of(name: str, params: dict[str, int]) -> Program:
 
 
 def pipelined(program: Program, config: RunConfig) -> tuple[list[float], list[int]]:
-    """Step seconds and each rank's peak saved-activation bytes of one `local` run."""
-    shapes = plan_stages(config.spec, program.num_stages, None).shapes
+    """Step seconds and each rank's peak saved-activation bytes of one `local` run (with
+    the schedule's partition)."""
+    config = config.for_program(program)
+    shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
     seconds: list[float] = []
     outcome = run_local(program, config, shapes, lambda _s, _l, t: seconds.append(t))
     return seconds, [r.peak_activation_bytes for r in outcome.results]
@@ -108,14 +119,18 @@ def speed(config: RunConfig, warmup: int, rounds: int) -> list[str]:
     return rows
 
 
-def memory(config: RunConfig) -> tuple[list[str], list[str]]:
+def memory(
+    config: RunConfig, partition: tuple[int, ...] | None = None
+) -> tuple[list[str], list[str]]:
     """Per schedule and rank: the simulator's count, `simulate --model`'s bytes and the
-    runtime's measured peak; and per schedule the largest rank's peak over 1F1B's."""
+    runtime's measured peak; and per schedule the largest rank's peak over 1F1B's. With
+    `partition`, the schedules of one stage per rank cut the model that way."""
     counting = replace(config, steps=2, count_activations=True)
     rows, largest = [], {}
+    cut = "-".join(map(str, partition)) if partition else "even"
     model = f"{config.model} (B = {config.micro_batch_size})"
-    for name, params in MEMORY:
-        program = program_of(name, params)
+    for name, params in PARTITIONED if partition else MEMORY:
+        program = replace(program_of(name, params), partition=partition)
         if local_device().type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         measured = pipelined(program, counting)[1]
@@ -129,14 +144,14 @@ def memory(config: RunConfig) -> tuple[list[str], list[str]]:
         for rank, got in enumerate(measured):
             count = peak(program.ranks[rank], w)
             rows.append(
-                f"| {model} | {label(name, params)} | {rank} | {count:g} | "
+                f"| {model} | {cut} | {label(name, params)} | {rank} | {count:g} | "
                 f"{expected[rank] / 2**10:.1f} | "
                 f"{got / 2**10:.1f} | {100 * (got / expected[rank] - 1):+.1f}% | "
                 f"{process if rank == 0 else ''} |"
             )
         largest[name] = max(measured)
     summary = [
-        f"| {model} | {name} | {largest[name] / 2**10:.1f} | "
+        f"| {model} | {cut} | {name} | {largest[name] / 2**10:.1f} | "
         f"{largest[name] / largest['1f1b']:.2f} |"
         for name in largest
     ]
@@ -153,9 +168,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--memory-models",
-        default="gpt:tiny,benchmarks/models/softmax_gpt.py:model",
+        default=MEMORY_MODELS,
         help="the models whose saved activations are measured, comma-separated; "
-        "MODEL@B measures it with micro-batches of B",
+        "MODEL@B measures it with micro-batches of B, MODEL=L0-L1-L2-L3 also with that "
+        "partition of its layers (default: %(default)s)",
     )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -176,11 +192,14 @@ def main() -> None:
     if not args.no_write:  # the speed rows at once: a run cut off later keeps them
         write_section(SECTION, _section(args, load, began, speed_rows, [], [], partial=True))
     for entry in args.memory_models.split(","):
+        entry, _, cut = entry.partition("=")
         model, _, size = entry.partition("@")
         batch = int(size) if size else args.micro_batch_size
-        rows, largest = memory(replace(config, model=model, micro_batch_size=batch))
-        memory_rows += rows
-        largest_rows += largest
+        measured = replace(config, model=model, micro_batch_size=batch)
+        for partition in (None, tuple(map(int, cut.split("-")))) if cut else (None,):
+            rows, largest = memory(measured, partition)
+            memory_rows += rows
+            largest_rows += largest
     text = _section(args, load, began, speed_rows, memory_rows, largest_rows, partial=False)
     print(text)
     if not args.no_write:
@@ -213,7 +232,8 @@ def _section(
             f"- Speed: model `{args.model}`, micro-batches of {args.micro_batch_size}, SGD, "
             f"fp32; {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed "
             "steps, alternating which runs first; the median timed step. Memory: "
-            f"{args.memory_models}, the same micro-batches, 2 steps.",
+            f"{args.memory_models} (`@B`: micro-batches of B; `=`: also that partition "
+            "of the layers), otherwise the same micro-batches, 2 steps.",
             "",
             "| schedule | local steps/s | one process steps/s | local / one process | "
             "extra ms per compute action |",
@@ -227,15 +247,15 @@ def _section(
             "the run's peak (backends/stash.py, after B only what W reads: "
             "backends/weight_split.py).",
             "",
-            "| model | schedule | rank | simulator count | expected | measured | error | "
-            "process peak MiB (CUDA) |",
-            "|---|---|---|---|---|---|---|---|",
+            "| model | partition | schedule | rank | simulator count | expected | measured | "
+            "error | process peak MiB (CUDA) |",
+            "|---|---|---|---|---|---|---|---|---|",
             *memory_rows,
             "",
-            "The largest rank's measured peak, against 1F1B's largest:",
+            "The largest rank's measured peak, against 1F1B's largest on the same partition:",
             "",
-            "| model | schedule | largest rank's peak KiB | over 1F1B's |",
-            "|---|---|---|---|",
+            "| model | partition | schedule | largest rank's peak KiB | over 1F1B's |",
+            "|---|---|---|---|---|",
             *largest_rows,
             "",
         ]

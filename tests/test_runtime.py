@@ -29,6 +29,7 @@ from pipelang.backends.measure import activation_peaks, stage_activation_bytes
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.runtime import RankRuntime
+from pipelang.cli import main
 from pipelang.ir import Action, Kind, Program
 from tests.helpers import host_op, lowered_by_hand, run, stdlib
 
@@ -458,6 +459,34 @@ def test_saved_activations_follow_the_order(name: str, one_torch_thread: None) -
         stages = stage_activation_bytes(config.spec, 4, None)
         assert measured[3] < 4 * stages[3][0]  # whole graphs until W: 4 on the last rank
         assert stages[3][1] < stages[3][0]  # what W keeps is less than what F saved
+
+
+def test_zb_h1_holds_1f1b_s_peak_where_no_stage_saves_more_than_the_first(
+    one_torch_thread: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The zero-bubble paper's ZB-H1 peak is 1F1B's, p M_B, on alike stages. gpt:tiny's W
+    reads about all that B kept, so ZB-H1's rank r holds about p of its stage's forwards
+    where 1F1B's holds p - r: with the even split, stage 0 (the embedding and one block)
+    is half of stage 1, and ZB-H1's largest rank is 1.33x 1F1B's; cut 3,2,1,2 (the first
+    stage saves as much as any), it is 1F1B's within 1%. `simulate --partition` says so
+    to the byte."""
+    config = RunConfig(backend="local", steps=1, count_activations=True)
+    largest = {}
+    for cut in (None, (3, 2, 1, 2)):
+        for name in ("1f1b", "zb-h1"):
+            program = dataclasses.replace(stdlib(name, D=4, N=8), partition=cut)
+            shapes = plan_stages(config.spec, 4, cut).shapes
+            run_config = dataclasses.replace(config, partition=cut)
+            outcome = run_local(program, run_config, shapes, lambda *_: None)
+            measured = [r.peak_activation_bytes for r in outcome.results]
+            largest[cut, name] = max(measured)
+            if cut is not None:
+                argv = ["simulate", name, "-p", "D=4", "-p", "N=8", "--model", "gpt:tiny"]
+                assert main([*argv, "--partition", "3,2,1,2", "--json"]) == 0
+                rows = json.loads(capsys.readouterr().out)["ranks"]
+                assert [row["peak_activation_bytes"] for row in rows] == pytest.approx(measured)
+    assert largest[None, "zb-h1"] / largest[None, "1f1b"] == pytest.approx(4 / 3, rel=0.01)
+    assert largest[(3, 2, 1, 2), "zb-h1"] / largest[(3, 2, 1, 2), "1f1b"] < 1.01
 
 
 # ---- codegen -----------------------------------------------------------------------------

@@ -159,6 +159,14 @@ def test_a_run_allocates_the_slot_bytes_that_simulate_and_compile_plan(
         (["compile", "1f1b", "-o", "out", "--model", "gpt:tiny"], "use it with --dump-after"),
         (["simulate", "1f1b", "--model", "nowhere:nothing"], "cannot load `nothing`"),
         (["simulate", "gpipe", "-p", "D=10", "--model", "gpt:tiny"], "has only 8 layers"),
+        (["simulate", "1f1b", "--partition", "2,2,2,2"], "give --model too"),
+        (["compile", "1f1b", "--dump-after", "streams", "--partition", "2,2"], "--model too"),
+        (
+            ["simulate", "1f1b", "--model", "gpt:tiny", "--partition", "4,4"],
+            "gives 2 stages but the schedule has 4",
+        ),
+        (["simulate", "1f1b", "--model", "gpt:tiny", "--partition", "2,2,2,1"], "8 layers"),
+        (["simulate", "1f1b", "--model", "gpt:tiny", "--partition", "2,x"], "layer counts"),
     ],
 )
 def test_slot_bytes_need_a_model_that_fits(

@@ -355,6 +355,13 @@ def add_slot_model_arguments(parser: argparse.ArgumentParser, activations: bool 
         default_model=None,
         purpose=f"give each rank's data-slot bytes (what a run allocates){held} for this model: ",
     )
+    parser.add_argument(
+        "--partition",
+        type=layer_counts,
+        metavar="L0,L1,...",
+        help="with --model: the model's layers per stage (default: the schedule's "
+        "`partition` line, else as even as possible, as `pipelang run` cuts it)",
+    )
 
 
 def data_slot_bytes(
@@ -362,11 +369,12 @@ def data_slot_bytes(
 ) -> list[int] | None:
     """Per process of `streams`, the bytes of its data slots for the model the options of
     `add_slot_model_arguments` name (None without `--model`)."""
-    if args.model is None:
+    if not model_named(args):
         return None
     from pipelang.backends.models import ModelError, plan_stages
     from pipelang.backends.stream_executor import slot_bytes
 
+    program = _partitioned(args, program)
     spec = _model_spec(args, program)
     try:
         shapes = plan_stages(spec, program.num_stages, program.partition).shapes
@@ -381,16 +389,33 @@ def activation_bytes(
     """Per rank, the most bytes of saved activations it holds at once for the model the
     options of `add_slot_model_arguments` name (None without `--model`; see
     `measure.activation_peaks`)."""
-    if args.model is None:
+    if not model_named(args):
         return None
     from pipelang.backends.measure import activation_peaks
     from pipelang.backends.models import ModelError
 
+    program = _partitioned(args, program)
     spec = _model_spec(args, program)
     try:
         return activation_peaks(spec, program, costs)
     except ModelError as err:
         raise UsageError(str(err)) from None
+
+
+def model_named(args: argparse.Namespace) -> bool:
+    """Whether `--model` is given; `--partition` cuts its layers, so it needs one."""
+    if args.partition is not None and args.model is None:
+        raise UsageError("--partition cuts the model's layers into stages: give --model too")
+    return args.model is not None
+
+
+def _partitioned(args: argparse.Namespace, program: Program) -> Program:
+    """`program` with `--partition` in place of its `partition` line, where given."""
+    return (
+        program
+        if args.partition is None
+        else dataclasses.replace(program, partition=args.partition)
+    )
 
 
 def _model_spec(args: argparse.Namespace, program: Program) -> ModelSpec:

@@ -14,6 +14,7 @@ from pipelang.cli.args import (
     compile_args,
     data_slot_bytes,
     describe,
+    model_named,
     parse_params,
     path,
     positive,
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(ast.dump((*file.fns.values(), file.schedule)))
         return 0
     streams = args.dump_after in ("streams", "check-streams")
-    if args.model is not None and not streams:
+    if model_named(args) and not streams:
         raise UsageError(
             "--model gives the bytes of a stream program's slots: use it with --dump-after streams"
         )
