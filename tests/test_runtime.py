@@ -443,7 +443,9 @@ def test_a_user_model_that_cannot_run_is_one_clear_line(
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv"])
+@pytest.mark.parametrize(
+    "name", ["1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "dualpipev", "interleaved-zb"]
+)
 def test_saved_activations_follow_the_order(name: str, one_torch_thread: None) -> None:
     """Each rank's peak bytes of saved activations are what `simulate --model` says
     (`activation_peaks`: each stage's bytes, and what W keeps of them, held along the
