@@ -450,19 +450,22 @@ def test_saved_activations_follow_the_order(name: str, one_torch_thread: None) -
     """Each rank's peak bytes of saved activations are what `simulate --model` says
     (`activation_peaks`: each stage's bytes, and what W keeps of them, held along the
     rank's order by the one counter): the runtime releases after B all that W does not
-    read, also under `--graphs` (the CPU's stream executor). Kept whole until W, zb-h1's
-    last rank would hold four forwards' bytes."""
+    read, also under `--graphs` (the CPU's stream executor) and `--mixed-precision` (as
+    `simulate --model --dtype bfloat16` counts it). Kept whole until W, zb-h1's last
+    rank would hold four forwards' bytes."""
     config = RunConfig(backend="local", steps=1, count_activations=True)
     program = stdlib(name, D=4, N=8)
-    shapes = plan_stages(config.spec, program.num_stages, None).shapes
-    expected = activation_peaks(config.spec, program, program.costs)
-    for graphs in (False, True):
-        run_config = dataclasses.replace(config, graphs=graphs)
+    for run_config in (
+        config,
+        dataclasses.replace(config, graphs=True),
+        dataclasses.replace(config, mixed_precision="bfloat16"),
+    ):
+        shapes = plan_stages(run_config.spec, program.num_stages, None).shapes
         outcome = run_local(program, run_config, shapes, lambda *_: None)
         measured = [r.peak_activation_bytes for r in outcome.results]
-        assert measured == pytest.approx(expected)
+        assert measured == pytest.approx(activation_peaks(run_config.spec, program, program.costs))
     if name == "zb-h1":
-        stages = stage_activation_bytes(config.spec, 4, None)
+        stages = stage_activation_bytes(run_config.spec, 4, None)  # the last run's
         assert measured[3] < 4 * stages[3][0]  # whole graphs until W: 4 on the last rank
         assert stages[3][1] < stages[3][0]  # what W keeps is less than what F saved
 
