@@ -126,13 +126,20 @@ def stage_activation_bytes(
     return found
 
 
-def activation_peaks(spec: ModelSpec, program: Program, costs: CostModel) -> list[float]:
+def activation_peaks(
+    spec: ModelSpec,
+    program: Program,
+    costs: CostModel,
+    stages: Sequence[tuple[int, int]] | None = None,
+) -> list[float]:
     """Per rank of `program`, the most bytes of saved activations it holds at once
     running `spec`: each stage's bytes for one micro-batch, and what a split backward
-    keeps of them for W, measured as the runtime counts them (`stage_activation_bytes`),
-    held along the rank's order by the one counter (`memory.peak_bytes`; `costs` for the
-    chunks' and shapes' shares). What `simulate --model` gives."""
-    stages = stage_activation_bytes(spec, program.num_stages, program.partition)
+    keeps of them for W, measured as the runtime counts them (`stage_activation_bytes`,
+    unless `stages` gives them for this cut already), held along the rank's order by the
+    one counter (`memory.peak_bytes`; `costs` for the chunks' and shapes' shares). What
+    `simulate --model` gives."""
+    if stages is None:
+        stages = stage_activation_bytes(spec, program.num_stages, program.partition)
     whole = [float(saved) for saved, _ in stages]
     shares = [kept / saved if saved else 0.0 for saved, kept in stages]
     w = None if Kind.W not in program.kinds else (lambda stage: shares[stage or 0])

@@ -44,7 +44,7 @@ import torch
 from pipelang.api import load_program
 from pipelang.backends.config import RunConfig
 from pipelang.backends.local import local_device, run_local
-from pipelang.backends.measure import activation_peaks
+from pipelang.backends.measure import activation_peaks, stage_activation_bytes
 from pipelang.backends.models import plan_stages
 from pipelang.backends.reference import train_reference
 from pipelang.ir import COMPUTE_KINDS, Program
@@ -127,6 +127,7 @@ def memory(
     `partition`, the schedules of one stage per rank cut the model that way."""
     counting = replace(config, steps=2, count_activations=True)
     rows, largest = [], {}
+    stages: dict[int, list[tuple[int, int]]] = {}  # per stage count: measured once
     cut = "-".join(map(str, partition)) if partition else "even"
     model = f"{config.model} (B = {config.micro_batch_size})"
     for name, params in PARTITIONED if partition else MEMORY:
@@ -139,7 +140,11 @@ def memory(
             if local_device().type == "cuda"
             else "-"
         )
-        expected = activation_peaks(config.spec, program, program.costs)
+        if program.num_stages not in stages:
+            stages[program.num_stages] = stage_activation_bytes(
+                config.spec, program.num_stages, partition
+            )
+        expected = activation_peaks(config.spec, program, program.costs, stages[program.num_stages])
         w = w_share(program)
         for rank, got in enumerate(measured):
             count = peak(program.ranks[rank], w)
