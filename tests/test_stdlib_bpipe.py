@@ -18,6 +18,7 @@ from pipelang.cli.args import parse_cost
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import COMPUTE_KINDS, CostModel, Kind, Program
 from pipelang.passes.validate.lowered import check_lowered
+from pipelang.sim import memory
 from pipelang.sim.timeline import Timeline
 from tests.helpers import replay, run_in_process
 
@@ -151,6 +152,25 @@ def test_transfer_costs_by_hand(tmp_path: Path) -> None:
     starts = {e.action.text(): e.start for e in slow.events}
     assert (starts["H0@0/main"], starts["L0@0/main"], starts["B1@0/main"]) == (4, 7, 8)
     assert [slow.peak_activations(r) for r in range(2)] == [2, 2]
+
+
+def test_evictions_over_time_count_what_w_keeps(tmp_path: Path) -> None:
+    """With W split off, the count over time (evictions) holds W's share from B to W, as
+    the count along the order does (`check --max-activations`, the runtime): rank 0
+    holds F1 and, from L0 on, F0 too, so after B1 (W1 still to run) it holds 0.5 + 1 at
+    L0. Counted to B, as before, it was 1."""
+    path = tmp_path / "split.pipe"
+    path.write_text(
+        TWO_RANKS.replace("schedule two", "schedule split")
+        .replace("    pipeline", "    ops F, B, W\n    cost MW = 0.5\n    pipeline")
+        .replace("F(1) L(0) B(0) B(1)", "F(1) B(1) L(0) B(0) W(1) W(0)")
+        .replace("F(1) B(1) }", "F(1) B(1) W(0) W(1) }")
+    )
+    prog = api.load_program(str(path))
+    timeline = run(prog)
+    w = memory.w_share(prog)
+    assert timeline.peak_activations(0) == memory.peak(prog.ranks[0], w) == 1.5
+    assert run(prog, "MW=0").peak_activations(0) == 1  # the papers' count to B
 
 
 def bad(tmp_path: Path, order: str, D: int = 2) -> list[tuple[str, int, str]]:

@@ -171,32 +171,40 @@ def peak_bytes(
     return top
 
 
-def peak_over_time(program: Program, events: Sequence[Event]) -> list[int] | None:
+def peak_over_time(
+    program: Program,
+    events: Sequence[Event],
+    w: WShare | None = None,
+    share: Share | None = None,
+) -> list[float] | None:
     """Per rank, the most activations kept at once over a timeline of `program` in which
     something is evicted; None when nothing is.
 
     Along its own order a rank keeps a forward's activations from the start of its `F` to
-    the end of its `B`, except from the end of its `E` to the start of its `L`; the
-    partner keeps them from the end of the `E` to the end of the `L` (until they are back).
-    At one instant, what the partner hands back goes first, then the rank's own actions
-    in order, then what it receives. Without evictions this is the count along the
-    order, `peak`.
+    the end of its `B` (where W is split off, W's share `w` to the end of its `W`), except
+    from the end of its `E` to the start of its `L`; the partner keeps them from the end
+    of the `E` to the end of the `L` (until they are back). Each forward counts its
+    `share` where they differ, as in `held`. At one instant, what the partner hands back
+    goes first, then the rank's own actions in order, then what it receives. Without
+    evictions this is the count along the order, `peak`.
     """
     if len(events) == program.num_microbatches * program.num_stages * len(program.kinds):
         return None  # a valid program with no stash actions (the usual case)
     loads = {e.action[1:4]: e for e in events if e.action.kind is Kind.L}
-    changes: list[list[tuple[float, int, int, int]]] = [[] for _ in program.ranks]
+    changes: list[list[tuple[float, int, int, float]]] = [[] for _ in program.ranks]
     evicted = False
     for seq, event in enumerate(events):
-        kind, rows = event.action.kind, changes[event.rank]
-        delta = int(change(kind))
+        action = event.action
+        kind, rows = action.kind, changes[event.rank]
+        part = 1.0 if share is None else share(action)
+        delta = change(kind, None if w is None else w(action.stage)) * part
         if delta:  # taken as the op starts, freed (or handed over) once it ends
             rows.append((event.start if delta > 0 else event.end, 1, seq, delta))
         if kind is Kind.E:
-            load, peer = loads.get(event.action[1:4]), event.action.peer
+            load, peer = loads.get(action[1:4]), action.peer
             if load is not None and peer is not None and 0 <= peer < len(changes):
-                changes[peer].append((event.end, 2, seq, 1))
-                changes[peer].append((load.end, 0, seq, -1))
+                changes[peer].append((event.end, 2, seq, part))
+                changes[peer].append((load.end, 0, seq, -part))
                 evicted = True
     if not evicted:
         return None

@@ -114,7 +114,7 @@ class Timeline:
         (`memory.peak_over_time`); with sequence chunks, in micro-batches, each
         chunk its share of the tokens (`memory.shares`)."""
         if self._stash_peaks is not None:
-            return self._stash_peaks[rank]
+            return as_number(self._stash_peaks[rank])
         return as_number(memory.peak(self.program.ranks[rank], self._w, self._share))
 
     @cached_property
@@ -126,8 +126,8 @@ class Timeline:
         return memory.w_share(self.program, self.costs)
 
     @cached_property
-    def _stash_peaks(self) -> list[int] | None:
-        return memory.peak_over_time(self.program, self.events)
+    def _stash_peaks(self) -> list[float] | None:
+        return memory.peak_over_time(self.program, self.events, self._w, self._share)
 
     def weight_copies(self, rank: int) -> int:
         """How many stage copies (weights) `rank` holds."""
