@@ -114,11 +114,11 @@ SWEEP = [
     ("chimera", [dict(D=4, N=4), dict(D=4, N=12), dict(D=6, N=12)]),
     ("hanayo", [dict(D=4, N=8), dict(D=3, N=7, w=2)]),
 ]
-COSTS = ["", "F = 1, B = 2, W = 1", "F = 3, B = 4, W = 2, C = 1", "B = 2, W = 0"]
+COSTS = ["", "F = 1, B = 2, W = 1", "F = 3, B = 4, W = 2, C = 1", "B = 2, W = 0", "C[1] = 2"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cost", COSTS, ids=["unit", "b2", "fig5", "w0"])
+@pytest.mark.parametrize("cost", COSTS, ids=["unit", "b2", "fig5", "w0", "link"])
 @pytest.mark.parametrize(("name", "cases"), SWEEP, ids=[name for name, _ in SWEEP])
 def test_squeeze_is_safe(tmp_path: Path, name: str, cases: list[dict[str, int]], cost: str) -> None:
     """Over a sweep of blocks, sizes and `cost` lines: the squeezed schedule passes every
@@ -221,8 +221,9 @@ def test_squeeze_times_the_plain_order_as_simulate_does(
     tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With micro-batches of different lengths (each op its shape's multiple of its
-    kind's time) and W split off, squeeze's own timing of the plain order ends when
-    `simulate` says it does: the order is built with the simulator's op times."""
+    kind's time), W split off and a transfer time per stage boundary (`C[b]`), squeeze's
+    own timing of the plain order ends when `simulate` says it does: the order is built
+    with the simulator's op and transfer times."""
     from pipelang.orders import squeeze as module
 
     ends: list[float] = []
@@ -235,7 +236,7 @@ def test_squeeze_times_the_plain_order_as_simulate_does(
         return timed
 
     monkeypatch.setattr(module, "time_ops", recording)
-    cost = "F = 1, B = 1, W = 1, A = 0.3"
+    cost = "F = 1, B = 1, W = 1, A = 0.3, C[1] = 2, C[2] = 0.5"
     lengths = "    lengths 100, 400, 200, 800, 300, 100, 600, 250\n"
     programs = []
     for squeeze in (True, False):

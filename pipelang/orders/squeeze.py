@@ -80,7 +80,7 @@ def squeeze(
     order that cannot run (an op missing or doubled, a deadlock) comes back as it is, for
     `validate` to report."""
     graph = _graph(placed, steady, layout)
-    timed = None if graph is None else time_ops(*graph, layout.costs.of("C"))
+    timed = None if graph is None else time_ops(*graph, layout.costs)
     if timed is None:
         return tuple(tuple(slots[s] for s in sorted(slots)) for slots in placed)
     lines: list[list[Op]] = [[] for _ in placed]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import TypeVar
 
-from pipelang.ir import Action, Kind
+from pipelang.ir import Action, CostModel, Kind
 from pipelang.sim.engine import Engine, Input
 
 WARM_UP, STEADY, COOL_DOWN = -1, 0, 1
@@ -132,13 +132,21 @@ class Line:
 
 
 def time_ops(
-    ranks: list[list[Op]], ops: list[Op], inputs: list[list[Input]], transfer: float
+    ranks: list[list[Op]], ops: list[Op], inputs: list[list[Input]], costs: CostModel
 ) -> list[Op] | None:
     """Time each rank's ops as soon as their inputs and their rank allow, on the timing
-    engine (`Engine.fixed`, as `simulate` does; `ops` numbers them, `inputs` by number)
-    and set each op's `inputs` with the engine's delays. Returns the ops in start order,
-    numbered so (`seq`), or None when the order cannot run to its end."""
-    engine = Engine([op.rank for op in ops], [op.length for op in ops], inputs, transfer)
+    engine (`Engine.fixed`, as `simulate` does, transfers by `costs`: `C`, or `C[b]` per
+    stage boundary; `ops` numbers them, `inputs` by number) and set each op's `inputs`
+    with the engine's delays. Returns the ops in start order, numbered so (`seq`), or
+    None when the order cannot run to its end."""
+    engine = Engine(
+        [op.rank for op in ops],
+        [op.length for op in ops],
+        inputs,
+        costs.of("C"),
+        costs.link(),
+        [op.action for op in ops],
+    )
     for op, timed_inputs in zip(ops, engine.timed_inputs(), strict=True):
         op.inputs = tuple((ops[u], delay) for u, delay in timed_inputs)
     number = {op: i for i, op in enumerate(ops)}
