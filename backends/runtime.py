@@ -111,21 +111,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
             self.scale = 1.0  # each update averages the gradients it applies instead
         self.first_mb = replica * program.num_microbatches
         """This replica's micro-batch `mb` is micro-batch `first_mb + mb` of the step."""
-        self.model = config.spec.build()
-        bounds = self.model.stage_bounds(program.num_stages, config.partition)
-        if shapes is None:
-            shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
-        self.shapes = shapes
-        self.copies = {
-            (s, p): self._stage_copy(s, p, bounds[s]) for s, p in program.stage_copies(rank)
-        }
-        copies = list(self.copies.values())
-        self.tied = TiedGrads(self.model, bounds, copies, self.counts, device)
-        self.frozen: nn.Module | None = None
-        """The model's frozen part, on a rank that holds it (runs `P`)."""
-        if rank in (program.frozen or ()):
-            self.frozen = self.model.stage_module(self.model.frozen_bounds).to(device)
-        self.model.layers = []  # keep only this rank's stages (and frozen part) alive
+        self._build_stages(shapes)
         self.versions, self.delays = _versions(program, config, self.copies)
         self.peak_versions = len(self.versions)
         self.reduced_at_step = [
@@ -166,6 +152,26 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.t0 = time.perf_counter_ns()
         self.t0_event: torch.cuda.Event | None = None
         self.gpu_events: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def _build_stages(self, shapes: Shapes | None) -> None:
+        """The model cut into this rank's stage copies (and its frozen part where the rank
+        runs `P`); the rest of the model is let go."""
+        program, config, rank, device = self.program, self.config, self.rank, self.device
+        self.model = config.spec.build()
+        bounds = self.model.stage_bounds(program.num_stages, config.partition)
+        if shapes is None:
+            shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
+        self.shapes = shapes
+        self.copies = {
+            (s, p): self._stage_copy(s, p, bounds[s]) for s, p in program.stage_copies(rank)
+        }
+        copies = list(self.copies.values())
+        self.tied = TiedGrads(self.model, bounds, copies, self.counts, device)
+        self.frozen: nn.Module | None = None
+        """The model's frozen part, on a rank that holds it (runs `P`)."""
+        if rank in (program.frozen or ()):
+            self.frozen = self.model.stage_module(self.model.frozen_bounds).to(device)
+        self.model.layers = []  # keep only this rank's stages (and frozen part) alive
 
     def start_clock(self, t0: int | None = None, t0_event: torch.cuda.Event | None = None) -> None:
         """Action times count from now (or from `t0`, a perf_counter_ns shared by ranks).
