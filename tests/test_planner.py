@@ -371,6 +371,36 @@ def plan_for_demo(tmp_path: Path, schedules: tuple[str, ...] = ("1f1b", "zb-h1")
     return path
 
 
+def test_a_written_plan_times_each_boundary_on_its_own_link(tmp_path: Path) -> None:
+    """Two nodes of two devices, 1 TB/s inside a node and 1 GB/s between: the boundary
+    that crosses nodes gets its own `C[b]`, so simulating the written file gives the
+    plan's prediction (a mean `C` for every transfer did not)."""
+    fast, slow = Link(1e12, 0.0), Link(1e9, 0.0)
+    node = [0, 0, 1, 1]
+    topology = Topology(
+        tuple(f"d{i}" for i in range(4)),
+        (1e12,) * 4,
+        tuple(
+            tuple(None if a == b else fast if node[a] == node[b] else slow for b in range(4))
+            for a in range(4)
+        ),
+    )
+    profile = make_profile([1.0] * 8, output=4e6)
+    planner = Planner(Inputs(profile, topology, 8, schedules=("1f1b",)))
+    plan = next(p for p in planner.search().plans if p.candidate.ranks == 4)
+    text = plan_source(plan, planner, "p.json", "t.yaml")
+    assert "differ slightly" not in text
+    path = tmp_path / "best.pipe"
+    path.write_text(text)
+    program = compile_schedule(str(path)).need_program()
+    crossing = [node[plan.devices[b]] != node[plan.devices[b + 1]] for b in range(3)]
+    # 4 MB at 1 GB/s between the nodes, at 1 TB/s inside one
+    assert [program.costs.of("C", b) for b in range(3)] == [4 if c else 0.004 for c in crossing]
+    assert any(crossing)
+    timeline = replay(program, program.costs)
+    assert timeline.makespan == pytest.approx(plan.time_ms, abs=1e-3 * 4 * 8)
+
+
 @pytest.mark.slow
 def test_written_plan_passes_check_and_round_trips(tmp_path: Path) -> None:
     path = plan_for_demo(tmp_path)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
-from pipelang.ir import CostModel, Pipeline, placement
+from pipelang.ir import Action, CostModel, Kind, Pipeline, placement
 from pipelang.orders import Layout
 from pipelang.passes.layout import schedule_layout
 from pipelang.planner.bound import iteration_bound
@@ -239,6 +239,24 @@ class PlanModel:
         layout = self.layout(candidate)
         assert not isinstance(layout, str), layout
         return layout.pipelines
+
+    def boundary_transfers(self, plan: Plan) -> list[float | None]:
+        """Per stage boundary of `plan`, the time of a transfer across it as the prediction
+        timed it (`OpCosts.links`: the stage's output over the link between the two ranks'
+        devices; 0 where one rank holds both stages), or None where its pipelines cross it
+        between ranks whose links take different times."""
+        outputs = stage_outputs(self.inputs.profile, plan.partition)
+        link, _ = self.costs.links(self.inputs.topology, plan.devices, outputs)
+        pipelines = self.pipelines(plan.candidate)
+        found: list[float | None] = []
+        for b in range(plan.candidate.stages - 1):
+            times = {
+                0.0 if x == y else link(Action(Kind.F, 0, b, p.name), x, y)
+                for p in pipelines
+                for x, y in [(p.placement[b], p.placement[b + 1])]
+            }
+            found.append(times.pop() if len(times) == 1 else None)
+        return found
 
     def stage_speeds(
         self, pipelines: Sequence[Pipeline], devices: Sequence[int]

@@ -94,6 +94,7 @@ class Planner:
         self.predict = self.model.predict
         self.bound = self.model.bound
         self.plan_speeds = self.model.plan_speeds
+        self.boundary_transfers = self.model.boundary_transfers
         self.leaders = leaders or Leaders(exact_top)
 
     # ---- the whole search -------------------------------------------------------------

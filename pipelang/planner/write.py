@@ -3,7 +3,8 @@
 The file is the stdlib schedule's own text, with the chosen parameters as the
 defaults, and three kinds of lines added at the top of the schedule's body: the
 `partition` (layers per stage), one `cost` line per stage (milliseconds per micro-batch
-from the profile), and `cost C` (the mean transfer time over the plan's links). A
+from the profile), and `cost C` (the mean transfer time over the plan's links, and
+`C[b]` for each stage boundary whose transfers take another time). A
 comment header names the plan, its prediction and the device each rank runs on.
 """
 
@@ -53,8 +54,19 @@ def _body_lines(plan: Plan, planner: Planner) -> list[str]:
         if plan.split_w:
             items.append(f"W[{stage}] = {_ms(w)}")
         lines.append("cost " + ", ".join(items))
-    lines.append(f"cost C = {_ms(plan.transfer_ms)}")
+    lines.append("cost " + ", ".join(_transfer_items(plan, planner)))
     return lines
+
+
+def _transfer_items(plan: Plan, planner: Planner) -> list[str]:
+    """`C`, and `C[b]` for each stage boundary whose transfers take another time. `C` is
+    the boundaries' most common time, or where pipelines cross some boundary over links
+    of different times, the mean of all the plan's transfers (what those then take)."""
+    times = [None if t is None else _ms(t) for t in planner.boundary_transfers(plan)]
+    known = [t for t in times if t is not None]
+    mixed = None in times or not known
+    base = _ms(plan.transfer_ms) if mixed else max(known, key=known.count)
+    return [f"C = {base}"] + [f"C[{b}] = {t}" for b, t in enumerate(times) if t not in (None, base)]
 
 
 def _ms(value: float) -> str:
@@ -79,11 +91,23 @@ def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str)
         f"peak memory {format_bytes(peak)} (rank {rank})",
         f"  devices: {devices}",
         *_copies(plan),
-        "  The prediction timed every transfer on its own link; `cost C` below is their",
-        "  mean, so `pipelang simulate` on this file can differ slightly.",
+        *_transfers(plan, planner),
         "",
     ]
     return "".join(f"# {one_line(line)}".rstrip() + "\n" for line in lines)
+
+
+def _transfers(plan: Plan, planner: Planner) -> list[str]:
+    """What the `cost C` lines say of the transfers the prediction timed."""
+    mixed = [b for b, t in enumerate(planner.boundary_transfers(plan)) if t is None]
+    if not mixed:
+        return ["  The `cost C` line below times each transfer as the prediction did."]
+    shown = ", ".join(map(str, mixed[:8])) + (" ..." if len(mixed) > 8 else "")
+    return [
+        f"  Stage boundaries {shown} are crossed over links of different times; their",
+        "  transfers take `cost C`, the mean of all, so `pipelang simulate` on this file",
+        "  can differ slightly from the prediction.",
+    ]
 
 
 def _assumed(profile: Profile) -> str:
