@@ -345,3 +345,34 @@ def test_more_ops_than_the_solver_takes_is_an_error_at_once() -> None:
 def test_a_name_from_the_api_cannot_add_text_to_the_written_file() -> None:
     with pytest.raises(PipelangError, match=r"is not a name a \.pipe allows"):
         synthesize("1f1b", {"D": "2", "N": "2"}, name="x() {}\nschedule y")
+
+
+def test_a_written_plan_is_ordered_under_its_own_costs(tmp_path: Path) -> None:
+    """`pipelang plan -o BEST.pipe` writes the partition, each stage's costs and each
+    boundary's link (`C[b]`, here one slow link between two nodes); `synthesize` takes
+    the file as it is, times it as `simulate` does, and is never slower."""
+    from pipelang.planner.plans import Inputs
+    from pipelang.planner.search import Planner
+    from pipelang.planner.topology import Link, Topology
+    from pipelang.planner.write import plan_source
+
+    node = [0, 0, 1, 1]
+    links = tuple(
+        tuple(
+            None if a == b else Link(1e12, 0.0) if node[a] == node[b] else Link(1e9, 0.0)
+            for b in range(4)
+        )
+        for a in range(4)
+    )
+    topology = Topology(tuple(f"d{i}" for i in range(4)), (1e12,) * 4, links)
+    profile = make_profile([1.0, 2.0, 1.0, 1.0, 3.0, 1.0, 1.0, 2.0], output=2e6)
+    planner = Planner(Inputs(profile, topology, 8, schedules=("zb-h1",)))
+    plan = next(p for p in planner.search().plans if p.candidate.ranks == 4)
+    path = tmp_path / "best.pipe"
+    path.write_text(plan_source(plan, planner, "p.json", "t.yaml"))
+    planned = api.compile_schedule(str(path)).timeline()
+    found = synthesize(str(path), time_limit=5)
+    assert found.exact_times  # the plan's costs have 4 decimals at most
+    assert found.makespan <= planned.makespan
+    check_pipe(found.text, "<synthesized>")
+    assert "C[" in found.text  # the slow link is kept
