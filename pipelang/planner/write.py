@@ -3,9 +3,9 @@
 The file is the stdlib schedule's own text, with the chosen parameters as the
 defaults, and three kinds of lines added at the top of the schedule's body: the
 `partition` (layers per stage), one `cost` line per stage (milliseconds per micro-batch
-from the profile), and `cost C` (the mean transfer time over the plan's links, and
-`C[b]` for each stage boundary whose transfers take another time). A
-comment header names the plan, its prediction and the device each rank runs on.
+from the profile), and `cost C` with `C[b]` for each stage boundary whose transfers
+take another time than most (each as the prediction timed it on its link). A comment
+header names the plan, its prediction and the device each rank runs on.
 """
 
 from __future__ import annotations
