@@ -14,8 +14,9 @@ the replicas of a stage equal by broadcasting the first one's parameters.
 
 `step` splits the batch into the schedule's micro-batches, runs this rank's actions in
 the compiled order (forwards, backwards, split weight gradients, recomputes; sends and
-receives on one process group per directed rank pair), and sums each stage's gradients
-over its replicas (and copies). The gradients are those of the mean of the micro-batch
+receives on one process group per directed rank pair; a split backward keeps after B
+only what W reads, backends/weight_split.py), and sums each stage's gradients over its
+replicas (and copies). The gradients are those of the mean of the micro-batch
 losses over the whole batch of every copy, as torch's schedules give with
 `scale_grads=True`: after `opt.step()` the parameters equal single-process training on
 the whole batch. What it cannot run yet (asynchronous schedules, frozen work, chunks,
@@ -24,14 +25,17 @@ shapes, evictions) it refuses by `features.refusal`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.autograd.graph import Node
 
+from pipelang.backends.stash import Stash
 from pipelang.backends.transport import DistTransport, Handle
+from pipelang.backends.weight_split import WeightWork, split_backward, weight_pass
 from pipelang.diagnostics import fail
 from pipelang.features import refusal
 from pipelang.ir import Action, Kind, deps
@@ -87,6 +91,9 @@ class PipelineSchedule:
         self._make_replicas_equal(timeout)
         self.split = Kind.W in program.kinds
         self.recomputes = Kind.R in program.kinds
+        self.stash = Stash() if self.split and not self.recomputes else None
+        """Where W is split off: each forward's saved tensors, so that B releases all but
+        what W reads (backends/weight_split.py), as `pipelang run` does."""
         self.announced: set[tuple[str, int, int]] = set()
         self.shapes: dict[tuple[str, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
 
@@ -127,6 +134,7 @@ class PipelineSchedule:
         self.scale = 1.0 / (n * self.copies_count)
         self.values: dict[deps.Key, torch.Tensor] = {}
         self.saved: dict[tuple[int, int, str], list[torch.Tensor | None]] = {}
+        self.work: dict[tuple[int, int, str], WeightWork | None] = {}
         self.losses: list[torch.Tensor] = []
         self.reducing: list[tuple[int, nn.Module, torch.Tensor, list[torch.Tensor], Handle]] = []
         for action in self.program.ranks[self.rank]:
@@ -175,6 +183,11 @@ class PipelineSchedule:
             with torch.no_grad():
                 y = self._stage_output(a, x)
             self.saved[(mb, stage, pipe)] = [x, None, None]
+        elif self.stash is not None:
+            module = self.stages[(stage, pipe)]
+            with self.stash.recording((mb, stage, pipe, None), a.text(), module):
+                y = self._stage_output(a, x)
+            self.saved[(mb, stage, pipe)] = [x, y, None]
         else:
             y = self._stage_output(a, x)
             self.saved[(mb, stage, pipe)] = [x, y, None]
@@ -193,10 +206,7 @@ class PipelineSchedule:
         last = stage == self.program.num_stages - 1
         dy = None if last else self.values.pop(deps.gradient_input(mb, stage, pipe, None))
         if self.split:
-            if stage > 0:
-                (dx,) = torch.autograd.grad(y, [x], dy, retain_graph=True)
-                self.values[(Kind.B, mb, stage, pipe, None)] = dx
-            self.saved[key][2] = dy
+            self._split_backward(key, x, y, dy)
             return
         torch.autograd.backward(y, dy)
         del self.saved[key]
@@ -204,11 +214,42 @@ class PipelineSchedule:
             assert x.grad is not None
             self.values[(Kind.B, mb, stage, pipe, None)] = x.grad
 
+    def _split_backward(
+        self, key: tuple[int, int, str], x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor | None
+    ) -> None:
+        """B: the input's gradient, and what W reads kept (the rest released; without a
+        recorded forward, the whole graph kept)."""
+        mb, stage, pipe = key
+        params = [p for p in self.stages[(stage, pipe)].parameters() if p.requires_grad]
+        needed: set[int] = set()
+        stash, entry = self.stash, (mb, stage, pipe, None)
+
+        def probe(nodes: Iterable[Node]) -> bool:
+            assert stash is not None
+            found = stash.probe(entry, nodes)
+            needed.update(found or ())
+            return found is not None
+
+        own = [x] if stage > 0 else []
+        recorded = stash is not None and entry in stash.entries
+        found, work = split_backward([y], [dy], own, params, probe if recorded else None)
+        if own:
+            self.values[(Kind.B, mb, stage, pipe, None)] = found[0]
+        self.work[key] = work
+        if work is None:
+            self.saved[key][2] = dy  # W differentiates the whole graph again
+        else:
+            assert stash is not None
+            stash.keep(entry, needed, work.gradients())
+            self.saved[key] = [None, None, None]  # W reads only what the stash kept
+
     def _weight_grad(self, a: Action) -> None:
-        _, stage, pipe = key = _where(a)
+        mb, stage, pipe = key = _where(a)
         _, y, dy = self.saved.pop(key)
-        assert y is not None
-        torch.autograd.backward(y, dy, inputs=list(self.stages[(stage, pipe)].parameters()))
+        params = list(self.stages[(stage, pipe)].parameters())
+        weight_pass(self.work.pop(key), [] if y is None else [y], [dy], params)
+        if self.stash is not None:
+            self.stash.forget((mb, stage, pipe, None))
 
     # ---- messages: the first of each kind and stage on a channel announces its shape --------
 

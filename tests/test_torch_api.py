@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import pipelang
+import pipelang.torch
+from pipelang.ir import Action, Kind
 from pipelang.torch import PipelineSchedule
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_with_torchrun.py"
@@ -57,3 +59,62 @@ def test_refusals_before_anything_runs() -> None:
         PipelineSchedule(pipelang.load("bpipe"), build, lambda y, t: y)  # type: ignore[arg-type]
     with pytest.raises(pipelang.PipelangError, match="initialised process group"):
         PipelineSchedule(pipelang.load("1f1b", D=2, N=2), build, lambda y, t: y)  # type: ignore[arg-type]
+
+
+def test_a_split_schedule_keeps_after_b_only_what_w_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zb-h1 in the user's own loop (one process, D = 1, N = 4): after each B, the
+    micro-batch's saved tensors that W does not read are released (backends/
+    weight_split.py, as `pipelang run` does), W reads the rest, nothing is left after the
+    step, and the gradients are one process's, summed micro-batch by micro-batch as the
+    schedule sums them, bit for bit."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    def build(stage: int) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.Tanh(),
+            nn.Linear(64, 8),
+        )  # fmt: skip
+
+    def loss_fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(y, t)
+
+    torch.manual_seed(1)
+    x, target = torch.randn(8, 16), torch.randn(8, 8)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        sched = PipelineSchedule(pipelang.load("zb-h1", D=1, N=4), build, loss_fn)
+        assert sched.stash is not None
+        whole: dict[int, int] = {}
+        kept: dict[int, int] = {}
+        handlers = pipelang.torch._HANDLERS
+        forward, weight = handlers[Kind.F], handlers[Kind.W]
+        stash = sched.stash
+
+        def spy_forward(self: PipelineSchedule, a: Action) -> None:
+            forward(self, a)
+            whole[a.mb] = stash.resident_bytes({(a.mb, 0, "main", None)})  # type: ignore[index]
+
+        def spy_weight(self: PipelineSchedule, a: Action) -> None:
+            kept[a.mb] = stash.resident_bytes({(a.mb, 0, "main", None)})  # type: ignore[index]
+            weight(self, a)
+
+        monkeypatch.setitem(handlers, Kind.F, spy_forward)
+        monkeypatch.setitem(handlers, Kind.W, spy_weight)
+        sched.step(x, target)
+        assert sorted(whole) == sorted(kept) == [0, 1, 2, 3]
+        assert all(0 < kept[mb] < whole[mb] for mb in whole)  # the GELU's, the norm's went
+        assert not sched.stash.entries
+        alone = build(0)
+        for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):  # as the schedule sums
+            (loss_fn(alone(xs), ts) * 0.25).backward()
+        for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
+            assert mine.grad is not None and theirs.grad is not None
+            assert torch.equal(mine.grad, theirs.grad)
+    finally:
+        dist.destroy_process_group()
