@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.graph import Node
 
 from pipelang.backends.config import SGD_MOMENTUM
 from pipelang.backends.models import ModelSpec, plan_stages
@@ -262,15 +261,10 @@ def split_passes(
     state: list[WeightWork | None] = [None]
 
     needed: set[int] = set()
-
-    def probe(nodes: Iterable[Node]) -> bool:
-        assert stash is not None
-        found = stash.probe(_KEY, nodes)
-        needed.update(found or ())
-        return found is not None
+    probe = None if stash is None else stash.prober(_KEY, needed)
 
     def b() -> None:
-        _, work = split_backward([y], [grad], inputs, params, None if stash is None else probe)
+        _, work = split_backward([y], [grad], inputs, params, probe)
         state[0] = work
         if stash is not None and work is not None:
             stash.keep(_KEY, needed, work.gradients())

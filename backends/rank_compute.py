@@ -4,20 +4,18 @@ and targets of its micro-batches."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
-from torch.autograd.graph import Node
 
 from pipelang.backends.models import (
     SequenceChunk,
     sequence_chunk,
 )
-from pipelang.backends.rank_base import Key, Saved, StageCopy, Value, _action, _compute, value_of
+from pipelang.backends.rank_base import Saved, StageCopy, Value, _action, _compute, value_of
 from pipelang.backends.versions import installed
-from pipelang.backends.weight_split import Probe, split_backward, weight_pass
+from pipelang.backends.weight_split import split_backward, weight_pass
 from pipelang.diagnostics import InternalError
 from pipelang.ir import deps
 
@@ -211,7 +209,9 @@ class ComputeActions:
             for t in kv
         ]
         params = saved.params if saved.params is not None else copy.params
-        found, saved.work = split_backward(outputs, grads, own + earlier, params, self._probe(key))
+        needed: set[int] = set()
+        probe = None if self.stash is None else self.stash.prober(key, needed)
+        found, saved.work = split_backward(outputs, grads, own + earlier, params, probe)
         if own:
             self.values[("B", mb, stage, pipeline, chunk)] = found[0]
         for leaf, grad in zip(earlier, found[len(own) :], strict=True):
@@ -221,7 +221,7 @@ class ComputeActions:
             saved.dy = dy  # W differentiates the whole graph again
         else:  # W reads only what the stash kept: drop the runtime's own references
             assert self.stash is not None
-            self.stash.keep(key, self._needed.pop(key), saved.work.gradients())
+            self.stash.keep(key, needed, saved.work.gradients())
             saved.y, saved.x = None, saved.x.new_empty(0)
             self._measure()  # the gradients kept for W can outweigh what was released
 
@@ -240,21 +240,6 @@ class ComputeActions:
         if saved.params is not None:
             self.versions[(stage, pipeline)].collect(params)
             saved.y = saved.params = None
-
-    def _probe(self: RankRuntime, key: Key) -> Probe | None:
-        """How `split_backward` finds what W reads of `key`'s saved tensors (filed in
-        `_needed`); None when the forward saved nothing through the stash (recomputed)."""
-        stash = self.stash
-        if stash is None or key not in stash.entries:
-            return None
-
-        def probe(nodes: Iterable[Node]) -> bool:
-            found = stash.probe(key, nodes)
-            if found is not None:
-                self._needed[key] = found
-            return found is not None
-
-        return probe
 
     @_action
     def update(self: RankRuntime, stage: int, pipeline: str, version: int) -> None:

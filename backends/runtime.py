@@ -130,8 +130,6 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.stash = Stash() if self.counting or self.split_backward else None
         """Saved activations per forward: for evictions, their byte count, and what a
         split backward keeps for W (`weight_split`)."""
-        self._needed: dict[Key, set[int]] = {}
-        """A split backward: which saved tensors W reads, found during B."""
         self.values: dict[Value, torch.Tensor] = {}
         self.reducing: list[tuple[StageCopy, torch.Tensor, list[torch.Tensor], Handle]] = []
         self.losses: list[tuple[int, torch.Tensor]] = []

@@ -29,7 +29,7 @@ back.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -164,6 +164,20 @@ class Stash:
         finally:
             reads, entry.reads = entry.reads, None
         return reads
+
+    def prober(self, key: Key, needed: set[int]) -> Callable[[Iterable[Node]], bool] | None:
+        """How a split backward's B finds what W reads of `key`'s saved tensors
+        (`weight_split.Probe`), filing them in `needed` for `keep`; None when `key`'s
+        forward saved nothing here (a recomputed one: then it is not split)."""
+        if key not in self.entries:
+            return None
+
+        def probe(nodes: Iterable[Node]) -> bool:
+            found = self.probe(key, nodes)
+            needed.update(found or ())
+            return found is not None
+
+        return probe
 
     def keep(self, key: Key, needed: set[int], grads: list[torch.Tensor]) -> None:
         """After B: release every saved tensor of `key` but the `needed` ones, and hold

@@ -25,13 +25,12 @@ shapes, evictions) it refuses by `features.refusal`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.autograd.graph import Node
 
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import DistTransport, Handle
@@ -223,16 +222,9 @@ class PipelineSchedule:
         params = [p for p in self.stages[(stage, pipe)].parameters() if p.requires_grad]
         needed: set[int] = set()
         stash, entry = self.stash, (mb, stage, pipe, None)
-
-        def probe(nodes: Iterable[Node]) -> bool:
-            assert stash is not None
-            found = stash.probe(entry, nodes)
-            needed.update(found or ())
-            return found is not None
-
+        probe = None if stash is None else stash.prober(entry, needed)
         own = [x] if stage > 0 else []
-        recorded = stash is not None and entry in stash.entries
-        found, work = split_backward([y], [dy], own, params, probe if recorded else None)
+        found, work = split_backward([y], [dy], own, params, probe)
         if own:
             self.values[(Kind.B, mb, stage, pipe, None)] = found[0]
         self.work[key] = work
