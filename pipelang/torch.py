@@ -219,7 +219,7 @@ class PipelineSchedule:
         """B: the input's gradient, and what W reads kept (the rest released; without a
         recorded forward, the whole graph kept)."""
         mb, stage, pipe = key
-        params = [p for p in self.stages[(stage, pipe)].parameters() if p.requires_grad]
+        params = _trained(self.stages[(stage, pipe)])
         needed: set[int] = set()
         stash, entry = self.stash, (mb, stage, pipe, None)
         probe = None if stash is None else stash.prober(entry, needed)
@@ -238,7 +238,7 @@ class PipelineSchedule:
     def _weight_grad(self, a: Action) -> None:
         mb, stage, pipe = key = _where(a)
         _, y, dy = self.saved.pop(key)
-        params = list(self.stages[(stage, pipe)].parameters())
+        params = _trained(self.stages[(stage, pipe)])
         weight_pass(self.work.pop(key), [] if y is None else [y], [dy], params)
         if self.stash is not None:
             self.stash.forget((mb, stage, pipe, None))
@@ -273,7 +273,7 @@ class PipelineSchedule:
         if len(reduce_ranks(self.program, stage, self.copies_count)) < 2:
             return
         module = next(m for (s, _), m in self.stages.items() if s == stage)
-        params = list(module.parameters())
+        params = _trained(module)  # a frozen parameter gets no gradient, summed or not
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = _flatten_dense_tensors(grads)
         self.reducing.append((stage, module, flat, grads, self.transport.allreduce(stage, flat)))
@@ -289,9 +289,14 @@ class PipelineSchedule:
         for _, module, flat, grads, handle in sorted(self.reducing, key=lambda r: r[0]):
             handle.wait()
             for param, grad in zip(
-                module.parameters(), _unflatten_dense_tensors(flat, grads), strict=True
+                _trained(module), _unflatten_dense_tensors(flat, grads), strict=True
             ):
                 param.grad = grad
+
+
+def _trained(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of a stage copy that take gradients (a frozen one does not)."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def _where(a: Action) -> tuple[int, int, str]:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import pipelang
 import pipelang.torch
@@ -116,5 +118,58 @@ def test_a_split_schedule_keeps_after_b_only_what_w_reads(
         for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
             assert mine.grad is not None and theirs.grad is not None
             assert torch.equal(mine.grad, theirs.grad)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Tied(torch.nn.Module):
+    """A frozen input layer, then one weight used twice (a graph `weight_split` does not
+    split: W differentiates it whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = torch.nn.Linear(16, 32).requires_grad_(False)
+        self.twice = torch.nn.Linear(32, 32)
+        self.out = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.twice(torch.tanh(self.twice(self.frozen(x))))))
+
+
+class _Summed:
+    """An allreduce over one process: the sum is the process's own gradients."""
+
+    def wait(self) -> None:
+        return None
+
+
+def test_a_split_schedule_whose_graph_does_not_split_trains_its_parameters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage whose weight is used twice keeps its whole graph for W, which then
+    differentiates it toward the parameters that take gradients (a frozen one takes
+    none): the gradients are one process's, and the frozen layer has none, also after
+    the sum over its replicas (here a stand-in replica; a zero gradient written back
+    would let weight decay move a frozen weight)."""
+    monkeypatch.setattr(pipelang.torch, "reduce_ranks", lambda *_: [0, 1])
+    torch.manual_seed(1)
+    x, target = torch.randn(8, 16), torch.randn(8, 8)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+    )
+    try:
+        sched = PipelineSchedule(
+            pipelang.load("zb-h1", D=1, N=4), lambda s: _Tied(), torch.nn.functional.mse_loss
+        )
+        monkeypatch.setattr(sched.transport, "allreduce", lambda stage, flat: _Summed())
+        sched.step(x, target)
+        assert sched.reducing  # the stand-in replica's sum ran
+        alone = _Tied()
+        for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):
+            (torch.nn.functional.mse_loss(alone(xs), ts) * 0.25).backward()
+        for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
+            assert (mine.grad is None) == (theirs.grad is None) == (not mine.requires_grad)
+            assert mine.grad is None or torch.equal(mine.grad, theirs.grad)
     finally:
         dist.destroy_process_group()
