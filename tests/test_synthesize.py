@@ -350,7 +350,8 @@ def test_a_name_from_the_api_cannot_add_text_to_the_written_file() -> None:
 def test_a_written_plan_is_ordered_under_its_own_costs(tmp_path: Path) -> None:
     """`pipelang plan -o BEST.pipe` writes the partition, each stage's costs and each
     boundary's link (`C[b]`, here one slow link between two nodes); `synthesize` takes
-    the file as it is, times it as `simulate` does, and is never slower."""
+    the file as it is, times it as `simulate` does, is never slower, and keeps the
+    partition its costs are for."""
     from pipelang.planner.plans import Inputs
     from pipelang.planner.search import Planner
     from pipelang.planner.topology import Link, Topology
@@ -376,3 +377,4 @@ def test_a_written_plan_is_ordered_under_its_own_costs(tmp_path: Path) -> None:
     assert found.makespan <= planned.makespan
     check_pipe(found.text, "<synthesized>")
     assert "C[" in found.text  # the slow link is kept
+    assert found.program.partition == plan.partition  # `run` cuts the model as planned

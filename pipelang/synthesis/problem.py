@@ -101,7 +101,10 @@ def problem_of(
     if stage_bytes is not None and len(stage_bytes) != layout.num_stages:
         raise InternalError(f"{len(stage_bytes)} stages' bytes for {layout.num_stages} stages")
     values = tuple((p.name, bound[p.name]) for p in file.schedule.params)
-    problem = Problem(layout, _kinds(layout, split), file.schedule.name, values, stage_bytes)
+    partition = read_partition(file.schedule, layout.scope, layout.env, layout.num_stages)
+    problem = Problem(
+        layout, _kinds(layout, split), file.schedule.name, values, stage_bytes, partition
+    )
     return problem, own
 
 
@@ -194,11 +197,15 @@ class Problem:
         name: str = "placement",
         params: tuple[tuple[str, Value], ...] = (),
         stage_bytes: Sequence[tuple[float, float]] | None = None,
+        partition: tuple[int, ...] | None = None,
     ) -> None:
         self.layout, self.kinds, self.name = layout, tuple(kinds), name
         self.params = params
         """The schedule's parameters and their values: the written file declares them,
         each required to be what the order was found for."""
+        self.partition = partition
+        """The schedule's `partition` line (None: none): the cut its costs and bytes are
+        for, which the written file keeps, so that `pipelang run` cuts the model so."""
         self.stage_bytes = stage_bytes
         """Per stage, the bytes one forward saves and what W keeps of them after B: then
         activations are counted in bytes, else in micro-batches."""

@@ -37,6 +37,8 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
             f'{key} = {_value(v)}: synthesize again for another"'
         )
     lines.append("    ops " + ", ".join(k.value for k in problem.kinds))
+    if problem.partition is not None:
+        lines.append("    partition " + ", ".join(map(str, problem.partition)))
     lines += [f"    cost {item}" for item in _cost_items(layout.costs, layout.num_stages)]
     used = set(layout.assignment)
     for pipe in layout.pipelines:
