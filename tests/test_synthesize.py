@@ -378,3 +378,14 @@ def test_a_written_plan_is_ordered_under_its_own_costs(tmp_path: Path) -> None:
     check_pipe(found.text, "<synthesized>")
     assert "C[" in found.text  # the slow link is kept
     assert found.program.partition == plan.partition  # `run` cuts the model as planned
+
+
+def test_the_written_file_keeps_the_schedule_s_after_edges() -> None:
+    """GEMS holds each micro-batch's first forward back with `after` edges; the solver
+    orders under them, and the written file declares them again, so the order runs (and
+    simulates) under the same constraints as the one it was found under."""
+    found = synthesize("gems", {"D": "4", "N": "4"}, time_limit=5)
+    own = api.compile_schedule("gems", {"D": "4", "N": "4"}).need_program()
+    edges = {(d.earlier.text(), d.later.text()) for d in own.after}
+    assert edges and {(d.earlier.text(), d.later.text()) for d in found.program.after} == edges
+    assert found.makespan <= api.compile_schedule("gems", {"D": "4", "N": "4"}).timeline().makespan

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pipelang.compiler import Compilation
 from pipelang.evaluate import Value
 from pipelang.import_torch import check_pipe, placement_expr
-from pipelang.ir import Action, CostModel
+from pipelang.ir import Action, CostModel, deps
 from pipelang.sim.timeline import as_number
 from pipelang.source import one_line
 from pipelang.synthesis.problem import Problem, amount
@@ -53,17 +53,25 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
         else:
             runs.append((mb, mb + 1, pipe_name))
     lines.append("    microbatches " + ", ".join(f"m in {a}..{b} -> {p}" for a, b, p in runs))
+    lines += [  # the `after` edges between the ops ordered (the solver kept them too)
+        f"    {_op(dep.later)} after {_op(dep.earlier)}"
+        for dep in layout.after
+        if deps.op_key(dep.later) in problem.index and deps.op_key(dep.earlier) in problem.index
+    ]
     lines.append("    order rank r {")
     for rank, row in enumerate(orders):
         head = "if" if rank == 0 else "} else if"
         lines.append(f"        {head} r == {rank} {{")
-        texts = [
-            f"{op.kind.value}(mb={op.mb}, stage={op.stage})" for op in row if op.kind.is_compute
-        ]
+        texts = [_op(op) for op in row if op.kind.is_compute]
         for k in range(0, len(texts), OPS_PER_LINE):
             lines.append("            " + " ".join(texts[k : k + OPS_PER_LINE]))
     lines += ["        }", "    }", "}", ""]
     return "\n".join(lines)
+
+
+def _op(op: Action) -> str:
+    """A compute op as the order and `after` lines name it."""
+    return f"{op.kind.value}(mb={op.mb}, stage={op.stage})"
 
 
 def _cost_items(costs: CostModel, stages: int) -> list[str]:
