@@ -401,6 +401,29 @@ def test_a_written_plan_times_each_boundary_on_its_own_link(tmp_path: Path) -> N
     assert timeline.makespan == pytest.approx(plan.time_ms, abs=1e-3 * 4 * 8)
 
 
+def test_a_written_split_plan_keeps_what_w_holds(tmp_path: Path) -> None:
+    """A plan that splits W off B writes each stage's `MW`, the share of its activations
+    W keeps after B as the plan's memory counted it (the profile's `w_activation_bytes`),
+    so `check --max-activations`, `simulate` and `synthesize` on the file count as the
+    plan did."""
+    base = make_profile([1.0] * 8, activation=1e6)
+    layers = tuple(
+        dataclasses.replace(layer, w_activation_bytes=(0.25 if i % 2 else 0.5) * 1e6)
+        for i, layer in enumerate(base.layers)
+    )
+    profile = dataclasses.replace(base, layers=layers)
+    planner = Planner(Inputs(profile, uniform_topology(4), 8, schedules=("zb-h1",)))
+    plan = next(p for p in planner.search().plans if p.candidate.ranks == 4)
+    path = tmp_path / "best.pipe"
+    path.write_text(plan_source(plan, planner, "p.json", "t.yaml"))
+    program = compile_schedule(str(path)).need_program()
+    start = 0
+    for stage, count in enumerate(plan.partition):
+        shares = [0.25 if i % 2 else 0.5 for i in range(start, start + count)]
+        assert program.costs.of("MW", stage) == pytest.approx(sum(shares) / count, abs=1e-4)
+        start += count
+
+
 @pytest.mark.slow
 def test_written_plan_passes_check_and_round_trips(tmp_path: Path) -> None:
     path = plan_for_demo(tmp_path)

@@ -3,7 +3,8 @@
 The file is the stdlib schedule's own text, with the chosen parameters as the
 defaults, and three kinds of lines added at the top of the schedule's body: the
 `partition` (layers per stage), one `cost` line per stage (milliseconds per micro-batch
-from the profile), and `cost C` with `C[b]` for each stage boundary whose transfers
+from the profile; where W is split off, also the share of the activations W keeps,
+`MW`), and `cost C` with `C[b]` for each stage boundary whose transfers
 take another time than most (each as the prediction timed it on its link). A comment
 header names the plan, its prediction and the device each rank runs on.
 """
@@ -14,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from pipelang import __version__, api
+from pipelang.planner.costs import stage_w_shares
 from pipelang.planner.plans import Plan
 from pipelang.planner.profile import Profile
 from pipelang.planner.search import Planner
@@ -44,15 +46,17 @@ def plan_source(plan: Plan, planner: Planner, profile_name: str, topology_name: 
 
 def _body_lines(plan: Plan, planner: Planner) -> list[str]:
     lines = [
-        "# Planned by `pipelang plan`: layers per stage, and each stage's costs in ms.",
+        "# Planned by `pipelang plan`: layers per stage, and each stage's costs in ms"
+        + (" (MW: the share of its activations W keeps after B)." if plan.split_w else "."),
         "partition " + ", ".join(map(str, plan.partition)),
     ]
     speeds = planner.plan_speeds(plan)
     stage_costs = planner.costs.stage_costs(plan.partition, plan.split_w, speeds=speeds)
+    shares = stage_w_shares(planner.inputs.profile, plan.partition)
     for stage, (f, b, w) in enumerate(stage_costs):
         items = [f"F[{stage}] = {_ms(f)}", f"B[{stage}] = {_ms(b)}"]
-        if plan.split_w:
-            items.append(f"W[{stage}] = {_ms(w)}")
+        if plan.split_w:  # and what W keeps after B, as the plan's memory counted it
+            items += [f"W[{stage}] = {_ms(w)}", f"MW[{stage}] = {_ms(shares[stage])}"]
         lines.append("cost " + ", ".join(items))
     lines.append("cost " + ", ".join(_transfer_items(plan, planner)))
     return lines
