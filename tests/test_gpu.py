@@ -50,6 +50,35 @@ def test_local_on_cuda_with_data_parallel_replicas(capsys: pytest.CaptureFixture
     assert status == 0, capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_a_split_schedule_on_cuda_holds_what_simulate_says_and_frees_each_step(
+    name: str,
+) -> None:
+    """On the GPU, as on the CPU (tests/test_weight_split.py, test_runtime.py): each
+    rank's peak bytes of saved activations are `simulate --model`'s, and nothing of a
+    step outlives it: the device memory after 2 and after 6 steps is the same."""
+    import gc
+
+    from pipelang.backends.config import RunConfig
+    from pipelang.backends.local import run_local
+    from pipelang.backends.measure import activation_peaks
+    from pipelang.backends.models import plan_stages
+
+    program = stdlib(name, D=4, N=8)
+    left = []
+    for steps in (2, 6):
+        config = RunConfig(backend="local", steps=steps, count_activations=True)
+        shapes = plan_stages(config.spec, program.num_stages, None).shapes
+        outcome = run_local(program, config, shapes, lambda *_: None)
+        measured = [r.peak_activation_bytes for r in outcome.results]
+        assert measured == pytest.approx(activation_peaks(config.spec, program, program.costs))
+        del outcome
+        gc.collect()
+        torch.cuda.synchronize()
+        left.append(torch.cuda.memory_allocated())
+    assert left[1] <= left[0]
+
+
 def test_local_on_cuda_in_bfloat16_runs(capsys: pytest.CaptureFixture[str]) -> None:
     status = run(stdlib("chimera", D=4, N=4), "--backend", "local", "--dtype", "bfloat16")
     out = capsys.readouterr().out
