@@ -389,3 +389,45 @@ def test_the_written_file_keeps_the_schedule_s_after_edges() -> None:
     edges = {(d.earlier.text(), d.later.text()) for d in own.after}
     assert edges and {(d.earlier.text(), d.later.text()) for d in found.program.after} == edges
     assert found.makespan <= api.compile_schedule("gems", {"D": "4", "N": "4"}).timeline().makespan
+
+
+def test_a_partition_cuts_the_profile_and_the_model_and_is_written(tmp_path: Path) -> None:
+    """`--partition 3,3,1,1`: the profile's eight layers are summed over that cut (the
+    last two, twice as slow, a stage each), and the written file keeps the cut; with
+    `--model`, the byte cap holds on that cut as `simulate --model --partition` measures
+    it."""
+    profile = make_profile([1.0] * 6 + [2.0, 2.0])
+    (tmp_path / "p.json").write_text(profile.to_json())
+    out = tmp_path / "s.pipe"
+    base = ["synthesize", "zb-h1", "-p", "D=4", "-p", "N=8", "--partition", "3,3,1,1"]
+    status, _, err = run_in_process([*base, "--profile", str(tmp_path / "p.json"), "-o", str(out)])
+    assert status == 0, err
+    text = out.read_text()
+    assert "cost F[0] = 3, F[1] = 3, F[2] = 2, F[3] = 2" in text and "partition 3, 3, 1, 1" in text
+    cut = ["--model", "gpt:tiny", "--partition", "3,2,1,2", "--json"]
+    status, got, err = run_in_process(["simulate", "1f1b", "-p", "D=4", "-p", "N=8", *cut])
+    assert status == 0, err
+    cap = max(row["peak_activation_bytes"] for row in json.loads(got)["ranks"])
+    status, got, err = run_in_process(
+        [*base[:-1], "3,2,1,2", "--model", "gpt:tiny", "--max-activation-bytes", str(cap),
+         "--cost", "F=1,B=1,W=1", "--time-limit", "10", "-o", str(out), "--json"]
+    )  # fmt: skip
+    assert status == 0, err
+    status, text, err = run_in_process(["simulate", str(out), "--model", "gpt:tiny", "--json"])
+    assert status == 0, err  # the file's own `partition` line cuts the model
+    peaks = [row["peak_activation_bytes"] for row in json.loads(text)["ranks"]]
+    assert max(peaks) <= cap and max(peaks) == json.loads(got)["peak_activations"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--partition", "1,2"], "the partition 1, 2 gives 2 stages; zb_h1's placement has 4"),
+        (["--partition", "4,4,4,4", "--model", "gpt:tiny", "--max-activation-bytes", "1GiB"],
+         "add up to the 8 layers of gpt:tiny"),
+        (["--partition", "1,x"], "expected layer counts"),
+    ],
+)  # fmt: skip
+def test_a_partition_that_does_not_fit_is_a_usage_error(args: list[str], message: str) -> None:
+    status, _, err = run_in_process(["synthesize", "zb-h1", "-p", "D=4", "-p", "N=8", *args])
+    assert status == 2 and message in err, err

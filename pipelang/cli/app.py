@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         return _usage_error(f"pipelang {args.command}: error: {err}", as_json)
     except PipelangError as err:
+        if err.diagnostics and all(d.code == "usage" for d in err.diagnostics):  # the API's
+            message = "; ".join(d.message for d in err.diagnostics)  # word on the arguments
+            return _usage_error(f"pipelang {args.command}: error: {message}", as_json)
         print(err.render(), file=sys.stderr)
         if as_json:
             print(err.to_json())

@@ -13,6 +13,7 @@ from pipelang.cli.args import (
     add_model_arguments,
     add_param_options,
     byte_size,
+    layer_counts,
     parse_cost,
     parse_params,
     path,
@@ -73,6 +74,14 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="T.yaml",
         help="with --profile: rank r on device r of this cluster (as for `plan`), each "
         "stage's output sent over the link between its ranks (C[b])",
+    )
+    parser.add_argument(
+        "--partition",
+        type=layer_counts,
+        metavar="L0,L1,...",
+        help="the model's layers per stage, in place of SCHED's `partition` line (default: "
+        "it, else as even as possible): what --profile sums and --model measures, and the "
+        "written file's `partition`",
     )
     parser.add_argument(
         "--max-activations",
@@ -153,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         profile=None if args.profile is None else load_profile(args.profile),
         topology=None if args.topology is None else load_topology(args.topology),
         stage_bytes=stage_bytes,
+        partition=args.partition,
     )
     if args.out is not None:
         write_output(args.out, result.text)
@@ -187,7 +197,7 @@ def _stage_bytes(args: argparse.Namespace, params: dict[str, str]) -> list[tuple
     from pipelang.backends.models import ModelError, ModelSpec
     from pipelang.synthesis import stages_of
 
-    stages, partition = stages_of(args.sched, params)
+    stages, partition = stages_of(args.sched, params, args.partition)
     spec = ModelSpec(args.model, args.seq_len, args.micro_batch_size, args.dtype, args.seed)
     try:
         return stage_activation_bytes(spec, stages, partition)

@@ -145,6 +145,7 @@ def synthesize(
     profile: Profile | None = None,
     topology: Topology | None = None,
     stage_bytes: Sequence[tuple[float, float]] | None = None,
+    partition: Sequence[int] | None = None,
 ) -> Synthesized:
     """The fastest order for the placement of `sched` (a path or a stdlib name, with
     `-p`-style `params`) under `costs` (over the schedule's `cost` lines, and over the
@@ -154,14 +155,16 @@ def synthesize(
     schedule does). The solver stops after `time_limit` seconds with the best order it
     has; `name` is the written schedule's (default: the schedule's with `_synth`). With
     `stage_bytes` (per stage, the bytes one forward saves and what W keeps of them after
-    B: `backends.measure.stage_activation_bytes`), activations and the cap are in bytes."""
+    B: `backends.measure.stage_activation_bytes`), activations and the cap are in bytes.
+    `partition` (layers per stage) replaces the schedule's `partition` line: the cut the
+    profile's costs are summed over and the written file keeps."""
     began = time.monotonic()
     _check_name(name)
     solver = solver_module()
     if profile is not None:
-        measured = profile_costs(sched, params, profile, topology, split)
+        measured = profile_costs(sched, params, profile, topology, split, partition)
         costs = measured.merged(costs)
-    problem, own = problem_of(sched, params, costs, split, stage_bytes)
+    problem, own = problem_of(sched, params, costs, split, stage_bytes, partition)
     least = _least_cap(problem, max_activations)
     known = starting_points(problem, sched, params, own, max_activations)
     stdlib = [k for k in known if k.name.startswith("stdlib ")]

@@ -94,6 +94,7 @@ def problem_of(
     costs: CostModel | None = None,
     split: bool | None = None,
     stage_bytes: Sequence[tuple[float, float]] | None = None,
+    partition: Sequence[int] | None = None,
 ) -> tuple[Problem, Compilation | None]:
     """The ops to order for the placement of `sched` (see `synthesize`), and the
     schedule's compilation when it has an order of its own."""
@@ -101,11 +102,24 @@ def problem_of(
     if stage_bytes is not None and len(stage_bytes) != layout.num_stages:
         raise InternalError(f"{len(stage_bytes)} stages' bytes for {layout.num_stages} stages")
     values = tuple((p.name, bound[p.name]) for p in file.schedule.params)
-    partition = read_partition(file.schedule, layout.scope, layout.env, layout.num_stages)
-    problem = Problem(
-        layout, _kinds(layout, split), file.schedule.name, values, stage_bytes, partition
-    )
+    cut = _cut(file, layout, partition)
+    problem = Problem(layout, _kinds(layout, split), file.schedule.name, values, stage_bytes, cut)
     return problem, own
+
+
+def _cut(file: ast.File, layout: Layout, given: Sequence[int] | None) -> tuple[int, ...] | None:
+    """The model's layers per stage: `given` (a `--partition`) where there is one, else
+    the schedule's `partition` line; None: the runtime's even split."""
+    if given is None:
+        return read_partition(file.schedule, layout.scope, layout.env, layout.num_stages)
+    if len(given) != layout.num_stages or min(given, default=0) < 1:
+        raise fail(
+            "usage",
+            f"the partition {', '.join(map(str, given))} gives {len(given)} stages; "
+            f"{file.schedule.name}'s placement has {layout.num_stages}, each of at least "
+            "one layer",
+        )
+    return tuple(given)
 
 
 def _kinds(layout: Layout, split: bool | None) -> tuple[Kind, ...]:
@@ -114,13 +128,12 @@ def _kinds(layout: Layout, split: bool | None) -> tuple[Kind, ...]:
 
 
 def stages_of(
-    sched: str, params: Mapping[str, str] | None = None
+    sched: str, params: Mapping[str, str] | None = None, partition: Sequence[int] | None = None
 ) -> tuple[int, tuple[int, ...] | None]:
-    """The placement's stage count and its `partition` line (None: even), what measuring a
-    model's bytes per stage needs."""
+    """The placement's stage count and its cut (`partition`, else its `partition` line;
+    None: even), what measuring a model's bytes per stage needs."""
     layout, file, _ = _declarations(sched, params, None)
-    partition = read_partition(file.schedule, layout.scope, layout.env, layout.num_stages)
-    return layout.num_stages, partition
+    return layout.num_stages, _cut(file, layout, partition)
 
 
 def amount(value: float, problem: Problem) -> str:
@@ -136,18 +149,19 @@ def profile_costs(
     profile: Profile,
     topology: Topology | None,
     split: bool | None,
+    partition: Sequence[int] | None = None,
 ) -> CostModel:
     """Per-stage costs in milliseconds from a profile: each stage's F, B and W summed over
-    its layers (the schedule's `partition`, else the runtime's even split; with the
-    profile's runtime calibration, as the planner counts them, `OpCosts`), W's share of
-    the activations (`MW`), and with a topology, rank r on its device r, each stage
-    boundary's transfer of the stage's output over the link between the two ranks
-    (`C[b]`; the slowest, where pipelines cross a boundary between other ranks).
-    A profile or topology that does not fit the placement is E0604."""
+    its layers (`partition`, else the schedule's `partition` line, else the runtime's
+    even split; with the profile's runtime calibration, as the planner counts them,
+    `OpCosts`), W's share of the activations (`MW`), and with a topology, rank r on its
+    device r, each stage boundary's transfer of the stage's output over the link between
+    the two ranks (`C[b]`; the slowest, where pipelines cross a boundary between other
+    ranks). A profile or topology that does not fit the placement is E0604."""
     layout, file, _ = _declarations(sched, params, None)
     stages, ranks = layout.num_stages, layout.num_ranks
     layers = len(profile.layers)
-    counts = read_partition(file.schedule, layout.scope, layout.env, stages)
+    counts = _cut(file, layout, partition)
     if counts is None:
         if layers < stages:
             raise fail(
