@@ -426,6 +426,7 @@ def test_a_partition_cuts_the_profile_and_the_model_and_is_written(tmp_path: Pat
         (["--partition", "4,4,4,4", "--model", "gpt:tiny", "--max-activation-bytes", "1GiB"],
          "add up to the 8 layers of gpt:tiny"),
         (["--partition", "1,x"], "expected layer counts"),
+        (["--partition", "0,2,3,3"], "the partition 0, 2, 3, 3 leaves a stage without layers"),
     ],
 )  # fmt: skip
 def test_a_partition_that_does_not_fit_is_a_usage_error(args: list[str], message: str) -> None:

@@ -112,13 +112,15 @@ def _cut(file: ast.File, layout: Layout, given: Sequence[int] | None) -> tuple[i
     the schedule's `partition` line; None: the runtime's even split."""
     if given is None:
         return read_partition(file.schedule, layout.scope, layout.env, layout.num_stages)
-    if len(given) != layout.num_stages or min(given, default=0) < 1:
+    shown = ", ".join(map(str, given))
+    if len(given) != layout.num_stages:
         raise fail(
             "usage",
-            f"the partition {', '.join(map(str, given))} gives {len(given)} stages; "
-            f"{file.schedule.name}'s placement has {layout.num_stages}, each of at least "
-            "one layer",
+            f"the partition {shown} gives {len(given)} stages; {file.schedule.name}'s "
+            f"placement has {layout.num_stages}",
         )
+    if min(given) < 1:
+        raise fail("usage", f"the partition {shown} leaves a stage without layers")
     return tuple(given)
 
 
