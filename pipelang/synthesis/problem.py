@@ -220,8 +220,9 @@ class Problem:
         """The schedule's parameters and their values: the written file declares them,
         each required to be what the order was found for."""
         self.partition = partition
-        """The schedule's `partition` line (None: none): the cut its costs and bytes are
-        for, which the written file keeps, so that `pipelang run` cuts the model so."""
+        """The cut (a given partition, else the schedule's `partition` line; None: the
+        even split): what its costs and bytes are for, which the written file keeps, so
+        that `pipelang run` cuts the model so."""
         self.stage_bytes = stage_bytes
         """Per stage, the bytes one forward saves and what W keeps of them after B: then
         activations are counted in bytes, else in micro-batches."""
