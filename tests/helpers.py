@@ -54,6 +54,7 @@ from pipelang.planner.profile import (
     LayerCost,
     Profile,
 )
+from pipelang.planner.topology import Link, Topology
 from pipelang.sim.timeline import Timeline, simulate
 from pipelang.source import SourceFile, Span
 
@@ -283,6 +284,21 @@ def at(text: str, d: Diagnostic) -> str:
     """The source text a diagnostic points at."""
     assert d.span is not None
     return text[d.span.start : d.span.end]
+
+
+def two_nodes() -> Topology:
+    """Two nodes of two devices each (d0, d1 | d2, d3): 1 TB/s inside a node, 1 GB/s
+    between, no latency, 1 TB of memory each."""
+    fast, slow = Link(1e12, 0.0), Link(1e9, 0.0)
+    node = [0, 0, 1, 1]
+    return Topology(
+        tuple(f"d{i}" for i in range(4)),
+        (1e12,) * 4,
+        tuple(
+            tuple(None if a == b else fast if node[a] == node[b] else slow for b in range(4))
+            for a in range(4)
+        ),
+    )
 
 
 def make_profile(

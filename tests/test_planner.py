@@ -34,7 +34,7 @@ from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology, load_topology
 from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
 from pipelang.planner.write import plan_source
-from tests.helpers import make_profile, pipelang_here, replay, run_in_process
+from tests.helpers import make_profile, pipelang_here, replay, run_in_process, two_nodes
 
 MiB = 2**20
 
@@ -227,16 +227,7 @@ def test_the_copies_allreduce_takes_the_slow_link_between_nodes() -> None:
     # of a pipeline runs on the k-th block of devices, so two copies of a 2-rank 1F1B
     # sit one per node and every stage's replicas sum their gradients across the slow
     # link; four one-rank copies form one ring whose slowest hop crosses it.
-    fast, slow = Link(1e12, 0.0), Link(1e9, 0.0)
-    node = [0, 0, 1, 1]
-    topology = Topology(
-        tuple(f"d{i}" for i in range(4)),
-        (1e12,) * 4,
-        tuple(
-            tuple(None if a == b else fast if node[a] == node[b] else slow for b in range(4))
-            for a in range(4)
-        ),
-    )
+    topology = two_nodes()
     inputs = Inputs(
         make_profile([1.0] * 4, output=0.0), topology, 8, schedules=("1f1b",), data_parallel=True
     )
@@ -375,16 +366,7 @@ def test_a_written_plan_times_each_boundary_on_its_own_link(tmp_path: Path) -> N
     """Two nodes of two devices, 1 TB/s inside a node and 1 GB/s between: the boundary
     that crosses nodes gets its own `C[b]`, so simulating the written file gives the
     plan's prediction (a mean `C` for every transfer did not)."""
-    fast, slow = Link(1e12, 0.0), Link(1e9, 0.0)
-    node = [0, 0, 1, 1]
-    topology = Topology(
-        tuple(f"d{i}" for i in range(4)),
-        (1e12,) * 4,
-        tuple(
-            tuple(None if a == b else fast if node[a] == node[b] else slow for b in range(4))
-            for a in range(4)
-        ),
-    )
+    topology, node = two_nodes(), [0, 0, 1, 1]
     profile = make_profile([1.0] * 8, output=4e6)
     planner = Planner(Inputs(profile, topology, 8, schedules=("1f1b",)))
     plan = next(p for p in planner.search().plans if p.candidate.ranks == 4)

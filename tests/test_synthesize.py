@@ -12,7 +12,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from helpers import make_profile, run, run_in_process
+from helpers import make_profile, run, run_in_process, two_nodes
 
 from pipelang import api
 from pipelang.cli.args import parse_cost
@@ -354,18 +354,9 @@ def test_a_written_plan_is_ordered_under_its_own_costs(tmp_path: Path) -> None:
     partition its costs are for."""
     from pipelang.planner.plans import Inputs
     from pipelang.planner.search import Planner
-    from pipelang.planner.topology import Link, Topology
     from pipelang.planner.write import plan_source
 
-    node = [0, 0, 1, 1]
-    links = tuple(
-        tuple(
-            None if a == b else Link(1e12, 0.0) if node[a] == node[b] else Link(1e9, 0.0)
-            for b in range(4)
-        )
-        for a in range(4)
-    )
-    topology = Topology(tuple(f"d{i}" for i in range(4)), (1e12,) * 4, links)
+    topology = two_nodes()
     profile = make_profile([1.0, 2.0, 1.0, 1.0, 3.0, 1.0, 1.0, 2.0], output=2e6)
     planner = Planner(Inputs(profile, topology, 8, schedules=("zb-h1",)))
     plan = next(p for p in planner.search().plans if p.candidate.ranks == 4)

@@ -37,14 +37,15 @@ def plan_source(plan: Plan, planner: Planner, profile_name: str, topology_name: 
     first = schedule.body[0].span.start
     line_start = text.rfind("\n", 0, first) + 1
     indent = text[line_start:first]
-    added = [f"{indent}{line}\n" for line in _body_lines(plan, planner)]
+    transfers = planner.boundary_transfers(plan)
+    added = [f"{indent}{line}\n" for line in _body_lines(plan, planner, transfers)]
     edits.append((line_start, line_start, "".join(added)))
     for start, end, new in sorted(edits, reverse=True):
         text = text[:start] + new + text[end:]
-    return _header(plan, planner, profile_name, topology_name) + text
+    return _header(plan, planner, profile_name, topology_name, transfers) + text
 
 
-def _body_lines(plan: Plan, planner: Planner) -> list[str]:
+def _body_lines(plan: Plan, planner: Planner, transfers: list[float | None]) -> list[str]:
     lines = [
         "# Planned by `pipelang plan`: layers per stage, and each stage's costs in ms"
         + (" (MW: the share of its activations W keeps after B)." if plan.split_w else "."),
@@ -58,15 +59,15 @@ def _body_lines(plan: Plan, planner: Planner) -> list[str]:
         if plan.split_w:  # and what W keeps after B, as the plan's memory counted it
             items += [f"W[{stage}] = {_ms(w)}", f"MW[{stage}] = {_ms(shares[stage])}"]
         lines.append("cost " + ", ".join(items))
-    lines.append("cost " + ", ".join(_transfer_items(plan, planner)))
+    lines.append("cost " + ", ".join(_transfer_items(plan, transfers)))
     return lines
 
 
-def _transfer_items(plan: Plan, planner: Planner) -> list[str]:
+def _transfer_items(plan: Plan, transfers: list[float | None]) -> list[str]:
     """`C`, and `C[b]` for each stage boundary whose transfers take another time. `C` is
     the boundaries' most common time, or where pipelines cross some boundary over links
     of different times, the mean of all the plan's transfers (what those then take)."""
-    times = [None if t is None else _ms(t) for t in planner.boundary_transfers(plan)]
+    times = [None if t is None else _ms(t) for t in transfers]
     known = [t for t in times if t is not None]
     mixed = None in times or not known
     base = _ms(plan.transfer_ms) if mixed else max(known, key=known.count)
@@ -79,7 +80,13 @@ def _ms(value: float) -> str:
     return text or "0"
 
 
-def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str) -> str:
+def _header(
+    plan: Plan,
+    planner: Planner,
+    profile_name: str,
+    topology_name: str,
+    transfers: list[float | None],
+) -> str:
     inputs = planner.inputs
     profile = inputs.profile
     names = inputs.topology.names
@@ -95,15 +102,15 @@ def _header(plan: Plan, planner: Planner, profile_name: str, topology_name: str)
         f"peak memory {format_bytes(peak)} (rank {rank})",
         f"  devices: {devices}",
         *_copies(plan),
-        *_transfers(plan, planner),
+        *_transfers(transfers),
         "",
     ]
     return "".join(f"# {one_line(line)}".rstrip() + "\n" for line in lines)
 
 
-def _transfers(plan: Plan, planner: Planner) -> list[str]:
+def _transfers(transfers: list[float | None]) -> list[str]:
     """What the `cost C` lines say of the transfers the prediction timed."""
-    mixed = [b for b, t in enumerate(planner.boundary_transfers(plan)) if t is None]
+    mixed = [b for b, t in enumerate(transfers) if t is None]
     if not mixed:
         return ["  The `cost C` line below times each transfer as the prediction did."]
     shown = ", ".join(map(str, mixed[:8])) + (" ..." if len(mixed) > 8 else "")
