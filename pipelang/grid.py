@@ -12,10 +12,9 @@ up. The deadlock diagnostic draws a rank x step grid (`step_grid`); the simulato
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
-from pipelang.ir import Action, Program
+from pipelang.ir import Action, Program, placement
 
 
 def op_labeler(program: Program) -> Callable[[int, Action], str]:
@@ -27,13 +26,13 @@ def op_labeler(program: Program) -> Callable[[int, Action], str]:
     Actions other than compute ops keep their full token.
     """
     short = _short_names([p.name for p in program.pipelines])
-    held = Counter((rank, p.name) for p in program.pipelines for rank in p.placement)
+    held = placement.local_stages(program.pipelines)
 
     def label(rank: int, action: Action) -> str:
         if not action.kind.is_compute:
             return action.text()
         text = f"{action.kind.value}{action.unit()}{short.get(action.pipeline or '', '')}"
-        if held[(rank, action.pipeline or "")] > 1:
+        if len(held.get((action.pipeline or "", rank), ())) > 1:
             text += f".s{action.stage}"
         return text
 

@@ -43,6 +43,12 @@ def copies_by_rank(
     return index
 
 
+def owners(pipelines: Sequence[Pipeline]) -> dict[tuple[int | None, str | None], int]:
+    """(stage, pipeline) -> the rank that runs it; keyed as an `Action` names its stage
+    and pipeline, so `owners(...).get((op.stage, op.pipeline))` is the op's rank."""
+    return {(s, p.name): r for p in pipelines for s, r in enumerate(p.placement)}
+
+
 def replicas(pipelines: Sequence[Pipeline], stage: int) -> tuple[int, ...]:
     """Ranks holding a copy of `stage`, one entry per pipeline, in pipeline order."""
     return tuple(p.placement[stage] for p in pipelines)
@@ -70,9 +76,10 @@ def entries(
 
 
 def crossing(pipelines: Sequence[Pipeline]) -> list[bool]:
-    """Whether each stage boundary of the first pipeline joins two ranks."""
-    placement = pipelines[0].placement
-    return [placement[s] != placement[s + 1] for s in range(len(placement) - 1)]
+    """Whether each stage boundary joins two ranks in some pipeline (a transfer crosses
+    it there)."""
+    stages = len(pipelines[0].placement) if pipelines else 0
+    return [any(p.placement[b] != p.placement[b + 1] for p in pipelines) for b in range(stages - 1)]
 
 
 def reduce_ranks(program: Program, stage: int, dp: int) -> list[int]:

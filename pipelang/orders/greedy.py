@@ -207,16 +207,14 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
     for name in ("mb", "stage", "rank", "chunk"):
         scope = scope.with_name(name, order.span, why=why)
     keys = [compile_int(expr, scope) for expr in order.priority]
-    rank_of: dict[tuple[str | None, int | None], int] = {
-        (p.name, s): r for p in layout.pipelines for s, r in enumerate(p.placement)
-    }
+    rank_of = placement.owners(layout.pipelines)
 
     def key_of(op: Action) -> tuple[int, ...]:
         env: Env = dict(layout.env)
         env.update(
             mb=op.mb or 0,
             stage=op.stage or 0,
-            rank=rank_of[(op.pipeline, op.stage)],
+            rank=rank_of[(op.stage, op.pipeline)],
             chunk=op.chunk or 0,
         )
         return (prefer.index(op.kind.value), *(k(env) for k in keys))

@@ -39,7 +39,6 @@ def iteration_bound(layout: Layout, stage_costs: Sequence[tuple[float, float, fl
     forward = [f for f, _, _ in stage_costs]
     backward = [b for _, b, _ in stage_costs]
     weight = [w if Kind.W in layout.kinds else 0.0 for _, _, w in stage_costs]
-    stages = len(stage_costs)
     before_f = _prefix(forward)  # before_f[s]: the forwards of stages 0..s-1
     before_b = _prefix(backward)
     all_f, all_b = before_f[-1], before_b[-1]
@@ -49,8 +48,8 @@ def iteration_bound(layout: Layout, stage_costs: Sequence[tuple[float, float, fl
         classes: list[tuple[float, float, float]] = []  # (release, work, tail)
         for pipeline in layout.pipelines:
             count = counts[pipeline.name]
-            held = [s for s in range(stages) if pipeline.placement[s] == rank]
-            for s in held if count else ():
+            held = layout.local_stages.get((pipeline.name, rank), ()) if count else ()
+            for s in held:
                 b_tail = max(weight[s], before_b[s] + weight[0])
                 classes.append((before_f[s], count * forward[s], all_f - before_f[s + 1] + all_b))
                 classes.append((all_f + all_b - before_b[s + 1], count * backward[s], b_tail))

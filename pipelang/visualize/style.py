@@ -14,7 +14,7 @@ from __future__ import annotations
 import colorsys
 from dataclasses import dataclass
 
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import Action, Kind, Program, placement
 
 KIND_HUE = {Kind.F: 212, Kind.B: 25, Kind.W: 128, Kind.R: 280, Kind.P: 180}
 """Hue in degrees of each compute kind."""
@@ -67,14 +67,9 @@ class Palette:
 
 def palette(program: Program) -> Palette:
     """Number the variants of `program`: pipelines in order, chunks in stage order."""
-    chunk: dict[tuple[str, int], int] = {}
-    most = 1
-    for pipe in program.pipelines:
-        held: dict[int, int] = {}
-        for stage, rank in enumerate(pipe.placement):
-            chunk[(pipe.name, stage)] = held.get(rank, 0)
-            held[rank] = held.get(rank, 0) + 1
-        most = max(most, *held.values()) if held else most
+    local = placement.local_stages(program.pipelines)
+    chunk = {(name, stage): c for (name, _), held in local.items() for c, stage in enumerate(held)}
+    most = max((len(held) for held in local.values()), default=1)
     index = {pipe.name: i for i, pipe in enumerate(program.pipelines)}
     variant: dict[tuple[str | None, int | None], int] = {
         (name, stage): index[name] * most + c for (name, stage), c in chunk.items()

@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pipelang.diagnostics import Diagnostic, label
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import Action, Kind, Program, placement
 from pipelang.passes.validate.problems import Problem, collapse
 
 Key = tuple[int | None, int | None, str | None]
@@ -49,7 +49,7 @@ def check_evictions(program: Program) -> list[Diagnostic]:
     stashes = _collect(program)
     if not stashes:
         return []
-    owner = _owners(program)
+    owner = placement.owners(program.pipelines)
     problems: list[Problem] = []
     for key, stash in stashes.items():
         problems += _check_one(program, owner.get((key[1], key[2])), stash)
@@ -67,7 +67,7 @@ def _collect(program: Program) -> dict[Key, _Stash]:
                 stashes[action[1:4]].loads.append((rank, step, action))
     if not stashes:
         return {}
-    owner = _owners(program)
+    owner = placement.owners(program.pipelines)
     for rank, actions in enumerate(program.ranks):
         for step, action in enumerate(actions):
             key = action[1:4]
@@ -78,11 +78,6 @@ def _collect(program: Program) -> dict[Key, _Stash]:
             ):
                 stashes[key].steps.setdefault(action.kind, (step, action))
     return dict(stashes)
-
-
-def _owners(program: Program) -> dict[tuple[int | None, str | None], int]:
-    """The rank that runs each (stage, pipeline)."""
-    return {(s, p.name): r for p in program.pipelines for s, r in enumerate(p.placement)}
 
 
 def _check_one(program: Program, owner: int | None, stash: _Stash) -> list[Problem]:

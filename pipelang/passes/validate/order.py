@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pipelang.diagnostics import Diagnostic, label, listing
-from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program
+from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program, placement
 from pipelang.passes.build_dag import Edge, Key, OpGraph, op_key
 from pipelang.passes.validate.problems import Problem
 
@@ -78,10 +78,7 @@ def _owners(
     program: Program,
 ) -> tuple[dict[tuple[int | None, str | None], int], dict[int | None, str]]:
     """The rank of each (stage, pipeline), and the pipeline of each micro-batch."""
-    owner: dict[tuple[int | None, str | None], int] = {
-        (s, p.name): r for p in program.pipelines for s, r in enumerate(p.placement)
-    }
-    return owner, dict(enumerate(program.assignment))
+    return placement.owners(program.pipelines), dict(enumerate(program.assignment))
 
 
 def take_census(program: Program) -> _Census:
