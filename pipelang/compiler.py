@@ -8,8 +8,7 @@ work on the AST (binding parameters, expanding the orders into per-rank ops); fr
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -17,6 +16,17 @@ from typing import TYPE_CHECKING
 from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError
 from pipelang.evaluate import MAX_OPS
+from pipelang.passes import (
+    build_dag,
+    check_streams,
+    expand_orders,
+    insert_comms,
+    insert_holds,
+    insert_sync,
+    resolve_params,
+    streams,
+    validate,
+)
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -27,6 +37,10 @@ if TYPE_CHECKING:
     from pipelang.sim.engine import Link
     from pipelang.sim.timeline import Timeline
     from pipelang.streams import StreamProgram
+
+
+Pass = Callable[["Compilation"], "Compilation"]
+"""A compiler pass: a pure function from one `Compilation` to the next."""
 
 
 @dataclass(frozen=True)
@@ -94,23 +108,21 @@ class Compilation:
         return self.graph
 
 
-PASSES = (
-    "resolve_params",
-    "expand_orders",
-    "build_dag",
-    "validate",
-    "insert_holds",
-    "insert_comms",
-    "insert_sync",
-    "streams",
-    "check_streams",
+PASSES: tuple[Pass, ...] = (
+    resolve_params.run,
+    expand_orders.run,
+    build_dag.run,
+    validate.run,
+    insert_holds.run,
+    insert_comms.run,
+    insert_sync.run,
+    streams.run,
+    check_streams.run,
 )
-"""The passes in order: each a module of `pipelang/passes/` whose `run(Compilation) ->
-Compilation` is the pass, named on the command line as the module with `-` for `_`
-(`--dump-after build-dag`). A pass's module is imported when it first runs, so that
-`pipelang --help`, `list` and `explain` start ~10% sooner (benchmarks/RESULTS.md, "Lazy
-imports")."""
-PASS_NAMES = tuple(module.replace("_", "-") for module in PASSES)
+"""The passes in order: each the `run(Compilation) -> Compilation` of a module of
+`pipelang/passes/`, named on the command line as its module with `-` for `_`
+(`--dump-after build-dag`)."""
+PASS_NAMES = tuple(p.__module__.rsplit(".", 1)[1].replace("_", "-") for p in PASSES)
 SCHEDULE_DONE = "insert-holds"
 """The last pass that decides what each rank computes and when: the ops, the op graph
 and memory are final. What follows only lowers transfers and sync (it cannot fail on a
@@ -141,8 +153,8 @@ def check_program(program: Program, stop_after: str = "validate") -> Compilation
 
 def _run(c: Compilation, first: str, stop_after: str) -> Compilation:
     start = PASS_NAMES.index(first)
-    for module, name in zip(PASSES[start:], PASS_NAMES[start:], strict=True):
-        c = importlib.import_module(f"pipelang.passes.{module}").run(c)
+    for run_pass, name in zip(PASSES[start:], PASS_NAMES[start:], strict=True):
+        c = run_pass(c)
         if name == stop_after:
             break
     return c
