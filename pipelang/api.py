@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipelang import ast
 from pipelang.compiler import Compilation, Options, run_passes
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import fail, quote
 from pipelang.evaluate import MAX_OPS
 from pipelang.ir import CostModel, Program
 from pipelang.parser import parse_file, stdlib_dir
@@ -20,15 +20,25 @@ def stdlib_names() -> list[str]:
 
 def find_schedule(sched: str) -> tuple[Path, str]:
     """A path to a `.pipe` file, or a stdlib name; returns (path, name to display)."""
+    if not sched.strip():  # Path("") is ".", a directory: say what was given
+        raise fail(
+            "usage",
+            f"the schedule is {'an empty path' if not sched else quote(sched)}: give a .pipe "
+            "file or a stdlib name (`pipelang list`)",
+        )
     path = Path(sched)
-    if path.suffix == ".pipe" or path.exists():
+    try:
+        exists = path.exists()
+    except OSError as err:  # a name too long for the file system, say
+        raise fail("E0003", f"cannot read {quote(sched)}: {err.strerror}") from None
+    if path.suffix == ".pipe" or exists:
         return path, sched
     candidate = stdlib_dir() / f"{sched}.pipe"
     if candidate.exists():
         return candidate, f"<stdlib>/{sched}.pipe"
     raise fail(
         "E0003",
-        f"no schedule `{sched}`: not a file and not a stdlib name",
+        f"no schedule {quote(sched)}: not a file and not a stdlib name",
         help="stdlib schedules: " + ", ".join(stdlib_names()),
     )
 

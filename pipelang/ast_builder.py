@@ -216,15 +216,16 @@ class AstBuilder(Transformer[Token, Any]):
             named = named or key is not None
             if key is None and index < 2 and not named:
                 key = ("mb", "stage")[index]
-            if key not in ("mb", "stage", "chunk") or key in values:
+            problem = _argument_problem(kind, None if key is None else str(key), values, index)
+            if problem is not None:
                 raise fail(
                     "E0103",
-                    f"bad argument to `{kind}`",
+                    problem,
                     value.span,
                     help="ops take `(mb)`, `(mb, stage)`, or named `mb=` and `stage=`, "
                     "and `chunk=` in a schedule with `chunks`",
                 )
-            values[key] = value
+            values[str(key)] = value
         if kind == "U" and "mb" in values:
             raise fail(
                 "E0103",
@@ -331,3 +332,22 @@ class AstBuilder(Transformer[Token, Any]):
 
     def _call(self, span: Span, func: Token, *args: Any) -> ast.Call:
         return ast.Call(span, str(func), tuple(a for a in args if a is not None))
+
+
+_OP_ARGUMENTS = ("mb", "stage", "chunk")
+
+
+def _argument_problem(
+    kind: str, key: str | None, given: dict[str, ast.Expr], index: int
+) -> str | None:
+    """What is wrong with an op's argument number `index` (named `key`, None for a
+    positional one that names nothing) after the arguments `given`; None when nothing."""
+    if key is None:
+        if index < 2:
+            return f"a positional argument of `{kind}` after a named one"
+        return f"`{kind}` takes at most two positional arguments, `(mb, stage)`"
+    if key not in _OP_ARGUMENTS:
+        return f"`{kind}` has no argument `{key}=`"
+    if key in given:
+        return f"`{kind}` is given `{key}` twice"
+    return None

@@ -8,7 +8,6 @@ only does arithmetic; the single run-time error is division by zero. Nothing fro
 
 from __future__ import annotations
 
-import difflib
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelang import ast
-from pipelang.diagnostics import PipelangError, fail
+from pipelang.diagnostics import PipelangError, fail, nearest
 from pipelang.source import Span
 
 Value = int | bool
@@ -333,13 +332,13 @@ def _call(expr: ast.Call, scope: Scope, calling: _Calls) -> tuple[str, Evaluator
 
 def _unknown(node: ast.Node, name: str, scope: Scope, function: bool = False) -> Exception:
     known = [*scope.fns, "min", "max"] if function else list(scope.names)
-    close = difflib.get_close_matches(name, known, n=1)
+    close = nearest(name, known)
     kind = "function" if function else "name"
     return fail(
         "E0101",
         f"unknown {kind} `{name}`",
         node.span,
-        help=f"did you mean `{close[0]}`?" if close else None,
+        help=f"did you mean `{close}`?" if close else None,
     )
 
 

@@ -7,7 +7,6 @@ token. Imports are resolved here, so the rest of the compiler sees one `ast.File
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
 from importlib import resources
@@ -19,7 +18,7 @@ from lark.exceptions import VisitError
 
 from pipelang import ast
 from pipelang.ast_builder import AstBuilder
-from pipelang.diagnostics import Diagnostic, Label, PipelangError, fail
+from pipelang.diagnostics import Diagnostic, Label, PipelangError, fail, nearest, quote
 from pipelang.readers import ReadError, read_text
 from pipelang.source import SourceFile, Span
 
@@ -85,21 +84,26 @@ def stdlib_dir() -> Path:
 def read_source(path: Path, display: str | None = None, span: Span | None = None) -> SourceFile:
     """Read a file as UTF-8 text, or fail with E0003 (E0004 when it does not exist)."""
     name = display or str(path)
-    if not path.is_file():
-        why = "it is a directory" if path.is_dir() else "no such file"
-        raise fail("E0004" if span else "E0003", f"cannot read `{name}`: {why}", span)
+    try:
+        found = path.is_file()
+        why = "" if found else "it is a directory" if path.is_dir() else "no such file"
+    except OSError as err:  # a name too long for the file system, say
+        found, why = False, err.strerror or str(err)
+    if not found:
+        raise fail("E0004" if span else "E0003", f"cannot read {quote(name)}: {why}", span)
     try:
         return SourceFile.of(name, read_text(path, MAX_BYTES))
     except ReadError as err:
         if err.reason == "size":
-            message = f"`{name}` is larger than the {MAX_BYTES >> 20} MiB a `.pipe` file may be"
+            limit = MAX_BYTES >> 20
+            message = f"{quote(name)} is larger than the {limit} MiB a `.pipe` file may be"
             raise fail("E0106", message, span) from None
         if err.reason == "encoding":
-            message = f"`{name}` is not UTF-8 text (byte {err.offset} is invalid)"
+            message = f"{quote(name)} is not UTF-8 text (byte {err.offset} is invalid)"
         elif err.reason == "binary":
-            message = f"`{name}` is binary, not a `.pipe` text file"
+            message = f"{quote(name)} is binary, not a `.pipe` text file"
         else:
-            message = f"cannot read `{name}`: {err}"
+            message = f"cannot read {quote(name)}: {err}"
         code = "E0004" if span and err.reason == "os" else "E0003"
         raise fail(code, message, span) from None
 
@@ -320,8 +324,8 @@ def _misspelled_keyword(line_before: str) -> str | None:
     words = sorted(keywords())
     if word in words:
         return None
-    close = difflib.get_close_matches(word, words, n=1, cutoff=0.75)
-    return f"`{word}` is not a keyword: did you mean `{close[0]}`?" if close else None
+    close = nearest(word, words, cutoff=0.75)
+    return f"{quote(word)} is not a keyword: did you mean `{close}`?" if close else None
 
 
 _SEMICOLON = "statements end with the line (or the next statement); drop the `;`"

@@ -369,3 +369,104 @@ def test_every_refusal_comes_from_the_feature_table(feature: str, tmp_path: Path
     if alone:
         status, _, err = run_in_process([*cli, "--format", "torch-csv"])
         assert status == 2 and REFUSED["torch-csv"][feature] in err
+
+
+# ---- round three (issue 44): the language, the CLI and the API under hostile input --------
+
+
+@pytest.mark.parametrize("code", ["²", "٣", "３０６", "E0306\n", "E³⁰⁶", "e0306e", "E0x1"])
+def test_explain_of_a_code_that_is_no_code_is_a_usage_error(code: str) -> None:
+    """Unicode digits are digits to `str.isdigit` (`²` was an internal ValueError, `٣`
+    explained E0003): a code is `E` and ASCII digits."""
+    status, out, err = run_in_process(["explain", code])
+    assert (status, out) == (2, "")
+    assert err.startswith("pipelang explain: error: no diagnostic code `"), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_long_argument_is_echoed_cut_in_the_middle() -> None:
+    """A 100,000-character code (or any argument a usage error quotes) is shown as its
+    two ends and its length, never whole."""
+    code = "x" * 100_000
+    status, _, err = run_in_process(["explain", code])
+    assert status == 2
+    assert err == (
+        f"pipelang explain: error: no diagnostic code `{'x' * 30}...{'x' * 15}` (100,000 "
+        "characters); codes are E0001..E0605 (E followed by four digits, such as E0306)\n"
+    )
+    status, _, err = run_in_process(["check", "1f1b", "--no-such-option", code])
+    assert status == 2 and len(err) < 400 and "(100,000 characters)" in err, err
+
+
+def test_did_you_mean_among_thousands_of_long_names_is_quick(tmp_path: Path) -> None:
+    """A file of 4,000 parameters with 190-character names and one misspelled use took
+    39 s in difflib; `diagnostics.nearest` compares few candidates of bounded length."""
+    import time
+
+    names = [f"param_{'x' * 180}{i:06d}" for i in range(4000)]
+    params = ",\n    ".join(f"{n}: int = 1" for n in names)
+    body = GOOD.split("\n", 1)[1].replace("}\n", f"    let z = {names[7]}q\n}}\n", 1)
+    path = tmp_path / "big.pipe"
+    path.write_text(f"schedule good(D: int = 2, N: int = 2,\n    {params}) {{\n{body}")
+    assert path.stat().st_size > 800_000
+    started = time.perf_counter()
+    status, _, err = run_in_process(["check", str(path)])
+    assert time.perf_counter() - started < 5
+    assert status == 1 and "E0101" in err
+
+
+def test_did_you_mean_is_bounded_and_still_finds_near_names() -> None:
+    from pipelang.diagnostics import nearest
+
+    assert nearest("D", ["N", "d"]) == "d"  # up to case, first
+    assert nearest("pipline", ["order", "pipeline"]) == "pipeline"
+    assert nearest("x" * 100, ["x" * 99]) is None  # past NEAREST_LONGEST: case only
+    assert nearest("X" * 100, ["x" * 100]) == "x" * 100
+    assert nearest("depth", ["D", "N"]) is None
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ("F(i, chunk=c, chunk=c)", "`F` is given `chunk` twice"),
+        ("F(i, mb=i, chunk=c)", "`F` is given `mb` twice"),
+        ("F(i, 0, 0)", "`F` takes at most two positional arguments, `(mb, stage)`"),
+        ("F(chunk=c, i)", "a positional argument of `F` after a named one"),
+        ("F(i, chunks=c)", "`F` has no argument `chunks=`"),
+    ],
+)
+def test_a_bad_op_argument_is_named(call: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "t.pipe"
+    path.write_text(
+        "schedule t(D: int = 2, N: int = 2) {\n"
+        "    pipeline main: stage s in 0..D -> rank s\n"
+        "    microbatches 0..N -> main\n"
+        "    chunks 2\n"
+        f"    order rank r {{ for i in 0..N {{ for c in 0..2 {{ {call} }} }}\n"
+        "        for i in 0..N { for c in 0..2 { B(i, chunk=c) } } }\n"
+        "}\n"
+    )
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1
+    assert err.startswith(f"error[E0103]: {message}\n --> {path}:5:"), err
+
+
+@pytest.mark.parametrize(
+    ("sched", "code", "message"),
+    [
+        ("", "usage", "the schedule is an empty path"),
+        ("  ", "usage", "the schedule is `  `"),
+        ("x" * 5000, "E0003", "File name too long"),
+        ("x" * 5000 + ".pipe", "E0003", "File name too long"),
+        ("a\nb", "E0003", "no schedule `a\\nb`"),
+    ],
+    ids=["empty", "spaces", "long", "long.pipe", "newline"],
+)
+def test_load_says_what_is_wrong_with_the_path(sched: str, code: str, message: str) -> None:
+    """`load('')` said "cannot read `.`: it is a directory"; a name too long for the file
+    system was an OSError."""
+    with pytest.raises(pipelang.PipelangError) as raised:
+        pipelang.load(sched)
+    found = raised.value.diagnostics[0]
+    assert found.code == code and message in found.message, found.message
+    assert len(found.message) < 200

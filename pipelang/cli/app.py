@@ -31,7 +31,7 @@ from pipelang.cli import compile as compile_command
 from pipelang.cli import list as list_command
 from pipelang.cli import run as run_command
 from pipelang.cli.args import UsageError
-from pipelang.diagnostics import InternalError, PipelangError
+from pipelang.diagnostics import InternalError, PipelangError, clip
 
 # name -> module with HELP, setup(parser) and run(args); `pipelang --help` lists them so
 COMMANDS = {
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(
-            f"internal error: {type(err).__name__}: {err}\n"
+            f"internal error: {type(err).__name__}: {clip(str(err))}\n"
             "this is a bug in pipelang; run again with --debug for the traceback",
             file=sys.stderr,
         )
@@ -114,7 +114,9 @@ def _wants_json(argv: Sequence[str]) -> bool:
 
 
 def _usage_error(message: str, as_json: bool) -> int:
-    """A bad command line: the message on stderr (and as JSON on stdout); exit 2."""
+    """A bad command line: the message on stderr (and as JSON on stdout); exit 2. Clipped
+    as diagnostics are (`diagnostics.clip`): a usage error may quote what was typed."""
+    message = clip(message, runs=True)
     print(message, file=sys.stderr)
     if as_json:
         diagnostic = {"severity": "error", "code": "usage", "message": message}

@@ -12,13 +12,12 @@ problems at once (E0201 missing, E0202 unknown, E0203 wrong type, E0204 failed r
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pipelang import ast
-from pipelang.diagnostics import Diagnostic, PipelangError
+from pipelang.diagnostics import MAX_REPORTED, Diagnostic, PipelangError, nearest
 from pipelang.evaluate import (
     BOOL,
     INT,
@@ -94,24 +93,24 @@ def _declare(
 def _unknown_params(schedule: ast.Schedule, given: Mapping[str, str]) -> list[Diagnostic]:
     declared = {p.name for p in schedule.params}
     names = ", ".join(f"`{p.name}`" for p in schedule.params) or "none"
+    unknown = [name for name in given if name not in declared]
     return [
         Diagnostic(
             "E0202",
             f"`{schedule.name}` has no parameter `{name}`",
             schedule.span,
             notes=(f"its parameters are {names}",),
-            help=_closest(name, [p.name for p in schedule.params]),
+            # only the errors shown look for a spelling: thousands of names cost seconds
+            help=_closest(name, [p.name for p in schedule.params]) if i < MAX_REPORTED else None,
         )
-        for name in given
-        if name not in declared
+        for i, name in enumerate(unknown)
     ]
 
 
 def _closest(name: str, declared: list[str]) -> str | None:
     """ "did you mean `D`?" for `-p d=4` (another case) or a near spelling."""
-    same = [d for d in declared if d.lower() == name.lower()]
-    close = same or difflib.get_close_matches(name, declared, n=1, cutoff=0.7)
-    return f"did you mean `-p {close[0]}=...`?" if close else None
+    close = nearest(name, declared, cutoff=0.7)
+    return f"did you mean `-p {close}=...`?" if close else None
 
 
 def _param_value(
