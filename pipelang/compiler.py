@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from pipelang import ast
     from pipelang.ir import CostModel, Program
-    from pipelang.passes.build_dag import OpGraph
+    from pipelang.ir.graph import OpGraph
     from pipelang.sim.engine import Link
     from pipelang.sim.timeline import Timeline
     from pipelang.streams import StreamProgram

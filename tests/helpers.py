@@ -46,8 +46,8 @@ from pipelang.compiler import SCHEDULE_DONE, Options, run_passes
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.import_torch import check_pipe
 from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program
+from pipelang.ir.graph import op_graph
 from pipelang.parser import stdlib_dir
-from pipelang.passes.build_dag import op_graph
 from pipelang.passes.insert_comms import insert_comms
 from pipelang.passes.validate import validate
 from pipelang.planner.profile import (

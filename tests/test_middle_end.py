@@ -10,8 +10,8 @@ import pytest
 from pipelang import api
 from pipelang.compiler import Options, run_passes
 from pipelang.ir import Action, Kind, Program
+from pipelang.ir.graph import build_dag, op_graph
 from pipelang.passes import insert_comms as insert_comms_module
-from pipelang.passes.build_dag import build_dag, op_graph
 from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
 from pipelang.passes.validate.lowered import check_lowered

@@ -13,7 +13,7 @@ import pytest
 from pipelang.api import compile_schedule, stdlib_names
 from pipelang.export import to_json
 from pipelang.ir import Action, Kind, Program
-from pipelang.passes.build_dag import op_graph
+from pipelang.ir.graph import op_graph
 from pipelang.sim.timeline import simulate
 from tests.helpers import GOOD, run_in_process
 

@@ -10,7 +10,7 @@ import pytest
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.grid import step_grid
 from pipelang.ir import Program
-from pipelang.passes.build_dag import op_graph
+from pipelang.ir.graph import op_graph
 from pipelang.passes.insert_sync import _deadlocks, insert_sync
 from pipelang.passes.validate import validate
 from pipelang.passes.validate.lowered import check_lowered

@@ -21,7 +21,7 @@ from pipelang.cli.args import (
     write_output,
 )
 from pipelang.compiler import PASS_NAMES, Compilation
-from pipelang.passes.build_dag import OpGraph
+from pipelang.ir.graph import OpGraph
 
 HELP = "compile a schedule to DIR/schedule.json and one program per rank"
 

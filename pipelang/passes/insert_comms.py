@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
-from pipelang.passes.build_dag import Message, OpGraph
+from pipelang.ir.graph import Message, OpGraph
 
 if TYPE_CHECKING:
     from pipelang.compiler import Compilation

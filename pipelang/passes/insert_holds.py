@@ -29,7 +29,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from pipelang.ir import Action, Kind, Program
-from pipelang.passes.build_dag import OpGraph, op_graph
+from pipelang.ir.graph import OpGraph, op_graph
 
 if TYPE_CHECKING:
     from pipelang.compiler import Compilation

@@ -28,7 +28,7 @@ from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError, fail
 from pipelang.grid import op_labeler, render_rows
 from pipelang.ir import MAX_TIME, Action, CostModel, Kind, Program
-from pipelang.passes.build_dag import OpGraph
+from pipelang.ir.graph import OpGraph
 from pipelang.sim import memory
 from pipelang.sim.engine import Engine, Input, Link, durations
 from pipelang.weights import WeightVersions, weight_versions

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.ir import Program
-from pipelang.passes.build_dag import OpGraph
+from pipelang.ir.graph import OpGraph
 from pipelang.passes.validate.deadlock import describe_cycle, find_cycle
 from pipelang.passes.validate.evictions import check_evictions
 from pipelang.passes.validate.memory import check_memory
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 def validate(program: Program, graph: OpGraph, max_activations: int | None) -> list[Diagnostic]:
     """Every problem in `program`'s order, sorted by position (see the module docstring).
-    `graph` is `program`'s (`build_dag.op_graph`)."""
+    `graph` is `program`'s (`ir.graph.op_graph`)."""
     if listed_right(program, graph):
         out_of_order = order_problems(graph)
         found = collapse(out_of_order, MANY)

@@ -15,7 +15,7 @@ import networkx as nx
 from pipelang.diagnostics import Diagnostic, InternalError, Label
 from pipelang.grid import step_grid
 from pipelang.ir import Program
-from pipelang.passes.build_dag import Edge, OpGraph
+from pipelang.ir.graph import Edge, OpGraph
 
 MAX_LABELS = 8
 """Source lines shown for a long cycle."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pipelang.diagnostics import Diagnostic, label, listing
 from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program, placement
-from pipelang.passes.build_dag import Edge, Key, OpGraph, op_key
+from pipelang.ir.graph import Edge, Key, OpGraph, op_key
 from pipelang.passes.validate.problems import Problem
 
 
