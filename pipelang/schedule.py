@@ -9,6 +9,7 @@ exports and drawings.
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -131,17 +132,43 @@ def cost_model(costs: Costs | None, stages: int | None = None) -> CostModel | No
     for kind, value in costs.items():
         if kind not in COST_KINDS:
             raise fail("E0209", f"no cost {_shown(kind)}; costs are {', '.join(COST_KINDS)}")
-        if isinstance(value, Sequence) and not isinstance(value, str):
-            if stages is not None and len(value) != stages:
-                raise fail(
-                    "E0209",
-                    f"cost `{kind}` lists {len(value)} times; the schedule has {stages} stages "
-                    f"(give one number for all, or one per stage)",
-                )
-            entries.extend((kind, stage, _time(kind, t)) for stage, t in enumerate(value))
+        if _listed(value):
+            times = list(value)  # type: ignore[call-overload]
+            _check_length(kind, len(times), stages)
+            entries.extend((kind, stage, _time(kind, t)) for stage, t in enumerate(times))
         else:
             entries.append((kind, None, _time(kind, value)))
     return CostModel(tuple(entries))
+
+
+def _listed(value: object) -> bool:
+    """Whether a cost is given per stage: a list, a tuple, a 1-d numpy array (not a
+    number, a string or a mapping)."""
+    if isinstance(value, numbers.Real | str | bytes | Mapping):
+        return False
+    if isinstance(value, Sequence):
+        return True
+    try:
+        len(value)  # type: ignore[arg-type]
+    except TypeError:  # no length, or a 0-d array
+        return False
+    return hasattr(value, "__iter__")
+
+
+def _check_length(kind: str, count: int, stages: int | None) -> None:
+    """A per-stage list holds one time per stage, and `C`'s one per stage boundary (the
+    link between stages b and b + 1): a list of another length is refused, never cut or
+    padded (a fourth `C` on four stages was dropped)."""
+    if stages is None:
+        return  # `synthesize` checks each entry's stage against the schedule's
+    expected, what = (stages - 1, "stage boundaries") if kind == "C" else (stages, "stages")
+    if count != expected:
+        each = "boundary: `C[b]` is the link between stages b and b + 1" if kind == "C" else "stage"
+        raise fail(
+            "E0209",
+            f"cost `{kind}` lists {count} times; the schedule has {expected} {what} "
+            f"(give one number for all, or one per {each})",
+        )
 
 
 def _shown(value: object) -> str:
@@ -154,12 +181,19 @@ def _usage(message: str) -> PipelangError:
 
 
 def _time(kind: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise fail("E0209", f"cost `{kind}`: {_shown(value)} is not a number")
-    problem = cost_problem(kind, float(value))
+    """A cost's number: any real number (int, float, Fraction, numpy's integers and
+    floats), not a bool, and within `cost_problem`'s range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise fail("E0209", f"cost `{kind}`: {_shown(value)} is not a number (an int or a float)")
+    try:
+        time = float(value)
+    except OverflowError:  # 10**400
+        message = f"cost `{kind}` is past 10^308; a time is between 0 and 10^15"
+        raise fail("E0209", message) from None
+    problem = cost_problem(kind, time)
     if problem is not None:
         raise fail("E0209", f"cost {problem}")
-    return float(value)
+    return time
 
 
 def load(sched: str | Path, **params: int | bool) -> Schedule:

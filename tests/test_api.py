@@ -65,3 +65,41 @@ def test_importing_pipelang_does_not_import_torch() -> None:
     code = "import sys, pipelang; pipelang.load('1f1b'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_real_number_is_a_cost_and_a_bool_is_not() -> None:
+    """numpy's integers were refused while its floats were taken (issue 44): any
+    `numbers.Real` is a time, the same time as the plain int or float."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    prog = pipelang.load("1f1b", D=4, N=4)
+    want = prog.simulate({"F": 2, "B": 3}).makespan
+    for kind in (np.int8, np.int64, np.uint16, np.float16, np.float32, np.float64, Fraction):
+        assert prog.simulate({"F": kind(2), "B": kind(3)}).makespan == want, kind
+    assert prog.simulate({"F": np.array([2, 2, 2, 2]), "B": (3, 3, 3, 3)}).makespan == want
+    for bad in (True, np.bool_(True), np.array(2.0), 1j, 10**400, "2"):
+        with pytest.raises(pipelang.PipelangError) as raised:
+            prog.simulate({"F": bad})
+        assert raised.value.diagnostics[0].code == "E0209", bad
+
+
+@pytest.mark.parametrize(
+    ("costs", "message"),
+    [
+        ({"C": [1, 2, 3, 4]}, "cost `C` lists 4 times; the schedule has 3 stage boundaries"),
+        ({"C": [1, 2]}, "cost `C` lists 2 times; the schedule has 3 stage boundaries"),
+        ({"F": [1, 2, 3]}, "cost `F` lists 3 times; the schedule has 4 stages"),
+    ],
+)
+def test_a_per_stage_list_of_the_wrong_length_is_refused(
+    costs: dict[str, list[int]], message: str
+) -> None:
+    """`C` lists one time per stage boundary: on 4 stages `C[3]` was dropped in silence
+    (synthesize refused it)."""
+    prog = pipelang.load("1f1b", D=4, N=4)
+    with pytest.raises(pipelang.PipelangError) as raised:
+        prog.simulate(costs)
+    assert raised.value.diagnostics[0].message.startswith(message)
+    assert prog.simulate({"C": [3, 3, 3]}).makespan == prog.simulate({"C": 3}).makespan
