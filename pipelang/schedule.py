@@ -133,7 +133,7 @@ def cost_model(costs: Costs | None, stages: int | None = None) -> CostModel | No
         if kind not in COST_KINDS:
             raise fail("E0209", f"no cost {_shown(kind)}; costs are {', '.join(COST_KINDS)}")
         if _listed(value):
-            times = list(value)  # type: ignore[call-overload]
+            times = list(value)  # type: ignore[arg-type]
             _check_length(kind, len(times), stages)
             entries.extend((kind, stage, _time(kind, t)) for stage, t in enumerate(times))
         else:
