@@ -65,7 +65,7 @@ def validate(program: Program, graph: OpGraph, max_activations: int | None) -> l
         found = collapse(out_of_order, MANY)
     else:
         census = take_census(program)
-        out_of_order = order_problems_in(census)
+        out_of_order = order_problems_in(program, census)
         found = collapse([*census.problems, *out_of_order], MANY) + missing(program, census)
         found += check_evictions(program)  # a program with `E`/`L` is never listed right
     if not any(d.code in ("E0301", "E0302", "E0303", "E0315", "E0317") for d in found):

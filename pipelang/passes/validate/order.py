@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pipelang.diagnostics import Diagnostic, label, listing
-from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program, placement
+from pipelang.ir import COMPUTE_KINDS, Action, Kind, Program, deps, placement
 from pipelang.ir.graph import Edge, Key, OpGraph, op_key
 from pipelang.passes.validate.problems import Problem
 
@@ -316,30 +316,22 @@ def order_problems(graph: OpGraph) -> list[Problem]:
     ]  # (one micro-batch, stage and pipeline: its chunks too, in order)
 
 
-def order_problems_in(census: _Census) -> list[Problem]:
-    """`_order_problems` for any program: between the occurrences on the right rank."""
+def order_problems_in(program: Program, census: _Census) -> list[Problem]:
+    """`order_problems` for any program: between the occurrences on the right rank, of
+    the inputs (`deps.inputs`) an op has on its own micro-batch and stage."""
     problems = []
     placed = census.placed
+    chunks = None if program.chunks is None else program.chunks.count
     for (kind, mb, stage, pipe, chunk), (rank, step, needer) in placed.items():
-        needs = [(k, chunk) for k in _NEEDS.get(kind, ())]
-        if kind is Kind.F and chunk:
-            needs.append((Kind.F, chunk - 1))
-        elif kind is Kind.B and chunk is not None:
-            needs.append((Kind.B, chunk + 1))
-        for needed_kind, needed_chunk in needs:
-            found = placed.get((needed_kind, mb, stage, pipe, needed_chunk))
+        if stage is None:
+            continue
+        for key in deps.inputs(kind, mb, stage, pipe, chunk, program.num_stages, chunks):
+            if key[1:4] != (mb, stage, pipe) or (key[0], kind) not in _ORDER_RULES:
+                continue
+            found = placed.get(key)
             if found is not None and found[0] == rank and found[1] > step:
                 problems.append(_order_problem(found[2], needer, rank))
     return problems
-
-
-_NEEDS = {
-    Kind.B: (Kind.F, Kind.R),
-    Kind.W: (Kind.B,),
-    Kind.R: (Kind.F,),
-    Kind.F: (Kind.P,),  # only at stage 0; P has no other stage
-}
-"""The kinds of the ops of its own (micro-batch, stage) that an op needs before it."""
 
 
 def _order_problem(needed: Action, needer: Action, rank: int) -> Problem:
