@@ -354,3 +354,39 @@ def test_off_a_terminal_tables_are_whole_and_no_bar_is_drawn(
     out.print(table)
     lines = out.file.getvalue().splitlines()
     assert "…" not in out.file.getvalue() and max(len(line) for line in lines) > 80
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--cost", "F=100"],
+            "--cost with --trace needs --overlay: the run is drawn in its measured times, "
+            "and --cost sets the model's",
+        ),
+        (
+            ["1f1b", "-p", "D=2", "-p", "N=4", "--cost", "F=100"],
+            "--cost with --trace needs --overlay: the run is drawn in its measured times, "
+            "and --cost sets the model's",
+        ),
+        (
+            ["--lengths", "LENGTHS", "--overlay"],
+            "--lengths with --trace gives the micro-batch shapes of a SCHED; give the "
+            "schedule the trace ran",
+        ),
+    ],
+)
+def test_viz_trace_refuses_options_it_would_ignore(
+    options: list[str], message: str, tmp_path: Path
+) -> None:
+    """`viz --trace` took --cost and --lengths and drew the same picture (issue 44)."""
+    (tmp_path / "l.txt").write_text("4\n8\n4\n8\n")
+    trace = Path(__file__).parent / "data" / "trace_1f1b_D2_N4.json"
+    options = [str(tmp_path / "l.txt") if o == "LENGTHS" else o for o in options]
+    args = ["viz", "--trace", str(trace), *options, "-o", str(tmp_path / "o.txt")]
+    status, out, err = run_in_process(args)
+    assert (status, out, err) == (2, "", f"pipelang viz: error: {message}\n")
+    # with --overlay the costs are the model's, and the SCHED is compiled as the run was
+    sched = ["1f1b", "-p", "D=2", "-p", "N=4", "--overlay", "--cost", "F=100,B=100"]
+    status, _, err = run_in_process([*args[:3], *sched, "-o", str(tmp_path / "o.txt")])
+    assert status == 0, err

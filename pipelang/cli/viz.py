@@ -49,8 +49,8 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "--cost",
         metavar="SPEC",
         default="",
-        help="op times as for `simulate` (F=1,B=2,W=1,C=0.1); with --overlay, "
-        "in milliseconds, over the times fitted to the trace",
+        help="op times as for `simulate` (F=1,B=2,W=1,C=0.1); with --trace, only with "
+        "--overlay: the model's, in milliseconds, over the times fitted to the trace",
     )
     parser.add_argument(
         "-o",
@@ -137,7 +137,19 @@ def _measured_panels(args: argparse.Namespace) -> list[Panel]:
         raise UsageError("--trace draws one run: give at most one SCHED (the one it ran)")
     if args.params and not args.scheds:
         raise UsageError("-p sets the parameters of a SCHED; give the schedule the trace ran")
-    program = _compile(args.scheds[0], args).need_program() if args.scheds else None
+    if args.lengths is not None and not args.scheds:
+        raise UsageError(
+            "--lengths with --trace gives the micro-batch shapes of a SCHED; give the "
+            "schedule the trace ran"
+        )
+    if args.cost and not args.overlay:
+        raise UsageError(
+            "--cost with --trace needs --overlay: the run is drawn in its measured times, "
+            "and --cost sets the model's"
+        )
+    # the schedule as the run compiled it: `run` takes no --cost, which is the model's here
+    as_run = argparse.Namespace(**{**vars(args), "cost": None})
+    program = _compile(args.scheds[0], as_run).need_program() if args.scheds else None
     try:
         measured = read_trace(args.trace, program, args.step)
     except TraceError as err:
