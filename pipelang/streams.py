@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pipelang.ir import Action
+from pipelang.ir import Action, deps
 from pipelang.source import SourceFile, Span
 
 RECORD, WAIT = "record", "wait"
@@ -259,8 +259,8 @@ def value_boundary(value: str) -> int:
     """The stage boundary whose tensor a data value is (its shape is the runtime's
     `shapes[boundary]`): `F3@1/p` is stage 1's output (1), `B3@1/p` the gradient of stage
     1's input (0), `P3@0/p` the frozen part's output, stage 0's input (-1)."""
-    kind, _, stage, _, _ = value_key(value)
-    return stage if kind == "F" else stage - 1
+    action = Action.parse(value)
+    return deps.boundary(action.kind, action.stage or 0)
 
 
 def value_key(value: str) -> tuple[str, int, int, str, int | None]:

@@ -140,6 +140,18 @@ def test_a_link_cost_times_both_directions_of_its_boundary_only() -> None:
     assert timeline.makespan == 15
 
 
+def test_each_result_crosses_the_boundary_deps_names() -> None:
+    """A forward's output crosses its stage's boundary, a backward's its stage's input
+    boundary, and the frozen part's output (stage 0's input) no stage boundary: it takes
+    `C`, never `C[0]` (the link between stages 0 and 1)."""
+    model = costs(C=0.5).merged(CostModel((("C", 0, 4.0), ("C", 1, 2.0))))
+    assert model.transfer(Action.parse("F0@0/main")) == 4
+    assert model.transfer(Action.parse("R0@1/main")) == 2
+    assert model.transfer(Action.parse("B0@1/main")) == 4
+    assert model.transfer(Action.parse("B0@2/main")) == 2
+    assert model.transfer(Action.parse("P0@0/main")) == 0.5
+
+
 def test_per_stage_costs() -> None:
     program = program_from_dump(gpipe(2, 1))
     model = costs(F=1, B=1).merged(CostModel((("F", 1, 3.0),)))

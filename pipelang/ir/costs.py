@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from pipelang.ir import deps
 from pipelang.ir.action import STASH_KINDS, Action, Kind
 from pipelang.source import Span
 
@@ -119,9 +120,6 @@ blocks of gpt:tiny and gpt:small (`pipelang profile`'s `w_activation_bytes`), wh
 attention saves no score matrix, so W's GEMM inputs and output gradients are about all
 B kept (the zero-bubble paper's 32sbh of 34sbh); 0.43 in the paper's setting, where
 the attention probabilities are saved (arXiv 2401.10241, Table 1)."""
-
-_FORWARD_KINDS = frozenset((Kind.F, Kind.R, Kind.P))
-"""The op kinds whose result travels down the stages (to stage s + 1)."""
 
 MAX_TIME = 1e15
 """The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
@@ -258,10 +256,9 @@ class CostModel:
     def transfer(self, op: Action) -> float:
         """How long `op`'s result takes to reach the rank of the stage that reads it: `C`,
         or `C[b]` where an entry names boundary b, the link between stages b and b + 1.
-        A forward's output (F, R, P) on stage s crosses boundary s; a backward's (the
-        gradient of the stage's input) crosses boundary s - 1."""
-        stage = op.stage or 0
-        return self.of("C", stage if op.kind in _FORWARD_KINDS else stage - 1)
+        The boundary is `deps.boundary`'s; the frozen part's output (-1, stage 0's input)
+        crosses no stage boundary and takes `C`."""
+        return self.of("C", deps.boundary(op.kind, op.stage or 0))
 
     def link(self) -> Callable[[Action, int, int], float] | None:
         """`transfer` as the timing engine's link (`sim.engine.Link`) where some `C` entry

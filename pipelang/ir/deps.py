@@ -53,6 +53,17 @@ def gradient_input(mb: int | None, stage: int, pipe: str | None, c: int | None) 
     return (_B, mb, stage + 1, pipe, c)
 
 
+def boundary(kind: Kind, stage: int) -> int:
+    """The stage boundary that the result of a `kind` op on `stage` crosses to the op
+    that reads it (boundary b joins stages b and b + 1; its tensor is the runtime's
+    `shapes[b]`): a forward's output (F, R) crosses `stage`, a backward's (the gradient
+    of the stage's input) `stage - 1`, and the frozen part's (P) is stage 0's input, -1.
+    An evicted activation's trips (E, H, L) are counted on `stage - 1` too."""
+    if kind is _F or kind is _R:
+        return stage
+    return -1 if kind is _P else stage - 1
+
+
 def inputs(
     kind: Kind, mb: int | None, stage: int, pipe: str | None, c: int | None, num_stages: int,
     chunks: int | None,
