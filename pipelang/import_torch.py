@@ -209,10 +209,12 @@ def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> Imported:
         "    order rank r {",
     ]
     origins: list[tuple[int, int, Span]] = []
+    blocks: list[tuple[int, int, Span]] = []
     size = sum(len(line) + 1 for line in lines)  # the text's length so far, newlines too
     for rank, row in enumerate(schedule.ranks):
         head = "if" if rank == 0 else "} else if"
         lines.append(f"        {head} r == {rank} {{")
+        blocks.append((size, size, schedule.lines[rank]))
         size += len(lines[-1]) + 1
         ops: list[list[tuple[str, Span]]] = []  # statements: (op text, its cell) each
         for c in row:
@@ -224,8 +226,9 @@ def to_pipe(schedule: TorchSchedule, name: str, origin: str) -> Imported:
         for i in range(0, len(ops), _OPS_PER_LINE):
             lines.append(_statements(ops[i : i + _OPS_PER_LINE], size, origins))
             size += len(lines[-1]) + 1
+        blocks[-1] = (blocks[-1][0], size, blocks[-1][2])
     lines += ["        }", "    }", "}", ""]
-    return Imported("\n".join(lines), tuple(origins))
+    return Imported("\n".join(lines), tuple(origins), tuple(blocks))
 
 
 @dataclass(frozen=True)
@@ -235,13 +238,36 @@ class Imported:
     text: str
     origins: tuple[tuple[int, int, Span], ...]
     """(start, end) of an op's text, and the CSV cell it came from, in text order."""
+    rows: tuple[tuple[int, int, Span], ...] = ()
+    """(start, end) of each rank's block of ops, and the CSV row it came from (rank r's
+    is row r + 1)."""
 
     def cell_at(self, offset: int) -> Span | None:
         """The CSV cell of the op whose text holds `offset`, None outside every op."""
-        index = bisect.bisect_right(self.origins, (offset, math.inf)) - 1
-        if index >= 0 and self.origins[index][0] <= offset < self.origins[index][1]:
-            return self.origins[index][2]
-        return None
+        return _holding(self.origins, offset)
+
+    def csv_span(self, offset: int, message: str) -> Span | None:
+        """Where in the CSV the text at `offset` came from: the op's cell, else the row
+        of the rank whose block holds it, else the row of the rank the message is about
+        (`rank 1 never runs ...` points at the schedule's order: at the row that lacks
+        the op); None when none is known."""
+        found = self.cell_at(offset) or _holding(self.rows, offset)
+        about = _RANK.match(message)
+        if found is None and about is not None and int(about[1]) < len(self.rows):
+            found = self.rows[int(about[1])][2]
+        return found
+
+
+_RANK = re.compile(r"rank ([0-9]{1,9})\b")
+"""A message about one rank, as validate words it."""
+
+
+def _holding(spans: tuple[tuple[int, int, Span], ...], offset: int) -> Span | None:
+    """The span paired with the (start, end) that holds `offset`, of sorted ones."""
+    index = bisect.bisect_right(spans, (offset, math.inf)) - 1
+    if index >= 0 and spans[index][0] <= offset < spans[index][1]:
+        return spans[index][2]
+    return None
 
 
 def _statements(
@@ -313,17 +339,18 @@ def check_pipe(text: str, display: str, imported: Imported | None = None) -> Com
 
 
 def _in_csv(diagnostic: Diagnostic, source: SourceFile, imported: Imported) -> Diagnostic:
-    """`diagnostic` with its spans in the generated text moved to their CSV cells (a
-    span outside every op is dropped, and its label with it)."""
+    """`diagnostic` with its spans in the generated text moved to the CSV: an op's to its
+    cell, anything else to its rank's row (`Imported.csv_span`); a span with no place in
+    the CSV is dropped, and its label with it."""
 
-    def cell(span: Span | None) -> Span | None:
+    def moved(span: Span | None, message: str) -> Span | None:
         if span is None or span.source is not source:
             return span
-        return imported.cell_at(span.start)
+        return imported.csv_span(span.start, message)
 
     labels = tuple(
-        replace(label, span=moved)
+        replace(label, span=where)
         for label in diagnostic.labels
-        if (moved := cell(label.span)) is not None
+        if (where := moved(label.span, label.message)) is not None
     )
-    return replace(diagnostic, span=cell(diagnostic.span), labels=labels)
+    return replace(diagnostic, span=moved(diagnostic.span, diagnostic.message), labels=labels)

@@ -298,6 +298,23 @@ def test_import_torch_errors_point_at_the_csv_cell(tmp_path: Path) -> None:
     assert "bad.csv:2:1" in err and "bad.csv:2:5" in err and "<import-torch" not in err
 
 
+@pytest.mark.parametrize("out", [[], ["-o", "OUT"]], ids=["stdout", "-o"])
+def test_import_torch_errors_point_at_the_csv_row(out: list[str], tmp_path: Path) -> None:
+    """A missing op points at the row of the rank that lacks it, and with `-o` too (the
+    written `.pipe`'s `order` line was shown: the user wrote the CSV) (issue 44)."""
+    csv = tmp_path / "miss.csv"
+    csv.write_text("0F0,0B0\n1F0\n")
+    out = [str(tmp_path / "miss.pipe") if o == "OUT" else o for o in out]
+    status, _, err = run_in_process(["import-torch", str(csv), *out])
+    assert status == 1
+    assert err.startswith(
+        f"error[E0303]: rank 1 never runs `B0@1/main`\n --> {csv}:2:1\n  |\n2 | 1F0\n  | ^^^\n"
+    ), err
+    csv.write_text("0F0,0F1,0B0,0B1\n1B0,1F0,1F1,1B1\n")
+    status, _, err = run_in_process(["import-torch", str(csv), *out])
+    assert status == 1 and f"{csv}:2:1" in err and f"{csv}:2:5" in err and ".pipe" not in err
+
+
 def test_pack_on_a_schedule_with_a_syntax_error_points_at_it(tmp_path: Path) -> None:
     (tmp_path / "s.pipe").write_text(GOOD.replace("microbatches", "microbatchez"))
     (tmp_path / "s.txt").write_text("10\n20\n")

@@ -33,13 +33,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"`--name {args.name}` is not an identifier")
     imported = import_torch(args.csv, args.name)
     text = imported.text
-    if args.out is None:  # errors point at the CSV's cells: the text is not shown
+    if args.out is None:  # errors point at the CSV's cells and rows: the text is not shown
         check_pipe(text, f"<import-torch {args.csv.name}>", imported)
         print(text, end="")
         return 0
-    # Written before the check, so that a schedule that fails it can be read and fixed.
+    # Written before the check, so that a schedule that fails it can be read and fixed;
+    # its errors point at the CSV all the same: the user wrote the CSV, not the .pipe.
     write_output(args.out, text)
-    program = check_pipe(text, str(args.out)).need_program()
+    program = check_pipe(text, str(args.out), imported).need_program()
     print(
         f"wrote {args.out}: {program.num_ranks} ranks, {program.num_stages} stages, "
         f"{program.num_microbatches} micro-batches; check ok"
