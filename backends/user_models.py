@@ -258,6 +258,16 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
     seq_len = spec.seq_len or int(extras.get("seq_len") or getattr(returned, "seq_len", None) or 32)
     if isinstance(returned, nn.Sequential | list | tuple):
         layers = list(returned)
+        if not layers:
+            sequential = isinstance(returned, nn.Sequential)
+            raise ModelError(
+                f"`--model {name}`: `{attr}()` returns an empty "
+                + (
+                    "nn.Sequential: no layers to split into stages"
+                    if sequential
+                    else f"{type(returned).__name__}: no stage modules"
+                )
+            )
         stages, whole = not isinstance(returned, nn.Sequential), not extras.get("unpack")
         if "split_spec" in extras:
             raise ModelError(f"`--model {name}`: `split_spec` splits one module, not a list")

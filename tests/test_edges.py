@@ -248,6 +248,26 @@ def test_a_model_file_that_exits_or_raises_is_the_users_error(
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        ("nn.Sequential()", "returns an empty nn.Sequential: no layers to split into stages"),
+        ("[]", "returns an empty list: no stage modules"),
+        ('{"model": ()}', "returns an empty tuple: no stage modules"),
+    ],
+)
+def test_a_model_with_no_layers_is_called_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, returned: str, message: str
+) -> None:
+    """An empty nn.Sequential was answered "must return an nn.Sequential ... not
+    Sequential" (issue 44)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.py").write_text(f"from torch import nn\ndef f():\n    return {returned}\n")
+    args = ["simulate", "1f1b", "-p", "D=2", "-p", "N=2", "--model", "m.py:f"]
+    status, _, err = run_in_process(args)
+    assert (status, err) == (2, f"pipelang simulate: error: `--model m.py:f`: `f()` {message}\n")
+
+
 # ---- the Python API raises PipelangError ----------------------------------------------------
 
 
