@@ -12,6 +12,11 @@ process `k * R + r` runs rank r of copy k, on its own batch). It builds every st
 the rank holds by calling `build_stage(stage)` (Chimera's replicas included) and makes
 the replicas of a stage equal by broadcasting the first one's parameters.
 
+A stage may hand the next several tensors (a tuple, a list, a dict of them), passed on
+whole (`x = stage(x)`): the value crosses the boundary packed into one flat tensor, as
+`pipelang run` packs it (`backends/user_models.Boundary`), its structure announced with
+the first message.
+
 `step` splits the batch into the schedule's micro-batches, runs this rank's actions in
 the compiled order (forwards, backwards, split weight gradients, recomputes; sends and
 receives on one process group per directed rank pair; a split backward keeps after B
@@ -25,17 +30,23 @@ shapes, evictions) it refuses by `features.refusal`.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils import _pytree as pytree
 
+from pipelang.backends.model_error import ModelError
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import DistTransport, Handle
+from pipelang.backends.user_models import Boundary
 from pipelang.backends.weight_split import WeightWork, split_backward, weight_pass
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import clip, fail
 from pipelang.features import refusal
 from pipelang.ir import Action, Kind, deps
 from pipelang.ir.placement import reduce_ranks
@@ -43,7 +54,9 @@ from pipelang.schedule import Schedule
 
 HEADER = 10
 """Length of the int64 header that precedes the first message of each kind and stage on a
-channel: [dims, dtype, *shape] (later ones reuse the shape it announced)."""
+channel: [dims, dtype, *shape] (later ones reuse the shape it announced); for a value of
+several tensors, [PACKED, n], and n bytes that describe its `Boundary` follow."""
+PACKED = -1
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 
 
@@ -54,7 +67,7 @@ class PipelineSchedule:
         self,
         schedule: Schedule,
         build_stage: Callable[[int], nn.Module],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
         timeout: float = 300.0,
     ) -> None:
         program = schedule.program
@@ -95,6 +108,8 @@ class PipelineSchedule:
         what W reads (backends/weight_split.py), as `pipelang run` does."""
         self.announced: set[tuple[str, int, int]] = set()
         self.shapes: dict[tuple[str, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        self.boundaries: dict[int, Boundary] = {}
+        """What stage s hands on where it is more than one tensor: how it is packed."""
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters of every stage copy this rank holds, for its optimizer."""
@@ -120,19 +135,19 @@ class PipelineSchedule:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+    def step(self, x: object, target: object) -> torch.Tensor | None:
         """Forward and backward of the whole batch `x` (split along dim 0 into the
-        schedule's micro-batches); afterwards every parameter's `.grad` holds its share
-        of the gradient of the mean loss. Returns the mean loss of the micro-batches whose
-        last stage ran on this rank, or None if none did."""
+        schedule's micro-batches; a tensor, or a tuple, list or dict of tensors, as is
+        `target`); afterwards every parameter's `.grad` holds its share of the gradient
+        of the mean loss. Returns the mean loss of the micro-batches whose last stage ran
+        on this rank, or None if none did."""
         n = self.program.num_microbatches
-        inputs, targets = x.chunk(n), target.chunk(n)
-        if len(inputs) != n or len({len(c) for c in inputs}) != 1 or len(targets) != n:
-            raise fail("usage", f"a batch of {len(x)} does not split into {n} equal micro-batches")
-        self.inputs, self.targets = inputs, targets
+        self.inputs = _micro_batches(x, n, "the batch")
+        self.targets = _micro_batches(target, n, "the target")
         self.scale = 1.0 / (n * self.copies_count)
         self.values: dict[deps.Key, torch.Tensor] = {}
-        self.saved: dict[tuple[int, int, str], list[torch.Tensor | None]] = {}
+        self.saved: dict[tuple[int, int, str], list[Any]] = {}
+        """Per micro-batch and stage: its input (packed, or stage 0's as given), output, dy."""
         self.work: dict[tuple[int, int, str], WeightWork | None] = {}
         self.losses: list[torch.Tensor] = []
         self.reducing: list[tuple[int, nn.Module, torch.Tensor, list[torch.Tensor], Handle]] = []
@@ -158,15 +173,36 @@ class PipelineSchedule:
         if a.stage is not None:
             self._allreduce(a.stage)
 
-    def _stage_output(self, a: Action, x: torch.Tensor) -> torch.Tensor:
+    def _stage_output(self, a: Action, x: Any) -> torch.Tensor:
+        """The stage's output (packed into one tensor where it is several), or on the
+        last stage its share of the loss; `x` is the input as it arrived (packed)."""
         mb, stage, pipe = _where(a)
-        y = self.stages[(stage, pipe)](x)
+        takes = self.boundaries.get(stage - 1) if stage > 0 else None
+        y = self.stages[(stage, pipe)](x if takes is None else takes.unpack(x))
         if stage < self.program.num_stages - 1:
-            return y
+            return self._packed(stage, y)
         loss = self.loss_fn(y, self.targets[mb])
         if a.kind is Kind.F:
             self.losses.append(loss.detach())
         return loss * self.scale
+
+    def _packed(self, stage: int, y: object) -> torch.Tensor:
+        """`y` as it crosses to the next stage: a tensor as it is, several packed into
+        one (each micro-batch's of the structure and shapes the first had)."""
+        if isinstance(y, torch.Tensor) and y.is_floating_point():
+            return y  # an integer tensor crosses as floats, as `run` sends it (Boundary)
+        try:
+            found = Boundary.of(y, f"stage {stage}")
+        except ModelError as err:
+            raise fail("usage", clip(str(err))) from None
+        known = self.boundaries.setdefault(stage, found)
+        if found != known:
+            raise fail(
+                "usage",
+                f"stage {stage} hands on {_described(found)}, but before it handed on "
+                f"{_described(known)}: every micro-batch's must have one structure and shape",
+            )
+        return known.pack(y)
 
     def _forward(self, a: Action) -> None:
         mb, stage, pipe = _where(a)
@@ -203,15 +239,20 @@ class PipelineSchedule:
         x, y, _ = self.saved[key]
         assert y is not None and x is not None
         last = stage == self.program.num_stages - 1
+        if not y.requires_grad:
+            what = "loss" if last else "output (no tensor of it requires a gradient)"
+            raise fail(
+                "usage",
+                f"stage {stage}'s {what} for micro-batch {mb} has no gradient to go back by",
+            )
         dy = None if last else self.values.pop(deps.gradient_input(mb, stage, pipe, None))
         if self.split:
             self._split_backward(key, x, y, dy)
             return
         torch.autograd.backward(y, dy)
         del self.saved[key]
-        if stage > 0:
-            assert x.grad is not None
-            self.values[(Kind.B, mb, stage, pipe, None)] = x.grad
+        if stage > 0:  # none where the input reached no output (an integer mask, say)
+            self.values[(Kind.B, mb, stage, pipe, None)] = _or_zeros(x.grad, x)
 
     def _split_backward(
         self, key: tuple[int, int, str], x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor | None
@@ -226,7 +267,7 @@ class PipelineSchedule:
         own = [x] if stage > 0 else []
         found, work = split_backward([y], [dy], own, params, probe)
         if own:
-            self.values[(Kind.B, mb, stage, pipe, None)] = found[0]
+            self.values[(Kind.B, mb, stage, pipe, None)] = _or_zeros(found[0], x)
         self.work[key] = work
         if work is None:
             self.saved[key][2] = dy  # W differentiates the whole graph again
@@ -251,9 +292,17 @@ class PipelineSchedule:
         tensor = self.values.pop((a.of, mb, stage, pipe, None))
         channel = (a.of.value, stage, a.peer)
         if channel not in self.announced:
-            header = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+            packed = self.boundaries.get(stage) if a.of is Kind.F else None
+            if packed is None:
+                header = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+            else:
+                text = _boundary_text(packed)
+                header = [PACKED, len(text)]
             header += [0] * (HEADER - len(header))
             self.transport.send(torch.tensor(header, dtype=torch.int64, device=self.device), a.peer)
+            if packed is not None:
+                data = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.device)
+                self.transport.send(data, a.peer)
             self.announced.add(channel)
         self.transport.send(tensor, a.peer)
 
@@ -263,7 +312,13 @@ class PipelineSchedule:
         channel = (a.of.value, stage, a.peer)
         if channel not in self.shapes:
             header = self.transport.recv((HEADER,), torch.int64, a.peer).tolist()
-            self.shapes[channel] = (tuple(header[2 : 2 + header[0]]), _DTYPES[header[1]])
+            if header[0] == PACKED:  # several tensors, packed: how, then the flat size
+                data = self.transport.recv((header[1],), torch.uint8, a.peer)
+                packed = self.boundaries[stage] = _boundary_of_text(bytes(data.cpu().tolist()))
+                size = sum(math.prod(shape) for shape, _ in packed.leaves)
+                self.shapes[channel] = ((size,), packed.dtype)
+            else:
+                self.shapes[channel] = (tuple(header[2 : 2 + header[0]]), _DTYPES[header[1]])
         shape, dtype = self.shapes[channel]
         self.values[(a.of, mb, stage, pipe, None)] = self.transport.recv(shape, dtype, a.peer)
 
@@ -292,6 +347,47 @@ class PipelineSchedule:
                 _trained(module), _unflatten_dense_tensors(flat, grads), strict=True
             ):
                 param.grad = grad
+
+
+def _micro_batches(value: object, n: int, what: str) -> list[Any]:
+    """`value` (a tensor, or a tuple, list or dict of them) split along dim 0 into `n`
+    equal micro-batches of its structure."""
+    leaves, tree = pytree.tree_flatten(value)
+    if not leaves or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves):
+        kinds = sorted({type(t).__name__ for t in leaves}) or ["nothing"]
+        raise fail(
+            "usage",
+            f"{what} holds {', '.join(kinds)}: give a tensor (or a tuple, list or dict of "
+            "tensors) of at least one dimension, split along dim 0",
+        )
+    sizes = sorted({len(t) for t in leaves})
+    if len(sizes) > 1 or sizes[0] % n or sizes[0] < n:
+        size = " and ".join(map(str, sizes))
+        raise fail("usage", f"a batch of {size} does not split into {n} equal micro-batches")
+    parts = [t.chunk(n) for t in leaves]
+    return [pytree.tree_unflatten([p[i] for p in parts], tree) for i in range(n)]
+
+
+def _or_zeros(grad: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x) if grad is None else grad
+
+
+def _boundary_text(boundary: Boundary) -> bytes:
+    """A Boundary as the bytes that announce it on a channel (`_boundary_of_text`)."""
+    leaves = [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in boundary.leaves]
+    doc = {"tree": pytree.treespec_dumps(boundary.tree), "leaves": leaves}
+    return json.dumps(doc).encode()
+
+
+def _boundary_of_text(text: bytes) -> Boundary:
+    doc = json.loads(text)
+    leaves = tuple((tuple(shape), getattr(torch, dtype)) for shape, dtype in doc["leaves"])
+    return Boundary(pytree.treespec_loads(doc["tree"]), leaves)
+
+
+def _described(boundary: Boundary) -> str:
+    shapes = ", ".join(f"{list(shape)} {str(dtype)[6:]}" for shape, dtype in boundary.leaves)
+    return f"{len(boundary.leaves)} tensors ({shapes})"
 
 
 def _trained(module: nn.Module) -> list[nn.Parameter]:
