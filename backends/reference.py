@@ -3,7 +3,8 @@
 The reference runs in one process: the whole model, the same seed, data, micro-batches
 and optimizer; per step it runs every micro-batch's backward, sums the gradients in the
 order the run sums them (`backends/summation.py`: each copy's micro-batches in its order,
-then the copies by `tree_sum`; the clipping norm likewise), takes one optimizer step, and
+each parameter in the order of the ops that add it where W's run in another order than
+B's, then the copies by `tree_sum`; the clipping norm likewise), takes one optimizer step, and
 records the mean loss. A schedule with sequence chunks has each chunk's gradient computed
 as a stage computes it (`reference_runs.ChunkedModel`). On a CPU that makes a run bit for
 bit equal to it. Where the run's sums cannot be repeated (weights tied across stages)
@@ -36,7 +37,7 @@ from pipelang.backends.config import RunConfig
 from pipelang.backends.precision import copy_back
 from pipelang.backends.rank_base import RankResult, fingerprint
 from pipelang.backends.rank_sync import clip_coefficient
-from pipelang.backends.reference_runs import ChunkedModel, WholeModel
+from pipelang.backends.reference_runs import ChunkedModel, WholeModel, added_by_backward
 from pipelang.backends.summation import SumPlan, Unit, tree_sum
 from pipelang.ir import Program
 
@@ -117,9 +118,12 @@ def _train(
             copy_back(run.params, run.masters)
     by_stage = run.stage_params(program.num_stages, config.partition) if program else []
     grouped = None
-    if sums is not None and by_stage and not run.model.ties:
+    if sums is not None and program is not None and by_stage and not run.model.ties:
         trained_of = {id(p): t for p, t in zip(run.params, trained, strict=True)}
-        grouped = _Grouping(sums, [[trained_of[id(p)] for p in ps] for ps in by_stage])
+        early = None
+        if any(m.late is not None for ms in sums.stages.values() for m in ms):
+            early = added_by_backward(config, program, device)
+        grouped = _Grouping(sums, [[trained_of[id(p)] for p in ps] for ps in by_stage], early)
     schedule = config.lr_schedule_at()
     losses, seconds, fingerprints = [], [], []
     for step in range(config.first_step, config.steps):
@@ -156,11 +160,34 @@ def _chunks(program: Program | None) -> list[int | None]:
 class _Grouping:
     """One step's gradients summed as the run sums them (`summation`): per stage, each
     copy's micro-batches in its order, then the copies by `tree_sum`; `--clip-grad`'s
-    norm in the processes' parts, also by `tree_sum`."""
+    norm in the processes' parts, also by `tree_sum`.
 
-    def __init__(self, sums: SumPlan, stage_params: list[list[nn.Parameter]]) -> None:
+    A copy whose W's run in another order than its B's adds in two lanes: the parameters
+    its B adds (`early`, per stage: `reference_runs.added_by_backward`) in the B's order,
+    the rest in the W's."""
+
+    def __init__(
+        self,
+        sums: SumPlan,
+        stage_params: list[list[nn.Parameter]],
+        early: list[frozenset[int]] | None = None,
+    ) -> None:
         self.sums = sums
         self.params = stage_params
+        self.lanes: list[tuple[int, int, tuple[Unit, ...], list[nn.Parameter]]] = []
+        """(stage, member, the order it adds in, the parameters it adds so)."""
+        for stage, members in sums.stages.items():
+            params = list(enumerate(stage_params[stage]))
+            for index, m in enumerate(members):
+                if m.late is None:
+                    self.lanes.append((stage, index, m.units, [p for _, p in params]))
+                    continue
+                assert early is not None
+                b_adds = [p for k, p in params if k in early[stage]]
+                w_adds = [p for k, p in params if k not in early[stage]]
+                for order, adds in ((m.units, b_adds), (m.late, w_adds)):
+                    if adds:
+                        self.lanes.append((stage, index, order, adds))
         first = sums.stages[min(sums.stages)][0].units
         every = {u for members in sums.stages.values() for m in members for u in m.units}
         rest = sorted(every - set(first), key=lambda u: (u[0], -(u[1] or 0)))
@@ -175,8 +202,8 @@ class _Grouping:
         parts = self._fold(trained, backward)
         for stage, params in enumerate(self.params):
             members = range(len(self.sums.stages[stage]))
-            for k, param in enumerate(params):
-                found = [parts.get((stage, i), {}).get(k) for i in members]
+            for param in params:
+                found = [parts.get((stage, i), {}).get(id(param)) for i in members]
                 some = next((g for g in found if g is not None), None)
                 if some is not None:  # a copy that added nothing sends zeros
                     param.grad = tree_sum(
@@ -193,10 +220,9 @@ class _Grouping:
     def _fold(
         self, trained: list[nn.Parameter], backward: Callable[[Unit], None]
     ) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
-        """Each copy's sum of its backwards' gradients, added in its order: by
-        (stage, member), the sum of the stage's k-th parameter."""
-        members = [(s, i, m) for s, ms in self.sums.stages.items() for i, m in enumerate(ms)]
-        done = dict.fromkeys(((s, i) for s, i, _ in members), 0)
+        """Each copy's sum of its backwards' gradients, added in its lanes' orders: by
+        (stage, member), by the parameter's id, its sum."""
+        done = [0] * len(self.lanes)
         parts: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         pending: dict[Unit, dict[int, torch.Tensor | None]] = {}
         for unit in self.order:
@@ -204,23 +230,18 @@ class _Grouping:
                 param.grad = None
             backward(unit)
             pending[unit] = {id(p): p.grad for p in trained}
-            for stage, index, member in members:
-                todo, key = member.units, (stage, index)
-                while done[key] < len(todo) and todo[done[key]] in pending:
-                    grads = pending[todo[done[key]]]
-                    part = parts.setdefault(key, {})
-                    for k, param in enumerate(self.params[stage]):
-                        _add(part, k, grads[id(param)])
-                    done[key] += 1
-            pending = {m: g for m, g in pending.items() if self._needed(m, done)}
+            for lane, (stage, index, todo, adds) in enumerate(self.lanes):
+                while done[lane] < len(todo) and todo[done[lane]] in pending:
+                    grads = pending[todo[done[lane]]]
+                    part = parts.setdefault((stage, index), {})
+                    for param in adds:
+                        _add(part, id(param), grads[id(param)])
+                    done[lane] += 1
+            pending = {u: g for u, g in pending.items() if self._needed(u, done)}
         return parts
 
-    def _needed(self, unit: Unit, done: dict[tuple[int, int], int]) -> bool:
-        return any(
-            unit in m.units[done[(s, i)] :]
-            for s, ms in self.sums.stages.items()
-            for i, m in enumerate(ms)
-        )
+    def _needed(self, unit: Unit, done: list[int]) -> bool:
+        return any(unit in lane[2][done[i] :] for i, lane in enumerate(self.lanes))
 
     def _norm_part(self, stages: list[int], device: torch.device) -> torch.Tensor:
         """One process's part of the squared norm (`RankRuntime.grad_square_sum`)."""

@@ -12,6 +12,9 @@
 
 Both hold the model, its trained parameters (fp32 masters with `--mixed-precision`) and
 the optimizer, and record each micro-batch's loss.
+
+`added_by_backward` asks the runtime which parameters a split backward's B adds itself
+(the rest W adds), for a run whose W's run in another order than its B's.
 """
 
 from __future__ import annotations
@@ -143,3 +146,56 @@ class ChunkedModel(WholeModel):
 
     def weights(self) -> dict[str, torch.Tensor]:
         return copy_names(self.copy)
+
+
+def added_by_backward(
+    config: RunConfig, program: Program, device: torch.device
+) -> list[frozenset[int]]:
+    """Per stage, the indices (in `StageCopy.params`' order) of the parameters whose
+    gradient B adds in a run of `program`, which splits off W (`weight_split`: a norm's,
+    a bias alone; none where the graph is not split): the runtime itself on a one-rank
+    program holding every stage, one micro-batch's forwards, then its backwards, asked
+    before any W runs."""
+    stages = program.num_stages
+    one = Program(
+        name="reference",
+        source="<--check reference>",
+        params=(),
+        num_ranks=1,
+        num_stages=stages,
+        pipelines=(Pipeline("main", (0,) * stages),),
+        assignment=("main",) * program.num_microbatches,
+        kinds=program.kinds,
+        ranks=((),),
+        costs=program.costs,
+        partition=program.partition,
+        frozen=None if program.frozen is None else (0,),
+        chunks=program.chunks,
+        shapes=program.shapes,
+    )
+    runtime = RankRuntime(one, 0, replace(config, dp=1), _Silent(), device)  # type: ignore[arg-type]
+    runtime.fault = None  # an injected fault is the run's, not this question's
+    runtime.begin_step(config.first_step)
+    chunks: list[int | None] = [None] if one.chunks is None else [*range(one.chunks.count)]
+    if one.frozen is not None:
+        runtime.frozen_forward(mb=0, stage=0, pipeline="main")
+    for chunk in chunks:
+        for stage in range(stages):
+            runtime.forward(mb=0, stage=stage, pipeline="main", chunk=chunk)
+    for chunk in reversed(chunks):
+        for stage in reversed(range(stages)):
+            if runtime.recomputes:
+                runtime.recompute(mb=0, stage=stage, pipeline="main")
+            runtime.backward(mb=0, stage=stage, pipeline="main", chunk=chunk)
+    added = []
+    for stage in range(stages):
+        copy = runtime.copies[(stage, "main")]
+        masters = copy.masters or [None] * len(copy.params)
+        added.append(
+            frozenset(
+                k
+                for k, (param, master) in enumerate(zip(copy.params, masters, strict=True))
+                if param.grad is not None or (master is not None and master.grad is not None)
+            )
+        )
+    return added

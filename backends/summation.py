@@ -6,7 +6,10 @@ after step. So every sum a run makes has one fixed grouping, which the `--check`
 reference (`backends/reference.py`) repeats:
 
 - **on a stage copy**, micro-batch gradients accumulate in the order the copy's
-  backward ops run (autograd adds each new one to `.grad`): a left fold;
+  backward ops run (autograd adds each new one to `.grad`): a left fold. Where the
+  backward is split, W adds the weight gradients in the order the W's run, and B the
+  few a split B adds itself (a norm's, a bias alone: `weight_split`); where the W's run
+  in another order than the B's, each parameter follows the ops that add it;
 - **over a stage's replicas** (Chimera's two pipelines, `--dp` copies) and **over the
   whole run** (`--clip-grad`'s norm, tied weights), the members' parts, ordered by
   process, are summed by `tree_sum`: members past the largest power of two m first fold
@@ -109,7 +112,12 @@ class Member:
     process: int
     """Its rank in the whole run (`replica * R + rank`)."""
     units: tuple[Unit, ...]
-    """The backwards whose gradients its copy adds, in order."""
+    """The backwards whose gradients its copy adds, in the order its B's run."""
+    late: tuple[Unit, ...] | None = None
+    """Where its W's run in another order than its B's, the order they run in: the
+    parameters W adds follow it, those a split B adds (`weight_split`) follow `units`
+    (which of them B adds, the reference asks the runtime:
+    `reference_runs.added_by_backward`). None where the orders are one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +133,7 @@ class SumPlan:
 
 def accumulation(program: Program, dp: int) -> SumPlan | None:
     """The gradient sums of a run of `program` with `--dp dp`. None where they cannot be
-    repeated exactly: a rank with two copies of one stage, or a copy whose weight
-    gradients are not all added in one order (its B and W orders differ)."""
+    repeated exactly: a rank with two copies of one stage."""
     stages: dict[int, list[Member]] = {}
     norms: list[list[int]] = [[] for _ in range(program.num_ranks * dp)]
     n = program.num_microbatches
@@ -145,11 +152,15 @@ def accumulation(program: Program, dp: int) -> SumPlan | None:
                 )
                 for kind in (Kind.B, Kind.W)
             )
-            if w_order and w_order != order:
-                return None
+            late = w_order if w_order and w_order != order else None
             for k in range(dp):
-                units = tuple((k * n + mb, chunk) for mb, chunk in order)
-                stages.setdefault(stage, []).append(Member(k * program.num_ranks + rank, units))
+                units, later = (
+                    None if o is None else tuple((k * n + mb, chunk) for mb, chunk in o)
+                    for o in (order, late)
+                )
+                assert units is not None
+                member = Member(k * program.num_ranks + rank, units, later)
+                stages.setdefault(stage, []).append(member)
             if min(program.replicas(stage)) == rank:
                 norms[rank].append(stage)
     for members in stages.values():

@@ -1,7 +1,8 @@
 """The one order of gradient sums (backends/summation.py) and the `--check` reference that
 repeats it: the tree's grouping, the exchanges that compute it across processes, the
 plan of who adds what, a bitwise check on long Adam runs on real text (Chimera's two
-replicas, `--dp` copies, clipping), and the report of a check that fails."""
+replicas, `--dp` copies, clipping), a bitwise check of orders whose W's run in another
+order than their B's, and the report of a check that fails."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import run, stdlib
 
+from pipelang.api import load_program
 from pipelang.backends.config import RunConfig
 from pipelang.backends.rank_base import RankResult
 from pipelang.backends.reference import Comparison, Reference, compare
+from pipelang.backends.reference_runs import added_by_backward
 from pipelang.backends.summation import accumulation, exchange_sum, tree_sum
+from pipelang.ir import Program
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,6 +123,128 @@ def test_accumulation_names_each_copy_and_its_micro_batches() -> None:
     seq = accumulation(stdlib("seq1f1b", D=2, N=2, C=3), dp=1)
     assert seq is not None
     assert seq.stages[1][0].units == ((0, 2), (0, 1), (0, 0), (1, 2), (1, 1), (1, 0))
+
+
+W_REVERSED = """
+schedule w_reversed(D: int = 2, N: int = 4) {
+    ops F, B, W
+    pipeline main: stage s in 0..D -> rank s
+    microbatches 0..N -> main
+    order rank r {
+        for i in 0..N { F(i) }
+        for i in 0..N { B(i) }
+        for i in 0..N { W(N - 1 - i) }
+    }
+}
+"""
+"""Every rank runs its W's last to first, its B's first to last."""
+
+W_REVERSED_CHUNKS = """
+schedule w_reversed_chunks(D: int = 2, N: int = 3, C: int = 2) {
+    ops F, B, W
+    pipeline main: stage s in 0..D -> rank s
+    microbatches 0..N -> main
+    chunks C
+    order rank r {
+        for i in 0..N { for c in 0..C { F(i, chunk=c) } }
+        for i in 0..N { for c in 0..C { B(i, chunk=C - 1 - c) } }
+        for i in 0..N { for c in 0..C { W(N - 1 - i, chunk=c) } }
+    }
+}
+"""
+"""The same over sequence chunks, and each micro-batch's W's first chunk first."""
+
+W_REVERSED_CHIMERA = """
+schedule w_reversed_chimera(D: int = 2, N: int = 6) {
+    ops F, B, W
+    pipeline down: stage s in 0..D -> rank s
+    pipeline up: stage s in 0..D -> rank D - 1 - s
+    microbatches m in 0..N // 2 -> down, m in N // 2..N -> up
+    order rank r {
+        let h = N // 2
+        if r == 0 {
+            for i in 0..h { F(i) }
+            for i in h..N { F(i) }
+            for i in h..N { B(i) }
+            for i in 0..h { B(i) }
+        } else {
+            for i in h..N { F(i) }
+            for i in 0..h { F(i) }
+            for i in 0..h { B(i) }
+            for i in h..N { B(i) }
+        }
+        for i in 0..N { W(N - 1 - i) }
+    }
+}
+"""
+"""Two pipelines in opposite directions (each stage's copies then sum by the tree), every
+rank's W's last to first."""
+
+
+def _load(tmp_path: Path, text: str, **params: int) -> Program:
+    path = tmp_path / "sched.pipe"
+    path.write_text(text)
+    return load_program(str(path), {k: str(v) for k, v in params.items()})
+
+
+def test_accumulation_follows_ws_that_run_in_another_order_than_their_bs(
+    tmp_path: Path,
+) -> None:
+    """A copy whose W's run in another order than its B's adds its weight gradients in
+    the W's order (it had no plan: the reference added in micro-batch order)."""
+    plan = accumulation(_load(tmp_path, W_REVERSED), dp=2)
+    assert plan is not None
+    first, *_ = plan.stages[1]
+    assert [mb for mb, _ in first.units] == [0, 1, 2, 3]
+    assert first.late is not None and [mb for mb, _ in first.late] == [3, 2, 1, 0]
+    assert [mb for mb, _ in plan.stages[1][1].late or ()] == [7, 6, 5, 4]  # --dp copy 1
+    # where the orders are one, there is one
+    same = accumulation(stdlib("zb-h1", D=2, N=4), dp=1)
+    assert same is not None and all(m.late is None for ms in same.stages.values() for m in ms)
+
+
+@pytest.mark.parametrize("model", ["gpt:tiny", "llama:tiny"])
+def test_b_adds_the_norms_gradients_and_w_the_rest(tmp_path: Path, model: str) -> None:
+    """What the reference asks the runtime: a split B adds a norm's scale and shift (all
+    vectors) itself; W adds the rest, a linear's bias with its weight."""
+    program = _load(tmp_path, W_REVERSED)
+    config = RunConfig(model=model)
+    added = added_by_backward(config, program, torch.device("cpu"))
+    built = config.spec.build()
+    for stage, bounds in enumerate(built.stage_bounds(2, None)):
+        named = [
+            name for name, p in built.stage_module(bounds).named_parameters() if p.requires_grad
+        ]
+        by_b = {name for k, name in enumerate(named) if k in added[stage]}
+        assert by_b and all("norm" in n or ".ln" in n for n in by_b), by_b
+        assert all(not ("norm" in n or ".ln" in n) for n in set(named) - by_b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("text", "options"),
+    [
+        (W_REVERSED, ("--backend", "gloo")),
+        (W_REVERSED, ("--backend", "local", "--dp", "3", "--clip-grad", "0.5")),
+        (W_REVERSED, ("--backend", "local", "--mixed-precision", "bfloat16")),
+        (W_REVERSED, ("--backend", "local", "--model", "llama:tiny")),
+        (W_REVERSED_CHUNKS, ("--backend", "local")),
+        (W_REVERSED_CHIMERA, ("--backend", "gloo")),
+    ],
+    ids=["gloo", "dp3-clip", "mixed", "llama", "chunks", "chimera"],
+)
+def test_check_is_bitwise_where_ws_run_in_another_order_than_their_bs(
+    text: str, options: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 44: a synthesized order may run its W's in another order than its B's. The
+    reference added such a run's gradients in micro-batch order, so the check fell back
+    to the tolerance ("parameters first differ (in any bit) after step 0"); it now adds
+    each parameter in the order of the ops that add it in the run: bitwise."""
+    program = _load(tmp_path, text)
+    assert run(program, "--check", "--steps", "3", *options) == 0
+    out = capsys.readouterr().out
+    assert "check OK" in out and "(bitwise equal)" in out, out
+    assert "first differ" not in out, out
 
 
 def _text(tmp_path: Path) -> str:
