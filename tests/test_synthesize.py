@@ -338,8 +338,8 @@ def test_a_byte_cap_below_what_any_order_meets_names_the_bytes() -> None:
 def test_more_ops_than_the_solver_takes_is_an_error_at_once() -> None:
     args = ["synthesize", "1f1b", "-p", "D=16", "-p", "N=200", "--ops", "F,B,W"]
     status, _, err = run_in_process(args)
-    assert status == 1 and "error[E0605]: one_f_one_b has 9,600 ops here" in err, err
-    assert "at most 8,192" in err
+    assert status == 1 and "error[E0605]: one_f_one_b has 9,600 ops to order here" in err, err
+    assert "more than 8,192: the most `synthesize` orders" in err
 
 
 def test_a_name_from_the_api_cannot_add_text_to_the_written_file() -> None:

@@ -11,7 +11,6 @@ from rich.table import Table
 from pipelang.cli.args import (
     UsageError,
     add_model_arguments,
-    add_param_options,
     byte_size,
     layer_counts,
     parse_cost,
@@ -22,9 +21,13 @@ from pipelang.cli.args import (
     schedule_name,
     write_output,
 )
+from pipelang.diagnostics import clip
 from pipelang.parser import keywords
 from pipelang.progress import console
+from pipelang.readers import ReadError, whole_number
 from pipelang.sim.timeline import as_number
+from pipelang.source import one_line
+from pipelang.synthesis.problem import MOST_OPS as MAX_OPS
 
 HELP = "search the fastest order for a schedule's placement under costs and a memory cap"
 
@@ -51,7 +54,22 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="SCHED",
         help="a .pipe file or a stdlib schedule name: its placement is kept, its order replaced",
     )
-    add_param_options(parser, "set a schedule parameter; repeat for several (-p D=4 -p N=8)")
+    parser.add_argument(
+        "-p",
+        dest="params",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a schedule parameter; repeat for several (-p D=4 -p N=8)",
+    )
+    parser.add_argument(
+        "--max-ops",
+        type=_max_ops,
+        default=MAX_OPS,
+        metavar="K",
+        help=f"refuse a placement of more than K ops to order (default and most {MAX_OPS:,}, "
+        "E0605: the solver's memory grows with the ops)",
+    )
     parser.add_argument(
         "--cost",
         metavar="SPEC",
@@ -87,8 +105,9 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "--max-activations",
         type=positive_number,
         metavar="M",
-        help="the most activations any rank may hold, in micro-batches of one stage "
-        "(what `check --max-activations` counts; default: no cap)",
+        help="the most activations any rank may hold, in forwards of one stage as "
+        "`simulate` counts them, W's share (MW) exactly as written; a fraction caps what "
+        "W keeps (`check --max-activations` takes whole numbers); default: no cap",
     )
     parser.add_argument(
         "--max-activation-bytes",
@@ -100,6 +119,11 @@ def setup(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(
         parser, default_model=None, purpose="with --max-activation-bytes, measure this model: "
     )
+    _add_search_options(parser)
+
+
+def _add_search_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the search and of what it writes."""
     parser.add_argument(
         "--ops",
         choices=("F,B,W", "F,B"),
@@ -163,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         topology=None if args.topology is None else load_topology(args.topology),
         stage_bytes=stage_bytes,
         partition=args.partition,
+        max_ops=args.max_ops,
     )
     if args.out is not None:
         write_output(args.out, result.text)
@@ -203,3 +228,22 @@ def _stage_bytes(args: argparse.Namespace, params: dict[str, str]) -> list[tuple
         return stage_activation_bytes(spec, stages, partition)
     except ModelError as err:
         raise UsageError(str(err)) from None
+    except (RuntimeError, MemoryError) as err:  # torch's: sizes past what it can allocate
+        sizes = f"--micro-batch-size {args.micro_batch_size}" + (
+            "" if args.seq_len is None else f" and --seq-len {args.seq_len:,}"
+        )
+        why = one_line(str(err))
+        raise UsageError(
+            f"cannot measure {clip(args.model)}'s activations with {sizes}: "
+            f"{why if len(why) <= 120 else why[:117] + '...'}"
+        ) from None
+
+
+def _max_ops(text: str) -> int:
+    """An argparse type: `--max-ops`, 1 to `MAX_OPS` (the solver's limit, E0605)."""
+    try:
+        return whole_number(text.strip(), 1, MAX_OPS)
+    except ReadError as err:
+        raise argparse.ArgumentTypeError(
+            f"{err} (synthesize orders at most {MAX_OPS:,} ops, E0605)"
+        ) from None

@@ -74,7 +74,7 @@ def _expand(
 ) -> Program:
     schedule = file.schedule
     layout = read_layout(file, bindings, given, extra_costs)
-    layout = dataclasses.replace(layout, after=_after(schedule, layout))
+    layout = dataclasses.replace(layout, after=read_after(schedule, layout))
     frozen, chunks = layout.frozen, layout.chunks
     order = _order(schedule)
     if isinstance(order, ast.OrderRank):
@@ -138,7 +138,9 @@ def _order(schedule: ast.Schedule) -> ast.Order:
     return orders[0]
 
 
-def _after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
+def read_after(schedule: ast.Schedule, layout: Layout) -> tuple[Dependency, ...]:
+    """The schedule's `after` dependencies under `layout`, each op checked (E0103,
+    E0309): an order's, and a placement's that `synthesize` orders."""
     deps: list[Dependency] = []
     for decl in schedule.body:
         if not isinstance(decl, ast.After):

@@ -38,27 +38,31 @@ are taken in micro-batch order, which loses nothing, since its micro-batches are
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipelang.diagnostics import InternalError, clip, fail
+from pipelang.compiler import Compilation
+from pipelang.diagnostics import InternalError, PipelangError, clip, fail
 from pipelang.ir import CostModel, Program
 from pipelang.parser import keywords
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
 from pipelang.sim.timeline import as_number
 from pipelang.synthesis.problem import (
+    MOST_OPS,
     Known,
     Problem,
     amount,
     problem_of,
     profile_costs,
     stages_of,
-    starting_points,
 )
-from pipelang.synthesis.solver import EXTRA, scaled, solve, solver_module
+from pipelang.synthesis.solver import EXTRA, Found, scaled, solve, solver_module
+from pipelang.synthesis.starts import starting_points
 from pipelang.synthesis.write import check_text, header, write_pipe
 
 __all__ = [
@@ -72,9 +76,7 @@ __all__ = [
     "synthesize",
 ]
 
-MAX_OPS = 8192
-"""The most ops the solver takes: D = 16, N = 128 with B and W split (6144 ops) solves
-in about 35 s within 650 MB here, and the solver's memory grows with the ops."""
+MAX_OPS = MOST_OPS
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,12 @@ class Synthesized:
     """The fewest activations some rank holds under any order."""
     ops: int
     exact_times: bool
-    """Whether the solver saw the costs exactly (else rounded: the bound is approximate)."""
+    """Whether the solver saw the costs exactly (else each rounded down: the bound is
+    still a bound, and `optimal` is claimed only where the makespan meets it)."""
     program: Program = field(repr=False)
+    note: str = ""
+    """Why the order is not proven optimal where the solver's model is not the written
+    file's (overlapped pairs, activations it could not count exactly); '' otherwise."""
 
     @property
     def gap(self) -> float:
@@ -129,6 +135,7 @@ class Synthesized:
                 "peak_activations": as_number(stdlib.peak),
             },
             "exact_times": self.exact_times,
+            "note": self.note,
         }
 
 
@@ -146,6 +153,7 @@ def synthesize(
     topology: Topology | None = None,
     stage_bytes: Sequence[tuple[float, float]] | None = None,
     partition: Sequence[int] | None = None,
+    max_ops: int = MAX_OPS,
 ) -> Synthesized:
     """The fastest order for the placement of `sched` (a path or a stdlib name, with
     `-p`-style `params`) under `costs` (over the schedule's `cost` lines, and over the
@@ -157,69 +165,145 @@ def synthesize(
     `stage_bytes` (per stage, the bytes one forward saves and what W keeps of them after
     B: `backends.measure.stage_activation_bytes`), activations and the cap are in bytes.
     `partition` (layers per stage) replaces the schedule's `partition` line: the cut the
-    profile's costs are summed over and the written file keeps."""
+    profile's costs are summed over and the written file keeps. A placement of more than
+    `max_ops` ops to order is refused (E0605); `max_ops` is at most `MAX_OPS`."""
     began = time.monotonic()
-    _check_name(name)
+    _check_arguments(split, name, workers, partition, max_ops)
+    time_limit = _positive("time_limit", time_limit, "seconds")
+    if max_activations is not None:
+        unit = "micro-batches" if stage_bytes is None else "bytes"
+        max_activations = _positive("max_activations", max_activations, unit)
     solver = solver_module()
     if profile is not None:
         measured = profile_costs(sched, params, profile, topology, split, partition)
         costs = measured.merged(costs)
-    problem, own = problem_of(sched, params, costs, split, stage_bytes, partition)
+    problem, own = problem_of(sched, params, costs, split, stage_bytes, partition, max_ops)
     least = _least_cap(problem, max_activations)
     known = starting_points(problem, sched, params, own, max_activations)
     stdlib = [k for k in known if k.name.startswith("stdlib ")]
     best_stdlib = min(stdlib, key=lambda k: k.makespan, default=None)
-    start = min(known, key=lambda k: k.makespan)
+    start = min(known, key=lambda k: (k.timed, k.makespan))
     found = solve(solver, problem, scaled(problem), max_activations, start, time_limit, workers)
     title = name or f"{problem.name}_synth"
-    compiled = check_text(write_pipe(problem, problem.actions(found.orders), title, ""))
-    timeline = compiled.timeline()
-    status = found.status
-    if status == "kept" or timeline.makespan > start.makespan:
-        compiled = check_text(write_pipe(problem, problem.actions(start.orders), title, ""))
-        timeline, status = compiled.timeline(), "kept"
+    compiled, searched = _written(problem, found, start, max_activations, title)
     program = compiled.need_program()
-    makespan = timeline.makespan
+    makespan = compiled.timeline().makespan
     numbered = problem.numbered(program.ranks)
     if numbered is None:
         raise InternalError("the written order is not the problem's ops")
-    peak = problem.peak(numbered)
+    exact = found.exact and not found.why
+    status = (
+        "optimal"
+        if makespan <= found.bound + (1e-9 * abs(makespan) if exact else 0.0)
+        else "feasible"
+        if searched
+        else "kept"
+    )
     result = Synthesized(
         text="",
         makespan=makespan,
-        bound=min(found.bound, makespan),
+        bound=makespan if status == "optimal" else min(found.bound, makespan),
         status=status,
         seconds=time.monotonic() - began,
-        peak=peak,
+        peak=problem.peak(numbered[0]),
         start=start,
         best_stdlib=best_stdlib,
         least_cap=least,
         ops=problem.size,
         exact_times=found.exact,
         program=program,
+        note="" if status == "optimal" else found.why,
     )
     top = header(result, problem, sched, params, costs, max_activations, time_limit)
     return dataclasses.replace(result, text=write_pipe(problem, program.ranks, title, top))
 
 
-def _check_name(name: str | None) -> None:
-    """A name for the written schedule must be one a `.pipe` allows (not a keyword)."""
+def _written(
+    problem: Problem, found: Found, start: Known, cap: float | None, title: str
+) -> tuple[Compilation, bool]:
+    """The written file of the faster of the solver's order and the start (the start
+    where they tie, or where the solver's is over the cap), as `pipelang check`
+    compiles it, and whether it is the solver's."""
+    searched = found.orders is not None and problem.fits(found.orders, cap)
+    if searched:
+        assert found.orders is not None
+        timed = problem.makespan(found.orders)
+        searched = timed is not None and timed < start.timed
+    if searched:
+        assert found.orders is not None
+        compiled = check_text(write_pipe(problem, problem.actions(found.orders), title, ""))
+        if compiled.timeline().makespan < start.timed:
+            return compiled, True
+    compiled = check_text(
+        write_pipe(problem, problem.actions(start.orders, start.fused), title, "")
+    )
+    if compiled.timeline().makespan > start.timed * (1 + 1e-9):
+        raise InternalError(f"the written order of {start.name} runs slower than it was timed")
+    return compiled, False
+
+
+def _check_arguments(
+    split: object, name: object, workers: object, partition: object, max_ops: object
+) -> None:
+    """The arguments' types and ranges, checked once where every caller comes in (the
+    command line's are checked already): a usage error naming the argument otherwise."""
+    if not isinstance(max_ops, int) or isinstance(max_ops, bool) or not 1 <= max_ops <= MAX_OPS:
+        raise _wrong(
+            "max_ops",
+            max_ops,
+            f"a whole number of ops from 1 to {MAX_OPS:,}, the most `synthesize` orders "
+            "(E0605: the solver's memory grows with them)",
+        )
+    if split is not None and not isinstance(split, bool):
+        raise _wrong(
+            "split",
+            split,
+            "True (B and W), False (a whole backward) or None (as the schedule does)",
+        )
+    if workers is not None and (
+        not isinstance(workers, int) or isinstance(workers, bool) or workers < 1
+    ):
+        raise _wrong("workers", workers, "a whole number of solver threads, 1 or more")
+    if partition is not None and (
+        isinstance(partition, str)
+        or not isinstance(partition, Sequence)
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in partition)
+    ):
+        raise _wrong(
+            "partition", partition, "the layers of each stage, a sequence of whole numbers"
+        )
     if name is not None and (
-        not re.fullmatch(r"[A-Za-z_]\w*", name, re.ASCII) or name in keywords()
+        not isinstance(name, str)
+        or not re.fullmatch(r"[A-Za-z_]\w*", name, re.ASCII)
+        or name in keywords()
     ):
         raise fail("usage", f"the schedule's name {clip(repr(name))} is not a name a .pipe allows")
 
 
+def _positive(argument: str, value: object, unit: str) -> float:
+    """`value` as a float, where it is a finite number more than 0 (not a bool)."""
+    try:
+        number = float(value) if _real(value) else math.nan  # type: ignore[arg-type]
+    except OverflowError:
+        number = math.inf
+    if not 0 < number < math.inf:
+        bool_ = ", not a bool" if isinstance(value, bool) else ""
+        raise _wrong(argument, value, f"a finite number of {unit} more than 0{bool_}")
+    return number
+
+
+def _wrong(argument: str, value: object, rule: str) -> PipelangError:
+    return fail("usage", f"{argument}={clip(repr(value))}: expected {rule}")
+
+
+def _real(value: object) -> bool:
+    """A number that is not a bool (an int, a float, a numpy number)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _least_cap(problem: Problem, cap: float | None) -> float:
-    """The fewest activations some rank holds under any order; E0605 for a problem past
-    `MAX_OPS`, E0601 for a cap below the least."""
-    if problem.size > MAX_OPS:
-        raise fail(
-            "E0605",
-            f"{problem.name} has {problem.size:,} ops here; `synthesize` orders at most "
-            f"{MAX_OPS:,}, which keep the solver within about 1 GiB",
-            help="synthesize for fewer micro-batches (N) or stages",
-        )
+    """The fewest activations some rank holds under any order; E0601 for a cap below
+    the least."""
     least, why = problem.least_cap()
     if cap is not None and cap < least:
         raise fail(

@@ -5,25 +5,26 @@ search (`starting_points`)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import graphlib
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
 
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
-from pipelang.diagnostics import InternalError, PipelangError, fail
-from pipelang.evaluate import Value
-from pipelang.ir import Action, CostModel, Kind, Pipeline, deps, stage_problem
+from pipelang.diagnostics import InternalError, fail
+from pipelang.evaluate import Value, nesting_limit, op_limit
+from pipelang.ir import Action, CostModel, Kind, deps, stage_problem
 from pipelang.orders import Layout
+from pipelang.passes.expand_orders import read_after
 from pipelang.passes.layout import read_partition, read_weights, schedule_layout
 from pipelang.planner.costs import OpCosts, stage_outputs, stage_w_shares
 from pipelang.planner.partition import even_split
 from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
-from pipelang.sim import memory
-from pipelang.sim.engine import Engine, Input
-
-MEMORY_SCALE = 1000
-"""Activations are counted in thousandths of a micro-batch inside the solver."""
+from pipelang.sim.engine import Engine, Input, durations
+from pipelang.source import Span
 
 SPLIT = (Kind.F, Kind.B, Kind.W)
 WHOLE = (Kind.F, Kind.B)
@@ -32,25 +33,63 @@ WHOLE = (Kind.F, Kind.B)
 @dataclass(frozen=True)
 class Known:
     """An order known before the search: where it comes from, each rank's op numbers (in
-    the problem's numbering), its makespan and peak activations as the simulator gives
-    them for the schedule it comes from."""
+    the problem's numbering), its makespans (its schedule's, and as the written file of
+    this order runs), its peak activations, and the ops that start together with the op
+    before them (its overlapped pairs and `BW`s, kept in the written file)."""
 
     name: str
     orders: tuple[tuple[int, ...], ...]
     makespan: float
+    """Its makespan as `pipelang simulate` gives it for the schedule it comes from (a
+    whole backward one op, its own `after` edges), or `timed` where that is more: the
+    number it is named with, which the answer never exceeds."""
     peak: float
+    fused: frozenset[int] = field(default=frozenset())
+    timed: float = 0.0
+    """Its makespan as the file `synthesize` writes of it runs (`Problem.makespan`)."""
+
+
+Orders = tuple[tuple[int, ...], ...]
+
+
+def decimal(value: float) -> Fraction:
+    """A number as the decimal it prints as (`repr`), exactly: what was written (`MW=0.0015`,
+    a cap of 1.0019), not the binary float nearest it."""
+    return Fraction(repr(float(value)))
+
+
+MOST_OPS = 8192
+"""The most ops `synthesize` orders (E0605; `--max-ops` may lower it): D = 16, N = 128
+with B and W split (6144 ops) solves in about 35 s within 650 MB here, and the solver's
+memory grows with the ops."""
 
 
 def _placement(
-    sched: str, params: Mapping[str, str] | None, costs: CostModel | None
+    sched: str,
+    params: Mapping[str, str] | None,
+    costs: CostModel | None,
+    kinds: Callable[[Layout], tuple[Kind, ...]],
+    most: int,
 ) -> tuple[Layout, Compilation | None, ast.File, Mapping[str, Value]]:
     """The schedule's layout under `costs`, its compilation when it has an order (a file
-    of `pipeline` and `microbatches` lines alone is a placement too), the file, and its
-    parameters' values."""
+    of `pipeline` and `microbatches` lines alone is a placement too, its `after` lines
+    read), the file, and its parameters' values; E0605 before any order is run where the
+    ops to order (of `kinds`) are more than `most`."""
     layout, file, bindings = _declarations(sched, params, costs)
+    size = len(layout.assignment) * layout.num_stages * len(kinds(layout))
+    if size > most:
+        limit = "the most `synthesize` orders, which keep the solver within about 1 GiB"
+        raise fail(
+            "E0605",
+            f"{file.schedule.name} has {size:,} ops to order here, more than {most:,}: "
+            + (limit if most >= MOST_OPS else f"`--max-ops` (at most {MOST_OPS:,}: {limit})"),
+            help="synthesize for fewer micro-batches (N) or stages",
+        )
     orders = (ast.OrderRank, ast.OrderGreedy, ast.OrderRepeat)
     if not any(isinstance(d, orders) for d in file.schedule.body):
-        return layout, None, file, bindings
+        with nesting_limit(file.schedule.span), op_limit(max(most, MOST_OPS)):
+            after = read_after(file.schedule, layout)
+        return dataclasses.replace(layout, after=after), None, file, bindings
     compiled = api.compile_schedule(sched, params, costs=costs, stop_after="insert-holds")
     layout = dataclasses.replace(layout, after=compiled.need_program().after)
     return layout, compiled, file, bindings
@@ -95,16 +134,47 @@ def problem_of(
     split: bool | None = None,
     stage_bytes: Sequence[tuple[float, float]] | None = None,
     partition: Sequence[int] | None = None,
+    most: int = MOST_OPS,
 ) -> tuple[Problem, Compilation | None]:
-    """The ops to order for the placement of `sched` (see `synthesize`), and the
-    schedule's compilation when it has an order of its own."""
-    layout, own, file, bound = _placement(sched, params, costs)
+    """The ops to order for the placement of `sched` (see `synthesize`; at most `most`,
+    E0605), and the schedule's compilation when it has an order of its own."""
+    layout, own, file, bound = _placement(
+        sched, params, costs, lambda layout: _kinds(layout, split), most
+    )
     if stage_bytes is not None and len(stage_bytes) != layout.num_stages:
         raise InternalError(f"{len(stage_bytes)} stages' bytes for {layout.num_stages} stages")
     values = tuple((p.name, bound[p.name]) for p in file.schedule.params)
     cut = _cut(file, layout, partition)
     problem = Problem(layout, _kinds(layout, split), file.schedule.name, values, stage_bytes, cut)
+    _check_acyclic(problem, file.schedule.span)
     return problem, own
+
+
+def _check_acyclic(problem: Problem, span: Span | None) -> None:
+    """E0306 at an `after` of a placement that makes its ops wait on each other in a
+    cycle (an order of the schedule's own is refused so when it is compiled): no order
+    runs them."""
+    graph = {v: [u for u, _ in row] for v, row in enumerate(problem.inputs)}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as err:
+        cycle: list[int] = err.args[1]  # each op waits for the one before it
+        ops = [problem.ops[i] for i in cycle]
+        edges = {(deps.op_key(d.earlier), deps.op_key(d.later)): d for d in problem.layout.after}
+        found = [
+            edges[key]
+            for a, b in itertools.pairwise(ops)
+            if (key := (deps.op_key(a), deps.op_key(b))) in edges
+        ]
+        shown = " -> ".join(f"`{op}`" for op in ops[:8]) + (" -> ..." if len(ops) > 8 else "")
+        raise fail(
+            "E0306",
+            f"no order runs these ops: they wait on each other in a cycle, through this "
+            f"`after`: {shown}",
+            found[0].span if found and found[0].span is not None else span,
+            help="an `after` makes a cycle with the ops' own dependencies (a backward after "
+            "its forward, a stage after the one before): drop it or turn it around",
+        ) from None
 
 
 def _cut(file: ast.File, layout: Layout, given: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -141,7 +211,7 @@ def stages_of(
 def amount(value: float, problem: Problem) -> str:
     """A number of activations as the problem counts them."""
     if problem.stage_bytes is None:
-        return f"{value:g} micro-batch{'es' if value != 1 else ''}"
+        return f"{value:.15g} micro-batch{'es' if value != 1 else ''}"
     return f"{value:,.0f} bytes"
 
 
@@ -257,22 +327,37 @@ class Problem:
             + [(u, False) for u in extra.get(i, ())]
             for i, op in enumerate(self.ops)
         ]
-        self.w = memory.kinds_w_share(self.kinds, costs)
         sizes = [1.0] * layout.num_stages
         if stage_bytes is not None:
             sizes = [saved for saved, _ in stage_bytes]
-            shares = [kept / saved if saved else 0.0 for saved, kept in stage_bytes]
-            self.w = None if Kind.W not in self.kinds else (lambda stage: shares[stage or 0])
         self.sizes = sizes
         """What one forward holds on each stage: 1 micro-batch, or its bytes."""
-        self.changes = [
-            memory.change(op.kind, None if self.w is None else self.w(op.stage))
-            * sizes[op.stage or 0]
-            for op in self.ops
-        ]
-        self.memory_scale = MEMORY_SCALE if stage_bytes is None else 1.0
-        """The solver counts activations in these integer units per micro-batch (bytes
-        are integers already)."""
+        self.changes = self._changes()
+        """How each op changes its rank's activations, exactly (a decimal `MW` as written):
+        what the solver counts and `peak` adds up."""
+
+    def _changes(self) -> list[Fraction]:
+        """`sim.memory.change` of every op, times its stage's size, in exact numbers."""
+        split = Kind.W in self.kinds
+        stages: list[tuple[Fraction, Fraction | None]] = []  # (held, what W keeps)
+        for stage in range(self.layout.num_stages):
+            if self.stage_bytes is None:
+                kept = decimal(self.costs.of("MW", stage)) if split else None
+                stages.append((Fraction(1), kept))
+            else:
+                saved, kept_bytes = (_exact(v) for v in self.stage_bytes[stage])
+                share = (kept_bytes / saved if saved else Fraction(0)) if split else None
+                stages.append((saved, share))
+        changes = []
+        for op in self.ops:
+            held, kept = stages[op.stage or 0]
+            if op.kind is Kind.F:
+                changes.append(held)
+            elif op.kind is Kind.B:
+                changes.append(-held if kept is None else (kept - 1) * held)
+            else:
+                changes.append(-held * kept if kept is not None else Fraction(0))
+        return changes
 
     @property
     def size(self) -> int:
@@ -282,31 +367,66 @@ class Problem:
     def num_ranks(self) -> int:
         return self.layout.num_ranks
 
-    def engine(self, times: Sequence[float], scale: float | None = None) -> Engine:
-        """The timing engine over these ops with `times`; with `scale`, every transfer is
-        scaled by it and rounded, as the solver sees it."""
+    def engine(self, times: Sequence[float], transfers: Sequence[float] | None = None) -> Engine:
+        """The timing engine over these ops with `times`: each transfer the cost model's
+        (`C`, `C[b]`), as `simulate` times it, or op i's `transfers[i]` (the solver's)."""
         costs = self.costs
-        if scale is None:
+        if transfers is None:
             return Engine(self.ranks, times, self.inputs, link=costs.link(), actions=self.ops,
                           transfer=costs.of("C"))  # fmt: skip
+        index = self.index
         return Engine(
             self.ranks,
             times,
             self.inputs,
-            link=lambda op, src, dst: round(costs.transfer(op) * scale),
+            link=lambda op, src, dst: transfers[index[deps.op_key(op)]],
             actions=self.ops,
         )
 
+    def makespan(
+        self, orders: Sequence[Sequence[int]], fused: frozenset[int] = frozenset()
+    ) -> float | None:
+        """When the last op of `orders` ends, as `pipelang simulate` times the written file
+        (`sim.timeline.simulate`): each op in `fused` starts together with the op before
+        it on its rank, as one compound (an overlapped pair takes `FB`). None when the
+        orders wait on each other (an `after` edge they break)."""
+        heads = list(range(self.size))
+        for row in orders:
+            for k in range(1, len(row)):
+                if row[k] in fused:
+                    heads[row[k]] = heads[row[k - 1]]
+        times = durations(self.ops, heads, self.costs.time, self.costs)
+        inputs = [list(waits) for waits in self.inputs]
+        for v, waits in enumerate(self.inputs):  # a compound waits for all its ops' inputs
+            if heads[v] != v:
+                inputs[heads[v]] += [
+                    (u, True) for u, data in waits if data and heads[u] != heads[v]
+                ]
+        engine = self.engine(times)
+        engine.inputs = inputs
+        start, timed = engine.fixed(orders)
+        if len(timed) != self.size:
+            return None
+        return max((s + t for s, t in zip(start, times, strict=True)), default=0.0)
+
     def peak(self, orders: Sequence[Sequence[int]]) -> float:
         """The most activations a rank holds along `orders`, in micro-batches or bytes
-        (`sim.memory.peak`, `peak_bytes`)."""
-        if self.stage_bytes is None:
-            rows = (memory.peak((self.ops[i] for i in row), self.w) for row in orders)
-        else:
-            rows = (
-                memory.peak_bytes((self.ops[i] for i in row), self.w, self.sizes) for row in orders
-            )
-        return max(rows, default=0.0)
+        (`sim.memory.peak`, `peak_bytes`, counted exactly)."""
+        return float(self.exact_peak(orders))
+
+    def exact_peak(self, orders: Sequence[Sequence[int]]) -> Fraction:
+        """`peak` as an exact number."""
+        most = Fraction(0)
+        for row in orders:
+            held = Fraction(0)
+            for i in row:
+                held += self.changes[i]
+                most = max(most, held)
+        return most
+
+    def fits(self, orders: Sequence[Sequence[int]], cap: float | None) -> bool:
+        """Whether `orders` hold at most `cap` on every rank (None: no cap), exactly."""
+        return cap is None or self.exact_peak(orders) <= decimal(cap)
 
     def least_cap(self) -> tuple[float, str]:
         """The fewest activations some rank holds under any order, and why: when a
@@ -331,35 +451,44 @@ class Problem:
                 )
         return most, why
 
-    def numbered(self, ranks: Sequence[Sequence[Action]]) -> tuple[tuple[int, ...], ...] | None:
-        """Each rank's op numbers for an order of Actions; where the order's backward is
-        whole and these ops split it, its `B` stands for B then W. None when the order
-        is not one of these ops, each once on its rank."""
+    def numbered(self, ranks: Sequence[Sequence[Action]]) -> tuple[Orders, frozenset[int]] | None:
+        """Each rank's op numbers for an order of Actions, and the ops fused to the one
+        before them (`Action.fused`); where the order's backward is whole and these ops
+        split it, its `B` stands for B then W (W fused to B where B is in a compound:
+        `F & BW`). None when the order is not one of these ops, each once on its rank."""
         whole = not any(a.kind is Kind.W for row in ranks for a in row)
         orders: list[tuple[int, ...]] = []
+        fused: set[int] = set()
         for rank, actions in enumerate(ranks):
             row: list[int] = []
-            for action in actions:
-                if not action.kind.is_compute:
-                    continue
+            computes = [a for a in actions if a.kind.is_compute]
+            for k, action in enumerate(computes):
                 kinds = [action.kind]
                 if whole and action.kind is Kind.B and Kind.W in self.kinds:
                     kinds.append(Kind.W)
-                for kind in kinds:
+                joined = k + 1 < len(computes) and computes[k + 1].fused
+                for n, kind in enumerate(kinds):
                     i = self.index.get((kind, action.mb, action.stage, action.pipeline, None))
                     if i is None or self.ranks[i] != rank:
                         return None
+                    if (action.fused and n == 0) or (n > 0 and (action.fused or joined)):
+                        fused.add(i)
                     row.append(i)
             orders.append(tuple(row))
         if len(orders) != self.num_ranks or sorted(i for r in orders for i in r) != list(
             range(self.size)
         ):
             return None
-        return tuple(orders)
+        return tuple(orders), frozenset(fused)
 
-    def actions(self, orders: Sequence[Sequence[int]]) -> list[list[Action]]:
-        """Each rank's ops for their numbers."""
-        return [[self.ops[i] for i in row] for row in orders]
+    def actions(
+        self, orders: Sequence[Sequence[int]], fused: frozenset[int] = frozenset()
+    ) -> list[list[Action]]:
+        """Each rank's ops for their numbers, those in `fused` fused to the op before."""
+        return [
+            [self.ops[i]._replace(fused=True) if i in fused else self.ops[i] for i in row]
+            for row in orders
+        ]
 
     def one_at_a_time(self) -> tuple[tuple[int, ...], ...]:
         """Every micro-batch through all its ops before the next starts (forwards down
@@ -377,71 +506,20 @@ class Problem:
         return tuple(map(tuple, orders))
 
 
-def starting_points(
-    problem: Problem,
-    sched: str,
-    params: Mapping[str, str] | None,
-    own: Compilation | None,
-    cap: float | None,
-) -> list[Known]:
-    """The known orders that fit the cap: the schedule's own, every stdlib schedule on the
-    same placement (compiled with D and N), and one micro-batch at a time (which always
-    fits a cap the least cap allows). Each is timed as `pipelang simulate` times the
-    schedule it comes from, under the problem's costs."""
-    costs = problem.layout.costs
-    found: list[Known] = []
-
-    def add(name: str, compiled: Compilation) -> None:
-        numbered = problem.numbered(compiled.need_program().ranks)
-        if numbered is None:
-            return
-        peak = problem.peak(numbered)
-        if cap is None or peak <= cap + 1e-9:
-            found.append(Known(name, numbered, compiled.timeline(costs).makespan, peak))
-
-    path, shown = api.find_schedule(sched)
-    if own is not None:
-        add(f"stdlib {sched}" if shown.startswith("<stdlib>") else f"the order of {sched}", own)
-    layout = problem.layout
-    shape = _shape(layout.pipelines, layout.assignment)
-    values = {"D": str(layout.num_ranks), "N": str(len(layout.assignment))}
-    for stdlib in api.stdlib_names():
-        if own is not None and path == api.find_schedule(stdlib)[0]:
-            continue
-        try:
-            file = api.load_file(stdlib)
-            given = {k: v for k, v in values.items() if k in {p.name for p in file.schedule.params}}
-            bound = run_passes(file, Options(given, costs=costs), "resolve-params")
-            assert bound.params is not None
-            other = schedule_layout(file, bound.params)
-            if _shape(other.pipelines, other.assignment) != shape:
-                continue
-            if other.frozen or other.chunks or Kind.R in other.kinds:
-                continue
-            if read_weights(file.schedule, other.scope, other.env) is not None:
-                continue
-            compiled = api.compile_schedule(stdlib, given, costs=costs, stop_after="insert-holds")
-        except PipelangError:
-            continue  # its `require`s rule these sizes out
-        if compiled.need_program().first_eviction() is None:
-            add(f"stdlib {stdlib}", compiled)
-    orders = problem.one_at_a_time()
-    ends = timed(problem, orders, problem.times, None)
-    found.append(Known("one micro-batch at a time", orders, max(ends), problem.peak(orders)))
-    return found
-
-
-def _shape(pipelines: Sequence[Pipeline], assignment: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-    """Each micro-batch's placement: what two schedules must share to swap orders."""
-    placements = {p.name: p.placement for p in pipelines}
-    return tuple(placements[name] for name in assignment)
+def _exact(value: float) -> Fraction:
+    """A byte count exactly (an int as it is, a float as it prints)."""
+    return Fraction(value) if isinstance(value, int) else decimal(value)
 
 
 def timed(
-    problem: Problem, orders: Sequence[Sequence[int]], times: Sequence[float], scale: float | None
+    problem: Problem,
+    orders: Sequence[Sequence[int]],
+    times: Sequence[float],
+    transfers: Sequence[float],
 ) -> list[float]:
-    """Every op's end when each rank runs `orders` as soon as it can (`Engine.fixed`)."""
-    start, timed = problem.engine(times, scale).fixed(orders)
+    """Every op's end when each rank runs `orders` as soon as it can (`Engine.fixed`),
+    each op taking `times` and each transfer `transfers` (the solver's integers)."""
+    start, timed = problem.engine(times, transfers).fixed(orders)
     if len(timed) != problem.size:
-        raise AssertionError("a starting order that cannot run")
+        raise InternalError("a starting order that cannot run")
     return [s + t for s, t in zip(start, times, strict=True)]

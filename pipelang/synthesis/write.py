@@ -4,32 +4,51 @@ blocks, and a header of the inputs and results."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from decimal import Decimal
 from typing import TYPE_CHECKING
 
-from pipelang.compiler import Compilation
+from pipelang import ast
+from pipelang.compiler import Compilation, Options, run_passes
+from pipelang.diagnostics import InternalError
 from pipelang.evaluate import Value
-from pipelang.import_torch import check_pipe, placement_expr
-from pipelang.ir import Action, CostModel, deps
+from pipelang.import_torch import placement_expr
+from pipelang.ir import Action, CostModel, Kind, deps
+from pipelang.parser import parse_text
 from pipelang.sim.timeline import as_number
-from pipelang.source import one_line
+from pipelang.source import SourceFile, one_line
 from pipelang.synthesis.problem import Problem, amount
 
 if TYPE_CHECKING:
     from pipelang.synthesis import Synthesized
 
-OPS_PER_LINE = 6
+OPS_PER_LINE = 8
+
+NESTED_STAGES = 50
+"""The most stages one `if ... then ... else` chain of a placement expression covers
+(the parser takes 100 levels): a longer placement chains functions of this many."""
 
 
 def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, header: str) -> str:
-    """The `.pipe` text of the placement with each rank's compute ops in `orders`, under
-    `cost` lines that give the problem's costs."""
+    """The `.pipe` text of the placement with each rank's compute ops in `orders` (an op
+    fused to the one before it written with it: `F(i, a) & B(j, b)`, `BW(j, b)`), under
+    `cost` lines that give the problem's costs. The names it declares (`r`, `s`, `m`,
+    functions) are none of the schedule's parameters'."""
     layout = problem.layout
+    taken = {key for key, _ in problem.params}
+    r, s, m = (_fresh(base, taken) for base in ("r", "s", "m"))
     lines = [header.rstrip("\n")] if header else []
     declared = ", ".join(
         f"{key}: {'bool' if isinstance(v, bool) else 'int'} = {_value(v)}"
         for key, v in problem.params
     )
+    body: list[str] = []
+    for pipe in layout.pipelines:
+        expr = _placement(pipe.placement, layout.num_ranks, s, taken, lines)
+        body.append(
+            f"    pipeline {pipe.name}: stage {s} in 0..{len(pipe.placement)} -> rank {expr}"
+        )
     lines.append(f"schedule {name}({declared}) {{")
     for key, v in problem.params:
         lines.append(
@@ -40,44 +59,101 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
     if problem.partition is not None:
         lines.append("    partition " + ", ".join(map(str, problem.partition)))
     lines += [f"    cost {item}" for item in _cost_items(layout.costs, layout.num_stages)]
-    used = set(layout.assignment)
-    for pipe in layout.pipelines:
-        if pipe.name in used:
-            expr, _ = placement_expr(pipe.placement, layout.num_ranks)
-            stages = len(pipe.placement)
-            lines.append(f"    pipeline {pipe.name}: stage s in 0..{stages} -> rank {expr}")
+    lines += body
     runs: list[tuple[int, int, str]] = []
     for mb, pipe_name in enumerate(layout.assignment):
         if runs and runs[-1][2] == pipe_name:
             runs[-1] = (runs[-1][0], mb + 1, pipe_name)
         else:
             runs.append((mb, mb + 1, pipe_name))
-    lines.append("    microbatches " + ", ".join(f"m in {a}..{b} -> {p}" for a, b, p in runs))
+    lines.append("    microbatches " + ", ".join(f"{m} in {a}..{b} -> {p}" for a, b, p in runs))
     lines += [  # the `after` edges between the ops ordered (the solver kept them too)
         f"    {_op(dep.later)} after {_op(dep.earlier)}"
         for dep in layout.after
         if deps.op_key(dep.later) in problem.index and deps.op_key(dep.earlier) in problem.index
     ]
-    lines.append("    order rank r {")
-    for rank, row in enumerate(orders):
-        head = "if" if rank == 0 else "} else if"
-        lines.append(f"        {head} r == {rank} {{")
-        texts = [_op(op) for op in row if op.kind.is_compute]
+    lines.append(f"    order rank {r} {{")
+    for rank, row in enumerate(orders):  # one `if` per rank, none nested in another
+        lines.append(f"        if {r} == {rank} {{")
+        texts = _steps(row)
         for k in range(0, len(texts), OPS_PER_LINE):
             lines.append("            " + " ".join(texts[k : k + OPS_PER_LINE]))
-    lines += ["        }", "    }", "}", ""]
+        lines.append("        }")
+    lines += ["    }", "}", ""]
     return "\n".join(lines)
 
 
+def _fresh(base: str, taken: set[str]) -> str:
+    """`base`, or `base` with underscores before it, whichever is not `taken` (which it
+    joins)."""
+    name = base
+    while name in taken:
+        name = "_" + name
+    taken.add(name)
+    return name
+
+
+def _placement(
+    placement: tuple[int, ...], ranks: int, var: str, taken: set[str], lines: list[str]
+) -> str:
+    """The `rank` expression over `var` for a placement: a pattern's (`s`, `s % D`, a V)
+    where it has one, else a chain of `if`s, over functions declared in `lines` (before
+    the schedule) where it is longer than `NESTED_STAGES`."""
+    expr, style = placement_expr(placement, ranks)
+    if style != "as listed" or len(placement) <= NESTED_STAGES:
+        return re.sub(r"\bs\b", var, expr)
+    below = str(placement[-1])  # what the chain gives past its stages
+    fn = ""
+    for first in range(0, len(placement) - 1, NESTED_STAGES):
+        fn = _fresh(f"place{first}", taken)
+        chain = below
+        for stage in range(min(first + NESTED_STAGES, len(placement) - 1) - 1, first - 1, -1):
+            chain = f"if x == {stage} then {placement[stage]} else {chain}"
+        lines.append(f"fn {fn}(x) = {chain}")
+        below = f"{fn}(x)"
+    return f"{fn}({var})"
+
+
+def _steps(row: Sequence[Action]) -> list[str]:
+    """A rank's compute ops as the order writes them, each compound as one step."""
+    groups: list[list[Action]] = []
+    for action in row:
+        if not action.kind.is_compute:
+            continue
+        if action.fused and groups:
+            groups[-1].append(action)
+        else:
+            groups.append([action])
+    steps = []
+    for group in groups:
+        calls: list[str] = []
+        for k, action in enumerate(group):
+            before = group[k - 1] if k else None
+            if (
+                action.kind is Kind.W
+                and before is not None
+                and before.kind is Kind.B
+                and (before.mb, before.stage) == (action.mb, action.stage)
+            ):
+                calls[-1] = "BW" + calls[-1][1:]
+            else:
+                calls.append(_op(action))
+        if len(calls) > 2:
+            raise InternalError(f"a compound of {len(calls)} steps: {' & '.join(calls)}")
+        steps.append(" & ".join(calls))
+    return steps
+
+
 def _op(op: Action) -> str:
-    """A compute op as the order and `after` lines name it."""
-    return f"{op.kind.value}(mb={op.mb}, stage={op.stage})"
+    """A compute op as the order and `after` lines name it: `F(mb, stage)`."""
+    return f"{op.kind.value}({op.mb}, {op.stage})"
 
 
 def _cost_items(costs: CostModel, stages: int) -> list[str]:
     """The `cost` lines' items for the times and the W share the order was found for:
-    every kind's value on one line, then a line per kind that differs on some stage."""
-    kinds = ("F", "B", "W", "C", "MW")
+    every kind's value on one line (and `FB` where it is given), then a line per kind
+    that differs on some stage."""
+    kinds = ("F", "B", "W", "C", "MW") + (("FB",) if costs.gives("FB") else ())
     items = [", ".join(f"{kind} = {_number(costs.of(kind))}" for kind in kinds)]
     for kind in kinds:
         base = costs.of(kind)
@@ -93,15 +169,22 @@ def _value(value: Value) -> str:
 
 
 def _number(value: float) -> str:
-    """A cost as the grammar's NUMBER writes it: digits and a decimal point, no exponent."""
-    text = f"{value:.15f}".rstrip("0").rstrip(".")
+    """A cost as the grammar's NUMBER writes it, digits and a decimal point, no exponent:
+    exactly the number it prints as (`repr`), so that it reads back as the same float."""
+    text = format(Decimal(repr(float(value))), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
     return text or "0"
 
 
 def check_text(text: str) -> Compilation:
-    """The written text compiled and checked, as `pipelang check` would (an error here is
-    a bug of the writer, and shows as one)."""
-    return check_pipe(text, "<synthesized>")
+    """The written text compiled and checked, as `pipelang check` would, its functions
+    with it (an error here is a bug of the writer, and shows as one)."""
+    source = SourceFile.of("<synthesized>", text)
+    items = parse_text(source)
+    schedule = next(i for i in items if isinstance(i, ast.Schedule))
+    fns = {i.name: i for i in items if isinstance(i, ast.FnDecl)}
+    return run_passes(ast.File(source, schedule, fns), Options(), "validate")
 
 
 def header(
@@ -138,7 +221,12 @@ def header(
         f"{amount(result.least_cap, problem)})",
     ]
     if not result.exact_times:
-        rows.append("the solver saw the times rounded; the bound is for the rounded times")
+        rows.append(
+            "the solver saw the times rounded down (too many digits to scale exactly): the "
+            "bound holds, and the order is optimal only where it meets it"
+        )
+    if result.note:
+        rows.append(f"not proven optimal: {result.note}")
     if costs is not None and costs.link() is not None:
         rows.append("C[b] is the link between stages b and b + 1")
     return "".join(f"# {one_line(row)}\n" for row in rows) + "\n"
