@@ -122,14 +122,24 @@ def schedule_name(text: str) -> str:
     return text
 
 
+MOST_LAYERS = 1_000_000
+"""The most layers a `--partition` gives one stage (models have far fewer)."""
+
+
 def layer_counts(text: str) -> tuple[int, ...]:
-    """An argparse type: `3,3,2`, layers per stage."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected layer counts like 3,3,2, not {text!r}"
-        ) from None
+    """An argparse type: `3,3,2`, layers per stage, each at most `MOST_LAYERS`."""
+    counts = []
+    for part in (p.strip() for p in text.split(",")):
+        if not re.fullmatch(r"[+-]?[0-9]+", part):
+            shown = text if len(text) <= 40 else f"{text[:36]}... ({len(text):,} characters)"
+            raise argparse.ArgumentTypeError(f"expected layer counts like 3,3,2, not {shown!r}")
+        if len(part) > 8 or abs(int(part)) > MOST_LAYERS:
+            shown = part if len(part) <= 24 else f"{part[:20]}... ({len(part):,} digits)"
+            raise argparse.ArgumentTypeError(
+                f"a stage has at most {MOST_LAYERS:,} layers, not {shown}"
+            )
+        counts.append(int(part))
+    return tuple(counts)
 
 
 # ---- schedules ------------------------------------------------------------------------------
