@@ -15,6 +15,7 @@ Compiler bugs are `InternalError`, never a `Diagnostic`.
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import json
 import re
@@ -175,16 +176,17 @@ NEAREST_LONGEST = 64
 """The longest name a "did you mean" compares by its spelling (a longer one is matched
 only up to case): comparing two names costs their lengths' product."""
 NEAREST_COMPARED = 300
-"""The most candidates one "did you mean" compares, those nearest in length first: a
-file of 4,000 long names asked for one took 39 s in difflib."""
+"""The most candidates one "did you mean" compares: half nearest in spelling order (a
+typo keeps a name's start), half nearest in length. A file of 4,000 long names asked for
+one took 39 s in difflib."""
 
 
 def nearest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str | None:
     """The candidate a misspelled `word` most likely meant: one equal up to case, else
     the closest spelling (difflib's ratio at least `cutoff`), else None. Bounded for any
     input: a name past NEAREST_LONGEST characters is matched up to case only, and at most
-    NEAREST_COMPARED candidates are compared (the cost is linear in the candidates'
-    count otherwise)."""
+    NEAREST_COMPARED candidates are compared by spelling (the rest of the cost is a sort
+    of the names)."""
     folded = word.casefold()
     near: list[tuple[int, str]] = []
     for candidate in candidates:
@@ -196,9 +198,12 @@ def nearest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str | 
             near.append((abs(len(candidate) - len(word)), candidate))
     if not near:
         return None
+    half = NEAREST_COMPARED // 2
+    ordered = sorted(candidate for _, candidate in near)
+    at = bisect.bisect_left(ordered, word)
     near.sort(key=lambda pair: pair[0])  # stable: the first of equally near ones wins
-    compared = [candidate for _, candidate in near[:NEAREST_COMPARED]]
-    close = difflib.get_close_matches(word, compared, n=1, cutoff=cutoff)
+    pool = [*ordered[max(0, at - half // 2) : at + half // 2], *(c for _, c in near[:half])]
+    close = difflib.get_close_matches(word, list(dict.fromkeys(pool)), n=1, cutoff=cutoff)
     return close[0] if close else None
 
 

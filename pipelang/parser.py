@@ -271,10 +271,19 @@ def _collect_fns(
 
 def _import_target(importer: Path, item: ast.Import) -> Path:
     relative = (importer.parent / item.path).resolve()
-    if relative.exists():
+    if _exists(relative):
         return relative
     stdlib = stdlib_dir() / (item.path if item.path.endswith(".pipe") else item.path + ".pipe")
-    return stdlib.resolve() if stdlib.exists() else relative
+    return stdlib.resolve() if _exists(stdlib) else relative
+
+
+def _exists(path: Path) -> bool:
+    """`path.exists()`, False where the file system cannot tell (a name too long for it:
+    `read_source` then says why it cannot be read)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def _syntax_error(source: SourceFile, err: UnexpectedInput) -> Diagnostic:

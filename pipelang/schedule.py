@@ -238,9 +238,10 @@ def _param_text(params: Mapping[str, int | bool]) -> dict[str, str]:
     for name, value in params.items():
         if isinstance(value, bool):
             text[name] = str(value).lower()
-        elif isinstance(value, int) and abs(value) < 10**MAX_DIGITS:
-            text[name] = str(value)
+        elif isinstance(value, numbers.Integral) and abs(int(value)) < 10**MAX_DIGITS:
+            text[name] = str(int(value))  # numpy's integers too, as costs take them
         else:
-            what = f"over {MAX_DIGITS} digits" if isinstance(value, int) else _shown(value)
+            big = isinstance(value, numbers.Integral)
+            what = f"over {MAX_DIGITS} digits" if big else _shown(value)
             raise fail("E0203", f"parameter `{name}` is {what}; give an int or a bool")
     return text

@@ -83,6 +83,12 @@ def test_every_real_number_is_a_cost_and_a_bool_is_not() -> None:
         with pytest.raises(pipelang.PipelangError) as raised:
             prog.simulate({"F": bad})
         assert raised.value.diagnostics[0].code == "E0209", bad
+    # and a parameter any integer, numpy's too, not a bool's numpy twin or a float
+    assert pipelang.load("1f1b", D=np.int64(4), N=np.uint8(4)).program == prog.program
+    for bad in (np.bool_(True), np.float64(4), 4.0):
+        with pytest.raises(pipelang.PipelangError) as raised:
+            pipelang.load("1f1b", D=bad)
+        assert raised.value.diagnostics[0].code == "E0203", bad
 
 
 @pytest.mark.parametrize(

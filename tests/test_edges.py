@@ -460,6 +460,19 @@ def test_did_you_mean_is_bounded_and_still_finds_near_names() -> None:
     assert nearest("x" * 100, ["x" * 99]) is None  # past NEAREST_LONGEST: case only
     assert nearest("X" * 100, ["x" * 100]) == "x" * 100
     assert nearest("depth", ["D", "N"]) is None
+    many = [f"v{i}" for i in range(1000, 16000)]  # all of one length: spelling order finds it
+    assert nearest("v4999x", many) == "v4999"
+
+
+def test_an_import_of_a_name_too_long_for_the_file_system_is_e0004(tmp_path: Path) -> None:
+    path = tmp_path / "t.pipe"
+    path.write_text(f'import "{"y" * 100_000}.pipe"\n{GOOD}')
+    status, _, err = run_in_process(["check", str(path)])
+    assert status == 1
+    assert err.startswith(
+        f"error[E0004]: cannot read `{'y' * 30}...{'y' * 10}.pipe` (100,005 characters): "
+        f"File name too long\n --> {path}:1:1\n"
+    ), err
 
 
 @pytest.mark.parametrize(
