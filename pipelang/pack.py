@@ -12,6 +12,10 @@ under a cap on the activation tokens any rank holds.
          shortest first, alternating), and simulated; the fastest whose every rank holds
          at most `max_tokens` activation tokens wins.
 
+The search is bounded by its work (`MAX_CANDIDATES` packings simulated, `MAX_SEARCH_OPS`
+ops in them), never by the clock, so one input gives one answer on any machine; a
+deadline is only a safety limit, and an answer it cut says so.
+
 Two baselines, both as a padding framework would build them: `fixed_batches` (k samples
 per micro-batch in the data's order, padded to their longest) and `packed_sequences`
 (samples concatenated into sequences of one length, first fit, one sequence per
@@ -30,7 +34,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -59,6 +63,12 @@ class Packing:
     """The most activation tokens any rank holds at once (simulated)."""
     padding: float
     """The share of the micro-batches' tokens that are padding."""
+    ops: int = 0
+    """The ops of the simulated schedule (the search's work)."""
+    tried: int = 0
+    """How many packings the search simulated to find this one (0: not a search's)."""
+    out_of_time: bool = False
+    """Whether the search's deadline cut it before its work was done."""
 
     def lines(self) -> str:
         """The `--lengths` file: `SAMPLES LENGTH` per micro-batch."""
@@ -72,12 +82,12 @@ def evaluate(
     costs: CostModel,
     real_tokens: int,
     max_ops: int = MAX_OPS,
-    refused: list[str] | None = None,
+    refused: list[tuple[str, str]] | None = None,
 ) -> Packing | None:
     """`shapes` run by the schedule with N = their count, under the schedule's costs with
     `costs` over them: the simulated makespan and peak tokens; None when the schedule
     refuses that many micro-batches (a Chimera needs a multiple of D, say, or the op
-    limit), its reason then added to `refused`."""
+    limit), its reason (code, message) then added to `refused`."""
     try:
         compiled = api.compile_schedule(
             sched,
@@ -88,7 +98,7 @@ def evaluate(
         )
     except PipelangError as err:
         if refused is not None:
-            refused.append(f"N={len(shapes)}: {err.diagnostics[0].message}")
+            refused.append((err.diagnostics[0].code, err.diagnostics[0].message))
         return None
     program = compiled.need_program()
     timeline = compiled.timeline(costs)
@@ -96,7 +106,8 @@ def evaluate(
     reference = program.shapes.reference(program.costs.merged(costs))
     peak = max(timeline.peak_activations(r) for r in range(program.num_ranks)) * reference
     total = sum(s * n for s, n in shapes)
-    return Packing(tuple(shapes), timeline.makespan, peak, 1 - real_tokens / total)
+    ops = sum(len(actions) for actions in program.ranks)
+    return Packing(tuple(shapes), timeline.makespan, peak, 1 - real_tokens / total, ops)
 
 
 def with_reference(costs: CostModel, lengths: Sequence[int]) -> CostModel:
@@ -107,6 +118,15 @@ def with_reference(costs: CostModel, lengths: Sequence[int]) -> CostModel:
     return costs.merged(CostModel((("S", None, float(max(lengths))),)))
 
 
+MAX_CANDIDATES = 400
+"""The most packings `pack` simulates by default: the bound on its search's work, a count,
+so that one input gives one answer on any machine, however busy."""
+
+MAX_SEARCH_OPS = 400_000
+"""The most ops the packings `pack` simulates hold in all: the bound on its work where
+each simulation is big (many sequences, many stages); a count too."""
+
+
 def pack(
     lengths: Sequence[int],
     sched: str,
@@ -115,16 +135,20 @@ def pack(
     max_tokens: int,
     max_ops: int = MAX_OPS,
     deadline: float = math.inf,
+    max_candidates: int = MAX_CANDIDATES,
 ) -> Packing:
     """The best packing of `lengths` for the schedule (see the module docstring), with
     `costs` over the schedule's (`with_reference` fixes `S`); ValueError when no packing
     fits `max_tokens` (a sequence longer than it, say). Every candidate is compiled
     within `max_ops` ops (E0106 past it: the candidate is skipped). One sequence per
-    micro-batch, in the file's order and in the search's three, is tried first: the
-    packing that holds the fewest tokens at once, so the answer is never "nothing fits"
-    when something does; up to `EXACT` sequences, every packing is tried. The best is
-    then improved by moving one micro-batch at a time in the run order. The search
-    stops at `deadline` (on `time.perf_counter`) with the best found so far."""
+    micro-batch, in the file's order and in the search's three, is tried first, before
+    any deadline: the packing that holds the fewest tokens at once, so the answer is
+    never "nothing fits" when something does; up to `EXACT` sequences, every packing is
+    tried. The best is then improved by moving one micro-batch at a time in the run
+    order. The search is bounded by its work: at most `max_candidates` packings
+    simulated, holding at most `MAX_SEARCH_OPS` ops in all, so its answer does not
+    depend on the machine; `deadline` (on `time.perf_counter`) is a safety limit, and
+    an answer it cut short says so (`Packing.out_of_time`)."""
     if not lengths or min(lengths) < 1:
         raise ValueError("pack needs at least one sequence, each at least one token long")
     if len(lengths) > MAX_SEQUENCES:
@@ -136,54 +160,109 @@ def pack(
             f"a sequence of {max(lengths)} tokens does not fit --max-tokens {max_tokens}"
         )
     costs = with_reference(costs, lengths)
-    order = sorted(lengths, reverse=True)
     stages, model = _stages(sched, params, costs)
-    best: Packing | None = None
-    seen: set[tuple[Shape, ...]] = set()
-    refused: list[str] = []
+    search = _Search(lengths, sched, params, costs, max_tokens, max_ops, max_candidates)
+    alone = tuple((1, n) for n in lengths)
+    try:
+        for shapes in (alone, *_orders(alone)):  # before any deadline: what fits if anything
+            search.tried(shapes)
+        for shapes in _candidates(lengths, model, max_tokens, stages):
+            search.tried(shapes, deadline)
+        while search.best is not None and any(
+            search.tried(moved, deadline) for moved in _moves(search.best.shapes)
+        ):
+            pass  # the order matters as much as the cut: move a micro-batch while it pays
+    except _Stop as stop:
+        search.out_of_time = stop.out_of_time
+    return search.answer()
 
-    def tried(shapes: tuple[Shape, ...]) -> bool:
-        """Simulate `shapes` unless done before; whether it is the best so far."""
-        nonlocal best
-        if time.perf_counter() > deadline:
-            if best is None:
-                raise ValueError("no packing that fits was found within the time budget")
-            raise _OutOfTime
-        if shapes in seen:
+
+def _candidates(
+    lengths: Sequence[int], model: _Model, max_tokens: int, stages: int
+) -> Iterable[tuple[Shape, ...]]:
+    """The packings the search tries after one sequence per micro-batch, in order: up
+    to `EXACT` sequences every packing, above the dynamic program's cuts in three orders."""
+    order = sorted(lengths, reverse=True)
+    if len(lengths) <= EXACT:
+        return _every_packing(order)
+    return (
+        ordered
+        for token_bound in sorted({max_tokens // k for k in range(1, stages + 1)})
+        for t_max in _bounds(order, model, token_bound)
+        if (cut := _cut(order, model, t_max, token_bound, stages)) is not None
+        for ordered in _orders(cut)
+    )
+
+
+class _Search:
+    """The packings simulated so far, the best that fits, and the work done."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        sched: str,
+        params: Mapping[str, str],
+        costs: CostModel,
+        max_tokens: int,
+        max_ops: int,
+        max_candidates: int,
+    ) -> None:
+        self.lengths, self.sched, self.params, self.costs = lengths, sched, params, costs
+        self.max_tokens, self.max_ops = max_tokens, max_ops
+        self.max_candidates = max(1, max_candidates)
+        self.best: Packing | None = None
+        self.seen: set[tuple[Shape, ...]] = set()
+        self.refused: list[tuple[int, str, str]] = []
+        """(N, code, message) of each packing the schedule refused."""
+        self.ops = 0
+        self.out_of_time = False
+
+    def tried(self, shapes: tuple[Shape, ...], deadline: float = math.inf) -> bool:
+        """Simulate `shapes` unless done before; whether it is the best so far. _Stop when
+        the work is done or `deadline` has passed."""
+        if shapes in self.seen:
             return False
-        seen.add(shapes)
-        found = evaluate(sched, params, shapes, costs, sum(lengths), max_ops, refused)
-        if _better(found, best, max_tokens):
-            best = found
+        if len(self.seen) >= self.max_candidates or self.ops >= MAX_SEARCH_OPS:
+            raise _Stop(out_of_time=False)
+        if time.perf_counter() > deadline:
+            raise _Stop(out_of_time=True)
+        self.seen.add(shapes)
+        refused: list[tuple[str, str]] = []
+        found = evaluate(
+            self.sched, self.params, shapes, self.costs, sum(self.lengths), self.max_ops, refused
+        )
+        if found is None:
+            self.refused.append((len(shapes), *refused[0]))
+            return False
+        self.ops += found.ops
+        if found.makespan == 0:
+            raise ValueError(
+                "every packing takes no time: the schedule's F, B and W cost 0 "
+                "(give them times, --cost F=1,B=2)"
+            )
+        if _better(found, self.best, self.max_tokens):
+            self.best = found
             return True
         return False
 
-    alone = tuple((1, n) for n in lengths)
-    if len(lengths) <= EXACT:
-        candidates: Iterable[tuple[Shape, ...]] = _every_packing(order)
-    else:
-        candidates = itertools.chain(
-            [alone, *_orders(alone)],
-            (
-                ordered
-                for token_bound in sorted({max_tokens // k for k in range(1, stages + 1)})
-                for t_max in _bounds(order, model, token_bound)
-                if (cut := _cut(order, model, t_max, token_bound, stages)) is not None
-                for ordered in _orders(cut)
-            ),
-        )
-    try:
-        for shapes in candidates:
-            tried(shapes)
-        while best is not None and any(tried(moved) for moved in _moves(best.shapes)):
-            pass  # the order matters as much as the cut: move a micro-batch while it pays
-    except _OutOfTime:
-        pass
-    if best is None and len(refused) == len(seen):
-        raise ValueError(f"the schedule refuses every packing tried: {refused[0]}")
-    if best is None:
-        raise ValueError(f"no packing keeps every rank within --max-tokens {max_tokens}")
-    return best
+    def answer(self) -> Packing:
+        """The best packing found, with the work done; ValueError naming why none fits."""
+        if self.best is not None:
+            return replace(self.best, tried=len(self.seen), out_of_time=self.out_of_time)
+        over_ops = [(n, message) for n, code, message in self.refused if code == "E0106"]
+        if len(self.refused) == len(self.seen):
+            n, code, message = self.refused[0]
+            hint = " (raise --max-ops)" if code == "E0106" else ""
+            raise ValueError(f"the schedule refuses every packing tried: N={n}: {message}{hint}")
+        cut = " before the time budget ran out" if self.out_of_time else ""
+        if over_ops:
+            n, message = over_ops[0]
+            raise ValueError(
+                f"no packing within the op limit keeps every rank within --max-tokens "
+                f"{self.max_tokens}{cut}; those of more micro-batches, which hold fewer "
+                f"tokens at once, are over it (N={n}: {message}; raise --max-ops)"
+            )
+        raise ValueError(f"no packing keeps every rank within --max-tokens {self.max_tokens}{cut}")
 
 
 EXACT = 5
@@ -191,8 +270,13 @@ EXACT = 5
 of the lengths sorted longest first, in every order (261 simulations at 5)."""
 
 
-class _OutOfTime(Exception):
-    """The search's deadline passed; the best packing so far is the answer."""
+class _Stop(Exception):
+    """The search's work is done (`MAX_CANDIDATES`), or its deadline passed
+    (`out_of_time`): the best packing so far is the answer."""
+
+    def __init__(self, out_of_time: bool) -> None:
+        super().__init__()
+        self.out_of_time = out_of_time
 
 
 def _every_packing(order: Sequence[int]) -> Iterator[tuple[Shape, ...]]:
@@ -250,18 +334,18 @@ def best_of(
     candidates: Sequence[tuple[Shape, ...]],
     max_ops: int = MAX_OPS,
     deadline: float = math.inf,
-) -> Packing | None:
+) -> tuple[Packing | None, bool]:
     """The fastest of `candidates` (packings of `lengths`) that keeps every rank within
-    `max_tokens`; None if none does, or none was tried before `deadline`."""
+    `max_tokens` (None if none does), and whether `deadline` cut the candidates short."""
     costs = with_reference(costs, lengths)
     best = None
     for shapes in candidates:
         if time.perf_counter() > deadline:
-            break
+            return best, True
         found = evaluate(sched, params, shapes, costs, sum(lengths), max_ops)
         if _better(found, best, max_tokens):
             best = found
-    return best
+    return best, False
 
 
 def _better(found: Packing | None, best: Packing | None, max_tokens: int) -> bool:
