@@ -3,7 +3,12 @@
 
 The model is built as `pipelang run` builds it, one micro-batch is pushed through the
 layers once to get every layer's input, then each layer is timed on its own input,
-`repeats` times after `warmup` runs, and the median is kept. The whole backward is one
+`repeats` runs at a time after `warmup` runs, until the runs are steady (the middle half
+of them within `STEADY` of their median, or `STEADY_MS`) or `max_repeats` runs are
+timed, and the median is kept, with the middle half's range as the layer's spread
+(`LayerCost.spread_ms`). A busy machine (other processes, threads shared) shows as
+unsteady runs, or as identical layers measured far apart, which `pipelang profile`
+warns of (`Profile.disagreements`). The whole backward is one
 `torch.autograd.grad` with respect to the input and the weights; split as the runtime
 splits it, the input gradient is taken first keeping the graph, then the weight gradient
 on that graph (the two cost more than the one pass). The last layer's forward and
@@ -18,7 +23,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -45,6 +49,19 @@ class ProfileOptions:
     repeats: int = 5
     warmup: int = 2
     seed: int = 0
+    max_repeats: int = 0
+    """The most timed runs of one measurement while its runs are unsteady (0: 4 x
+    `repeats`)."""
+
+    @property
+    def most_runs(self) -> int:
+        return max(self.repeats, self.max_repeats or 4 * self.repeats)
+
+
+STEADY = 0.1
+"""Runs are steady when the middle half of them lies within this share of their median..."""
+STEADY_MS = 0.02
+"""... or within this many milliseconds (the timer's jitter on a layer this quick)."""
 
 
 def measure(
@@ -165,8 +182,8 @@ def _measure_layer(
         x = x_in.detach().requires_grad_(differentiable)
         return x, run(x)
 
-    forward = _median_ms(fresh, options, device)
-    (full,) = _backward_ms(fresh, options, device, lambda x, y, grad: [_whole(x, y, grad, params)])
+    (forward,) = _timed(options, device, lambda: [fresh], warmups=options.warmup)
+    (full,) = _backward(fresh, options, device, lambda x, y, grad: [_whole(x, y, grad, params)])
     stashes: list[Stash] = []
 
     def recorded() -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +192,7 @@ def _measure_layer(
             return fresh()
 
     # As the runtime splits it (`weight_split`): B, then W from what B kept.
-    input_grad, weight_grad = _backward_ms(
+    input_grad, weight_grad = _backward(
         recorded,
         options,
         device,
@@ -185,57 +202,92 @@ def _measure_layer(
         out = layer(x_in.detach())
     saved, kept_for_w = saved_bytes(fresh, layer, params)
     sgd_step, adam_step = (_step_ms(params, kind, options, device) for kind in ("sgd", "adam"))
+    low, high = (forward.quartiles[i] + full.quartiles[i] for i in (0, 1))
     return LayerCost(
         name=name,
-        forward_ms=round(forward, 6),
-        backward_input_ms=round(input_grad, 6),
-        backward_weight_ms=round(weight_grad, 6),
-        backward_ms=round(full, 6),
+        forward_ms=round(forward.median, 6),
+        backward_input_ms=round(input_grad.median, 6),
+        backward_weight_ms=round(weight_grad.median, 6),
+        backward_ms=round(full.median, 6),
         activation_bytes=float(saved),
         w_activation_bytes=float(kept_for_w),
         weight_bytes=float(sum(p.numel() * p.element_size() for p in layer.parameters())),
         output_bytes=float(out.numel() * out.element_size()),
         sgd_step_ms=round(sgd_step, 6),
         adam_step_ms=round(adam_step, 6),
+        spread_ms=(round(low, 6), round(high, 6)),
+        runs=max(len(forward.runs), len(full.runs)),
     )
 
 
-def _median_ms(action: Callable[[], Any], options: ProfileOptions, device: torch.device) -> float:
-    """The median time of `action`, in ms, over `options.repeats` runs after the warm-up."""
-    samples = []
-    for i in range(options.warmup + options.repeats):
-        _sync(device)
-        start = time.perf_counter()
-        action()
-        _sync(device)
-        if i >= options.warmup:
-            samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """The times of one measurement's timed runs, in ms."""
+
+    runs: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def quartiles(self) -> tuple[float, float]:
+        """The range of the middle half of the runs (the spread)."""
+        if len(self.runs) < 2:
+            return self.runs[0], self.runs[0]
+        low, _, high = statistics.quantiles(self.runs, n=4, method="inclusive")
+        return low, high
+
+    @property
+    def steady(self) -> bool:
+        low, high = self.quartiles
+        return high - low <= max(STEADY * self.median, STEADY_MS)
 
 
-def _backward_ms(
+def _timed(
+    options: ProfileOptions,
+    device: torch.device,
+    passes: Callable[[], Sequence[Callable[[], object]]],
+    warmups: int = 0,
+) -> list[Runs]:
+    """Each of the actions `passes()` gives, run one after the other and timed, over
+    `warmups` untimed rounds and then `options.repeats` runs at a time until every
+    action's runs are steady or `options.most_runs` are timed."""
+    for _ in range(warmups):
+        for action in passes():
+            action()
+            _sync(device)
+    samples: list[list[float]] = []
+    while True:
+        for _ in range(options.repeats):
+            actions = passes()
+            samples = samples or [[] for _ in actions]
+            for index, action in enumerate(actions):
+                _sync(device)
+                start = time.perf_counter()
+                action()
+                _sync(device)
+                samples[index].append((time.perf_counter() - start) * 1e3)
+        found = [Runs(tuple(s)) for s in samples]
+        if all(r.steady for r in found) or len(samples[0]) >= options.most_runs:
+            return found
+
+
+def _backward(
     fresh: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     options: ProfileOptions,
     device: torch.device,
     passes: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], list[Callable[[], object]]],
-) -> list[float]:
-    """Median times of backward passes run one after the other on one graph (`fresh`
-    makes it; `passes(x, y, grad)` gives them)."""
+) -> list[Runs]:
+    """The runs of backward passes run one after the other on one graph (`fresh` makes
+    it; `passes(x, y, grad)` gives them)."""
 
-    samples: list[list[float]] = []
-    for i in range(options.warmup + options.repeats):
+    def graph() -> list[Callable[[], object]]:
         x, y = fresh()
         grad = torch.ones_like(y) if y.dim() == 0 else torch.randn_like(y)
-        actions = passes(x, y, grad)
-        samples = samples or [[] for _ in actions]
-        for index, action in enumerate(actions):
-            _sync(device)
-            start = time.perf_counter()
-            action()
-            _sync(device)
-            if i >= options.warmup:
-                samples[index].append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(s) for s in samples]
+        return passes(x, y, grad)
+
+    return _timed(options, device, graph, warmups=options.warmup)
 
 
 def _whole(
@@ -299,18 +351,18 @@ def _step_ms(
         return 0.0
     grads = [torch.randn_like(p) for p in params]
     step = SGD(params, 1e-6, SGD_MOMENTUM) if optimizer == "sgd" else Adam(params, 1e-6)
-    samples = []
-    for i in range(options.warmup + options.repeats):
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad.clone()  # the runtime's step finds new gradients each time
-        _sync(device)
-        start = time.perf_counter()
+
+    def update() -> None:
         step.step()
         step.zero_grad()
-        _sync(device)
-        if i >= options.warmup:
-            samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+
+    def passes() -> list[Callable[[], object]]:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()  # the runtime's step finds new gradients each time
+        return [update]
+
+    (runs,) = _timed(options, device, passes, warmups=options.warmup)
+    return runs.median
 
 
 def saved_bytes(

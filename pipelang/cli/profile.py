@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from pipelang.cli.args import add_model_arguments, at_least_zero, path, positive, write_output
+from pipelang.diagnostics import clip
 from pipelang.progress import console, work_progress
+from pipelang.source import one_line
+
+if TYPE_CHECKING:
+    from pipelang.planner.profile import LayerCost, Profile
 
 HELP = "measure a model's per-layer times and memory into a profile JSON"
 
@@ -22,7 +28,20 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="CPU threads (default torch's; match the threads one rank of a run gets)",
     )
-    parser.add_argument("--repeats", type=positive, default=5, help="timed runs per layer")
+    parser.add_argument(
+        "--repeats",
+        type=positive,
+        default=5,
+        help="timed runs per layer at a time (default 5): more follow while the runs are "
+        "unsteady (their middle half wider than 10%% of the median), up to --max-repeats",
+    )
+    parser.add_argument(
+        "--max-repeats",
+        type=positive,
+        metavar="K",
+        help="the most timed runs of one measurement while they are unsteady (default 4 x "
+        "--repeats)",
+    )
     parser.add_argument(
         "--warmup", type=at_least_zero, default=2, help="untimed runs first (default 2)"
     )
@@ -63,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         seed=args.seed,
+        max_repeats=args.max_repeats or 0,
     )
     err = console(stderr=True)
     try:
@@ -87,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {len(profile.layers)} layers of {profile.model} on {profile.device}, "
         f"{total:.3f} ms forward + backward per micro-batch"
     )
+    print(_spread(profile))
+    for disagreement in profile.disagreements():
+        err.print(f"warning: {disagreement}", markup=False)
     if profile.runtime is not None:
         print(profile.runtime.described())
         unsteady = [
@@ -102,3 +125,28 @@ def run(args: argparse.Namespace) -> int:
                 markup=False,
             )
     return 0
+
+
+def _spread(profile: Profile) -> str:
+    """How steady the layers' measurements were, in one line: the runs each took and the
+    widest spread (the middle half of a layer's runs, against its median)."""
+    runs = [c.runs or 0 for c in profile.layers]
+    widest = max(
+        range(len(profile.layers)),
+        key=lambda i: _relative(profile.layers[i]),
+    )
+    layer = profile.layers[widest]
+    low, high = layer.spread_ms or (layer.time_ms, layer.time_ms)
+    counts = f"{min(runs)}" if min(runs) == max(runs) else f"{min(runs)}-{max(runs)}"
+    name = one_line(layer.name).replace("`", "'")
+    return clip(
+        f"spread: {counts} timed runs per measurement; the widest, layer {widest} "
+        f"(`{name}`): the middle half of its runs {low:.3g}-{high:.3g} ms "
+        f"around {layer.time_ms:.3g} ms forward + backward ({_relative(layer):.0%}); every "
+        "layer's in the profile (`spread_ms`)"
+    )
+
+
+def _relative(layer: LayerCost) -> float:
+    low, high = layer.spread_ms or (layer.time_ms, layer.time_ms)
+    return (high - low) / layer.time_ms if layer.time_ms > 0 else 0.0

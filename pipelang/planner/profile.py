@@ -17,17 +17,21 @@ it imports no torch.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipelang.diagnostics import clip, fail
 from pipelang.planner.units import MAX_BYTES
 from pipelang.readers import ReadError, file_error, number, read_json, read_source
+from pipelang.source import one_line
 
 FORMAT = "pipelang-profile/1"
 MAX_LAYERS = 1024
 """The most layers a profile lists (checked before the planner's work, which grows with
 the square of the layers)."""
+MAX_TEXT = 1000
+"""The most characters of a profile's name or label (its model, device, a layer's name)."""
 MAX_MS = 1e9
 """The longest time a profile gives one layer or runtime cost, in milliseconds (11 days):
 sums over every op of a plan stay far inside the simulator's 10^15."""
@@ -65,6 +69,12 @@ class LayerCost:
     """Of `activation_bytes`, what a split backward keeps after B for W (each weighted
     op's saved input and its output gradient, backends/weight_split.py); None in an
     older or hand-written profile (then `ir.MW_SHARE` of the activations)."""
+    spread_ms: tuple[float, float] | None = None
+    """The range of the middle half of the timed runs of forward + whole backward (the
+    sum of each one's quartiles): how steady the measurement was; None in an older or
+    hand-written profile (then the medians alone are compared)."""
+    runs: int | None = None
+    """How many timed runs the measurement took (more while they were unsteady)."""
 
     def step_ms(self, optimizer: str) -> float:
         """The optimizer step's time for `optimizer` (`sgd` or `adam`); 0 if unmeasured."""
@@ -76,6 +86,39 @@ class LayerCost:
         if self.backward_ms is not None:
             return self.backward_ms
         return self.backward_input_ms + self.backward_weight_ms
+
+    @property
+    def time_ms(self) -> float:
+        """Forward + whole backward: what identical layers should agree on."""
+        return self.forward_ms + self.full_backward_ms
+
+    @property
+    def structure(self) -> tuple[object, ...]:
+        """What identical layers (a transformer's blocks) share: their name and bytes."""
+        return (
+            self.name,
+            self.activation_bytes,
+            self.weight_bytes,
+            self.output_bytes,
+            self.w_activation_bytes,
+        )
+
+    @property
+    def unsteady(self) -> bool:
+        """Whether the middle half of its runs spans more than UNSTEADY times over (and
+        more than 0.05 ms: the timer's jitter on a quick layer)."""
+        if self.spread_ms is None:
+            return False
+        low, high = self.spread_ms
+        return high > UNSTEADY * low and high - low > 0.05
+
+    def apart_from(self, other: LayerCost) -> bool:
+        """Whether this layer's time and `other`'s are more than DISAGREE apart and
+        beyond both measurements' spreads (their middle halves do not meet)."""
+        slow, fast = (self, other) if self.time_ms >= other.time_ms else (other, self)
+        if slow.time_ms <= DISAGREE * fast.time_ms:
+            return False
+        return (slow.spread_ms or (slow.time_ms,))[0] > (fast.spread_ms or (0, fast.time_ms))[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +152,33 @@ class Profile:
             del doc["runtime"]
         return json.dumps(doc, indent=1)
 
+    def disagreements(self) -> list[str]:
+        """What says this profile was measured on a busy machine, in words naming the
+        layers: per kind of identical layers (`LayerCost.structure`), those whose time is
+        apart from the kind's median layer's (`LayerCost.apart_from`); and layers whose
+        runs stayed unsteady (`LayerCost.unsteady`)."""
+        unsteady = [i for i, layer in enumerate(self.layers) if layer.unsteady]
+        found = [_unsteady(self.layers, unsteady)] if unsteady else []
+        kinds: dict[tuple[object, ...], list[int]] = {}
+        for index, layer in enumerate(self.layers):
+            kinds.setdefault(layer.structure, []).append(index)
+        for indices in kinds.values():
+            if len(indices) < 2:
+                continue
+            ranked = sorted(indices, key=lambda i: self.layers[i].time_ms)
+            middle = self.layers[ranked[(len(ranked) - 1) // 2]]
+            apart = [i for i in indices if self.layers[i].apart_from(middle)]
+            if apart:
+                found.append(_disagreement(self.layers, indices, apart, middle))
+        return found
+
     def notes(self) -> list[str]:
-        """What this profile lacks that the cost model would use (each counted as 0)."""
-        notes = []
+        """What this profile lacks that the cost model would use (each counted as 0), and
+        identical layers it measured far apart (`disagreements`)."""
+        notes = [
+            f"{text}; the plan divides the layers by these times, so it may be lopsided"
+            for text in self.disagreements()
+        ]
         if any(c.sgd_step_ms is None or c.adam_step_ms is None for c in self.layers):
             notes.append(
                 "the profile has no optimizer step times (`sgd_step_ms`, `adam_step_ms`): "
@@ -174,6 +241,74 @@ class RuntimeCosts:
         )
 
 
+DISAGREE = 1.5
+"""Identical layers whose times are further apart than this factor (and beyond their
+spreads) disagree: a quiet machine measures a model's blocks within 10-20%."""
+
+
+def _disagreement(
+    layers: tuple[LayerCost, ...], indices: list[int], apart: list[int], middle: LayerCost
+) -> str:
+    """One kind of identical layers measured apart, in words (`disagreements`)."""
+
+    def timed(layer: LayerCost) -> str:
+        low, high = layer.spread_ms or (layer.time_ms, layer.time_ms)
+        spread = f" (middle half {low:.3g}-{high:.3g})" if low != high else ""
+        return f"{layer.time_ms:.3g} ms{spread}"
+
+    rest = [i for i in indices if i not in apart]
+    slowest = max(apart, key=lambda i: layers[i].time_ms)
+    fastest = min(apart, key=lambda i: layers[i].time_ms)
+    shown = [timed(layers[i]) for i in dict.fromkeys((fastest, slowest))]
+    name = one_line(middle.name).replace("`", "'")
+    return clip(
+        f"identical layers (`{name}`) disagree beyond their spread: "
+        f"{_numbered(apart)} took {' to '.join(shown)} forward + backward, where "
+        f"{_numbered(rest)} took {timed(middle)} (median); {BUSY}"
+    )
+
+
+UNSTEADY = 2.0
+"""A layer whose middle half of runs spans more than this factor was measured unsteadily."""
+
+BUSY = (
+    "the machine was busy: profile again on a quiet machine, with --threads as a rank of "
+    "the run gets"
+)
+
+
+def _unsteady(layers: tuple[LayerCost, ...], indices: list[int]) -> str:
+    """Layers whose runs stayed unsteady, in words (`disagreements`)."""
+    worst = max(indices, key=lambda i: _span(layers[i]))
+    layer = layers[worst]
+    low, high = layer.spread_ms or (0.0, 0.0)
+    name = one_line(layer.name).replace("`", "'")
+    runs = f" after {layer.runs} runs" if layer.runs else ""
+    return clip(
+        f"the runs of {_numbered(indices)} stayed unsteady{runs}: the middle half of a "
+        f"layer's runs spans up to {_span(layer):.3g}x (layer {worst}, `{name}`: "
+        f"{low:.3g}-{high:.3g} ms forward + backward); {BUSY}"
+    )
+
+
+def _span(layer: LayerCost) -> float:
+    low, high = layer.spread_ms or (1.0, 1.0)
+    return high / low if low > 0 else math.inf
+
+
+def _numbered(indices: list[int]) -> str:
+    """`layer 4` or `layers 1-3, 5` (at most 8 ranges named)."""
+    ranges: list[list[int]] = []
+    for i in indices:
+        if ranges and ranges[-1][1] == i - 1:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    words = [str(a) if a == b else f"{a}-{b}" for a, b in ranges[:8]]
+    more = f" and {len(ranges) - 8} more" if len(ranges) > 8 else ""
+    return f"layer{'s' * (len(indices) > 1)} {', '.join(words)}{more}"
+
+
 def load_profile(path: Path) -> Profile:
     """Read and check a profile JSON file; every problem is E0401."""
     source = read_source(path, "E0401")
@@ -202,17 +337,17 @@ def profile_from_dict(doc: object, where: str = "the profile") -> Profile:
     if not sum(c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in costs) > 0:
         raise fail("E0401", f"`{where}`: every layer takes 0 ms; a plan needs some time to divide")
     return Profile(
-        model=str(doc.get("model", "?")),
-        device=str(doc.get("device", "?")),
-        dtype=str(doc.get("dtype", "float32")),
+        model=_text(doc.get("model", "?"), where, "model"),
+        device=_text(doc.get("device", "?"), where, "device"),
+        dtype=_text(doc.get("dtype", "float32"), where, "dtype"),
         micro_batch_size=_whole(doc.get("micro_batch_size", 0), where, "micro_batch_size"),
         seq_len=_whole(doc.get("seq_len", 0), where, "seq_len"),
         layers=costs,
-        torch=str(doc.get("torch", "")),
+        torch=_text(doc.get("torch", ""), where, "torch"),
         threads=_whole(doc.get("threads", 0), where, "threads"),
         repeats=_whole(doc.get("repeats", 0), where, "repeats"),
         runtime=_runtime(doc.get("runtime"), where),
-        device_name=str(doc.get("device_name", "")),
+        device_name=_text(doc.get("device_name", ""), where, "device_name"),
     )
 
 
@@ -248,7 +383,7 @@ def _runtime(entry: object, where: str) -> RuntimeCosts | None:
             raise fail("E0401", f"{what} must be [least, most]")
         spread[str(key)] = (_number(pair[0], what, MAX_BYTES), _number(pair[1], what, MAX_BYTES))
     return RuntimeCosts(
-        backend=str(entry.get("backend", "?")),
+        backend=_text(entry.get("backend", "?"), where, "runtime.backend"),
         ranks=_whole(entry.get("ranks", 0), where, "runtime.ranks"),
         compute_scale=scale,
         rounds=max(1, _whole(entry.get("rounds", 1), where, "runtime.rounds")),
@@ -260,16 +395,47 @@ def _runtime(entry: object, where: str) -> RuntimeCosts | None:
 def _number(value: object, what: str, most: float = MAX_MS) -> float:
     """`value` as a number from 0 to `most`, else E0401 naming `what`."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise fail("E0401", f"{what} must be a number, not {clip(repr(value))}")
+        raise fail("E0401", f"{what} must be a number, not {_shown(value)}")
     try:
         return number(float(value), what, 0, most)
     except ReadError as err:
         raise fail("E0401", str(err)) from None
 
 
+def _shown(value: object) -> str:
+    """A JSON value as a message shows it: its repr, past 60 characters cut."""
+    text = one_line(repr(value))
+    return text if len(text) <= 60 else f"{text[:45]}... ({len(text):,} characters)"
+
+
+def _spread(value: object, what: str) -> tuple[float, float] | None:
+    """A layer's `spread_ms`, [least, most] (None when absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise fail("E0401", f"{what} must be [least, most] in ms")
+    low, high = (_number(v, what) for v in value)
+    if low > high:
+        raise fail("E0401", f"{what} must be [least, most], not [{low:g}, {high:g}]")
+    return low, high
+
+
+def _text(value: object, where: str, key: str) -> str:
+    """A name or label of the profile (its model, device, a layer's name) as text, at
+    most MAX_TEXT characters: what a plan's header and the messages repeat."""
+    text = str(value)
+    if len(text) > MAX_TEXT:
+        raise fail(
+            "E0401",
+            f"`{where}`: `{key}` is {len(text):,} characters long; a profile's names are at "
+            f"most {MAX_TEXT:,}",
+        )
+    return text
+
+
 def _whole(value: object, where: str, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise fail("E0401", f"`{where}`: `{key}` must be a whole number, not {value!r}")
+        raise fail("E0401", f"`{where}`: `{key}` must be a whole number, not {_shown(value)}")
     return value
 
 
@@ -293,7 +459,11 @@ def _layer(entry: object, index: int, where: str) -> LayerCost:
         most = MAX_MS if key.endswith("_ms") else MAX_BYTES
         optional[key] = None if value is None else _number(value, what, most)
     return LayerCost(
-        name=str(entry.get("name", f"layer{index}")),
+        name=_text(entry.get("name", f"layer{index}"), where, f"layers[{index}].name"),
+        spread_ms=_spread(entry.get("spread_ms"), f"`{where}`: layer {index} `spread_ms`"),
+        runs=None
+        if entry.get("runs") is None
+        else _whole(entry["runs"], where, f"layers[{index}].runs"),
         backward_ms=optional["backward_ms"],
         sgd_step_ms=optional["sgd_step_ms"],
         adam_step_ms=optional["adam_step_ms"],

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from pipelang import __version__, api
+from pipelang.diagnostics import QUOTED
 from pipelang.planner.costs import stage_w_shares
 from pipelang.planner.plans import Plan
 from pipelang.planner.profile import Profile
@@ -91,13 +92,14 @@ def _header(
     profile = inputs.profile
     names = inputs.topology.names
     peak, rank = plan.peak()
-    devices = ", ".join(f"rank {r} -> {names[d]}" for r, d in enumerate(plan.devices))
+    devices = _devices([names[d] for d in plan.devices])
     lines = [
         f"{HEADER.removeprefix('# ')} (pipelang {__version__}): {plan.candidate.label}",
-        f"  profile {profile_name}: {profile.model} on {profile.device}, {profile.dtype}, "
-        f"micro-batches of {profile.micro_batch_size} x {profile.seq_len} tokens",
-        f"  assumes {_assumed(profile)}",
-        f"  topology {topology_name}: {len(names)} devices",
+        f"  profile {named(profile_name)}: {named(profile.model)} on {named(profile.device)}, "
+        f"{named(profile.dtype)}, micro-batches of {profile.micro_batch_size} x "
+        f"{profile.seq_len} tokens",
+        f"  assumes {named(_assumed(profile), 2 * NAMED)}",
+        f"  topology {named(topology_name)}: {len(names)} devices",
         f"  predicted iteration {plan.time_ms:.3f} ms, bubble ratio {plan.bubble_ratio:.3f}, "
         f"peak memory {format_bytes(peak)} (rank {rank})",
         f"  devices: {devices}",
@@ -106,6 +108,41 @@ def _header(
         "",
     ]
     return "".join(f"# {one_line(line)}".rstrip() + "\n" for line in lines)
+
+
+NAMED = 200
+"""The most characters of one name from the inputs (a profile's model, a device) that the
+header writes; a longer one is cut in the middle, saying how long it was, so that no
+input makes the plan longer than the 1 MiB `check` reads (with the devices' line,
+`DEVICES_LINE`, and a profile's at most 1,024 stages of cost lines, far inside it)."""
+
+
+def named(text: str, most: int = NAMED) -> str:
+    """`text` from a user's input as the header writes it: on one line (`one_line`), and
+    past `most` characters cut in the middle, saying how long it was."""
+    text = one_line(text)
+    if len(text) <= most:
+        return text
+    keep = most // 2
+    return f"{text[:keep]}...{text[-keep // 2 :]} ({len(text):,} characters)"
+
+
+DEVICES_LINE = 20_000
+"""The most characters of the header's line of each rank's device; the rest are counted."""
+
+
+def _devices(names: list[str]) -> str:
+    """Each rank's device, by name (`named`, at most `QUOTED` characters each), as many
+    as DEVICES_LINE characters hold, then how many more ranks there are."""
+    shown: list[str] = []
+    length = 0
+    for rank, name in enumerate(names):
+        item = f"rank {rank} -> {named(name, QUOTED)}"
+        length += len(item) + 2
+        if length > DEVICES_LINE:
+            return ", ".join(shown) + f", ... and {len(names) - rank:,} more ranks"
+        shown.append(item)
+    return ", ".join(shown)
 
 
 def _transfers(transfers: list[float | None]) -> list[str]:
