@@ -12,7 +12,7 @@ from lark.tree import Meta
 from pipelang import ast
 from pipelang.diagnostics import fail
 from pipelang.evaluate import MAX_DIGITS
-from pipelang.ir import cost_problem
+from pipelang.ir import cost_name_problem, cost_problem
 from pipelang.source import SourceFile, Span
 
 
@@ -73,6 +73,9 @@ class AstBuilder(Transformer[Token, Any]):
         return ast.Cost(span, items)
 
     def _cost_item(self, span: Span, kind: Token, stage: Any, value: Token) -> ast.CostItem:
+        problem = cost_name_problem(str(kind))
+        if problem is not None:
+            raise fail("E0209", problem, self._tok(kind))
         problem = cost_problem(str(kind), float(value))
         if problem is not None:
             raise fail("E0209", f"cost {problem}", self._tok(value))

@@ -52,7 +52,6 @@ _TOKEN_TEXT = {
     "NUMBER": "a number",
     "STRING": "a string",
     "OPNAME": "an op (F, B, W, R, P)",
-    "COSTNAME": "a cost name (F, B, W, R, P, C, FB, E, L, A, S, O, KV, MW)",
     "TYPE": "a type (int, bool)",
     "COMPARE": "a comparison",
     "ADD_OP": "`+` or `-`",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pipelang.compiler import Compilation
 from pipelang.diagnostics import PipelangError, clip, fail
 from pipelang.evaluate import MAX_DIGITS
-from pipelang.ir import COST_KINDS, Action, CostModel, cost_problem
+from pipelang.ir import Action, CostModel, cost_name_problem, cost_problem
 from pipelang.sim.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -130,8 +130,9 @@ def cost_model(costs: Costs | None, stages: int | None = None) -> CostModel | No
         raise fail("E0209", f"costs are a mapping such as {{'F': 1, 'B': 2}}, not {_shown(costs)}")
     entries: list[tuple[str, int | None, float]] = []
     for kind, value in costs.items():
-        if kind not in COST_KINDS:
-            raise fail("E0209", f"no cost {_shown(kind)}; costs are {', '.join(COST_KINDS)}")
+        problem = cost_name_problem(kind)
+        if problem is not None:
+            raise fail("E0209", problem)
         if _listed(value):
             times = list(value)  # type: ignore[arg-type]
             _check_length(kind, len(times), stages)

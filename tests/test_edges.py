@@ -226,6 +226,20 @@ def test_every_cost_name_is_read_by_the_file_the_command_line_and_the_api(
     assert problem in err and problem in err_cli and problem in str(api_error.value)
 
 
+def test_an_unknown_cost_name_is_refused_with_the_same_words_everywhere(tmp_path: Path) -> None:
+    """The grammar takes any name in a `cost` line and `ir.cost_name_problem` judges it,
+    as it judges the API's keys: one list of names, one message, at the name."""
+    path = tmp_path / "s.pipe"
+    path.write_text(GOOD.replace("{\n", "{\n    cost Q = 1\n", 1))
+    status, _, err = run_in_process(["check", str(path)])
+    with pytest.raises(pipelang.PipelangError) as api_error:
+        pipelang.load("1f1b").simulate({"Q": 1})
+    problem = pipelang.ir.cost_name_problem("Q")
+    assert problem == "no cost `Q`; costs are " + ", ".join(pipelang.ir.COST_KINDS)
+    assert status == 1 and f"error[E0209]: {problem}" in err and ":2:10" in err, err
+    assert problem in str(api_error.value)
+
+
 # ---- a user's model that exits or raises ----------------------------------------------------
 
 

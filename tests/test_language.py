@@ -876,7 +876,7 @@ def test_ops_and_cost_lines(tmp_path: Path) -> None:
         ("ops F, B, F", "E0309"),
         ("ops F, B\n    ops F, B", "E0207"),
         ("ops F, B, X", "E0001"),
-        ("cost X = 1", "E0001"),
+        ("cost X = 1", "E0209"),
         ("cost F = -1", "E0001"),
         ("cost F = " + "9" * 400, "E0209"),
     ],

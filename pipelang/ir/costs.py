@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from pipelang.diagnostics import quote
 from pipelang.ir import deps
 from pipelang.ir.action import STASH_KINDS, Action, Kind
 from pipelang.source import Span
@@ -128,7 +129,16 @@ MAX_TIME = 1e15
 COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "A", "S", "O", "KV", "MW")
 """Every cost entry's name: the times of op kinds, a transfer (`C`), an overlapped pair
 (`FB`), an eviction's trips (`E`, `L`), and the shares and sizes `A`, `S`, `O`, `KV`,
-`MW` (the grammar's `COSTNAME` spells the same list)."""
+`MW`. The one list: a `cost` line's names, `--cost` and the API's costs are checked
+against it (`cost_name_problem`)."""
+
+
+def cost_name_problem(name: object) -> str | None:
+    """What is wrong with `name` as a cost entry's name, None when nothing."""
+    if name in COST_KINDS:
+        return None
+    shown = quote(name if isinstance(name, str) else repr(name))
+    return f"no cost {shown}; costs are {', '.join(COST_KINDS)}"
 
 
 def cost_problem(kind: str, value: float) -> str | None:
