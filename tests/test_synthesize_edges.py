@@ -159,6 +159,22 @@ def test_a_hundred_ranks_and_more(tmp_path: Path) -> None:
     assert written.pipelines[0].placement == tuple((s * 7) % 120 for s in range(120))
 
 
+def test_ranks_alike_but_for_their_stage_share_a_block() -> None:
+    found = synthesize("1f1b", {"D": "20", "N": "2"}, time_limit=5)
+    assert (
+        "        if r >= 0 and r < 19 {\n            F(0, r) F(1, r) B(0, r) B(1, r)\n"
+        in found.text
+    )
+    assert "        if r == 19 {\n            F(0, 19) B(0, 19) F(1, 19) B(1, 19)\n" in found.text
+
+
+@pytest.mark.slow
+def test_the_most_ranks_are_written_in_a_file_check_reads() -> None:
+    """4,096 ranks of 2 ops (8,192): one `if` per rank was past the parser's tokens."""
+    found = synthesize("1f1b", {"D": "4096", "N": "1"}, time_limit=5)
+    assert found.makespan == 8192 and found.status == "optimal"
+
+
 def test_max_ops_is_the_limit_and_names_the_solver_s() -> None:
     status, out, err = _synthesize("1f1b", "-p", "D=4", "-p", "N=8", "--max-ops", "20")
     assert status == 1 and "error[E0605]: one_f_one_b has 64 ops to order here, more " in err
@@ -205,7 +221,7 @@ def test_after_edges_of_a_placement_are_kept_or_refused(tmp_path: Path) -> None:
     status, _, err = _synthesize(str(path), "-o", str(tmp_path / "s.pipe"))
     assert status == 0, err
     text = (tmp_path / "s.pipe").read_text()
-    assert "    F(1, 0) after B(0, 0)\n" in text and "F(0, 0) B(0, 0) F(1, 0) B(1, 0)" in text
+    assert "    F(1, 0) after B(0, 0)\n" in text and "F(0, r) B(0, r) F(1, r) B(1, r)" in text
 
 
 @pytest.mark.parametrize(

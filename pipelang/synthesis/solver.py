@@ -189,8 +189,10 @@ def _rank_bound(
         for u, delay in delays[v]:
             tail[u] = max(tail[u], delay + spans[v] + tail[v])
     best = 0
-    for rank in range(problem.num_ranks):
-        mine = [i for i in range(problem.size) if problem.ranks[i] == rank]
+    by_rank: list[list[int]] = [[] for _ in range(problem.num_ranks)]
+    for i, rank in enumerate(problem.ranks):
+        by_rank[rank].append(i)
+    for rank, mine in enumerate(by_rank):
         if mine:
             work = sum(times[i] for i in mine) - (0 if saved is None else saved.work[rank])
             best = max(best, min(head[i] for i in mine) + work + min(tail[i] for i in mine))

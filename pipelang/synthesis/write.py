@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from pipelang import ast
 from pipelang.compiler import Compilation, Options, run_passes
-from pipelang.diagnostics import InternalError
+from pipelang.diagnostics import InternalError, PipelangError, clip, fail
 from pipelang.evaluate import Value
 from pipelang.import_torch import placement_expr
 from pipelang.ir import Action, CostModel, Kind, deps
@@ -73,14 +73,59 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
         if deps.op_key(dep.later) in problem.index and deps.op_key(dep.earlier) in problem.index
     ]
     lines.append(f"    order rank {r} {{")
-    for rank, row in enumerate(orders):  # one `if` per rank, none nested in another
-        lines.append(f"        if {r} == {rank} {{")
-        texts = _steps(row)
-        for k in range(0, len(texts), OPS_PER_LINE):
-            lines.append("            " + " ".join(texts[k : k + OPS_PER_LINE]))
-        lines.append("        }")
+    _rank_blocks(lines, orders, r, 0, len(orders), 2)
     lines += ["    }", "}", ""]
     return "\n".join(lines)
+
+
+FLAT_RANKS = 8
+"""The most blocks of ranks written one after another: more are halved by `if r < m`
+first, so that a rank tests a few conditions, not one per rank, and nothing nests
+deeper than the parser takes."""
+
+
+def _rank_blocks(
+    lines: list[str], orders: Sequence[Sequence[Action]], r: str, lo: int, hi: int, depth: int
+) -> None:
+    """The order blocks of ranks `lo..hi` at `depth` levels of indentation: consecutive
+    ranks whose orders are alike but for their stage, offset from the rank by the same
+    amount, in one block (`if r >= a and r < b`, stages `r + d`)."""
+    shapes = [_shape(orders[rank], rank) for rank in range(len(orders))]
+    runs: list[tuple[int, int]] = []
+    for rank in range(lo, hi):
+        if runs and shapes[runs[-1][0]] == shapes[rank]:
+            runs[-1] = (runs[-1][0], rank + 1)
+        else:
+            runs.append((rank, rank + 1))
+    _run_blocks(lines, orders, r, runs, depth)
+
+
+def _run_blocks(
+    lines: list[str],
+    orders: Sequence[Sequence[Action]],
+    r: str,
+    runs: Sequence[tuple[int, int]],
+    depth: int,
+) -> None:
+    pad = "    " * depth
+    if len(runs) > FLAT_RANKS:
+        mid = len(runs) // 2
+        lines.append(f"{pad}if {r} < {runs[mid][0]} {{")
+        _run_blocks(lines, orders, r, runs[:mid], depth + 1)
+        lines.append(f"{pad}}} else {{")
+        _run_blocks(lines, orders, r, runs[mid:], depth + 1)
+        lines.append(f"{pad}}}")
+        return
+    for first, end in runs:
+        if end - first == 1:
+            lines.append(f"{pad}if {r} == {first} {{")
+            texts = _steps(orders[first])
+        else:
+            lines.append(f"{pad}if {r} >= {first} and {r} < {end} {{")
+            texts = _steps(orders[first], (r, first))
+        for k in range(0, len(texts), OPS_PER_LINE):
+            lines.append(f"{pad}    " + " ".join(texts[k : k + OPS_PER_LINE]))
+        lines.append(f"{pad}}}")
 
 
 def _fresh(base: str, taken: set[str]) -> str:
@@ -114,8 +159,14 @@ def _placement(
     return f"{fn}({var})"
 
 
-def _steps(row: Sequence[Action]) -> list[str]:
-    """A rank's compute ops as the order writes them, each compound as one step."""
+def _shape(row: Sequence[Action], rank: int) -> tuple[tuple[object, ...], ...]:
+    """A rank's order with each stage as its offset from the rank."""
+    return tuple((a.kind, a.mb, (a.stage or 0) - rank, a.fused) for a in row if a.kind.is_compute)
+
+
+def _steps(row: Sequence[Action], relative: tuple[str, int] | None = None) -> list[str]:
+    """A rank's compute ops as the order writes them, each compound as one step; with
+    `relative` (the rank's name and number), each stage as an offset from the rank."""
     groups: list[list[Action]] = []
     for action in row:
         if not action.kind.is_compute:
@@ -137,16 +188,22 @@ def _steps(row: Sequence[Action]) -> list[str]:
             ):
                 calls[-1] = "BW" + calls[-1][1:]
             else:
-                calls.append(_op(action))
+                calls.append(_op(action, relative))
         if len(calls) > 2:
             raise InternalError(f"a compound of {len(calls)} steps: {' & '.join(calls)}")
         steps.append(" & ".join(calls))
     return steps
 
 
-def _op(op: Action) -> str:
-    """A compute op as the order and `after` lines name it: `F(mb, stage)`."""
-    return f"{op.kind.value}({op.mb}, {op.stage})"
+def _op(op: Action, relative: tuple[str, int] | None = None) -> str:
+    """A compute op as the order and `after` lines name it: `F(mb, stage)`; with
+    `relative` (a rank's name and number), its stage as an offset from it (`r + 1`)."""
+    stage = str(op.stage)
+    if relative is not None:
+        name, rank = relative
+        offset = (op.stage or 0) - rank
+        stage = name if offset == 0 else f"{name} {'+' if offset > 0 else '-'} {abs(offset)}"
+    return f"{op.kind.value}({op.mb}, {stage})"
 
 
 def _cost_items(costs: CostModel, stages: int) -> list[str]:
@@ -181,7 +238,17 @@ def check_text(text: str) -> Compilation:
     """The written text compiled and checked, as `pipelang check` would, its functions
     with it (an error here is a bug of the writer, and shows as one)."""
     source = SourceFile.of("<synthesized>", text)
-    items = parse_text(source)
+    try:
+        items = parse_text(source)
+    except PipelangError as err:
+        if any(d.code == "E0106" for d in err.diagnostics):  # past what a .pipe may hold
+            raise fail(
+                "E0605",
+                f"the order found would be written in a file larger than a .pipe may be "
+                f"({clip(err.diagnostics[0].message)})",
+                help="synthesize for fewer ranks or micro-batches",
+            ) from None
+        raise
     schedule = next(i for i in items if isinstance(i, ast.Schedule))
     fns = {i.name: i for i in items if isinstance(i, ast.FnDecl)}
     return run_passes(ast.File(source, schedule, fns), Options(), "validate")
