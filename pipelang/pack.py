@@ -41,7 +41,7 @@ import numpy as np
 from pipelang import api
 from pipelang.diagnostics import PipelangError
 from pipelang.evaluate import MAX_OPS
-from pipelang.ir import CostModel, shape_work
+from pipelang.ir import CostModel, shape_work, stage_problem
 
 Shape = tuple[int, int]
 """(samples, length) of one micro-batch."""
@@ -139,7 +139,8 @@ def pack(
 ) -> Packing:
     """The best packing of `lengths` for the schedule (see the module docstring), with
     `costs` over the schedule's (`with_reference` fixes `S`); ValueError when no packing
-    fits `max_tokens` (a sequence longer than it, say). Every candidate is compiled
+    fits `max_tokens` (a sequence longer than it, say), or `costs` names a stage the
+    schedule does not have. Every candidate is compiled
     within `max_ops` ops (E0106 past it: the candidate is skipped). One sequence per
     micro-batch, in the file's order and in the search's three, is tried first, before
     any deadline: the packing that holds the fewest tokens at once, so the answer is
@@ -161,6 +162,10 @@ def pack(
         )
     costs = with_reference(costs, lengths)
     stages, model = _stages(sched, params, costs)
+    for kind, stage, _ in costs.entries:
+        problem = None if stage is None else stage_problem(kind, stage, stages)
+        if problem is not None:
+            raise ValueError(f"`--cost {kind}[{stage}]`: {problem}")
     search = _Search(lengths, sched, params, costs, max_tokens, max_ops, max_candidates)
     alone = tuple((1, n) for n in lengths)
     try:

@@ -154,3 +154,15 @@ def test_the_help_names_the_work_bound() -> None:
     assert status == 0
     assert f"--max-candidates packings (default {MAX_CANDIDATES})" in " ".join(text.split())
     assert "(default 60; 0: none)" in " ".join(text.split())
+
+
+def test_a_cost_for_a_stage_the_schedule_lacks_is_refused(tmp_path: Path) -> None:
+    """As simulate refuses it (exit 2): pack ran without that cost."""
+    sequences = tmp_path / "seqs.txt"
+    sequences.write_text("".join(f"{n}\n" for n in long_tail(12)))
+    args = ["pack", "1f1b", "-p", "D=2", "--sequences", str(sequences), "--max-tokens", "8192"]
+    status, _, err = run_in_process([*args, "--cost", "F=1,F[7]=3"])
+    assert status == 2
+    assert "pack: `--cost F[7]`: the schedule has no stage 7 (its stages are 0..1)" in err
+    status, _, err = run_in_process([*args, "--cost", "C[1]=3"])
+    assert status == 2 and "`--cost C[1]`: `C[1]` names no stage boundary" in err

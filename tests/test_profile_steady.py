@@ -164,3 +164,23 @@ def test_the_spread_is_read_back_and_checked() -> None:
         doc["layers"][0]["spread_ms"] = bad
         with pytest.raises(Exception, match=message.replace("[", r"\[")):
             profile_from_dict(doc)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--repeats", "999999999999", "must be 1 to 1,000, not 999,999,999,999"),
+        ("--max-repeats", "10001", "must be 1 to 10,000, not 10,001"),
+        ("--warmup", "1001", "must be 0 to 1,000, not 1,001"),
+        ("--calibrate-rounds", "101", "must be 1 to 100, not 101"),
+        ("--threads", "0", "must be 1 to 1,024, not 0"),
+    ],
+)
+def test_counts_past_what_runs_in_days_are_usage_errors(
+    option: str, value: str, message: str, tmp_path: Path
+) -> None:
+    """`--repeats 999999999999` measured for ever."""
+    status, _, err = run_in_process(
+        ["profile", "--model", "gpt:tiny", "-o", str(tmp_path / "p.json"), option, value]
+    )
+    assert status == 2 and f"argument {option}: {message}" in err, err

@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pipelang.cli.args import add_model_arguments, at_least_zero, path, positive, write_output
+from pipelang.cli.args import add_model_arguments, path, write_output
 from pipelang.diagnostics import clip
 from pipelang.progress import console, work_progress
+from pipelang.readers import ReadError, whole_number
 from pipelang.source import one_line
 
 if TYPE_CHECKING:
     from pipelang.planner.profile import LayerCost, Profile
 
 HELP = "measure a model's per-layer times and memory into a profile JSON"
+
+
+def count(least: int, most: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from `least` to `most` (a count of runs or
+    threads: past `most` the command would run for days)."""
+
+    def read(text: str) -> int:
+        try:
+            return whole_number(text.strip(), least, most)
+        except ReadError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return read
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
@@ -24,26 +39,26 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:K")
     parser.add_argument(
         "--threads",
-        type=positive,
+        type=count(1, 1024),
         metavar="K",
         help="CPU threads (default torch's; match the threads one rank of a run gets)",
     )
     parser.add_argument(
         "--repeats",
-        type=positive,
+        type=count(1, 1000),
         default=5,
         help="timed runs per layer at a time (default 5): more follow while the runs are "
         "unsteady (their middle half wider than 10%% of the median), up to --max-repeats",
     )
     parser.add_argument(
         "--max-repeats",
-        type=positive,
+        type=count(1, 10_000),
         metavar="K",
         help="the most timed runs of one measurement while they are unsteady (default 4 x "
         "--repeats)",
     )
     parser.add_argument(
-        "--warmup", type=at_least_zero, default=2, help="untimed runs first (default 2)"
+        "--warmup", type=count(0, 1000), default=2, help="untimed runs first (default 2)"
     )
     parser.add_argument(
         "--calibrate",
@@ -54,14 +69,14 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibrate-ranks",
-        type=positive,
+        type=count(1, 1024),
         default=2,
         metavar="R",
         help="ranks of the calibration run (default 2; as many as the plan will use)",
     )
     parser.add_argument(
         "--calibrate-rounds",
-        type=positive,
+        type=count(1, 100),
         default=3,
         metavar="R",
         help="calibration runs, each cost the median of theirs, their spread printed (default 3)",
