@@ -122,7 +122,7 @@ MAX_CANDIDATES = 400
 """The most packings `pack` simulates by default: the bound on its search's work, a count,
 so that one input gives one answer on any machine, however busy."""
 
-MAX_SEARCH_OPS = 400_000
+MAX_SEARCH_OPS = 300_000
 """The most ops the packings `pack` simulates hold in all: the bound on its work where
 each simulation is big (many sequences, many stages); a count too."""
 

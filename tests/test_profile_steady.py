@@ -150,6 +150,8 @@ def test_disagreement_is_beyond_the_spread_and_by_structure() -> None:
     assert not Profile("m", "cpu", "f", 1, 1, tuple(other)).disagreements()
     close = [layer("Block", 1.0), layer("Block", 1.4)]  # no spread: the medians alone
     assert not Profile("m", "cpu", "f", 1, 1, tuple(close)).disagreements()
+    (zero,) = Profile("m", "cpu", "f", 1, 1, (layer("B", 1.0, (0.0, 3.0)),)).disagreements()
+    assert "the middle half of a layer's runs spans from 0 ms (layer 0, `B`: 0-3 ms" in zero
 
 
 def test_the_spread_is_read_back_and_checked() -> None:

@@ -45,9 +45,9 @@ and packed sequences (concatenated into sequences of one length, the best of the
 longest sequence and twice it). Up to 5 sequences every packing is tried.
 
 The search is bounded by its work, not by the clock: it simulates at most
---max-candidates packings (default 400) holding at most 400,000 ops in all, so one input
-gives one answer on any machine, however busy (about 2-5 s on a 2-core VM for 256
-sequences). One sequence per micro-batch, which holds the fewest tokens at once, is
+--max-candidates packings (default 400) holding at most 300,000 ops in all, so one input
+gives one answer on any machine, however busy (about 3 s of CPU for 256 sequences on
+4 ranks). One sequence per micro-batch, which holds the fewest tokens at once, is
 simulated first, so pack never says that nothing fits when something does.
 --time-budget is only a safety limit: if it cuts the search, pack says so, and its
 answer may then differ from one on a faster or quieter machine.

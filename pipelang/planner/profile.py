@@ -286,9 +286,13 @@ def _unsteady(layers: tuple[LayerCost, ...], indices: list[int]) -> str:
     runs = f" after {layer.runs} runs" if layer.runs else ""
     return clip(
         f"the runs of {_numbered(indices)} stayed unsteady{runs}: the middle half of a "
-        f"layer's runs spans up to {_span(layer):.3g}x (layer {worst}, `{name}`: "
+        f"layer's runs spans {_factor(_span(layer))} (layer {worst}, `{name}`: "
         f"{low:.3g}-{high:.3g} ms forward + backward); {BUSY}"
     )
+
+
+def _factor(span: float) -> str:
+    return f"up to {span:.3g}x" if span < math.inf else "from 0 ms"
 
 
 def _span(layer: LayerCost) -> float:
