@@ -16,6 +16,7 @@ from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import InternalError, fail
 from pipelang.evaluate import Value, nesting_limit, op_limit
 from pipelang.ir import Action, CostModel, Kind, deps, stage_problem
+from pipelang.ir.placement import crossing, owners
 from pipelang.orders import Layout
 from pipelang.passes.expand_orders import read_after
 from pipelang.passes.layout import read_partition, read_weights, schedule_layout
@@ -256,12 +257,9 @@ def profile_costs(
             f"the topology has {topology.size} devices, and {file.schedule.name}'s placement has "
             f"{ranks} ranks",
         )
-    crossing = [
-        any(p.placement[b] != p.placement[b + 1] for p in layout.pipelines)
-        for b in range(stages - 1)
-    ]
     ops = OpCosts(profile, "sgd")
-    model = ops.cost_model(counts, Kind.W in _kinds(layout, split), crossing)
+    crosses = crossing(layout.pipelines)
+    model = ops.cost_model(counts, Kind.W in _kinds(layout, split), crosses)
     entries = [("MW", s, share) for s, share in enumerate(stage_w_shares(profile, counts))]
     if topology is not None:
         outputs = stage_outputs(profile, counts)
@@ -304,8 +302,8 @@ class Problem:
             for kind in self.kinds
         ]
         self.index = {deps.op_key(op): i for i, op in enumerate(self.ops)}
-        placements = {p.name: p.placement for p in layout.pipelines}
-        self.ranks = [placements[op.pipeline][op.stage] for op in self.ops]  # type: ignore[index]
+        owner = owners(layout.pipelines)
+        self.ranks = [owner[(op.stage, op.pipeline)] for op in self.ops]
         self.times = [costs.time(op) for op in self.ops]
         extra: dict[int, list[int]] = {}
         for dep in layout.after:
@@ -436,13 +434,15 @@ class Problem:
         for pipe in self.layout.pipelines:
             if pipe.name not in self.layout.assignment:
                 continue
-            held: dict[int, float] = {}
-            for stage, rank in enumerate(pipe.placement):
-                held[rank] = held.get(rank, 0.0) + self.sizes[stage]
+            held = {
+                rank: sum(self.sizes[s] for s in stages)
+                for (name, rank), stages in self.layout.local_stages.items()
+                if name == pipe.name
+            }
             rank = min(held, key=lambda r: (-held[r], r))
             if held[rank] > most:
                 most = held[rank]
-                stages = pipe.placement.count(rank)
+                stages = len(self.layout.local_stages[(pipe.name, rank)])
                 amount = f" ({most:,.0f} bytes)" if self.stage_bytes is not None else ""
                 why = (
                     f"rank {rank} holds {stages} stage(s) of pipeline `{pipe.name}`{amount}, "
