@@ -390,3 +390,22 @@ def test_viz_trace_refuses_options_it_would_ignore(
     sched = ["1f1b", "-p", "D=2", "-p", "N=4", "--overlay", "--cost", "F=100,B=100"]
     status, _, err = run_in_process([*args[:3], *sched, "-o", str(tmp_path / "o.txt")])
     assert status == 0, err
+
+
+def test_an_internal_error_under_json_is_a_json_object_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--json` promises a JSON object on stdout for every error: a bug in pipelang too
+    (synthesize printed nothing there), with its one line on stderr as ever."""
+    from pipelang.cli import app
+
+    def broken(args: object) -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(COMMANDS["simulate"], "run", broken)
+    assert app.main(["simulate", "1f1b", "--json"]) == 1
+    out, err = capsys.readouterr()
+    found = json.loads(out)
+    assert found["ok"] is False and found["diagnostics"][0]["code"] == "internal"
+    assert found["diagnostics"][0]["message"] == "internal error: RuntimeError: boom"
+    assert err.startswith("internal error: RuntimeError: boom\nthis is a bug in pipelang")

@@ -98,11 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InternalError, Exception) as err:
         if args.debug:
             raise
+        message = f"internal error: {type(err).__name__}: {clip(str(err))}"
         print(
-            f"internal error: {type(err).__name__}: {clip(str(err))}\n"
-            "this is a bug in pipelang; run again with --debug for the traceback",
+            f"{message}\nthis is a bug in pipelang; run again with --debug for the traceback",
             file=sys.stderr,
         )
+        if as_json:
+            _print_json_error("internal", message)
         return 1
 
 
@@ -119,10 +121,15 @@ def _usage_error(message: str, as_json: bool) -> int:
     message = clip(message, runs=True)
     print(message, file=sys.stderr)
     if as_json:
-        diagnostic = {"severity": "error", "code": "usage", "message": message}
-        where = {"file": None, "line": None, "column": None, "location": None}
-        print(json.dumps({"ok": False, "diagnostics": [{**diagnostic, **where}]}, indent=2))
+        _print_json_error("usage", message)
     return 2
+
+
+def _print_json_error(code: str, message: str) -> None:
+    """An error that has no diagnostic of its own, as the JSON object `--json` promises."""
+    diagnostic = {"severity": "error", "code": code, "message": message}
+    where = {"file": None, "line": None, "column": None, "location": None}
+    print(json.dumps({"ok": False, "diagnostics": [{**diagnostic, **where}]}, indent=2))
 
 
 class _BadArguments(Exception):
