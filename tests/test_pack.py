@@ -91,6 +91,11 @@ def test_a_search_cut_by_the_safety_limit_says_so(tmp_path: Path, slow_clock: Sl
     assert "note: --time-budget 10 s cut the search (after" in err
     assert "the answer may differ from a run that finishes it" in err
     assert written
+    options = ("--time-budget", "10", "--max-candidates", "5")  # the search in 5 s of 7
+    status, text, err, _ = pack_command(tmp_path, "cut.txt", *options)
+    assert status == 0, err
+    assert "note: --time-budget 10 s cut the baselines (fixed-size batches, sorted" in err
+    assert "(cut by --time-budget)" not in text
 
 
 def test_one_sequence_per_micro_batch_is_tried_before_any_deadline() -> None:

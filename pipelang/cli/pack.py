@@ -133,10 +133,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"pack: {err}") from None
     baselines = _baselines(args, lengths, params, costs, started, budget)
     console().print(_table(args, lengths, best, baselines))
-    if best.out_of_time or any(cut for _, cut in baselines.values()):
+    cut = [name for name, (_, out_of_time) in baselines.items() if out_of_time]
+    if best.out_of_time:
+        what = f"the search (after {best.tried} packings): the answer may differ from a run"
+    elif cut:
+        what = f"the baselines ({', '.join(cut)}): their rows may differ from a run"
+    if best.out_of_time or cut:
         console(stderr=True).print(
-            f"note: --time-budget {args.time_budget:g} s cut the search (after "
-            f"{best.tried} packings): the answer may differ from a run that finishes it; "
+            f"note: --time-budget {args.time_budget:g} s cut {what} that finishes it; "
             "raise --time-budget (0: none)",
             markup=False,
         )
