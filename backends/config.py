@@ -89,7 +89,7 @@ class RunConfig:
     stream_seed: int = option(
         0,
         "with --graphs on the CPU: the interleaving of step k is seed S + k (default 0)",
-        "int",
+        "seed",
         metavar="S",
     )
     optimizer: str = option(

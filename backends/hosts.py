@@ -15,6 +15,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from pipelang.diagnostics import clip
+
 MAX_BYTES = 1 << 20
 
 
@@ -27,10 +29,11 @@ def read_hosts(path: str) -> list[str]:
     file = Path(path)
     try:
         if file.stat().st_size > MAX_BYTES:
-            raise HostsError(f"--rank-hosts {path}: over 1 MiB, not a list of hosts")
+            raise HostsError(f"--rank-hosts {_shown(path)}: over 1 MiB, not a list of hosts")
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise HostsError(f"--rank-hosts {path}: cannot read it ({err})") from err
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise HostsError(f"--rank-hosts {_shown(path)}: cannot read it ({_shown(reason)})") from err
     hosts = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
@@ -38,11 +41,21 @@ def read_hosts(path: str) -> list[str]:
             continue
         if len(words) > 1:
             raise HostsError(
-                f"--rank-hosts {path}:{number}: one host name per line (rank order), "
+                f"--rank-hosts {_shown(path)}:{number}: one host name per line (rank order), "
                 f"found {len(words)} words"
             )
         hosts.append(words[0])
     return hosts
+
+
+SHOWN = 200
+"""The longest path or host name a message shows whole."""
+
+
+def _shown(text: str) -> str:
+    """A path or name as a message shows it: whole up to SHOWN characters, else cut in
+    the middle as `clip` cuts a quoted piece."""
+    return text if len(text) <= SHOWN else clip(f"`{text}`")
 
 
 def this_host() -> str:
@@ -62,16 +75,18 @@ def mismatch(path: str, hosts: list[str], actual: list[str]) -> str | None:
     None when every process is where the file says."""
     if len(hosts) != len(actual):
         return (
-            f"--rank-hosts {path} names {len(hosts)} hosts, the run has {len(actual)} "
+            f"--rank-hosts {_shown(path)} names {len(hosts)} hosts, the run has {len(actual)} "
             "processes (one line per rank, --dp copies included)"
         )
     wrong = [r for r, (w, a) in enumerate(zip(hosts, actual, strict=True)) if not same_host(w, a)]
     if not wrong:
         return None
-    shown = ", ".join(f"rank {r} runs on {actual[r]}, not {hosts[r]}" for r in wrong[:4])
+    shown = ", ".join(
+        f"rank {r} runs on {_shown(actual[r])}, not {_shown(hosts[r])}" for r in wrong[:4]
+    )
     more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
     return (
-        f"--rank-hosts {path}: {shown}{more}. Launch with torchrun's static rendezvous "
+        f"--rank-hosts {_shown(path)}: {shown}{more}. Launch with torchrun's static rendezvous "
         "(--node-rank K --master-addr HOST0 --master-port P on node K), which numbers the "
         "processes node by node; the c10d rendezvous numbers nodes in arrival order"
     )

@@ -19,18 +19,14 @@ processes do not fit the machine or torchrun's world (a usage error).
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipelang.backends.termination import EXIT_STATUS, Terminated
-from pipelang.diagnostics import PipelangError
+from pipelang.diagnostics import PipelangError, clip
 from pipelang.features import refusal
 from pipelang.ir import Kind, Program
-from pipelang.passes.validate.lowered import read_lowered
 
 if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--help`
     import torch
@@ -39,7 +35,6 @@ if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--
     from pipelang.backends.config import RunConfig
     from pipelang.backends.models import Shapes
     from pipelang.backends.report import Outcome, StepProgress
-    from pipelang.backends.worker import RankStopped
     from pipelang.streams import StreamProgram
 
 
@@ -55,36 +50,82 @@ class WorldError(RunError):
 def run_program(program: Program, config: RunConfig) -> int:
     """Run a compiled Program as `config` says; returns the exit status. The config is
     completed by the schedule first (`RunConfig.for_program`: its `partition` line, its
-    frozen part)."""
-    from pipelang.backends.models import ModelError
-    from pipelang.backends.processes import RunFailure
+    frozen part).
+
+    SIGTERM at any point is a message and exit 143: while ranks run they stop at a step
+    (backends/termination.py); before (set-up) or after (the report, `--check`) this
+    process stops at once and says where the run stands."""
+    from pipelang.backends.termination import exit_if_stranded, passing_sigterm
     from pipelang.progress import console
 
-    config = config.for_program(program)
     err = console(stderr=True)
+    stage = ["set-up"]
+    with passing_sigterm(None):
+        try:
+            status = _run_program(program, config, err, stage)
+        except Terminated:
+            status = EXIT_STATUS
+    if status == EXIT_STATUS and stage[0] != "stopped":
+        err.print(_terminated_line(stage[0], config), markup=False)
+    exit_if_stranded(status)
+    return status
+
+
+def _terminated_line(stage: str, config: RunConfig) -> str:
+    """What a run stopped by SIGTERM outside a step boundary says, by where it was."""
+    where = _where_to_resume(config)
+    if stage == "set-up":
+        return f"terminated (SIGTERM) during set-up, before any step: nothing was saved{where}"
+    if stage == "report":
+        after = "the report and --check" if config.check else "the report"
+        return f"terminated (SIGTERM) after the last step, during {after}{where}"
+    return f"terminated (SIGTERM): every rank stopped{where}"
+
+
+def _run_program(program: Program, config: RunConfig, err: Console, stage: list[str]) -> int:
+    """`run_program`; `stage[0]` says where it is: set-up, ranks, report, or stopped (a
+    message about SIGTERM already printed)."""
+    from pipelang.backends.model_import import set_deadline
+    from pipelang.backends.models import ModelError
+    from pipelang.backends.processes import RunFailure
+    from pipelang.backends.torchrun_env import TorchrunEnvError, torchrun_env, under_torchrun
+
+    config = config.for_program(program)
+    set_deadline(config.timeout, "--timeout")  # for loading a model of the user's own
     if config.graphs:
         refusal = graphs_refusal(config)
         if refusal is not None:
             err.print(f"error: {refusal}", markup=False)
             return 2
     try:
-        if config.backend != "local" and not under_torchrun():
+        torchrun = torchrun_env() if under_torchrun() else None
+    except TorchrunEnvError as error:
+        err.print(f"error: {error}", markup=False)
+        return 2
+    try:
+        if config.backend != "local" and torchrun is None:
             from pipelang.backends.processes import forkserver
 
             forkserver()  # its imports overlap the checks below
         shapes = preflight(program, config)
         _resume_note(config, err)
-        if under_torchrun():
-            return _run_as_torchrun_rank(program, config)
+        if torchrun is not None:
+            stage[0] = "ranks"
+            from pipelang.backends.torchrun_rank import run_as_torchrun_rank
+
+            status = run_as_torchrun_rank(program, config)
+            stage[0] = "stopped"  # a rank under torchrun says it itself
+            return status
         from pipelang.backends.worker import lower_streams, runs_streams
 
         streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
+        stage[0] = "ranks"
         outcome = _run_here(program, config, shapes, err, streams)
     except PipelangError as error:
         err.print(error.render(), markup=False)
         return 1
     except (RunError, ModelError) as error:
-        err.print(f"error: {error}", markup=False)
+        err.print(f"error: {clip(str(error))}", markup=False)
         return 2 if isinstance(error, WorldError) else 1
     except RunFailure as failure:
         err.print(f"error: {failure}", markup=False)
@@ -94,17 +135,29 @@ def run_program(program: Program, config: RunConfig) -> int:
     except KeyboardInterrupt:
         err.print(f"interrupted: every rank stopped{_where_to_resume(config)}", markup=False)
         return 130
-    except Terminated:
-        err.print(
-            f"terminated (SIGTERM): every rank stopped{_where_to_resume(config)}", markup=False
-        )
-        return EXIT_STATUS
-    return report(program, config, outcome)
+    except SystemExit as exit_:  # the user's model (its forward, say) ended the run
+        err.print(f"error: {_exit_line(exit_, stage[0])}", markup=False)
+        return 1
+    stage[0] = "report"
+    status = report(program, config, outcome)
+    stage[0] = "stopped"
+    return status
+
+
+def _exit_line(exit_: SystemExit, stage: str) -> str:
+    """A sys.exit() the model's code called in this process, in words."""
+    when = "before any step" if stage == "set-up" else "before the run finished its steps"
+    return (
+        f"the model's code called sys.exit({exit_.code!r}) {when}; a run that does not "
+        "finish its steps fails"
+    )
 
 
 def _resume_note(config: RunConfig, err: Console) -> None:
     """Say (once: rank 0 under torchrun) when the resumed run's learning rate jumps."""
-    if config.resume is None or os.environ.get("RANK", "0") != "0":
+    from pipelang.backends.torchrun_env import torchrun_env, under_torchrun
+
+    if config.resume is None or (under_torchrun() and torchrun_env().rank != 0):
         return
     from pipelang.backends.checkpoint import lr_note
 
@@ -192,6 +245,8 @@ def _check_world(program: Program, config: RunConfig) -> None:
     WORLD_SIZE = --dp x the program's ranks; raises WorldError."""
     import torch
 
+    from pipelang.backends.torchrun_env import torchrun_env, under_torchrun
+
     world = program.num_ranks * config.dp
     ranks = f"{program.num_ranks} ranks"
     if config.dp > 1:
@@ -203,11 +258,19 @@ def _check_world(program: Program, config: RunConfig) -> None:
                 f"the nccl backend needs one GPU per rank: {ranks}, "
                 f"{have} GPUs here (use --backend gloo or local)"
             )
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
+    torchrun = torchrun_env() if under_torchrun() else None
+    if torchrun is not None and torchrun.world != world:
         raise WorldError(
-            f"torchrun started {os.environ['WORLD_SIZE']} processes but the run needs "
+            f"torchrun started {torchrun.world} processes but the run needs "
             f"{ranks}; WORLD_SIZE must be --dp x the program's ranks"
         )
+    if torchrun is not None and config.backend == "nccl":
+        have = torch.cuda.device_count()
+        if torchrun.local_rank >= have:
+            raise WorldError(
+                f"LOCAL_RANK={torchrun.local_rank}: the nccl backend puts local rank k on "
+                f"cuda:k, and this node has {have} GPUs"
+            )
     if config.rank_hosts is not None and not under_torchrun():
         from pipelang.backends.hosts import HostsError, mismatch, read_hosts, this_host
 
@@ -320,11 +383,6 @@ def _run_streams(
         return executor.run(progress.step)
 
 
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (or by hand as one rank)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
 def graphs_refusal(config: RunConfig) -> str | None:
     """Why `--graphs` cannot run with `config`; None when it runs."""
     if config.trace:
@@ -362,68 +420,6 @@ def _run_here(
         return launch(program, config, shapes, progress.step, streams)
 
 
-def _run_as_torchrun_rank(
-    program: Program, config: RunConfig, source: str | None = None, filename: str | None = None
-) -> int:
-    import contextlib
-
-    from pipelang.backends.report import Outcome
-    from pipelang.backends.worker import RankStopped, run_torchrun_rank
-    from pipelang.progress import console
-
-    err = console(stderr=True)
-    losses: list[float] = []
-    progress = None
-    if os.environ["RANK"] == "0":  # the rank that reports: the bar, the lines, --log
-        title = f"{program.name} on {config.model} (torchrun)"
-        progress = step_progress(program, config, title, err)
-
-    def on_step(step: int, loss: float, seconds: float) -> None:
-        losses.append(loss)
-        if progress is not None:
-            progress.step(step, loss, seconds)
-
-    try:
-        with progress or contextlib.nullcontext():
-            results = run_torchrun_rank(program, config, on_step, source, filename)
-    except RankStopped as stopped:
-        from pipelang.backends.hosts import HostsError
-
-        if isinstance(stopped.cause, HostsError):  # every process knows it: rank 0 says it
-            if os.environ["RANK"] == "0":
-                err.print(f"error: {stopped.cause}", markup=False)
-            return 2
-        err.print(f"error: {torchrun_failure(program, config, stopped)}", markup=False)
-        if config.debug:
-            err.print("".join(traceback.format_exception(stopped.cause)), markup=False)
-        return 1
-    if results is None:
-        return 0
-    return report(program, config, Outcome(results, losses))
-
-
-def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) -> str:
-    """One line for a rank under torchrun that failed: where, and what. A peer that went
-    away is named as such (rank K when the transfer names it, else its address); this
-    rank's own error is the cause."""
-    from pipelang.backends.processes import action_labels, where
-    from pipelang.backends.transport import PeerFailure
-    from pipelang.backends.worker import describe, lower_streams, runs_streams
-
-    rank = int(os.environ["RANK"])
-    streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
-    labels = action_labels(program, streams, config.backend == "nccl")
-    place = where(labels, rank, *stopped.place)
-    cause = stopped.cause
-    if isinstance(cause, PeerFailure):
-        base = rank - rank % program.num_ranks
-        return (
-            f"rank {rank} stopped {place}: {cause.who(base)} went away (it stopped or lost "
-            f"its connection; its own output says why)"
-        )
-    return f"rank {rank} failed {place}: {describe(cause)}"
-
-
 def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     """Print the summary, write the trace, run the check; the exit status (143 when
     SIGTERM stopped the run early: there is no check then)."""
@@ -431,6 +427,15 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     from pipelang.backends.termination import stopped_line
     from pipelang.progress import console
 
+    stopped = outcome.results[0].stopped_after if outcome.results else None
+    done = len(outcome.losses)
+    if stopped is None and done != config.run_steps:  # never exit 0 on an unfinished run
+        console(stderr=True).print(
+            f"error: the run ended after {done} of its {config.run_steps} steps and no rank "
+            "said why; a run that does not finish its steps fails",
+            markup=False,
+        )
+        return 1
     out = console()
     tokens = tokens_per_step(program, config)
     out.print(
@@ -446,7 +451,6 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
         from pipelang.backends.versions import versions_line
 
         out.print(versions_line(program, outcome.results), markup=False)
-    stopped = outcome.results[0].stopped_after if outcome.results else None
     if stopped is not None:
         err = console(stderr=True)
         err.print(stopped_line(stopped, config.save), markup=False)
@@ -531,48 +535,3 @@ def outcome_device(config: RunConfig) -> torch.device:
     if config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def run_rank_file(rank: int, file: str, config: RunConfig) -> int:
-    """Run a generated `rank{r}.py` started by hand: its folder holds schedule.json; the
-    environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
-    if config.dp == 1:
-        os.environ.setdefault("RANK", str(rank))
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    from pipelang.backends.models import ModelError
-
-    try:
-        program = read_lowered(Path(file).parent / "schedule.json")
-    except PipelangError as err:
-        print(err.render(), file=sys.stderr)
-        return 1
-    if missing or not _runs_file(os.environ["RANK"], rank, program.num_ranks, config.dp):
-        need = f"RANK = copy x {program.num_ranks} + {rank}" if config.dp > 1 else f"RANK={rank}"
-        print(
-            f"error: set {', '.join(missing) or 'RANK'} (this file is rank {rank}; {need})",
-            file=sys.stderr,
-        )
-        return 2
-    config = config.for_program(program)
-    if config.graphs:
-        print(
-            f"error: {Path(file).name} runs its rank's action list; --graphs runs stream "
-            "programs, which `pipelang run ... --graphs` writes and starts itself",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        preflight(program, config)
-    except (RunError, ModelError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2 if isinstance(error, WorldError) else 1
-    return _run_as_torchrun_rank(program, config, Path(file).read_text(), file)
-
-
-def _runs_file(env_rank: str, rank: int, num_ranks: int, dp: int) -> bool:
-    """Whether the process RANK `env_rank` runs program rank `rank` (`--dp`: any copy)."""
-    if not env_rank.isdigit():
-        return False
-    return int(env_rank) < num_ranks * dp and int(env_rank) % num_ranks == rank

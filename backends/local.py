@@ -22,6 +22,7 @@ from pipelang.backends.models import Shapes
 from pipelang.backends.processes import RunFailure, action_labels, where
 from pipelang.backends.rank_base import RankResult
 from pipelang.backends.report import Outcome
+from pipelang.backends.termination import STRANDED
 from pipelang.backends.transport import Aborted, LocalHub, LocalTransport, PeerFailure
 from pipelang.backends.worker import (
     PHASE_DONE,
@@ -35,6 +36,9 @@ from pipelang.backends.worker import (
 from pipelang.ir import Program
 
 OnStep = Callable[[int, float, float], None]
+STOP_SECONDS = 5.0
+"""How long a run that stops early (SIGTERM, Ctrl-C, --timeout) waits for its rank threads
+to finish the action they are on."""
 
 
 def local_device() -> torch.device:
@@ -68,6 +72,10 @@ class LocalRun:
         self.reported: dict[int, int] = {}
         self.losses: list[float] = []
         self.failure: tuple[int, str, str] | None = None
+        self.stopping = threading.Event()
+        """Set when the run stops early: every rank thread stops before its next step."""
+        self.ended = [threading.Event() for _ in range(self.world)]
+        """Set by each rank thread as it ends (whatever `Thread.is_alive` says)."""
         self.t0 = time.perf_counter_ns()
         self.t0_event: torch.cuda.Event | None = None
         if self.device.type == "cuda":
@@ -83,7 +91,10 @@ class LocalRun:
         ]
         for thread in threads:
             thread.start()
-        self._watch(threads)
+        try:
+            self._watch()
+        finally:
+            self._stop()
         if self.failure is None and self.hub.failure is not None:
             waiting = [
                 f"rank {r} {where(self.labels, r, *self.status[3 * r : 3 * r + 3])}"
@@ -100,11 +111,15 @@ class LocalRun:
             raise RunFailure(f"rank {rank} failed {place}: {what}", trace)
         return Outcome([self.results[r] for r in range(self.world)], self.losses)
 
-    def _watch(self, threads: list[threading.Thread]) -> None:
+    def _watch(self) -> None:
+        """Wait for the rank threads, or call the run hung after `--timeout`.
+
+        Never `Thread.join` here: when a signal handler raises (SIGTERM, Ctrl-C) while
+        join waits, Python 3.11 marks the thread stopped although it still runs, and
+        `_stop` would not wait for it."""
         last, changed = list(self.status), time.monotonic()
-        while any(t.is_alive() for t in threads):
-            for thread in threads:
-                thread.join(0.05)
+        while not all(done.is_set() for done in self.ended):
+            time.sleep(0.05)
             if self.status != last:
                 last, changed = list(self.status), time.monotonic()
             elif time.monotonic() - changed > self.config.timeout and self.failure is None:
@@ -113,7 +128,29 @@ class LocalRun:
                 self.hub.abort(RuntimeError("timeout"))
                 return
 
+    def _stop(self) -> None:
+        """Stop the rank threads still running (a signal or the watchdog ended the watch)
+        and wait for them: a rank waiting for a message raises `Aborted`, a computing one
+        stops before its next step. One still running after STOP_SECONDS (stuck inside
+        an op) is left in `STRANDED`, and the run ends with `os._exit`
+        (`termination.exit_if_stranded`): Python's exit would end it with `pthread_exit`
+        inside torch's C++ code, which aborts the process."""
+        if all(done.is_set() for done in self.ended):
+            return
+        self.stopping.set()
+        self.hub.abort(RuntimeError("the run was stopped"))
+        deadline = time.monotonic() + STOP_SECONDS
+        for done in self.ended:
+            done.wait(max(0.0, deadline - time.monotonic()))
+        STRANDED.extend(done for done in self.ended if not done.is_set())
+
     def _rank_main(self, rank: int) -> None:
+        try:
+            self._rank_body(rank)
+        finally:
+            self.ended[rank].set()
+
+    def _rank_body(self, rank: int) -> None:
         slot = 3 * rank
         self.status[slot] = PHASE_SETUP
         self.status[slot + 1] = -1
@@ -137,6 +174,8 @@ class LocalRun:
             runtime.start_clock(self.t0, self.t0_event)
             self.status[slot] = PHASE_RUNNING
             for step in range(self.config.steps):
+                if self.stopping.is_set():
+                    raise Aborted
                 losses, seconds = run_step(runtime, iteration, step)
                 self._step_done(rank, step, losses, seconds)
             if transport.stream is not None:

@@ -235,6 +235,8 @@ class Launcher:
             self._step_done(rank, step, losses, seconds)
         elif kind == "done":
             self.results[rank] = from_bytes(message[2])
+        elif kind == "note":  # a line a rank says (a checkpoint complete)
+            print(message[2], file=sys.stderr, flush=True)
         elif kind == "error":
             _, _, what, trace, secondary = message
             phase, step, action = self._status(rank)
@@ -262,14 +264,17 @@ class Launcher:
         reported = {f.rank for f in self.failures}
         for rank, proc in enumerate(self.procs):
             code = proc.exitcode
-            if code is None or code == 0 or rank in reported:
+            if code is None or rank in reported or (code == 0 and rank in self.results):
                 continue
-            self._drain(timeout=0.2)  # its own error message may still be in the pipe
-            if rank in {f.rank for f in self.failures}:
+            self._drain(timeout=0.2)  # its own error or result may still be in the pipe
+            if rank in {f.rank for f in self.failures} or (code == 0 and rank in self.results):
                 continue
             phase, step, action = self._status(rank)
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            self.failures.append(Failure(rank, step, action, phase, f"the process died ({how})"))
+            what = f"the process died ({how})"
+            if code == 0:  # os._exit(0) in a model's code, say: not a finished rank
+                what = "the process ended (exit status 0) before it finished its steps"
+            self.failures.append(Failure(rank, step, action, phase, what))
 
     def _hung(self) -> None:
         for rank in range(self.world):

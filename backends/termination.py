@@ -13,7 +13,9 @@ passes it on through the shared status array (`Launcher`).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator, MutableSequence
 from types import FrameType
@@ -67,17 +69,25 @@ class Terminated(Exception):
     or one to a `local` run (its ranks are threads of this process)."""
 
 
+_raised: list[bool] = []
+"""Whether `Terminated` was raised: later signals find this process stopping already."""
+
+
 @contextlib.contextmanager
 def passing_sigterm(status: MutableSequence[int] | None) -> Iterator[None]:
     """While ranks run, SIGTERM to this process asks them to stop at their next step
     (the last slot of the launcher's status array, read by `Termination`); a second one,
-    or any with no ranks to ask (`status` None), raises `Terminated` here at once."""
+    or any with no ranks to ask (`status` None), raises `Terminated` here at once; any
+    after that is ignored (the process is stopping)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread can take signals
         return
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        if _raised:  # this process is on its way out already (exit 143)
+            return
         if status is None or status[len(status) - 1]:
+            _raised.append(True)
             raise Terminated
         status[len(status) - 1] = 1
 
@@ -86,3 +96,21 @@ def passing_sigterm(status: MutableSequence[int] | None) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+STRANDED: list[threading.Event] = []
+"""Of each rank thread of a `local` run that did not stop when asked (`LocalRun`), the
+event it sets when it ends."""
+
+
+def exit_if_stranded(status: int) -> None:
+    """End the process now with `status` when a rank thread of a `local` run is still
+    running: Python ends a daemon thread that wants the GIL back after exit began with
+    `pthread_exit`, and its unwinding through torch's `noexcept` C++ frames (a backward,
+    an optimizer step) calls `std::terminate` ("terminate called without an active
+    exception", status -6)."""
+    if all(done.is_set() for done in STRANDED):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

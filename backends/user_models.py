@@ -39,6 +39,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from pipelang.backends.model_error import ModelError
+from pipelang.backends.model_import import vet
+from pipelang.diagnostics import clip
 
 if TYPE_CHECKING:
     from pipelang.backends.models import ModelSpec
@@ -160,9 +162,9 @@ def load_factory(name: str) -> Callable[..., object]:
         raise ModelError(
             f"`--model {name}`: importing `{module_name}` called sys.exit({exit_.code!r})"
         ) from None
-    except Exception as err:  # anything the user's module raises as it runs
+    except BaseException as err:  # anything the user's module raises (KeyboardInterrupt too)
         raise ModelError(
-            f"`--model {name}`: importing `{module_name}` failed: {type(err).__name__}: {err}"
+            clip(f"`--model {name}`: importing `{module_name}` failed: {_said(err)}")
         ) from None
     if not callable(factory):
         raise ModelError(f"`--model {name}`: `{attr}` is not callable")
@@ -213,7 +215,10 @@ class _Built:
 
 def user_model(spec: ModelSpec) -> UserModel:
     """The model `spec.name` names, built on the current default device (see the module
-    docstring). Raises ModelError with what is wrong."""
+    docstring). Raises ModelError with what is wrong. The model is loaded in a child
+    process first (`model_import.vet`: a deadline, and a model that ends the process
+    is told)."""
+    vet(spec)
     factory = load_factory(spec.name)
     built = _build(spec, factory)
     if torch.get_default_device().type == "meta":
@@ -238,10 +243,8 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
         returned = factory(**kwargs)
     except SystemExit as exit_:
         raise ModelError(f"`--model {name}`: `{attr}()` called sys.exit({exit_.code!r})") from None
-    except Exception as err:
-        raise ModelError(
-            f"`--model {name}`: `{attr}()` failed: {type(err).__name__}: {err}"
-        ) from None
+    except BaseException as err:
+        raise ModelError(clip(f"`--model {name}`: `{attr}()` failed: {_said(err)}")) from None
     extras: dict[str, Any] = {}
     if isinstance(returned, dict):
         unknown = sorted(set(returned) - KEYS)
@@ -361,10 +364,12 @@ def _boundaries(spec: ModelSpec, built: _Built) -> list[Boundary | None]:
                     )
                 else:
                     found.append(None)
-    except Exception as err:
-        if isinstance(err, ModelError):
-            raise
-        raise ModelError(f"`{spec.name}` does not run on a batch of token ids: {err}") from None
+    except ModelError:
+        raise
+    except BaseException as err:  # sys.exit() in a forward, too
+        raise ModelError(
+            clip(f"`{spec.name}` does not run on a batch of token ids: {_said(err)}")
+        ) from None
     return found
 
 
@@ -375,7 +380,7 @@ def _probe(spec: ModelSpec, built: _Built, i: int, layer: nn.Module, x: object) 
         return layer(x) if i == 0 else _call(layer, x, built.whole)
     except ModelError:
         raise
-    except Exception as err:
+    except BaseException as err:  # sys.exit() in a forward, too
         what = "stage" if built.stages else "layer"
         given = "a batch of token ids" if i == 0 else f"what {what} {i - 1} returns ({_kind(x)})"
         hint = ""
@@ -385,11 +390,23 @@ def _probe(spec: ModelSpec, built: _Built, i: int, layer: nn.Module, x: object) 
                 "call the next with a tuple as positional arguments or a dict as keyword "
                 'arguments, return {"model": ..., "unpack": True}'
             )
-        message = str(err).splitlines()[0] if str(err) else ""
         raise ModelError(
-            f"`--model {spec.name}`: {what} {i} ({type(layer).__name__}) fails on {given}: "
-            f"{type(err).__name__}: {message}{hint}"
+            clip(
+                f"`--model {spec.name}`: {what} {i} ({type(layer).__name__}) fails on "
+                f"{given}: {_said(err)}{hint}"
+            )
         ) from None
+
+
+def _said(err: BaseException) -> str:
+    """An exception of the user's code in one line: `Type: first line`, or what
+    sys.exit() was called with."""
+    if isinstance(err, SystemExit):
+        return f"it called sys.exit({err.code!r})"
+    if isinstance(err, OSError) and err.strerror:  # not the (maybe long) file name again
+        return f"{type(err).__name__}: {err.strerror}"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def _kind(value: object) -> str:

@@ -193,12 +193,17 @@ def describe(err: BaseException) -> str:
 
 def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
     """Entry of a rank process started by the launcher; never returns normally on error."""
+    from pipelang.backends import checkpoint
+
     _die_with_parent()
     # from the start: a SIGTERM during set-up stops the run at its first step
     termination = Termination(status, len(status) - 1)  # and the launcher's own
     _redirect_output(Path(job.run_dir) / f"rank{job.rank}.log")
     os.environ.clear()
     os.environ.update(job.env)
+    from pipelang.backends.model_import import trust
+
+    trust(job.config.model)  # the launcher loaded it in a child already, and watches us
     slot = 3 * job.rank
     status[slot] = PHASE_SETUP
     status[slot + 1] = -1
@@ -206,6 +211,7 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
         runtime, iteration = _set_up(job, status)
         status[slot] = PHASE_RUNNING
         report = lambda *done: queue.put(("step", job.rank, *done))  # noqa: E731
+        checkpoint.announce = lambda line: queue.put(("note", job.rank, line))
         stopped = train(runtime, iteration, job.config, report, termination)
         result = runtime.result(job.config.check)
         result.stopped_after = stopped
@@ -270,11 +276,13 @@ def run_torchrun_rank(
     is the rank's generated program (a hand-started rank{r}.py); by default it is
     rendered from `program`.
     """
+    from pipelang.backends.torchrun_env import torchrun_env
+
     termination = Termination()  # from the start: SIGTERM in set-up stops at step 1
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    env = torchrun_env()  # checked by the launch already: no traceback here
+    rank, world, local_rank = env.rank, env.world, env.local_rank
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; a hand-started rank may not
-        torch.set_num_threads(rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        torch.set_num_threads(rank_threads(env.local_world))
     wait = timedelta(seconds=config.timeout)
     backend = "nccl" if config.backend == "nccl" else "gloo"
     status = [0] * (3 * world)
@@ -330,7 +338,7 @@ def run_torchrun_rank(
             dist.gather_object(result, gathered, dst=0)
         runtime.close()  # a captured graph goes before the process groups it uses
         return gathered if rank == 0 else None  # type: ignore[return-value]
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # sys.exit() in a model's forward: a failure
         place = (status[slot], status[slot + 1], status[slot + 2])
         raise RankStopped(err, place) from err  # type: ignore[arg-type]
     finally:
@@ -353,7 +361,7 @@ class RankStopped(Exception):
     """A rank under torchrun failed: its error, and where (phase, step, action index), as
     the launcher's status array would say (`processes.where`)."""
 
-    def __init__(self, cause: Exception, place: tuple[int, int, int]) -> None:
+    def __init__(self, cause: BaseException, place: tuple[int, int, int]) -> None:
         super().__init__(str(cause))
         self.cause = cause
         self.place = place

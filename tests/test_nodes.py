@@ -182,10 +182,61 @@ def test_sigterm_under_torchrun_saves_the_step_every_rank_stopped_at(tmp_path: P
     assert "internal error" not in out
 
 
+@pytest.mark.slow
+def test_sigterm_to_a_local_run_stops_its_threads_and_exits_143() -> None:
+    """Every rank a thread of this process: they stop (a waiting one at once, a computing
+    one before its next step) before Python exits, which would end a thread still inside
+    torch with pthread_exit, and std::terminate (status -6, not 143)."""
+    argv = [sys.executable, "-m", "pipelang.cli", *RUN_1F1B[1:5], "-p", "N=4"]
+    proc = subprocess.Popen(
+        [*argv, "--backend", "local", "--steps", "100000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # a few steps in: the threads are inside torch's kernels
+        seen.append(line)
+        if line.startswith("step 3/"):
+            break
+    assert proc.poll() is None, seen
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert (proc.returncode, err.strip()) == (143, "terminated (SIGTERM): every rank stopped")
+
+
+@pytest.mark.slow
+def test_sigterm_during_set_up_says_so_and_exits_143(tmp_path: Path) -> None:
+    """SIGTERM while the launcher loads the model (its import is still sleeping): one
+    line, that nothing was saved, exit 143; the process loading the model goes too."""
+    marker = tmp_path / "importing"
+    (tmp_path / "slow.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(marker)!r}).write_text(str(__import__('os').getpid()))\n"
+        "time.sleep(60)\n"
+        "def layers():\n    pass\n"
+    )
+    save = tmp_path / "ckpt"
+    argv = [sys.executable, "-m", "pipelang.cli", *RUN_1F1B[1:], "--model", "slow.py:layers"]
+    proc = subprocess.Popen(
+        [*argv, "--save", str(save)], stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    _wait_for(marker, proc)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 143, err
+    assert err.startswith("terminated (SIGTERM) during set-up, before any step: nothing was saved")
+    assert len(err.strip().splitlines()) == 1, err
+    with pytest.raises(ProcessLookupError):  # the model's loader did not outlive the run
+        os.kill(int(marker.read_text()), 0)
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
         (b"vm extra-word\n", "hosts.txt:1: one host name per line"),
+        (b"h" * 900_000 + b"\nh\n", f"not `{'h' * 30}...{'h' * 15}` (900,000 characters)"),
         (b"\xff\xfe\x00garbage", "cannot read it"),
         (b"a\n" * (600 * 1024), "over 1 MiB, not a list of hosts"),
         (b"# only a comment\n", "names 0 hosts, the run has 2 processes"),
@@ -204,3 +255,4 @@ def test_a_bad_hosts_file_is_one_usage_error(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert len(err) < 400  # a long name is cut, not echoed whole

@@ -521,3 +521,70 @@ def test_a_png_too_large_to_draw_in_seconds_is_refused_at_once(
     status, _, err = run_in_process([*argv, "-o", str(tmp_path / "x.png")])
     assert status == 2 and f"at most {PNG_RANKS} rank rows and {PNG_OPS:,} ops" in err
     assert run_in_process([*argv, "-o", str(tmp_path / "x.svg")])[0] == 0
+
+
+# ---- torchrun's variables and run options (issue 44 items 11 and 14) ----------------------
+
+JOB = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+LONG = "7" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "abc"}, "RANK=`abc` is not a whole number (this process's rank, 0 to "
+         "WORLD_SIZE - 1)"),
+        ({"RANK": "5"}, "RANK=5 is not below WORLD_SIZE=2 (this process's rank, 0 to "
+         "WORLD_SIZE - 1)"),
+        ({"RANK": "-1"}, "RANK=`-1` is not a whole number (this process's rank, 0 to "
+         "WORLD_SIZE - 1)"),
+        ({"MASTER_PORT": None}, "MASTER_PORT is not set: with RANK, WORLD_SIZE, MASTER_ADDR "
+         "set this process is one rank of a torchrun job, which needs MASTER_PORT too (the "
+         "rendezvous port, 1 to 65535)"),
+        ({"MASTER_PORT": "99999"}, "MASTER_PORT=99999 is not 1 to 65,535 (the rendezvous "
+         "port, 1 to 65535)"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is not 1 to 1,048,576 (the number of processes "
+         "of the job)"),
+        ({"LOCAL_RANK": "x"}, "LOCAL_RANK=`x` is not a whole number (the rank on this node, 0 "
+         "to LOCAL_WORLD_SIZE - 1)"),
+        ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=3 is not below "
+         "LOCAL_WORLD_SIZE=2 (the rank on this node, 0 to LOCAL_WORLD_SIZE - 1)"),
+        ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0 is not at most WORLD_SIZE=2 (the "
+         "processes on this node, 1 to WORLD_SIZE)"),
+        ({"MASTER_ADDR": "a b"}, "MASTER_ADDR=`a b` is not a host name or address (the "
+         "rendezvous host)"),
+        ({"RANK": LONG}, "RANK=`777777777777777777777777777777...777777777777777` (100,000 "
+         "characters) is not a whole number (this process's rank, 0 to WORLD_SIZE - 1)"),
+    ],
+)  # fmt: skip
+def test_a_wrong_torchrun_variable_is_one_line_naming_it(
+    env: dict[str, str | None], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read once, before torch.distributed (a ValueError, an IndexError past the status
+    array, env://'s own error, each an internal error before): a usage error (exit 2)."""
+    for name, value in {**JOB, **env}.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    status, _, err = run_in_process(["run", "1f1b", "-p", "D=2", "-p", "N=2", "--steps", "1"])
+    assert (status, err.strip()) == (2, f"error: {message}")
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "18446744073709551616", "-1", LONG])
+def test_a_seed_torch_cannot_take_is_a_usage_error_naming_the_range(seed: str) -> None:
+    """torch.manual_seed takes 0 to 2**64 - 1 (a negative seed wraps onto one of them);
+    anything else was a traceback at the first build."""
+    status, _, err = run_in_process(["run", "1f1b", "-p", "D=2", "-p", "N=2", "--seed", seed])
+    shown = seed if len(seed) < 60 else "777777777777777777777777777777...777777777777777"
+    assert status == 2
+    assert err.strip().endswith(
+        f"error: argument --seed: a seed is a whole number from 0 to 18446744073709551615 "
+        f"(2**64 - 1), not `{shown}`" + (" (100,000 characters)" if seed == LONG else "")
+    )
+
+
+def test_the_largest_seed_is_taken() -> None:
+    from pipelang.cli.args import seed
+
+    assert seed("18446744073709551615") == 2**64 - 1 and seed(" 0 ") == 0

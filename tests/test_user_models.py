@@ -17,7 +17,7 @@ from torch.nn import functional
 from pipelang.backends.models import ModelSpec
 from pipelang.backends.user_models import Boundary
 from pipelang.cli import main
-from tests.helpers import read_checkpoint, run, stdlib
+from tests.helpers import pipelang_cmd, read_checkpoint, run, stdlib
 
 MODELS = """
 import torch
@@ -341,3 +341,106 @@ def test_asynchronous_schedules_refuse_tied_weights(
     argv = ["run", "pipedream", "-p", "D=3", "--model", "models.py:tied_stages"]
     assert main(argv) == 1
     assert "ties weights across stages" in capsys.readouterr().err
+
+
+# ---- a model file that misbehaves (issue 44 item 12) ------------------------------------------
+
+LAYERS = """
+import torch
+from torch import nn
+
+
+class Layer(nn.Linear):
+    def forward(self, x):
+        {forward}
+        return super().forward(x)
+
+
+def layers():
+    return nn.Sequential(nn.Embedding(64, 16), Layer(16, 16), nn.Linear(16, 64))
+"""
+
+
+def _model_file(tmp_path: Path, at_import: str = "", forward: str = "pass") -> str:
+    """A model file whose import runs `at_import` and whose middle layer's forward runs
+    `forward` first."""
+    (tmp_path / "bad.py").write_text(at_import + "\n" + LAYERS.replace("{forward}", forward))
+    return "bad.py:layers"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("at_import", "forward", "message"),
+    [
+        (
+            "while True:\n    pass",
+            "pass",
+            "error: `--model bad.py:layers`: loading it (importing its module, calling its "
+            "function, running it once on the meta device) did not finish within 2 s "
+            "(--timeout); does its code loop or wait as it loads?",
+        ),
+        (
+            "import os\nos._exit(0)",
+            "pass",
+            "error: `--model bad.py:layers`: loading the model (importing its module, calling "
+            "its function, running it once on the meta device) ended the process (exit status "
+            "0) before it finished; a model's code may not end the process",
+        ),
+        (
+            "raise KeyboardInterrupt",
+            "pass",
+            "error: `--model bad.py:layers`: importing `bad.py` failed: KeyboardInterrupt",
+        ),
+        (
+            "class Stop(BaseException):\n    pass\nraise Stop('mine')",
+            "pass",
+            "error: `--model bad.py:layers`: importing `bad.py` failed: Stop: mine",
+        ),
+        (
+            "",
+            "import sys; sys.exit(0)",
+            "error: `--model bad.py:layers`: layer 1 (Layer) fails on what layer 0 returns (a "
+            "tensor [4, 32, 16]): it called sys.exit(0)",
+        ),
+    ],
+)
+def test_a_model_file_that_hangs_exits_or_interrupts_as_it_loads_fails_with_one_line(
+    at_import: str, forward: str, message: str, tmp_path: Path
+) -> None:
+    """Loaded in a child process under --timeout first: a loop at import is stopped, an
+    os._exit(0) or sys.exit(0) is a failure (it was exit 0, having trained nothing), a
+    KeyboardInterrupt or BaseException is one line (a silent 130, a traceback)."""
+    model = _model_file(tmp_path, at_import, forward)
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--backend", "local", "--model", model]
+    proc = pipelang_cmd(*argv, "--timeout", "2", "--steps", "1", cwd=tmp_path, timeout=90)
+    assert (proc.returncode, proc.stderr.strip()) == (1, message)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_model_ends_its_process_with_status_0_fails_the_run(tmp_path: Path) -> None:
+    """os._exit(0) in a forward on a real batch (not the meta device's): the rank's
+    process ends without its result, and the launcher names it rather than waiting."""
+    model = _model_file(tmp_path, forward="if x.device.type != 'meta': import os; os._exit(0)")
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--model", model, "--timeout", "20"]
+    proc = pipelang_cmd(*argv, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        "error: rank 0 failed at step 0, action 4 `r0.compute F0@0/main`: the process ended "
+        "(exit status 0) before it finished its steps\nstopped the other ranks (1)\n"
+    )
+
+
+def test_a_run_that_reports_fewer_steps_than_it_was_given_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The launcher's last check: whatever ended it, a run that did not finish its steps
+    never exits 0."""
+    from pipelang.backends.config import RunConfig
+    from pipelang.backends.launch import report
+    from pipelang.backends.report import Outcome
+
+    assert report(stdlib("1f1b", D=2, N=2), RunConfig(steps=3), Outcome([], [1.0])) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: the run ended after 1 of its 3 steps and no rank said why; a run that does "
+        "not finish its steps fails"
+    )

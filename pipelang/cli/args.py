@@ -18,6 +18,7 @@ from pipelang import api
 from pipelang.backends import DTYPES
 from pipelang.backends.config import MAX_STEPS, Option, RunConfig
 from pipelang.compiler import Compilation
+from pipelang.diagnostics import clip
 from pipelang.evaluate import MAX_OPS
 from pipelang.ir import COMPUTE_KINDS, COST_KINDS, CostModel, Program, cost_problem, stage_problem
 from pipelang.readers import ReadError, read_number_rows, whole_number
@@ -42,6 +43,21 @@ def positive(text: str) -> int:
 def at_least_zero(text: str) -> int:
     """An argparse type: an integer of at least 0."""
     return _whole_number(text, 0)
+
+
+SEEDS = 2**64
+"""Seeds are 0 to 2**64 - 1: what `torch.manual_seed` takes (a negative seed is the same
+as one of these, so it is not taken either)."""
+
+
+def seed(text: str) -> int:
+    """An argparse type: a seed, a whole number from 0 to 2**64 - 1."""
+    digits = text.strip()
+    if re.fullmatch("[0-9]{1,20}", digits) and int(digits) < SEEDS:
+        return int(digits)
+    raise argparse.ArgumentTypeError(
+        clip(f"a seed is a whole number from 0 to {SEEDS - 1} (2**64 - 1), not `{text}`")
+    )
 
 
 def _whole_number(text: str, least: int, most: int | None = None) -> int:
@@ -353,7 +369,12 @@ def add_model_arguments(
         default="float32",
         help="parameter and activation dtype (default float32)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    parser.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help=f"model and data seed, 0 to {SEEDS - 1:,} (default 0)",
+    )
 
 
 def add_slot_model_arguments(parser: argparse.ArgumentParser, activations: bool = False) -> None:
@@ -440,7 +461,7 @@ def _model_spec(args: argparse.Namespace, program: Program) -> ModelSpec:
 
 
 READERS: dict[str, Any] = {
-    "int": int,
+    "seed": seed,
     "positive": positive,
     "positive_number": positive_number,
     "seconds": seconds,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def rank_file_main(rank: int, file: str) -> int:
     """The `__main__` of a generated `rank{r}.py`: its folder holds schedule.json; the
     environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
-    from pipelang.backends.launch import run_rank_file
+    from pipelang.backends.torchrun_rank import run_rank_file
 
     parser = argparse.ArgumentParser(
         prog=Path(file).name,

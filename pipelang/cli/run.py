@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pipelang.cli.args import (
     add_run_arguments,
@@ -20,6 +21,20 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelang.backends.launch import run_program
+    from pipelang.backends.checkpoint_read import CheckpointError
+    from pipelang.backends.termination import EXIT_STATUS, Terminated, passing_sigterm
 
-    return run_program(compile_args(args).need_program(), config_from_args(args))
+    with passing_sigterm(None):  # from here on SIGTERM is a message and exit 143
+        try:
+            from pipelang.backends.launch import run_program
+
+            return run_program(compile_args(args).need_program(), config_from_args(args))
+        except CheckpointError as err:  # a checkpoint that cannot be read: exit 1, one line
+            print(f"pipelang run: error: {err}", file=sys.stderr)
+            return 1
+        except Terminated:  # before run_program took it over: compiling, reading options
+            print(
+                "terminated (SIGTERM) during set-up, before any step: nothing was saved",
+                file=sys.stderr,
+            )
+            return EXIT_STATUS

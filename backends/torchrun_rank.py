@@ -1,0 +1,145 @@
+"""`pipelang run` as one rank of a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set), and
+a generated `rank{r}.py` started by hand as such a rank (`pipelang/cli/rank.py`).
+
+Every process compiles the same schedule and checks it (`launch.preflight`); rank 0
+shows the progress and reports. torchrun's variables are read through
+`torchrun_env.torchrun_env`, which names a wrong one (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipelang.diagnostics import PipelangError, clip
+from pipelang.passes.validate.lowered import read_lowered
+
+if TYPE_CHECKING:
+    from pipelang.backends.config import RunConfig
+    from pipelang.backends.worker import RankStopped
+    from pipelang.ir import Program
+
+
+def run_as_torchrun_rank(
+    program: Program, config: RunConfig, source: str | None = None, filename: str | None = None
+) -> int:
+    import contextlib
+
+    from pipelang.backends.launch import report, step_progress
+    from pipelang.backends.report import Outcome
+    from pipelang.backends.torchrun_env import torchrun_env
+    from pipelang.backends.worker import RankStopped, run_torchrun_rank
+    from pipelang.progress import console
+
+    err = console(stderr=True)
+    losses: list[float] = []
+    progress = None
+    rank = torchrun_env().rank
+    if rank == 0:  # the rank that reports: the bar, the lines, --log
+        title = f"{program.name} on {config.model} (torchrun)"
+        progress = step_progress(program, config, title, err)
+
+    def on_step(step: int, loss: float, seconds: float) -> None:
+        losses.append(loss)
+        if progress is not None:
+            progress.step(step, loss, seconds)
+
+    try:
+        with progress or contextlib.nullcontext():
+            results = run_torchrun_rank(program, config, on_step, source, filename)
+    except RankStopped as stopped:
+        from pipelang.backends.hosts import HostsError
+
+        if isinstance(stopped.cause, HostsError):  # every process knows it: rank 0 says it
+            if rank == 0:
+                err.print(f"error: {stopped.cause}", markup=False)
+            return 2
+        err.print(f"error: {torchrun_failure(program, config, stopped)}", markup=False)
+        if config.debug:
+            err.print("".join(traceback.format_exception(stopped.cause)), markup=False)
+        return 1
+    if results is None:
+        return 0
+    return report(program, config, Outcome(results, losses))
+
+
+def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) -> str:
+    """One line for a rank under torchrun that failed: where, and what. A peer that went
+    away is named as such (rank K when the transfer names it, else its address); this
+    rank's own error is the cause."""
+    from pipelang.backends.processes import action_labels, where
+    from pipelang.backends.torchrun_env import torchrun_env
+    from pipelang.backends.transport import PeerFailure
+    from pipelang.backends.worker import describe, lower_streams, runs_streams
+
+    rank = torchrun_env().rank
+    streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
+    labels = action_labels(program, streams, config.backend == "nccl")
+    place = where(labels, rank, *stopped.place)
+    cause = stopped.cause
+    if isinstance(cause, PeerFailure):
+        base = rank - rank % program.num_ranks
+        return (
+            f"rank {rank} stopped {place}: {cause.who(base)} went away (it stopped or lost "
+            f"its connection; its own output says why)"
+        )
+    return f"rank {rank} failed {place}: {describe(cause)}"
+
+
+def run_rank_file(rank: int, file: str, config: RunConfig) -> int:
+    """Run a generated `rank{r}.py` started by hand: its folder holds schedule.json; the
+    environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
+    if config.dp == 1:
+        os.environ.setdefault("RANK", str(rank))
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    from pipelang.backends.launch import RunError, WorldError, preflight
+    from pipelang.backends.models import ModelError
+
+    try:
+        program = read_lowered(Path(file).parent / "schedule.json")
+    except PipelangError as err:
+        print(err.render(), file=sys.stderr)
+        return 1
+    from pipelang.backends.torchrun_env import TorchrunEnvError, torchrun_env
+
+    need = f"RANK = copy x {program.num_ranks} + {rank}" if config.dp > 1 else f"RANK={rank}"
+    if missing:
+        print(
+            f"error: set {', '.join(missing)} (this file is rank {rank}; {need})", file=sys.stderr
+        )
+        return 2
+    try:
+        env_rank = torchrun_env().rank
+    except TorchrunEnvError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not _runs_file(env_rank, rank, program.num_ranks, config.dp):
+        print(
+            f"error: RANK={env_rank} runs another rank: this file is rank {rank}; {need}",
+            file=sys.stderr,
+        )
+        return 2
+    config = config.for_program(program)
+    if config.graphs:
+        print(
+            f"error: {Path(file).name} runs its rank's action list; --graphs runs stream "
+            "programs, which `pipelang run ... --graphs` writes and starts itself",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        preflight(program, config)
+    except (RunError, ModelError) as error:
+        print(f"error: {clip(str(error))}", file=sys.stderr)
+        return 2 if isinstance(error, WorldError) else 1
+    return run_as_torchrun_rank(program, config, Path(file).read_text(), file)
+
+
+def _runs_file(env_rank: int, rank: int, num_ranks: int, dp: int) -> bool:
+    """Whether the process RANK `env_rank` runs program rank `rank` (`--dp`: any copy)."""
+    return env_rank < num_ranks * dp and env_rank % num_ranks == rank
