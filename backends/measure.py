@@ -27,13 +27,16 @@ from dataclasses import dataclass
 import torch
 
 from pipelang.backends.config import SGD_MOMENTUM
+from pipelang.backends.model_error import ModelError
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.stash import Stash
 from pipelang.backends.weight_split import WeightWork, split_backward, weight_pass
+from pipelang.diagnostics import quote
 from pipelang.ir import CostModel, Kind, Program
 from pipelang.planner.profile import LayerCost, Profile
 from pipelang.sim import memory
+from pipelang.source import one_line
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +119,32 @@ def stage_activation_bytes(
 ) -> list[tuple[int, int]]:
     """Per stage of `spec` cut into `num_stages`, the bytes of activations one
     micro-batch's forward saves, and what a split backward keeps of them after B for W,
-    measured on the CPU as the runtime counts them (`saved_bytes`)."""
+    measured on the CPU as the runtime counts them (`saved_bytes`). Sizes past what torch
+    can allocate here are a ModelError naming them."""
     plan = plan_stages(spec, num_stages, partition)
+    try:
+        return _stage_activation_bytes(spec, num_stages, plan.bounds)
+    except (RuntimeError, MemoryError) as err:  # torch's: a storage size that overflows
+        sizes = f"--micro-batch-size {spec.micro_batch_size:,}" + (
+            "" if spec.seq_len is None else f" and --seq-len {spec.seq_len:,}"
+        )
+        why = one_line(str(err))
+        raise ModelError(
+            f"cannot measure {quote(spec.name)}'s activations with {sizes}: "
+            f"{why if len(why) <= 120 else why[:117] + '...'}"
+        ) from None
+
+
+def _stage_activation_bytes(
+    spec: ModelSpec, num_stages: int, bounds: Sequence[Sequence[int]]
+) -> list[tuple[int, int]]:
     model = spec.build()
     x, targets = model.batch(0, 0, torch.device("cpu"))
     with torch.no_grad():
         for i in model.frozen_bounds if spec.frozen_layers else ():
             x = model.layers[i](x)
     found = []
-    for index, layers in enumerate(plan.bounds):
+    for index, layers in enumerate(bounds):
         stage = model.stage_module(layers)
         last = index == num_stages - 1
 

@@ -12,7 +12,6 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers import run_in_process
 
 import pipelang
 from pipelang import api
@@ -20,6 +19,7 @@ from pipelang.cli.args import parse_cost
 from pipelang.diagnostics import PipelangError
 from pipelang.import_torch import check_pipe
 from pipelang.synthesis import problem_of, synthesize
+from tests.helpers import run_in_process
 
 pytest.importorskip("ortools", reason="the solver is the `synth` extra")
 
@@ -197,11 +197,18 @@ def test_a_partition_of_huge_numbers_is_refused_at_once(command: str) -> None:
 
 
 def test_a_model_too_large_to_measure_is_a_usage_error() -> None:
+    """Measured where the bytes are measured (`measure.stage_activation_bytes`), so that
+    synthesize and simulate --model say the same (simulate's was an internal error)."""
     status, out, err = _synthesize("1f1b", "-p", "D=2", "-p", "N=2", "--model", "gpt:tiny",
                                    "--max-activation-bytes", "1GB",
                                    "--seq-len", "999999999999999999")  # fmt: skip
-    assert status == 2 and "cannot measure gpt:tiny's activations with --micro-batch-size 4 " in err
+    said = "cannot measure `gpt:tiny`'s activations with --micro-batch-size 4 "
+    assert status == 2 and said in err, err
     assert "--seq-len 999,999,999,999,999,999:" in err and json.loads(out)["ok"] is False
+    status, _, err = run_in_process(
+        ["simulate", "1f1b", "--model", "gpt:tiny", "--seq-len", "999999999999999999"]
+    )
+    assert status == 2 and said in err and "--seq-len 999,999,999,999,999,999:" in err, err
 
 
 PLACEMENT = (

@@ -21,12 +21,10 @@ from pipelang.cli.args import (
     schedule_name,
     write_output,
 )
-from pipelang.diagnostics import clip
 from pipelang.parser import keywords
 from pipelang.progress import console
 from pipelang.readers import ReadError, whole_number
 from pipelang.sim.timeline import as_number
-from pipelang.source import one_line
 from pipelang.synthesis.problem import MOST_OPS as MAX_OPS
 
 HELP = "search the fastest order for a schedule's placement under costs and a memory cap"
@@ -228,15 +226,6 @@ def _stage_bytes(args: argparse.Namespace, params: dict[str, str]) -> list[tuple
         return stage_activation_bytes(spec, stages, partition)
     except ModelError as err:
         raise UsageError(str(err)) from None
-    except (RuntimeError, MemoryError) as err:  # torch's: sizes past what it can allocate
-        sizes = f"--micro-batch-size {args.micro_batch_size}" + (
-            "" if args.seq_len is None else f" and --seq-len {args.seq_len:,}"
-        )
-        why = one_line(str(err))
-        raise UsageError(
-            f"cannot measure {clip(args.model)}'s activations with {sizes}: "
-            f"{why if len(why) <= 120 else why[:117] + '...'}"
-        ) from None
 
 
 def _max_ops(text: str) -> int:
