@@ -120,10 +120,11 @@ class Schedule:
         return path
 
 
-def cost_model(costs: Costs | None, stages: int | None = None) -> CostModel | None:
-    """A CostModel from `{"F": 1, "B": [2, 2, 3, 2]}` (a list gives one time per stage:
-    `stages` of them when it is given); raises PipelangError (E0209) on a key it does not
-    know, a value out of range (`ir.cost_problem`) or a list of the wrong length."""
+def cost_model(costs: Costs | None, stages: int) -> CostModel | None:
+    """A CostModel from `{"F": 1, "B": [2, 2, 3, 2]}` (a list gives one time per stage of
+    the `stages`, `C`'s one per boundary between them); raises PipelangError (E0209) on a
+    key it does not know, a value out of range (`ir.cost_problem`) or a list of the wrong
+    length."""
     if costs is None:
         return None
     if not isinstance(costs, Mapping):
@@ -156,12 +157,10 @@ def _listed(value: object) -> bool:
     return hasattr(value, "__iter__")
 
 
-def _check_length(kind: str, count: int, stages: int | None) -> None:
+def _check_length(kind: str, count: int, stages: int) -> None:
     """A per-stage list holds one time per stage, and `C`'s one per stage boundary (the
     link between stages b and b + 1): a list of another length is refused, never cut or
     padded (a fourth `C` on four stages was dropped)."""
-    if stages is None:
-        return  # `synthesize` checks each entry's stage against the schedule's
     expected, what = (stages - 1, "stage boundaries") if kind == "C" else (stages, "stages")
     if count != expected:
         each = "boundary: `C[b]` is the link between stages b and b + 1" if kind == "C" else "stage"
@@ -220,12 +219,15 @@ def synthesize(
     gives each stage boundary's link), with at most `max_activations` micro-batches of
     activations on any rank; `split` splits the backward into B and W (None: as the
     schedule does). Needs `pipelang[synth]`; docs/synthesize.md says what it returns."""
+    from pipelang.synthesis import stages_of
     from pipelang.synthesis import synthesize as search
 
+    text = _param_text(params)
+    model = None if costs is None else cost_model(costs, stages_of(str(sched), text)[0])
     return search(
         str(sched),
-        _param_text(params),
-        costs=cost_model(costs),
+        text,
+        costs=model,
         max_activations=max_activations,
         split=split,
         time_limit=time_limit,

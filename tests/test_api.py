@@ -109,3 +109,6 @@ def test_a_per_stage_list_of_the_wrong_length_is_refused(
         prog.simulate(costs)
     assert raised.value.diagnostics[0].message.startswith(message)
     assert prog.simulate({"C": [3, 3, 3]}).makespan == prog.simulate({"C": 3}).makespan
+    with pytest.raises(pipelang.PipelangError) as raised:  # synthesize took a short list
+        pipelang.synthesize("1f1b", D=4, N=4, costs=costs)
+    assert raised.value.diagnostics[0].message.startswith(message)
