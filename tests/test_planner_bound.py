@@ -56,11 +56,11 @@ def test_the_bound_never_exceeds_the_simulated_iteration(name: str) -> None:
                     layout = layout_of(name, params)
                 except Exception:  # a `require` that these sizes fail
                     continue
-                split = any(k.name == "W" for k in layout.kinds)
+                split = any(k.name == "W" for k in layout.program.kinds)
                 for _ in range(3):
                     costs = [
                         (rng.uniform(0.1, 3), rng.uniform(0.1, 5), rng.uniform(0.1, 3) * split)
-                        for _ in range(layout.num_stages)
+                        for _ in range(layout.program.num_stages)
                     ]
                     bound = iteration_bound(layout, costs)
                     assert 0 < bound <= simulated(name, params, costs) + 1e-9, params

@@ -6,8 +6,10 @@ Each module turns one kind of `order` declaration into per-rank lists of compute
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pipelang import ast
 from pipelang.diagnostics import fail
@@ -15,12 +17,8 @@ from pipelang.evaluate import Env, Scope
 from pipelang.ir import (
     STASH_KINDS,
     Action,
-    BatchShapes,
-    Chunks,
-    CostModel,
-    Dependency,
     Kind,
-    Pipeline,
+    Program,
 )
 
 _make = tuple.__new__
@@ -29,32 +27,28 @@ _make = tuple.__new__
 
 @dataclass(frozen=True)
 class Layout:
-    """What an order needs to know about the schedule: placement and micro-batches."""
+    """What an order needs to know about the schedule: its declarations, evaluated (a
+    `Program` without ranks: placement, micro-batches, kinds, costs, `after` edges,
+    chunks and shapes), and the scope its expressions are compiled in."""
 
     scope: Scope
     env: Env
-    num_ranks: int
-    num_stages: int
-    pipelines: tuple[Pipeline, ...]
-    assignment: tuple[str, ...]
-    kinds: tuple[Kind, ...]
-    costs: CostModel
-    after: tuple[Dependency, ...]
+    program: Program
+    """The schedule's declarations; its `ranks` are what the order makes."""
     local_stages: dict[tuple[str, int], tuple[int, ...]]
     """(pipeline, rank) -> the stages of that pipeline the rank holds, ascending."""
-    frozen: tuple[int, ...] | None = None
-    """The ranks that hold the frozen part (`Program.frozen`); None without one."""
-    chunks: Chunks | None = None
-    """How micro-batches split into sequence chunks (`Program.chunks`); None: not."""
-    shapes: BatchShapes | None = None
-    """The micro-batches' shapes when they differ (`Program.shapes`), for their times."""
+
+    def declaring(self, **changes: Any) -> Layout:
+        """This layout with some of its declarations changed (`after`, `costs`)."""
+        return dataclasses.replace(self, program=dataclasses.replace(self.program, **changes))
 
     def op_time(self) -> Callable[[Action], float]:
         """How long each op runs, as `simulate` times it: `costs` as the schedule's ops
         are timed (`CostModel.for_kinds`), each chunk its share and each shaped
         micro-batch its factor (`CostModel.timer`). Greedy and squeezed orders are built
         with it."""
-        return self.costs.for_kinds(self.kinds).timer(self.chunks, self.shapes)
+        program = self.program
+        return program.costs.for_kinds(program.kinds).timer(program.chunks, program.shapes)
 
     def op(
         self,
@@ -72,20 +66,20 @@ class Layout:
             if chunk is not None:
                 raise fail("E0319", "`P` runs on a whole micro-batch and names no chunk", call.span)
             return self._frozen_op(call, mb, stage)
-        if kind in STASH_KINDS and self.chunks is not None:
+        if kind in STASH_KINDS and self.program.chunks is not None:
             raise fail(
                 "E0211",
                 "sequence chunks do not combine with evictions (`E`, `L`) yet",
                 call.span,
                 help="drop the eviction, or the `chunks` declaration",
             )
-        if (chunk is None) != (self.chunks is None) or (
-            chunk is not None and not 0 <= chunk < self.chunks.count  # type: ignore[union-attr]
+        if (chunk is None) != (self.program.chunks is None) or (
+            chunk is not None and not 0 <= chunk < self.program.chunks.count  # type: ignore[union-attr]
         ):
             raise self.chunk_error(call, chunk)
         # The fast path first: this runs once per op of the schedule.
-        if mb is not None and 0 <= mb < len(self.assignment):
-            pipeline = self.assignment[mb]
+        if mb is not None and 0 <= mb < len(self.program.assignment):
+            pipeline = self.program.assignment[mb]
             if stage is None:
                 stages = self.local_stages.get((pipeline, rank), ())  # type: ignore[arg-type]
                 if len(stages) == 1:
@@ -93,7 +87,7 @@ class Layout:
                         Action,
                         (kind, mb, stages[0], pipeline, None, None, chunk, call.span, fused),
                     )
-            elif 0 <= stage < self.num_stages:
+            elif 0 <= stage < self.program.num_stages:
                 return _make(
                     Action, (kind, mb, stage, pipeline, None, None, chunk, call.span, fused)
                 )
@@ -102,7 +96,7 @@ class Layout:
     def chunk_error(self, call: ast.OpCall, chunk: int | None) -> Exception:
         """An op that names a chunk where there are none, names none where there are,
         or names one that does not exist (E0319)."""
-        if self.chunks is None:
+        if self.program.chunks is None:
             return fail(
                 "E0319",
                 f"`{call.kind}` names a chunk, but the schedule does not split micro-batches",
@@ -113,21 +107,21 @@ class Layout:
             return fail(
                 "E0319",
                 f"`{call.kind}` names no chunk, and the schedule splits every micro-batch "
-                f"into {self.chunks.count}",
+                f"into {self.program.chunks.count}",
                 call.span,
-                help=f"write `{call.kind}(mb, chunk=c)` with c in 0..{self.chunks.count}",
+                help=f"write `{call.kind}(mb, chunk=c)` with c in 0..{self.program.chunks.count}",
             )
         return fail(
             "E0319",
             f"chunk {chunk} does not exist",
             call.span,
-            notes=(f"chunks are 0..{self.chunks.count}",),
+            notes=(f"chunks are 0..{self.program.chunks.count}",),
         )
 
     def _frozen_op(self, call: ast.OpCall, mb: int | None, stage: int | None) -> Action:
         """`P(mb)`: the frozen forward that feeds F(mb, 0), on whichever rank lists it
         (`validate` checks that the rank holds the frozen part, E0317)."""
-        if self.frozen is None:
+        if self.program.frozen is None:
             raise fail(
                 "E0309",
                 "`P` runs the frozen part, and the schedule declares none",
@@ -141,9 +135,9 @@ class Layout:
                 call.span,
                 help="write `P(mb)`",
             )
-        if mb is None or not 0 <= mb < len(self.assignment):
+        if mb is None or not 0 <= mb < len(self.program.assignment):
             raise self._bad_op(call, mb, 0, None)
-        return Action(Kind.P, mb, 0, self.assignment[mb], span=call.span)
+        return Action(Kind.P, mb, 0, self.program.assignment[mb], span=call.span)
 
     def update(
         self, call: ast.OpCall, stage: int | None, rank: int, counts: dict[tuple[int, str], int]
@@ -152,13 +146,17 @@ class Layout:
         `counts` (the updates of each stage copy on this rank so far, which it advances)."""
         copies = [
             (s, p.name)
-            for p in self.pipelines
+            for p in self.program.pipelines
             for s in self.local_stages.get((p.name, rank), ())
             if stage is None or s == stage
         ]
         if len(copies) != 1:
             held = sorted(
-                {s for p in self.pipelines for s in self.local_stages.get((p.name, rank), ())}
+                {
+                    s
+                    for p in self.program.pipelines
+                    for s in self.local_stages.get((p.name, rank), ())
+                }
             )
             what = "several stage copies" if copies else f"no copy of stage {stage}"
             raise fail(
@@ -183,21 +181,21 @@ class Layout:
                 call.span,
                 help=f"write `{call.kind}(mb)` or `{call.kind}(mb, stage)`",
             )
-        if not 0 <= mb < len(self.assignment):
+        if not 0 <= mb < len(self.program.assignment):
             return fail(
                 "E0103",
                 f"micro-batch {mb} does not exist",
                 call.span,
-                notes=(f"micro-batches are 0..{len(self.assignment)}",),
+                notes=(f"micro-batches are 0..{len(self.program.assignment)}",),
             )
         if stage is not None:
             return fail(
                 "E0103",
                 f"stage {stage} does not exist",
                 call.span,
-                notes=(f"stages are 0..{self.num_stages}",),
+                notes=(f"stages are 0..{self.program.num_stages}",),
             )
-        pipeline = self.assignment[mb]
+        pipeline = self.program.assignment[mb]
         stages = self.local_stages.get((pipeline, rank), ()) if rank is not None else ()
         if not stages:
             return fail(

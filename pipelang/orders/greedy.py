@@ -59,7 +59,7 @@ def expand_greedy_order(order: ast.OrderGreedy, layout: Layout) -> tuple[tuple[A
     with every frozen forward first, and keeps the order that ends sooner (filling on a
     tie); `frozen fill` and `frozen first` replay once."""
     replay = _Replay(order, layout)
-    mode = order.frozen if layout.frozen else "fill"
+    mode = order.frozen if layout.program.frozen else "fill"
     if mode != "best":
         return replay.run(upfront=mode == "first")[0]
     fill, fill_end = replay.run(upfront=False)
@@ -81,7 +81,7 @@ class _Replay:
         program = _skeleton(layout)
         self.key_of = _priority(order, layout)
         self.caps = _caps(order, layout)
-        self.entries = placement.entries(layout.pipelines, layout.num_ranks)
+        self.entries = placement.entries(layout.program.pipelines, layout.program.num_ranks)
         self.ops = ops = list(program.compute_ops())
         op_time = layout.op_time()
         self.times = [op_time(op) for op in ops]
@@ -91,7 +91,7 @@ class _Replay:
             for op in ops
         ]
         extra: dict[Action, list[Action]] = {}
-        for dep in layout.after:
+        for dep in layout.program.after:
             extra.setdefault(dep.later, []).append(dep.earlier)
         self.inputs: list[list[Input]] = []
         self.fed: list[int] = []
@@ -109,15 +109,17 @@ class _Replay:
         """One replay: every rank's order and the time the last op ends. With `upfront`,
         no op that reads a frozen output starts before every frozen forward has ended."""
         layout, ops = self.layout, self.ops
-        costs = layout.costs
+        costs = layout.program.costs
         engine = Engine(self.rank_of, self.times, self.inputs, costs.of("C"), costs.link(), ops)
-        rule = _Rule(self, engine.ranks, frozenset(layout.frozen or ()), upfront and bool(self.fed))
+        rule = _Rule(
+            self, engine.ranks, frozenset(layout.program.frozen or ()), upfront and bool(self.fed)
+        )
         gated = self.fed if rule.gate else ()
-        orders, end, pending = engine.dispatch(rule, layout.num_ranks, gated)
+        orders, end, pending = engine.dispatch(rule, layout.program.num_ranks, gated)
         left = len(ops) - sum(map(len, orders))
         if left:
             waits = {op: count for op, count in zip(ops, pending, strict=True) if count}
-            raise _stuck(self.order, rule.ranks, left, layout.after, waits)
+            raise _stuck(self.order, rule.ranks, left, layout.program.after, waits)
         span = self.order.span
         return tuple(tuple(ops[i]._replace(span=span) for i in row) for row in orders), end
 
@@ -186,14 +188,14 @@ def _skeleton(layout: Layout) -> Program:
         "",
         "",
         (),
-        layout.num_ranks,
-        layout.num_stages,
-        layout.pipelines,
-        layout.assignment,
-        layout.kinds,
+        layout.program.num_ranks,
+        layout.program.num_stages,
+        layout.program.pipelines,
+        layout.program.assignment,
+        layout.program.kinds,
         (),
-        frozen=layout.frozen,
-        chunks=layout.chunks,
+        frozen=layout.program.frozen,
+        chunks=layout.program.chunks,
     )
 
 
@@ -207,7 +209,7 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
     for name in ("mb", "stage", "rank", "chunk"):
         scope = scope.with_name(name, order.span, why=why)
     keys = [compile_int(expr, scope) for expr in order.priority]
-    rank_of = placement.owners(layout.pipelines)
+    rank_of = placement.owners(layout.program.pipelines)
 
     def key_of(op: Action) -> tuple[int, ...]:
         env: Env = dict(layout.env)
@@ -225,13 +227,15 @@ def _priority(order: ast.OrderGreedy, layout: Layout) -> Callable[[Action], tupl
 def _caps(order: ast.OrderGreedy, layout: Layout) -> list[int]:
     """Each rank's cap: the `cap` expression compiled once, evaluated per rank."""
     if order.cap is None:
-        chunks = 1 if layout.chunks is None else layout.chunks.count
-        return [len(layout.assignment) * layout.num_stages * chunks] * layout.num_ranks
+        chunks = 1 if layout.program.chunks is None else layout.program.chunks.count
+        return [
+            len(layout.program.assignment) * layout.program.num_stages * chunks
+        ] * layout.program.num_ranks
     why = "in a greedy `cap`, `rank` is the rank the cap is for"
     cap_of = compile_int(order.cap, layout.scope.with_name("rank", order.span, why=why))
     env: Env = dict(layout.env)
     caps = []
-    for rank in range(layout.num_ranks):
+    for rank in range(layout.program.num_ranks):
         env["rank"] = rank
         cap = cap_of(env)
         if cap < 1:

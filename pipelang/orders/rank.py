@@ -25,7 +25,7 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
     # what depends on the rank alone, cost more than it saved (expand-orders at D=20000,
     # N=4: 2.1 s -> 0.6 s).
     body = compile_block(order.body, layout.scope.with_name(order.var, order.span), budget)
-    for rank in range(layout.num_ranks):
+    for rank in range(layout.program.num_ranks):
         actions: list[Action] = []
         updates: dict[tuple[int, str], int] = {}  # stage copy -> its updates so far
 

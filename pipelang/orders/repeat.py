@@ -27,11 +27,11 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
     scope = layout.scope.with_name(order.var, order.span)
     body = compile_block(order.body, scope, Budget())
     every = 0 if order.every is None else compile_int(order.every, layout.scope)(layout.env)
-    placed: list[dict[int, Action]] = [{} for _ in range(layout.num_ranks)]
+    placed: list[dict[int, Action]] = [{} for _ in range(layout.program.num_ranks)]
     first: list[int] = []  # the slots of each pipeline's first block, and of its last
     last: list[int] = []
-    for pipeline in layout.pipelines:
-        mbs = [mb for mb, p in enumerate(layout.assignment) if p == pipeline.name]
+    for pipeline in layout.program.pipelines:
+        mbs = [mb for mb, p in enumerate(layout.program.assignment) if p == pipeline.name]
         for k, mb in enumerate(mbs):
 
             def emit(
@@ -54,12 +54,12 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
                         call.span,
                         notes=("the micro-batch is the block's own",),
                     )
-                if not 0 <= stage < layout.num_stages:
+                if not 0 <= stage < layout.program.num_stages:
                     raise fail(
                         "E0103",
                         f"stage {stage} does not exist",
                         call.span,
-                        notes=(f"stages are 0..{layout.num_stages}",),
+                        notes=(f"stages are 0..{layout.program.num_stages}",),
                     )
                 action = Action(kind, mb, stage, pipeline.name, span=call.span)  # noqa: B023
                 _place(placed[pipeline.placement[stage]], slot + k * every, action)  # noqa: B023

@@ -80,7 +80,7 @@ def squeeze(
     order that cannot run (an op missing or doubled, a deadlock) comes back as it is, for
     `validate` to report."""
     graph = _graph(placed, steady, layout)
-    timed = None if graph is None else time_ops(*graph, layout.costs)
+    timed = None if graph is None else time_ops(*graph, layout.program.costs)
     if timed is None:
         return tuple(tuple(slots[s] for s in sorted(slots)) for slots in placed)
     lines: list[list[Op]] = [[] for _ in placed]
@@ -100,19 +100,22 @@ def _graph(
     that an `after` edge holds back, then the rest); and each op's inputs by number (its
     data dependencies, `delayed`, and its `after` edges). None when an op is there twice
     or waits for one that is not there."""
-    kinds = {kind: k for k, kind in enumerate(layout.kinds)}
-    per_mb = layout.num_stages * len(kinds)
+    kinds = {kind: k for k, kind in enumerate(layout.program.kinds)}
+    per_mb = layout.program.num_stages * len(kinds)
 
     def number(action: Action) -> int | None:
         """The op's place in `compute_ops`; None if it is not one of them."""
         k, mb, stage = kinds.get(action.kind), action.mb, action.stage
-        if k is None or mb is None or stage is None or not 0 <= stage < layout.num_stages:
+        if k is None or mb is None or stage is None or not 0 <= stage < layout.program.num_stages:
             return None
-        if not 0 <= mb < len(layout.assignment) or action.pipeline != layout.assignment[mb]:
+        if (
+            not 0 <= mb < len(layout.program.assignment)
+            or action.pipeline != layout.program.assignment[mb]
+        ):
             return None
         return mb * per_mb + stage * len(kinds) + k
 
-    numbered: list[Op | None] = [None] * (len(layout.assignment) * per_mb)
+    numbered: list[Op | None] = [None] * (len(layout.program.assignment) * per_mb)
     others: dict[Action, Op] = {}
     to_w = 1.0 if Kind.W in kinds else None  # counted whole until W, where W is split
     op_time = layout.op_time()  # built once: it is a new CostModel with W in B
@@ -147,7 +150,7 @@ def _graph(
             reads.append((dep, True))
         consumer.consumed = at % per_mb in consumed
     held_back: list[Op] = []  # undeclared-kind ops that `after` edges hold back
-    for edge in layout.after:
+    for edge in layout.program.after:
         at = number(edge.earlier)
         earlier = others.get(edge.earlier) if at is None else numbered[at]
         at = number(edge.later)
@@ -178,15 +181,15 @@ def _pattern(
     (`Program.inputs_of`); and the places some op waits for."""
     pattern: list[tuple[tuple[int | None, int], ...]] = []
     consumed: set[int] = set()
-    if not layout.assignment:
+    if not layout.program.assignment:
         return pattern, consumed
     skeleton = Program(
-        "", "", (), layout.num_ranks, layout.num_stages, layout.pipelines,
-        layout.assignment, layout.kinds, (),
+        "", "", (), layout.program.num_ranks, layout.program.num_stages, layout.program.pipelines,
+        layout.program.assignment, layout.program.kinds, (),
     )  # fmt: skip
-    pipeline = layout.assignment[0]
-    for stage in range(layout.num_stages):
-        for kind in layout.kinds:
+    pipeline = layout.program.assignment[0]
+    for stage in range(layout.program.num_stages):
+        for kind in layout.program.kinds:
             deps = skeleton.inputs_of(Action(kind, 0, stage, pipeline))
             if any(dep.mb != 0 or dep.pipeline != pipeline for dep in deps):
                 raise InternalError(f"`{kind.value}` waits for another micro-batch")

@@ -74,8 +74,8 @@ def _expand(
 ) -> Program:
     schedule = file.schedule
     layout = read_layout(file, bindings, given, extra_costs)
-    layout = dataclasses.replace(layout, after=read_after(schedule, layout))
-    frozen, chunks = layout.frozen, layout.chunks
+    layout = layout.declaring(after=read_after(schedule, layout))
+    frozen, chunks = layout.program.frozen, layout.program.chunks
     order = _order(schedule)
     if isinstance(order, ast.OrderRank):
         ranks = expand_rank_order(order, layout)
@@ -100,25 +100,12 @@ def _expand(
         )
     else:
         ranks = expand_repeat_order(order, layout)
-    params = tuple((p.name, bindings[p.name]) for p in schedule.params)
-    return Program(
-        schedule.name,
-        file.source.path,
-        params,
-        layout.num_ranks,
-        layout.num_stages,
-        layout.pipelines,
-        layout.assignment,
-        layout.kinds,
-        ranks,
-        layout.after,
-        layout.costs,
-        order.span,
-        partition=read_partition(schedule, layout.scope, layout.env, layout.num_stages),
+    return dataclasses.replace(
+        layout.program,
+        ranks=ranks,
+        order_span=order.span,
+        partition=read_partition(schedule, layout.scope, layout.env, layout.program.num_stages),
         weights=read_weights(schedule, layout.scope, layout.env),
-        frozen=frozen,
-        chunks=chunks,
-        shapes=layout.shapes,
     )
 
 
@@ -176,8 +163,8 @@ def _check_after_op(call: ast.OpCall, layout: Layout) -> None:
         raise fail("E0103", f"an `after` names ops fully: `{call.kind}(mb, stage)`", call.span)
     if call.kind == "BW":
         raise fail("E0103", "an `after` names one op: write `B` or `W`, not `BW`", call.span)
-    if Kind(call.kind) not in layout.kinds:
-        declared = ", ".join(k.value for k in layout.kinds)
+    if Kind(call.kind) not in layout.program.kinds:
+        declared = ", ".join(k.value for k in layout.program.kinds)
         raise fail(
             "E0309",
             f"an `after` names `{call.kind}`, but the schedule's ops are {declared}",

@@ -32,6 +32,7 @@ from pipelang.ir import (
     CostModel,
     Kind,
     Pipeline,
+    Program,
     WeightPolicy,
     placement,
     stage_problem,
@@ -77,23 +78,22 @@ def read_layout(
         raise too_large(
             f"the schedule has {total} ops, more than the limit of {max_ops()}", schedule.span
         )
-    local = placement.local_stages(pipelines)
-    layout = Layout(
-        scope,
-        env,
+    declared = Program(
+        schedule.name,
+        file.source.path,
+        tuple((p.name, bindings[p.name]) for p in schedule.params),
         num_ranks,
         num_stages,
         pipelines,
         assignment,
         kinds,
-        costs,
-        (),
-        local,
-        frozen,
-        chunks,
-        shapes,
+        ranks=(),
+        costs=costs,
+        frozen=frozen,
+        chunks=chunks,
+        shapes=shapes,
     )
-    return layout
+    return Layout(scope, env, declared, placement.local_stages(pipelines))
 
 
 def _declared(schedule: ast.Schedule, kind: type[DeclT], word: str) -> list[DeclT]:

@@ -38,24 +38,24 @@ def iteration_bound(layout: Layout, stage_costs: Sequence[tuple[float, float, fl
     only when the schedule has `W` ops, and an `R` (recompute) costs a forward."""
     forward = [f for f, _, _ in stage_costs]
     backward = [b for _, b, _ in stage_costs]
-    weight = [w if Kind.W in layout.kinds else 0.0 for _, _, w in stage_costs]
+    weight = [w if Kind.W in layout.program.kinds else 0.0 for _, _, w in stage_costs]
     before_f = _prefix(forward)  # before_f[s]: the forwards of stages 0..s-1
     before_b = _prefix(backward)
     all_f, all_b = before_f[-1], before_b[-1]
-    counts = Counter(layout.assignment)
+    counts = Counter(layout.program.assignment)
     best = 0.0
-    for rank in range(layout.num_ranks):
+    for rank in range(layout.program.num_ranks):
         classes: list[tuple[float, float, float]] = []  # (release, work, tail)
-        for pipeline in layout.pipelines:
+        for pipeline in layout.program.pipelines:
             count = counts[pipeline.name]
             held = layout.local_stages.get((pipeline.name, rank), ()) if count else ()
             for s in held:
                 b_tail = max(weight[s], before_b[s] + weight[0])
                 classes.append((before_f[s], count * forward[s], all_f - before_f[s + 1] + all_b))
                 classes.append((all_f + all_b - before_b[s + 1], count * backward[s], b_tail))
-                if Kind.W in layout.kinds:
+                if Kind.W in layout.program.kinds:
                     classes.append((all_f + all_b - before_b[s], count * weight[s], 0.0))
-                if Kind.R in layout.kinds:
+                if Kind.R in layout.program.kinds:
                     classes.append((before_f[s], count * forward[s], 0.0))
         best = max(best, _one_machine(classes))
     return best

@@ -173,7 +173,7 @@ class PlanModel:
         stage_costs = self.costs.stage_costs(
             self.first_cut(candidate.stages),
             self.split_w(candidate),
-            placement.crossing(layout.pipelines),
+            placement.crossing(layout.program.pipelines),
             [fastest] * candidate.stages,
         )
         return iteration_bound(layout, stage_costs)
@@ -238,7 +238,7 @@ class PlanModel:
         """The candidate's pipelines (which rank holds each stage), from its layout."""
         layout = self.layout(candidate)
         assert not isinstance(layout, str), layout
-        return layout.pipelines
+        return layout.program.pipelines
 
     def boundary_transfers(self, plan: Plan) -> list[float | None]:
         """Per stage boundary of `plan`, the time of a transfer across it as the prediction

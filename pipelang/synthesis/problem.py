@@ -4,7 +4,6 @@ search (`starting_points`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import graphlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -77,7 +76,7 @@ def _placement(
     read), the file, and its parameters' values; E0605 before any order is run where the
     ops to order (of `kinds`) are more than `most`."""
     layout, file, bindings = _declarations(sched, params, costs)
-    size = len(layout.assignment) * layout.num_stages * len(kinds(layout))
+    size = len(layout.program.assignment) * layout.program.num_stages * len(kinds(layout))
     if size > most:
         limit = "the most `synthesize` orders, which keep the solver within about 1 GiB"
         raise fail(
@@ -90,9 +89,9 @@ def _placement(
     if not any(isinstance(d, orders) for d in file.schedule.body):
         with nesting_limit(file.schedule.span), op_limit(max(most, MOST_OPS)):
             after = read_after(file.schedule, layout)
-        return dataclasses.replace(layout, after=after), None, file, bindings
+        return layout.declaring(after=after), None, file, bindings
     compiled = api.compile_schedule(sched, params, costs=costs, stop_after="insert-holds")
-    layout = dataclasses.replace(layout, after=compiled.need_program().after)
+    layout = layout.declaring(after=compiled.need_program().after)
     return layout, compiled, file, bindings
 
 
@@ -107,10 +106,10 @@ def _declarations(
     layout = schedule_layout(file, bindings)
     schedule = file.schedule
     unsupported = [
-        (layout.frozen is not None, "a frozen part (`frozen on`)"),
-        (layout.chunks is not None, "sequence chunks (`chunks`)"),
-        (layout.shapes is not None, "micro-batches of different shapes"),
-        (Kind.R in layout.kinds, "recomputation (`ops ..., R`)"),
+        (layout.program.frozen is not None, "a frozen part (`frozen on`)"),
+        (layout.program.chunks is not None, "sequence chunks (`chunks`)"),
+        (layout.program.shapes is not None, "micro-batches of different shapes"),
+        (Kind.R in layout.program.kinds, "recomputation (`ops ..., R`)"),
         (read_weights(schedule, layout.scope, layout.env) is not None, "asynchronous weights"),
     ]
     for found, what in unsupported:
@@ -122,10 +121,10 @@ def _declarations(
                 schedule.span,
             )
     for kind, stage, _ in () if costs is None else costs.entries:
-        problem = None if stage is None else stage_problem(kind, stage, layout.num_stages)
+        problem = None if stage is None else stage_problem(kind, stage, layout.program.num_stages)
         if problem is not None:
             raise fail("E0209", f"`{kind}[{stage}]` for {schedule.name}: {problem}", schedule.span)
-    return dataclasses.replace(layout, costs=layout.costs.merged(costs)), file, bindings
+    return layout.declaring(costs=layout.program.costs.merged(costs)), file, bindings
 
 
 def problem_of(
@@ -142,8 +141,10 @@ def problem_of(
     layout, own, file, bound = _placement(
         sched, params, costs, lambda layout: _kinds(layout, split), most
     )
-    if stage_bytes is not None and len(stage_bytes) != layout.num_stages:
-        raise InternalError(f"{len(stage_bytes)} stages' bytes for {layout.num_stages} stages")
+    if stage_bytes is not None and len(stage_bytes) != layout.program.num_stages:
+        raise InternalError(
+            f"{len(stage_bytes)} stages' bytes for {layout.program.num_stages} stages"
+        )
     values = tuple((p.name, bound[p.name]) for p in file.schedule.params)
     cut = _cut(file, layout, partition)
     problem = Problem(layout, _kinds(layout, split), file.schedule.name, values, stage_bytes, cut)
@@ -161,7 +162,9 @@ def _check_acyclic(problem: Problem, span: Span | None) -> None:
     except graphlib.CycleError as err:
         cycle: list[int] = err.args[1]  # each op waits for the one before it
         ops = [problem.ops[i] for i in cycle]
-        edges = {(deps.op_key(d.earlier), deps.op_key(d.later)): d for d in problem.layout.after}
+        edges = {
+            (deps.op_key(d.earlier), deps.op_key(d.later)): d for d in problem.layout.program.after
+        }
         found = [
             edges[key]
             for a, b in itertools.pairwise(ops)
@@ -182,13 +185,13 @@ def _cut(file: ast.File, layout: Layout, given: Sequence[int] | None) -> tuple[i
     """The model's layers per stage: `given` (a `--partition`) where there is one, else
     the schedule's `partition` line; None: the runtime's even split."""
     if given is None:
-        return read_partition(file.schedule, layout.scope, layout.env, layout.num_stages)
+        return read_partition(file.schedule, layout.scope, layout.env, layout.program.num_stages)
     shown = ", ".join(map(str, given))
-    if len(given) != layout.num_stages:
+    if len(given) != layout.program.num_stages:
         raise fail(
             "usage",
             f"the partition {shown} gives {len(given)} stages; {file.schedule.name}'s "
-            f"placement has {layout.num_stages}",
+            f"placement has {layout.program.num_stages}",
         )
     if min(given) < 1:
         raise fail("usage", f"the partition {shown} leaves a stage without layers")
@@ -197,7 +200,7 @@ def _cut(file: ast.File, layout: Layout, given: Sequence[int] | None) -> tuple[i
 
 def _kinds(layout: Layout, split: bool | None) -> tuple[Kind, ...]:
     """The op kinds to order: B and W split or not, or as the schedule declares them."""
-    return layout.kinds if split is None else SPLIT if split else WHOLE
+    return layout.program.kinds if split is None else SPLIT if split else WHOLE
 
 
 def stages_of(
@@ -206,7 +209,7 @@ def stages_of(
     """The placement's stage count and its cut (`partition`, else its `partition` line;
     None: even), what measuring a model's bytes per stage needs."""
     layout, file, _ = _declarations(sched, params, None)
-    return layout.num_stages, _cut(file, layout, partition)
+    return layout.program.num_stages, _cut(file, layout, partition)
 
 
 def amount(value: float, problem: Problem) -> str:
@@ -232,7 +235,7 @@ def profile_costs(
     the two ranks (`C[b]`; the slowest, where pipelines cross a boundary between other
     ranks). A profile or topology that does not fit the placement is E0604."""
     layout, file, _ = _declarations(sched, params, None)
-    stages, ranks = layout.num_stages, layout.num_ranks
+    stages, ranks = layout.program.num_stages, layout.program.num_ranks
     layers = len(profile.layers)
     counts = _cut(file, layout, partition)
     if counts is None:
@@ -258,13 +261,13 @@ def profile_costs(
             f"{ranks} ranks",
         )
     ops = OpCosts(profile, "sgd")
-    crosses = crossing(layout.pipelines)
+    crosses = crossing(layout.program.pipelines)
     model = ops.cost_model(counts, Kind.W in _kinds(layout, split), crosses)
     entries = [("MW", s, share) for s, share in enumerate(stage_w_shares(profile, counts))]
     if topology is not None:
         outputs = stage_outputs(profile, counts)
         for b in range(stages - 1):
-            pairs = {(p.placement[b], p.placement[b + 1]) for p in layout.pipelines}
+            pairs = {(p.placement[b], p.placement[b + 1]) for p in layout.program.pipelines}
             times = [ops.boundary_ms(topology, x, y, outputs[b]) for x, y in pairs]
             entries.append(("C", b, max(times, default=0.0)))
     return model.merged(CostModel(tuple(entries)))
@@ -294,26 +297,26 @@ class Problem:
         self.stage_bytes = stage_bytes
         """Per stage, the bytes one forward saves and what W keeps of them after B: then
         activations are counted in bytes, else in micro-batches."""
-        self.costs = costs = layout.costs.for_kinds(self.kinds)
+        self.costs = costs = layout.program.costs.for_kinds(self.kinds)
         self.ops = [
             Action(kind, mb, stage, pipe)
-            for mb, pipe in enumerate(layout.assignment)
-            for stage in range(layout.num_stages)
+            for mb, pipe in enumerate(layout.program.assignment)
+            for stage in range(layout.program.num_stages)
             for kind in self.kinds
         ]
         self.index = {deps.op_key(op): i for i, op in enumerate(self.ops)}
-        owner = owners(layout.pipelines)
+        owner = owners(layout.program.pipelines)
         self.ranks = [owner[(op.stage, op.pipeline)] for op in self.ops]
         self.times = [costs.time(op) for op in self.ops]
         extra: dict[int, list[int]] = {}
-        for dep in layout.after:
+        for dep in layout.program.after:
             later, earlier = (
                 self.index.get(deps.op_key(dep.later)),
                 self.index.get(deps.op_key(dep.earlier)),
             )
             if later is not None and earlier is not None:
                 extra.setdefault(later, []).append(earlier)
-        stages = layout.num_stages
+        stages = layout.program.num_stages
         self.inputs: list[list[Input]] = [
             [
                 (self.index[key], True)
@@ -325,7 +328,7 @@ class Problem:
             + [(u, False) for u in extra.get(i, ())]
             for i, op in enumerate(self.ops)
         ]
-        sizes = [1.0] * layout.num_stages
+        sizes = [1.0] * layout.program.num_stages
         if stage_bytes is not None:
             sizes = [saved for saved, _ in stage_bytes]
         self.sizes = sizes
@@ -338,7 +341,7 @@ class Problem:
         """`sim.memory.change` of every op, times its stage's size, in exact numbers."""
         split = Kind.W in self.kinds
         stages: list[tuple[Fraction, Fraction | None]] = []  # (held, what W keeps)
-        for stage in range(self.layout.num_stages):
+        for stage in range(self.layout.program.num_stages):
             if self.stage_bytes is None:
                 kept = decimal(self.costs.of("MW", stage)) if split else None
                 stages.append((Fraction(1), kept))
@@ -363,7 +366,7 @@ class Problem:
 
     @property
     def num_ranks(self) -> int:
-        return self.layout.num_ranks
+        return self.layout.program.num_ranks
 
     def engine(self, times: Sequence[float], transfers: Sequence[float] | None = None) -> Engine:
         """The timing engine over these ops with `times`: each transfer the cost model's
@@ -431,8 +434,8 @@ class Problem:
         micro-batch's last forward runs, no backward of it can have run, so every rank
         holds all its stages of that micro-batch's pipeline."""
         most, why = 0.0, ""
-        for pipe in self.layout.pipelines:
-            if pipe.name not in self.layout.assignment:
+        for pipe in self.layout.program.pipelines:
+            if pipe.name not in self.layout.program.assignment:
                 continue
             held = {
                 rank: sum(self.sizes[s] for s in stages)
@@ -495,8 +498,8 @@ class Problem:
         the stages, then each backward followed by its W): the least memory, each rank
         holding one micro-batch's stages at most."""
         orders: list[list[int]] = [[] for _ in range(self.num_ranks)]
-        stages = self.layout.num_stages
-        for mb, pipe in enumerate(self.layout.assignment):
+        stages = self.layout.program.num_stages
+        for mb, pipe in enumerate(self.layout.program.assignment):
             sequence = [(Kind.F, s) for s in range(stages)]
             for s in reversed(range(stages)):
                 sequence += [(k, s) for k in self.kinds if k is not Kind.F]

@@ -75,7 +75,7 @@ def scaled(problem: Problem) -> Scaled:
     transfers = [decimal(costs.transfer(op)) for op in problem.ops]
     times = [decimal(t) for t in problem.times]
     pair = (
-        [decimal(costs.of("FB", s)) for s in range(problem.layout.num_stages)]
+        [decimal(costs.of("FB", s)) for s in range(problem.layout.program.num_stages)]
         if costs.gives("FB")
         else None
     )
@@ -144,7 +144,7 @@ def solve(
     model.Add(makespan >= least)
     if memory is not None:
         _reservoirs(model, problem, starts, times, memory)
-    if not problem.layout.after:
+    if not problem.layout.program.after:
         _first_forwards_in_order(model, problem, starts)
     for i, end in enumerate(hint_ends):
         model.AddHint(starts[i], round(end) - times[i])
@@ -320,7 +320,7 @@ def _first_forwards_in_order(model, problem: Problem, starts) -> None:  # type: 
     """A pipeline's micro-batches enter it in their order: their first forwards start in
     micro-batch order. Alike micro-batches can be renamed, so no order is lost."""
     last: dict[str, int] = {}
-    for mb, pipe in enumerate(problem.layout.assignment):
+    for mb, pipe in enumerate(problem.layout.program.assignment):
         i = problem.index[(Kind.F, mb, 0, pipe, None)]
         if pipe in last:
             model.Add(starts[i] >= starts[last[pipe]])

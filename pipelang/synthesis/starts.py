@@ -25,7 +25,7 @@ def starting_points(
     fits a cap the least cap allows). Each is timed as the file `synthesize` would write
     of it runs (`Problem.makespan`: its overlapped pairs kept, under the problem's costs
     and `after` edges), and fits the cap exactly."""
-    costs = problem.layout.costs
+    costs = problem.layout.program.costs
     found: list[Known] = []
 
     def add(name: str, compiled: Compilation) -> None:
@@ -42,8 +42,8 @@ def starting_points(
     if own is not None:
         add(f"stdlib {sched}" if shown.startswith("<stdlib>") else f"the order of {sched}", own)
     layout = problem.layout
-    shape = _shape(layout.pipelines, layout.assignment)
-    values = {"D": str(layout.num_ranks), "N": str(len(layout.assignment))}
+    shape = _shape(layout.program.pipelines, layout.program.assignment)
+    values = {"D": str(layout.program.num_ranks), "N": str(len(layout.program.assignment))}
     for stdlib in api.stdlib_names():
         if own is not None and path == api.find_schedule(stdlib)[0]:
             continue
@@ -53,9 +53,9 @@ def starting_points(
             bound = run_passes(file, Options(given, costs=costs), "resolve-params")
             assert bound.params is not None
             other = schedule_layout(file, bound.params)
-            if _shape(other.pipelines, other.assignment) != shape:
+            if _shape(other.program.pipelines, other.program.assignment) != shape:
                 continue
-            if other.frozen or other.chunks or Kind.R in other.kinds:
+            if other.program.frozen or other.program.chunks or Kind.R in other.program.kinds:
                 continue
             if read_weights(file.schedule, other.scope, other.env) is not None:
                 continue

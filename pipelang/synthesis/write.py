@@ -44,8 +44,8 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
         for key, v in problem.params
     )
     body: list[str] = []
-    for pipe in layout.pipelines:
-        expr = _placement(pipe.placement, layout.num_ranks, s, taken, lines)
+    for pipe in layout.program.pipelines:
+        expr = _placement(pipe.placement, layout.program.num_ranks, s, taken, lines)
         body.append(
             f"    pipeline {pipe.name}: stage {s} in 0..{len(pipe.placement)} -> rank {expr}"
         )
@@ -58,10 +58,12 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
     lines.append("    ops " + ", ".join(k.value for k in problem.kinds))
     if problem.partition is not None:
         lines.append("    partition " + ", ".join(map(str, problem.partition)))
-    lines += [f"    cost {item}" for item in _cost_items(layout.costs, layout.num_stages)]
+    lines += [
+        f"    cost {item}" for item in _cost_items(layout.program.costs, layout.program.num_stages)
+    ]
     lines += body
     runs: list[tuple[int, int, str]] = []
-    for mb, pipe_name in enumerate(layout.assignment):
+    for mb, pipe_name in enumerate(layout.program.assignment):
         if runs and runs[-1][2] == pipe_name:
             runs[-1] = (runs[-1][0], mb + 1, pipe_name)
         else:
@@ -69,7 +71,7 @@ def write_pipe(problem: Problem, orders: Sequence[Sequence[Action]], name: str, 
     lines.append("    microbatches " + ", ".join(f"{m} in {a}..{b} -> {p}" for a, b, p in runs))
     lines += [  # the `after` edges between the ops ordered (the solver kept them too)
         f"    {_op(dep.later)} after {_op(dep.earlier)}"
-        for dep in layout.after
+        for dep in layout.program.after
         if deps.op_key(dep.later) in problem.index and deps.op_key(dep.earlier) in problem.index
     ]
     lines.append(f"    order rank {r} {{")
