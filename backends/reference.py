@@ -188,12 +188,15 @@ class _Grouping:
                 for order, adds in ((m.units, b_adds), (m.late, w_adds)):
                     if adds:
                         self.lanes.append((stage, index, order, adds))
-        first = sums.stages[min(sums.stages)][0].units
+        head = sums.stages[min(sums.stages)][0]
+        lead = dict.fromkeys(mb for mb, _ in head.late or head.units)
+        place = {mb: i for i, mb in enumerate(lead)}
         every = {u for members in sums.stages.values() for m in members for u in m.units}
-        rest = sorted(every - set(first), key=lambda u: (u[0], -(u[1] or 0)))
-        self.order = [*first, *rest]
-        """The backwards in an order most copies add them in (each gradient is used and
-        dropped at once), a micro-batch's chunks last first."""
+        self.order = sorted(every, key=lambda u: (place.get(u[0], len(place)), u[0], -(u[1] or 0)))
+        """The backwards, micro-batches in the order a copy adds them in (each gradient
+        is used and dropped at once; where W's run in another order than B's, the W's,
+        which add the weights), a micro-batch's chunks last first (a chunk's backward
+        hands the chunks before it their keys' and values' gradients)."""
 
     def gradients(
         self, trained: list[nn.Parameter], backward: Callable[[Unit], None], clip: float | None
@@ -237,11 +240,24 @@ class _Grouping:
                     for param in adds:
                         _add(part, id(param), grads[id(param)])
                     done[lane] += 1
-            pending = {u: g for u, g in pending.items() if self._needed(u, done)}
+            pending = self._still_needed(pending, done)
         return parts
 
-    def _needed(self, unit: Unit, done: list[int]) -> bool:
-        return any(unit in lane[2][done[i] :] for i, lane in enumerate(self.lanes))
+    def _still_needed(
+        self, pending: dict[Unit, dict[int, torch.Tensor | None]], done: list[int]
+    ) -> dict[Unit, dict[int, torch.Tensor | None]]:
+        """The gradients of `pending` that a lane has yet to add (a unit another lane
+        wants later keeps those of its parameters only)."""
+        wanted: dict[Unit, set[int]] = {}
+        for lane, (_, _, todo, adds) in enumerate(self.lanes):
+            for unit in todo[done[lane] :]:
+                if unit in pending:
+                    wanted.setdefault(unit, set()).update(id(p) for p in adds)
+        return {
+            unit: {k: g for k, g in grads.items() if k in wanted[unit]}
+            for unit, grads in pending.items()
+            if unit in wanted
+        }
 
     def _norm_part(self, stages: list[int], device: torch.device) -> torch.Tensor:
         """One process's part of the squared norm (`RankRuntime.grad_square_sum`)."""

@@ -16,13 +16,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import run, stdlib
+from torch import nn
 
 from pipelang.api import load_program
 from pipelang.backends.config import RunConfig
 from pipelang.backends.rank_base import RankResult
-from pipelang.backends.reference import Comparison, Reference, compare
+from pipelang.backends.reference import Comparison, Reference, _Grouping, compare
 from pipelang.backends.reference_runs import added_by_backward
-from pipelang.backends.summation import accumulation, exchange_sum, tree_sum
+from pipelang.backends.summation import (
+    Member,
+    SumPlan,
+    Unit,
+    accumulation,
+    exchange_sum,
+    tree_sum,
+)
 from pipelang.ir import Program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,6 +209,24 @@ def test_accumulation_follows_ws_that_run_in_another_order_than_their_bs(
     # where the orders are one, there is one
     same = accumulation(stdlib("zb-h1", D=2, N=4), dp=1)
     assert same is not None and all(m.late is None for ms in same.stages.values() for m in ms)
+
+
+def test_the_reference_adds_what_b_adds_in_the_bs_order_and_the_rest_in_the_ws() -> None:
+    """Gradients 1e8, -1e8, 1 add to 1 in that order and to 0 in the reverse (fp32): a
+    parameter B adds follows the B's order, one W adds the W's, each copy in its own."""
+    b_order: tuple[Unit, ...] = ((0, None), (1, None), (2, None))
+    plan = SumPlan({0: [Member(0, b_order, b_order[::-1])]}, [[0]])
+    by_b, by_w = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    values = {0: 1e8, 1: -1e8, 2: 1.0}
+
+    def backward(unit: Unit) -> None:
+        for param in (by_b, by_w):
+            param.grad = torch.full((1,), values[unit[0]])
+
+    grouping = _Grouping(plan, [[by_b, by_w]], [frozenset({0})])
+    grouping.gradients([by_b, by_w], backward, None)
+    assert by_b.grad is not None and by_w.grad is not None
+    assert (float(by_b.grad), float(by_w.grad)) == (1.0, 0.0)
 
 
 @pytest.mark.parametrize("model", ["gpt:tiny", "llama:tiny"])
