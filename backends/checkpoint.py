@@ -1,8 +1,11 @@
-"""Checkpoints: `run --save DIR [--save-every K]` and `run --resume DIR`.
+"""Checkpoints: `run --save DIR [--save-every K]` and `run --resume DIR` (or `auto`).
 
 A checkpoint is a `torch.distributed.checkpoint` (DCP) directory of its own,
 `DIR/step-K` for the state after step K, plus `pipelang.json` (step, model, optimizer,
-precision, schedule), written last: a directory without it is incomplete and is never resumed.
+precision, schedule, the run and its lineage), written last: a directory without it is
+incomplete and is never resumed. Which checkpoints under DIR are this run's, which one
+`--resume` takes and which `--keep-last` deletes is `checkpoint_dirs.py`'s; reading a
+checkpoint's files, none of them trusted, is `checkpoint_read.py`'s.
 
 Every entry is named as in the whole model, never by rank or stage: `model.{layer}.{name}`
 for a parameter (the layer counted over the whole model, as `--check` names it) and
@@ -10,39 +13,45 @@ for a parameter (the layer counted over the whole model, as `--check` names it) 
 `step` for Adam, `momentum` for SGD). So the replicas of a stage (Chimera's two pipelines,
 `--dp` copies) write one entry between them (DCP keeps one of equal keys), and a checkpoint
 loads into any schedule, rank count or partition over the same model: each rank reads the
-entries of the layers it holds.
-
-DCP keeps its index, `.metadata`, as a pickle, and its own reader unpickles it whole:
-a crafted file would run whatever it names. pipelang reads it with `_MetadataUnpickler`,
-which builds only the classes DCP's metadata is made of and refuses anything else before
-it is created; tensors are read with `torch.load(weights_only=True)` by DCP itself, and
-only entries that the metadata calls tensors are ever asked for.
+entries of the layers it holds. Every entry the run's optimizer keeps must be there, in
+its shape and dtype (a checkpoint without Adam's moments is refused, naming the first
+missing one, before any rank starts: `verify`, and again by each rank: `load`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
+import os
 import pickle
-import re
-import shutil
+import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata
+from pipelang.backends.checkpoint_dirs import find, mark, may_overwrite, prune
+from pipelang.backends.checkpoint_read import (
+    INFO,
+    STEP_DIR,
+    CheckpointError,
+    read_info,
+    reader,
+    tensor_entries,
+)
+from pipelang.diagnostics import clip
 
+if TYPE_CHECKING:
     from pipelang.backends.config import RunConfig
     from pipelang.backends.optim import Optimizer
 
 __all__ = [
+    "INFO",
+    "STEP_DIR",
     "CheckpointError",
     "Held",
     "find",
@@ -55,13 +64,16 @@ __all__ = [
     "write",
 ]
 
-INFO = "pipelang.json"
-"""What pipelang adds to a DCP directory; written last, so it marks a complete one."""
-STEP_DIR = re.compile(r"step-(\d+)")
+Entry = tuple[tuple[int, ...], torch.dtype]
 
 
-class CheckpointError(Exception):
-    """A checkpoint that cannot be found, or does not fit this run."""
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+announce: Callable[[str], None] = _say
+"""Where the first process says that a checkpoint is complete: standard error (rank 0
+under torchrun); a rank of `pipelang run` sends it to the launcher instead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,78 +129,118 @@ def saves_after(config: RunConfig, step: int) -> bool:
 def write(held: Iterable[Held], step: int, config: RunConfig, schedule: str) -> None:
     """Save this process's entries as part of the checkpoint of step `step` under
     `--save`; a collective over the default process group when there is one. The first
-    process writes `pipelang.json`."""
+    process marks the directory as this run's, writes `pipelang.json` once every process
+    is done, says so (`announce`) and applies `--keep-last`. A `step-K` of another run
+    is never written over (CheckpointError)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     assert config.save is not None
     path = step_dir(config.save, step)
-    info = {"step": step, "model": config.model, "optimizer": config.optimizer}
-    info |= {"precision": precision(config), "schedule": schedule}
-    info["lr_schedule"] = lr_text(config)
+    info: dict[str, object] = {"step": step, "model": config.model}
+    info |= {"optimizer": config.optimizer, "precision": precision(config)}
+    info |= {"schedule": schedule, "lr_schedule": lr_text(config)}
+    if config.run_id is not None:
+        info |= {"run": config.run_id, "lineage": [list(x) for x in config.lineage]}
 
     state = {key: value.detach() for h in held for key, value in h.entries()}
     distributed = dist.is_initialized()
     first = not distributed or dist.get_rank() == 0
     if first:  # before the collective save: an overwritten step is incomplete until done
+        if not may_overwrite(path, config.run_id, config.lineage):
+            raise CheckpointError(f"`{path}` holds another run's checkpoint: not written over")
         (path / INFO).unlink(missing_ok=True)
+        mark(path, config.run_id)
     with _one_process_quiet():
         dcp.save(state, checkpoint_id=path, no_dist=not distributed)
     if distributed:
         dist.barrier()
     if first:
-        (path / INFO).write_text(json.dumps(info, indent=1) + "\n")
+        temporary = path / f".{INFO}.{os.getpid()}"  # complete at once, never half written
+        temporary.write_text(json.dumps(info, indent=1) + "\n")
+        temporary.replace(path / INFO)
+        announce(f"checkpoint {path} complete (step {step})")
         if config.keep_last is not None:
-            prune(config.save, config.keep_last)
-
-
-def prune(root: str, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints under `root` (run by the
-    first process, right after a newer one is complete), and any cut-short `step-K`
-    older than the newest complete one (it can never be resumed); what it deleted."""
-    steps = sorted(
-        (int(m.group(1)), d)
-        for d in Path(root).iterdir()
-        if (m := STEP_DIR.fullmatch(d.name)) and d.is_dir()
-    )
-    complete = [(step, d) for step, d in steps if (d / INFO).is_file()]
-    if not complete:
-        return []
-    newest = complete[-1][0]
-    kept = {d for _, d in complete[-keep:]}
-    gone = [d for step, d in steps if d not in kept and step < newest]
-    for directory in gone:
-        (directory / INFO).unlink(missing_ok=True)  # incomplete first: never half-resumed
-        shutil.rmtree(directory, ignore_errors=True)
-    return gone
+            prune(config.save, config.keep_last, config.run_id, config.lineage)
 
 
 @torch.no_grad()
 def load(held: Iterable[Held], path: str) -> None:
     """Load this process's entries from checkpoint `path` into its parameters and
-    optimizer states, in place; a collective when there is a process group."""
+    optimizer states, in place; a collective when there is a process group. Every entry
+    the optimizer keeps must be there (`_fit`); a shard DCP cannot read is a
+    CheckpointError naming the checkpoint."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     held = list(held)
-    saved = _saved_keys(path)
-    state = {
-        key: value.detach().clone()
-        for h in held
-        for key, value in _wanted(h)
-        if key in saved or key.startswith("model.")
-    }
-    missing = sorted(k for k in state if k not in saved)
-    if missing:
-        raise CheckpointError(f"`{path}` has no tensor `{missing[0]}`")
-    with _one_process_quiet():
-        dcp.load(state, storage_reader=_reader(path), no_dist=not dist.is_initialized())
+    required: dict[str, torch.Tensor] = {}
+    optional: dict[str, torch.Tensor] = {}
+    for h in held:
+        required.update((key, value.detach().clone()) for key, value in h.entries())
+        for name, param in zip(h.names, h.params, strict=True):  # SGD's, made at its
+            optional[f"optim.{name}.momentum"] = torch.zeros_like(param)  # first step
+    saved = tensor_entries(Path(path))
+    shapes = {key: (tuple(v.shape), v.dtype) for key, v in required.items()}
+    _fit(path, saved, shapes, {k: (tuple(v.shape), v.dtype) for k, v in optional.items()})
+    state = required | {k: v for k, v in optional.items() if k in saved and k not in required}
+    try:
+        with _one_process_quiet():
+            dcp.load(state, storage_reader=reader(Path(path)), no_dist=not dist.is_initialized())
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # DCP's gathers every rank's
+        raise CheckpointError(f"`{path}`: its tensors cannot be read: {_first(err)}") from None
     for h in held:
         for i, (name, param) in enumerate(zip(h.names, h.params, strict=True)):
             param.copy_(state[f"model.{name}"])
             prefix = f"optim.{name}."
             fields = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             h.optimizer.load_state(i, fields)
+
+
+def _first(err: BaseException) -> str:
+    """The first failure inside DCP's CheckpointException (one per rank, each an
+    (exception, traceback) pair), in one line; an unpickling error without torch's
+    advice to load the file with `weights_only=False`."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) and first else first
+    if isinstance(err, pickle.UnpicklingError):
+        return "a shard does not hold tensors as torch.save writes them (UnpicklingError)"
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _fit(
+    path: str, saved: dict[str, Entry], required: dict[str, Entry], optional: dict[str, Entry]
+) -> None:
+    """CheckpointError unless checkpoint `path` (`saved`: its tensor entries) holds every
+    entry of `required`, and those of `optional` it holds, in their shape and dtype."""
+    for key, want in [*required.items(), *optional.items()]:
+        if key not in saved:
+            if key in required:
+                raise CheckpointError(_missing(path, key))
+            continue
+        if saved[key] != want:
+            raise CheckpointError(
+                f"`--resume {path}`: `{key}` is {_text(saved[key])} there and {_text(want)} "
+                "in this run"
+            )
+
+
+def _missing(path: str, key: str) -> str:
+    if not key.startswith("optim."):
+        return f"`--resume {path}` has no tensor `{key}`"
+    field = key.rsplit(".", 1)[1]
+    return (
+        f"`--resume {path}` has no optimizer state `{key}`: this run's optimizer keeps "
+        f"`{field}` for every parameter, and a checkpoint without it cannot resume it "
+        "(a fresh optimizer state is not made up)"
+    )
 
 
 @contextlib.contextmanager
@@ -200,136 +252,25 @@ def _one_process_quiet() -> Iterator[None]:
         yield
 
 
-def _wanted(held: Held) -> Iterator[tuple[str, torch.Tensor]]:
-    """The entries a load fills: those `entries` gives, and SGD's momentum, which a
-    fresh optimizer has not made yet."""
-    yield from held.entries()
-    for name, param in zip(held.names, held.params, strict=True):
-        yield f"optim.{name}.momentum", torch.zeros_like(param)
-
-
-def find(path: str) -> tuple[Path, int]:
-    """The checkpoint `--resume path` names and its step: `path` itself when it is one,
-    else the latest complete `step-K` under it."""
-    root = Path(path)
-    if (root / INFO).is_file():
-        return root, int(_info(root)["step"])
-    if not root.is_dir():
-        raise CheckpointError(f"`--resume {path}`: no such directory")
-    steps = sorted(
-        (int(m.group(1)), d)
-        for d in root.iterdir()
-        if (m := STEP_DIR.fullmatch(d.name)) and (d / INFO).is_file()
-    )
-    if not steps:
-        raise CheckpointError(
-            f"`--resume {path}`: no checkpoint there (a `step-K` directory with {INFO}, "
-            "as `--save` writes)"
-        )
-    step, found = steps[-1]
-    return found, step
-
-
-def _info(path: Path) -> dict[str, int | str]:
-    try:
-        info = json.loads((path / INFO).read_text())
-        step = info["step"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"`{path / INFO}` is not a pipelang checkpoint: {err}") from None
-    if not isinstance(step, int) or step < 1:
-        raise CheckpointError(f"`{path / INFO}`: `step` must be a positive integer")
-    return dict(info)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata` and nothing else: `find_class` admits DCP's metadata
-    dataclasses, `torch.Size`, torch's dtypes and layouts and paths (the classes
-    `dcp.save` writes there), and refuses any other global before it is looked up, so no
-    function named in the file is ever called."""
-
-    _ALLOWED: ClassVar[dict[str, set[str]]] = {
-        "torch.distributed.checkpoint.metadata": {
-            "Metadata",
-            "StorageMeta",
-            "MetadataIndex",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "TensorProperties",
-            "ChunkStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        },
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "torch": {"Size"},
-        "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    }
-
-    def find_class(self, module: str, name: str) -> object:
-        if name in self._ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"it names `{module}.{name}`, which DCP metadata never holds")
-
-
-def _read_metadata(path: str) -> Metadata:
-    """DCP's metadata of checkpoint `path`, read by `_MetadataUnpickler`."""
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    try:
-        data = (Path(path) / ".metadata").read_bytes()
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as err:  # a missing file, bad pickle, refused class, bad arguments
-        raise CheckpointError(f"`{path}` is not a readable DCP checkpoint: {err}") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"`{path}` is not a readable DCP checkpoint: no Metadata in it")
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    return metadata
-
-
-def _reader(path: str) -> object:
-    """DCP's file reader for checkpoint `path`, with its metadata read by
-    `_read_metadata` (built here: DCP takes a second to import)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
-            metadata = _read_metadata(str(self.path))
-            assert metadata.storage_meta is not None
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return Reader(path)
-
-
-def _saved_keys(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every tensor entry of checkpoint `path`."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = _read_metadata(path)
-    return {
-        key: (tuple(entry.size), entry.properties.dtype)
-        for key, entry in metadata.state_dict_metadata.items()
-        if isinstance(entry, TensorStorageMetadata)
-    }
-
-
 def verify(config: RunConfig) -> None:
     """Raise CheckpointError unless `config.resume` fits the model and optimizer of this
-    run (checked before any rank starts, on the meta device: nothing is allocated)."""
+    run (checked before any rank starts, on the meta device: nothing is allocated):
+    every parameter, and every entry of optimizer state the run's optimizer keeps."""
+    from pipelang.backends.rank_base import make_optimizer
+
     if config.resume is None:
         return
     path = Path(config.resume)
-    info = _info(path)
+    info = read_info(path)
     if info.get("optimizer") != config.optimizer:
         raise CheckpointError(
             f"`--resume {path}` was saved with --optimizer {info.get('optimizer')}; this "
             f"run uses {config.optimizer}"
         )
-    saved = _saved_keys(str(path))
+    saved = tensor_entries(path)
     with torch.device("meta"):
         model = config.spec.build()
+    trained: list[tuple[str, nn.Parameter]] = []
     for name, param in nn.Sequential(*model.layers).named_parameters():
         key = f"model.{name}"
         if key not in saved:
@@ -343,6 +284,17 @@ def verify(config: RunConfig) -> None:
                 f"`--resume {path}`: `{name}` is {_text(saved[key])} there and "
                 f"{_text(want)} in {config.model} ({precision(config)})"
             )
+        if param.requires_grad:
+            master = torch.empty(want[0], dtype=want[1], device="meta")
+            trained.append((name, nn.Parameter(master)))
+    optimizer = make_optimizer([p for _, p in trained], config)
+    required: dict[str, Entry] = {}
+    optional: dict[str, Entry] = {}
+    for i, (name, param) in enumerate(trained):
+        for field, value in optimizer.state(i).items():
+            required[f"optim.{name}.{field}"] = (tuple(value.shape), value.dtype)
+        optional[f"optim.{name}.momentum"] = (tuple(param.shape), param.dtype)
+    _fit(str(path), saved, required, optional)
 
 
 def lr_text(config: RunConfig) -> str:
@@ -359,11 +311,11 @@ def lr_note(config: RunConfig) -> str | None:
     schedule (another --steps moves a decay's end): the rate then jumps; None if not."""
     if config.resume is None:
         return None
-    saved = _info(Path(config.resume)).get("lr_schedule")
+    saved = read_info(Path(config.resume)).get("lr_schedule")
     here = lr_text(config)
     if saved is None or saved == here:
         return None
-    return (
+    return clip(
         f"note: `--resume {config.resume}` was trained with the learning rate {saved}; "
         f"this run's is {here}, so the rate jumps at step {config.first_step + 1}"
     )

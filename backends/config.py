@@ -203,7 +203,8 @@ class RunConfig:
     save: str | None = option(
         None,
         "write a checkpoint (torch.distributed.checkpoint) of parameters and optimizer "
-        "state to DIR/step-K after the last step K, and every --save-every steps",
+        "state to DIR/step-K after the last step K, and every --save-every steps; a DIR "
+        "that holds checkpoints already needs --resume (auto: go on from them)",
         "path",
         metavar="DIR",
     )
@@ -212,20 +213,23 @@ class RunConfig:
     )
     keep_last: int | None = option(
         None,
-        "with --save: keep only the newest K complete checkpoints, deleting an older one "
-        "only once a newer one is complete (default: keep all)",
+        "with --save: keep only this run's newest K complete checkpoints, deleting an "
+        "older one only once a newer one is complete (another run's are never deleted) "
+        "(default: keep all)",
         "positive",
         metavar="K",
     )
     resume: str | None = option(
         None,
         "start from a checkpoint: DIR/step-K as --save wrote it, or the latest one "
-        "under DIR; --steps still counts from step 0, so a step-3 checkpoint with --steps 6 "
+        "under DIR; `auto`: the latest complete one under --save DIR, or step 0 when "
+        "there is none yet (one command line for a job's first run and its requeues); "
+        "--steps still counts from step 0, so a step-3 checkpoint with --steps 6 "
         "runs 3 more steps. Any schedule over the same model loads it",
-        "path",
-        metavar="DIR",
+        "checkpoint",
+        metavar="DIR|auto",
     )
-    """The checkpoint directory to start from (a `step-K`, found already)."""
+    """The checkpoint directory to start from (a `step-K`, found already); None: step 0."""
     micro_batch_size: int = 4
     seq_len: int | None = None
     dtype: str = "float32"
@@ -235,6 +239,11 @@ class RunConfig:
     """Count the bytes of saved activations per rank (always on with evictions)."""
     first_step: int = 0
     """The step the run starts at: 0, or the resumed checkpoint's step."""
+    run_id: str | None = None
+    """This run's id, in its checkpoints (`checkpoint_dirs.py`); None without --save."""
+    lineage: tuple[tuple[str, int], ...] = ()
+    """The runs this run goes on from, each with its last step on the way (its resumed
+    checkpoint's lineage and run): `--keep-last` deletes their checkpoints up to there."""
     batch_shapes: tuple[tuple[int, int], ...] | None = None
     """(samples, length) of each micro-batch when the schedule's differ (`for_program`)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,7 +130,7 @@ def test_resume_and_save_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "--keep-last needs --save DIR" in capsys.readouterr().err
     (tmp_path / "step-1").mkdir()
     (tmp_path / "step-1" / "pipelang.json").write_text("{not json")
-    assert main([*base, "--resume", str(tmp_path / "step-1")]) == 2
+    assert main([*base, "--resume", str(tmp_path / "step-1")]) == 1  # a bad input file
     assert "is not a pipelang checkpoint" in capsys.readouterr().err
     assert main(["run", "pipedream", "-p", "D=2", "--save", str(tmp_path / "x")]) == 1
     assert "checkpoints do not save yet" in capsys.readouterr().err
@@ -222,17 +223,124 @@ def test_a_run_stopped_and_resumed_goes_on_with_its_learning_rate_schedule(
 
 
 def test_keep_last_deletes_older_complete_checkpoints_only(tmp_path: Path) -> None:
+    """Only this run's: another run's `step-3` and `step-7` (complete or cut short) and a
+    checkpoint whose run cannot be told (`step-1`, from before run ids) are kept."""
     from pipelang.backends.checkpoint import prune
 
-    for step in (2, 4, 5, 6, 8):
+    def checkpoint(step: int, run: str | None, complete: bool = True) -> None:
         (tmp_path / f"step-{step}").mkdir()
-        if step != 5:  # step-5 was cut short
-            (tmp_path / f"step-{step}" / "pipelang.json").write_text(f'{{"step": {step}}}')
-    (tmp_path / "step-9").mkdir()  # being written: newer than every complete one
+        if run is not None:
+            (tmp_path / f"step-{step}" / "pipelang.run").write_text(run)
+        if complete:
+            info = {"step": step} | ({"run": run} if run else {})
+            (tmp_path / f"step-{step}" / "pipelang.json").write_text(json.dumps(info))
+
+    for step in (2, 4, 6, 8):
+        checkpoint(step, "mine")
+    checkpoint(5, "mine", complete=False)  # cut short
+    checkpoint(9, "mine", complete=False)  # being written: newer than every complete one
+    checkpoint(3, "other")
+    checkpoint(7, "other", complete=False)
+    checkpoint(1, None)
     (tmp_path / "notes").mkdir()
-    gone = prune(str(tmp_path), 2)
+    gone = prune(str(tmp_path), 2, "mine")
     assert sorted(p.name for p in gone) == ["step-2", "step-4", "step-5"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step-6", "step-8", "step-9"]
+    left = ["notes", "step-1", "step-3", "step-6", "step-7", "step-8", "step-9"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == left
+
+
+def test_keep_last_counts_the_runs_resumed_from_up_to_where_they_were_left(
+    tmp_path: Path,
+) -> None:
+    """Run `b` resumed `a`'s step-4: `a`'s step-2 and step-4 are on its way, `a`'s step-6
+    (after the step `b` went on from: another branch) is not."""
+    from pipelang.backends.checkpoint import prune
+
+    for step, writer in ((2, "a"), (4, "a"), (6, "a"), (5, "b"), (7, "b")):
+        (tmp_path / f"step-{step}").mkdir()
+        info = {"step": step, "run": writer}
+        (tmp_path / f"step-{step}" / "pipelang.json").write_text(json.dumps(info))
+    gone = prune(str(tmp_path), 1, "b", (("a", 4),))
+    assert sorted(p.name for p in gone) == ["step-2", "step-4", "step-5"]
+
+
+def test_save_into_another_runs_checkpoints_is_refused_without_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44 item 9: `--save` where another run's `step-400` and `step-496` are."""
+    monkeypatch.chdir(tmp_path)
+    for step in (400, 496):
+        Path(f"ck/step-{step}").mkdir(parents=True)
+        Path(f"ck/step-{step}/pipelang.json").write_text(f'{{"step": {step}}}')
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--steps", "3", "--save", "ck"]
+    assert main([*argv, "--keep-last", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "pipelang run: error: --save ck already holds checkpoints (step-400, step-496) of an "
+        "earlier run: give --resume auto to go on from the latest of them, or another "
+        "--save directory to start afresh\n"
+    )
+    assert sorted(p.name for p in Path("ck").iterdir()) == ["step-400", "step-496"]
+    assert main([*argv[:-2], "--resume", "auto"]) == 2
+    assert capsys.readouterr().err == (
+        "pipelang run: error: --resume auto goes on from the latest checkpoint under --save "
+        "DIR: give --save (or a checkpoint's path to --resume)\n"
+    )
+
+
+@pytest.mark.slow
+def test_keep_last_keeps_another_runs_checkpoints_and_its_own_newest(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 44 item 9: another run's `step-400` and `step-496` under --save DIR; this run
+    (resumed from elsewhere) saves step-3 and step-4 with --keep-last 1: step-3 goes (it
+    is this run's, older), step-4 stays, and the other run's two stay (before: all of this
+    run's were deleted, step-496 being the newest). A line says each one is complete."""
+    for step in (400, 496):
+        (tmp_path / f"step-{step}").mkdir()
+        info = {"step": step, "run": "0ther"}
+        (tmp_path / f"step-{step}" / "pipelang.json").write_text(json.dumps(info))
+    options = ("--steps", "4", "--resume", str(saved), "--save", str(tmp_path))
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", *options, "--save-every", "1"]
+    assert main([*argv, "--keep-last", "1"]) == 0
+    err = capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-400", "step-496"]
+    for step in (3, 4):
+        assert f"checkpoint {tmp_path}/step-{step} complete (step {step})" in err
+
+
+@pytest.mark.slow
+def test_resume_auto_starts_afresh_then_resumes_the_latest_complete_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 44 item 8: one command line for the first run and the resumes. A `step-3`
+    cut short (no pipelang.json) is passed over."""
+    import shutil
+
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--save", str(tmp_path)]
+    assert main([*argv, "--steps", "2", "--resume", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert f"--resume auto: no complete checkpoint in {tmp_path} yet: starting at step 0\n" in err
+    assert sorted(losses(err)) == [1, 2]
+    shutil.copytree(tmp_path / "step-2", tmp_path / "step-3")
+    (tmp_path / "step-3" / "pipelang.json").unlink()
+    assert main([*argv, "--steps", "4", "--resume", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert f"--resume auto: resuming from {tmp_path}/step-2 (step 2)\n" in err
+    assert sorted(losses(err)) == [3, 4]
+    assert json.loads((tmp_path / "step-4" / "pipelang.json").read_text())["step"] == 4
+
+
+def test_resume_auto_is_not_a_directory_named_auto(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    base = ["run", "1f1b", "-p", "D=2", "--steps", "2"]
+    assert main([*base, "--resume", "auto"]) == 2
+    assert "--resume auto goes on from the latest checkpoint under --save DIR" in (
+        capsys.readouterr().err
+    )
+    assert main([*base, "--resume", "./auto"]) == 2
+    assert "`--resume ./auto`: no such directory" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -241,3 +349,175 @@ def test_keep_last_over_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     save = ("--save", str(tmp_path), "--save-every", "2", "--keep-last", "2")
     assert run(program, "--steps", "9", *save) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-8", "step-9"]
+
+
+def _metadata(path: Path) -> Any:
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def _hostile(case: str, crafted: Path, outside: Path) -> None:
+    """Make checkpoint `crafted` (a good one) hostile as `case` says (issue 44 item 13)."""
+    import os
+    import pickle
+
+    metadata, info = crafted / ".metadata", crafted / "pipelang.json"
+    if case in PICKLED:
+        data = _metadata(crafted)
+        entries = data.state_dict_metadata
+        first = entries["model.0.tokens.weight"]
+        if case == "metadata list":
+            data = [1, 2]
+        elif case == "metadata entries list":
+            data.state_dict_metadata = [1]
+        elif case == "metadata properties None":
+            first.properties = None
+        elif case == "metadata chunk outside":
+            first.chunks[0].sizes = torch.Size([s + 1 for s in first.size])
+        elif case == "metadata stored outside":
+            for where in data.storage_data.values():
+                where.relative_path = "../x.distcp"
+        metadata.write_bytes(pickle.dumps(data))
+    elif case == "metadata fifo":
+        metadata.unlink()
+        os.mkfifo(metadata)
+    elif case == "metadata /dev/zero":
+        metadata.unlink()
+        metadata.symlink_to("/dev/zero")
+    elif case == "metadata link out":
+        (outside / "m").write_bytes(metadata.read_bytes())
+        metadata.unlink()
+        metadata.symlink_to(outside / "m")
+    elif case == "metadata huge":
+        with open(metadata, "r+b") as file:
+            file.truncate(300 << 20)  # sparse: nothing is written
+    elif case == "metadata empty":
+        metadata.write_bytes(b"")
+    elif case == "json deep":
+        info.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "json list":
+        info.write_text("[1, 2]")
+    elif case == "json step true":
+        info.write_text('{"step": true}')
+    elif case == "json empty":
+        info.write_text("")
+    elif case == "shards truncated":
+        for shard in crafted.glob("*.distcp"):
+            shard.write_bytes(shard.read_bytes()[:1000])
+    elif case == "shard missing":
+        (crafted / "__1_0.distcp").unlink()
+    elif case == "shard a directory":
+        (crafted / "__1_0.distcp").unlink()
+        (crafted / "__1_0.distcp").mkdir()
+
+
+PICKLED = {
+    "metadata list",
+    "metadata entries list",
+    "metadata properties None",
+    "metadata chunk outside",
+    "metadata stored outside",
+}
+"""The cases that write a `.metadata` of DCP's own classes, as pickle does."""
+HOSTILE = {
+    "metadata list": "/.metadata` is not a readable DCP checkpoint: it holds list, not DCP's "
+    "Metadata",
+    "metadata entries list": "/.metadata`: its entries are a list, not a dict",
+    "metadata properties None": "/.metadata`: entry `model.0.tokens.weight` has no tensor dtype",
+    "metadata chunk outside": "/.metadata`: entry `model.0.tokens.weight` has a chunk outside "
+    "its size",
+    "metadata stored outside": "/.metadata`: entry `model.0.tokens.weight` is stored outside "
+    "the directory",
+    "metadata fifo": "/.metadata` is not a regular file",
+    "metadata /dev/zero": "/.metadata` is a link out of its checkpoint directory",
+    "metadata link out": "/.metadata` is a link out of its checkpoint directory",
+    "metadata huge": "/.metadata` is 314,572,800 bytes, more than such a file ever is "
+    "(268,435,456)",
+    "metadata empty": "/.metadata` is not a readable DCP checkpoint: Ran out of input",
+    "json deep": "/pipelang.json` is not a pipelang checkpoint: it nests deeper than JSON is "
+    "read (pipelang writes one flat object)",
+    "json list": "/pipelang.json` is not a pipelang checkpoint: it holds a list where pipelang "
+    "writes an object",
+    "json step true": "/pipelang.json` is not a pipelang checkpoint: `step` is a boolean, not a "
+    "positive integer",
+    "json empty": "/pipelang.json` is not a pipelang checkpoint: it is not JSON (Expecting "
+    "value: line 1 column 1 (char 0))",
+    "shards truncated": "/__0_0.distcp` is cut short: it has 1,000 bytes and `.metadata` "
+    "stores `model.0.tokens.weight` at bytes 0 to ",
+    "shard missing": "/__1_0.distcp` is missing",
+    "shard a directory": "/__1_0.distcp` is not a regular file",
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_hostile_checkpoint_is_one_line_naming_the_file_and_what_is_wrong(
+    saved: Path,
+    case: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 44 item 13: each is refused before any rank starts, at once (the
+    /dev/zero link was read whole: 30 s), exit 1 (a bad input file), one line."""
+    import shutil
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(saved / "step-2", "ck/step-2")
+    (tmp_path / "outside").mkdir()
+    _hostile(case, tmp_path / "ck" / "step-2", tmp_path / "outside")
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--steps", "4", "--resume", "ck"]
+    start = time.monotonic()
+    assert main(argv) == 1
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert re.fullmatch(
+        r"(pipelang run: )?error: `ck/step-2" + re.escape(HOSTILE[case]) + r".*\n", err
+    )
+
+
+def _without(saved: Path, crafted: Path, dropped: str) -> None:
+    """A copy of checkpoint `saved` as DCP writes one, without the entries whose names
+    contain `dropped`."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: v for k, v in read_checkpoint(saved).items() if dropped not in k}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.save(state, checkpoint_id=crafted, no_dist=True)
+    shutil.copy(saved / "pipelang.json", crafted / "pipelang.json")
+
+
+@pytest.mark.parametrize(
+    ("dropped", "missing"),
+    [("optim.", "optim.0.tokens.weight.step"), (".exp_avg", "optim.0.tokens.weight.exp_avg")],
+)
+def test_a_checkpoint_without_optimizer_state_names_what_is_missing(
+    saved: Path, dropped: str, missing: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 44 item 14: it failed on a rank with `KeyError: 'exp_avg'`."""
+    _without(saved / "step-2", tmp_path / "step-2", dropped)
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--steps", "4"]
+    assert main([*argv, "--resume", str(tmp_path / "step-2")]) == 1
+    err = capsys.readouterr().err
+    assert f"has no optimizer state `{missing}`: this run's optimizer keeps" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert main([*argv, "--resume", str(tmp_path / "step-2"), "--optimizer", "sgd"]) == 1
+    assert "was saved with --optimizer adam; this run uses sgd" in capsys.readouterr().err
+
+
+def test_load_names_the_missing_optimizer_state_on_each_rank(saved: Path, tmp_path: Path) -> None:
+    """The check every rank (and --check's reference) goes through, not only the launcher's."""
+    from pipelang.backends.checkpoint import CheckpointError, held_by_model, load
+    from pipelang.backends.models import ModelSpec
+    from pipelang.backends.optim import Adam
+
+    _without(saved / "step-2", tmp_path / "step-2", ".exp_avg_sq")
+    model = torch.nn.Sequential(*ModelSpec("gpt:tiny", None, 4, "float32", 0).build().layers)
+    held = held_by_model(model, Adam(list(model.parameters()), 1e-3))
+    missing = re.escape("no optimizer state `optim.0.tokens.weight.exp_avg_sq`")
+    with pytest.raises(CheckpointError, match=missing):
+        load([held], str(tmp_path / "step-2"))

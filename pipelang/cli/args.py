@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -468,6 +470,7 @@ READERS: dict[str, Any] = {
     "steps": lambda text: _whole_number(text, 1, MAX_STEPS),
     "layer_counts": layer_counts,
     "path": path,
+    "checkpoint": lambda text: text.strip() if text.strip() == "auto" else path(text),
     "data_file": data_file,
     "fraction": non_negative_number,
     "betas": betas,
@@ -510,7 +513,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     given = {name: getattr(args, name) for name, _, _ in _run_options()}
     if args.log is not None:
         writable(args.log)
-    for name in ("trace", "log", "save", "resume"):
+    for name in ("trace", "log", "save"):
         if given[name] is not None:
             given[name] = str(given[name])
     config = RunConfig(
@@ -559,8 +562,9 @@ def _mixed_precision(args: argparse.Namespace) -> str | None:
 
 
 def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
-    """RunConfig's save, save_every, resume and first_step; UsageError if they cannot
-    work together."""
+    """RunConfig's checkpoint fields (`checkpoint_dirs.resolve`, which says what `--resume
+    auto` takes); UsageError if they do not work together or name no checkpoint,
+    CheckpointError (exit 1) for a checkpoint that cannot be read."""
     if args.save_every is not None and args.save is None:
         raise UsageError("--save-every needs --save DIR (where the checkpoints go)")
     if args.keep_last is not None and args.save is None:
@@ -575,20 +579,21 @@ def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
             args.save.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise UsageError(f"--save: cannot make `{args.save}`: {err.strerror}") from None
-    options: dict[str, Any] = {"save": str(args.save) if args.save else None}
-    options["save_every"] = args.save_every
-    options["keep_last"] = args.keep_last
-    if args.resume is None:
-        return options
-    from pipelang.backends.checkpoint import CheckpointError, find
+    from pipelang.backends.checkpoint_dirs import CheckpointError, resolve
 
+    save = str(args.save) if args.save else None
     try:
-        found, step = find(str(args.resume))
+        start = resolve(save, args.resume, args.steps)
     except CheckpointError as err:
-        raise UsageError(str(err)) from None
-    if step >= args.steps:
-        raise UsageError(
-            f"`--resume {args.resume}` is at step {step} and --steps {args.steps} counts "
-            f"from step 0: nothing is left to run (give --steps more than {step})"
-        )
-    return options | {"resume": str(found), "first_step": step}
+        if err.status == 2:
+            raise UsageError(str(err)) from None
+        raise
+    if start.said is not None and os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(start.said, file=sys.stderr, flush=True)
+    resume = str(start.path) if start.path else None
+    return {"save": save, "save_every": args.save_every, "keep_last": args.keep_last} | {
+        "resume": resume,
+        "first_step": start.step,
+        "run_id": start.run_id,
+        "lineage": start.lineage,
+    }
