@@ -32,8 +32,8 @@ import jinja2
 from pipelang import __version__
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
+from pipelang.ir.streams import StreamOp, StreamProgram, value_boundary
 from pipelang.source import one_line
-from pipelang.streams import StreamOp, StreamProgram, value_boundary
 
 _METHODS = {
     Kind.F: "forward",

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the rest imports torch: only once a run starts, not for `--
     from pipelang.backends.config import RunConfig
     from pipelang.backends.models import Shapes
     from pipelang.backends.report import Outcome, StepProgress
-    from pipelang.streams import StreamProgram
+    from pipelang.ir.streams import StreamProgram
 
 
 class RunError(Exception):

@@ -46,7 +46,7 @@ from pipelang.backends.worker import (
     worker_main,
 )
 from pipelang.ir import Program
-from pipelang.streams import StreamProgram
+from pipelang.ir.streams import StreamProgram
 
 OnStep = Callable[[int, float, float], None]
 GRACE_SECONDS = 0.5

@@ -1,7 +1,7 @@
 """Run a stream program on the CPU, in an adversarial but legal order.
 
 What `pipelang run --backend local --graphs` does on a machine without CUDA: every
-process's `RankRuntime` lives in this process, and the stream program (pipelang/streams.py)
+process's `RankRuntime` lives in this process, and the stream program (pipelang/ir/streams.py)
 decides what runs. Each iteration, `Interleaving` picks the next op among all the streams
 that can move, at random by a seed: any order the record/wait events, the channels and
 the allreduces allow, and nothing more. A GPU may run any of these orders; a program that
@@ -51,8 +51,14 @@ from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.summation import tree_sum
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program
-from pipelang.passes.check_streams import Interleaving, random_choice
-from pipelang.streams import StreamOp, StreamProgram, value_boundary, value_key
+from pipelang.ir.streams import (
+    Interleaving,
+    StreamOp,
+    StreamProgram,
+    random_choice,
+    value_boundary,
+    value_key,
+)
 
 OnStep = Callable[[int, float, float], None]
 CPU = torch.device("cpu")
@@ -75,7 +81,7 @@ class _NoTransport:
 
 
 def value_shape(value: str, shapes: Shapes) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of a data value (`pipelang.streams.value_boundary`); of a sequence
+    """Shape and dtype of a data value (`pipelang.ir.streams.value_boundary`); of a sequence
     chunk's value, the whole sequence's (an upper bound, which sizes its slot)."""
     return shapes[value_boundary(value)]
 

@@ -47,7 +47,7 @@ from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.transport import DistTransport, PeerFailure, StepSum, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
-from pipelang.streams import value_boundary, value_key
+from pipelang.ir.streams import value_boundary, value_key
 
 Slots = Mapping[str, tuple[int, ...]]
 """Slot name -> the stage boundaries whose values it holds (b: the output of stage b)."""

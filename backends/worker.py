@@ -34,7 +34,7 @@ from pipelang.backends.termination import Termination
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
-from pipelang.streams import StreamProgram
+from pipelang.ir.streams import StreamProgram
 
 PHASE_STARTING, PHASE_SETUP, PHASE_RUNNING, PHASE_DONE, PHASE_FAILED = range(5)
 """The first entry of a rank's (phase, step, action) status."""

@@ -34,9 +34,9 @@ if TYPE_CHECKING:
     from pipelang import ast
     from pipelang.ir import CostModel, Program
     from pipelang.ir.graph import OpGraph
+    from pipelang.ir.streams import StreamProgram
     from pipelang.sim.engine import Link
     from pipelang.sim.timeline import Timeline
-    from pipelang.streams import StreamProgram
 
 
 Pass = Callable[["Compilation"], "Compilation"]

@@ -20,7 +20,7 @@ from pipelang.backends.models import plan_stages
 from pipelang.backends.stream_executor import StreamExecutor, slot_bytes
 from pipelang.compiler import Options, run_passes
 from pipelang.diagnostics import PipelangError
-from pipelang.streams import StreamProgram
+from pipelang.ir.streams import StreamProgram
 from tests.helpers import run, stdlib
 
 LOWERED = [name for name in api.stdlib_names() if name != "bpipe"]

@@ -16,9 +16,9 @@ from pipelang import api
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import PipelangError
 from pipelang.ir import Kind
+from pipelang.ir.streams import StreamProgram
 from pipelang.passes.check_streams import check_streams
 from pipelang.sim import memory
-from pipelang.streams import StreamProgram
 from tests.helpers import pipelang_here
 
 LOWERED = [name for name in api.stdlib_names() if name != "bpipe"]

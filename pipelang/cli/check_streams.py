@@ -20,8 +20,8 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipelang.ir.streams import StreamProgram, StreamSyntaxError
     from pipelang.passes.check_streams import check_streams
-    from pipelang.streams import StreamProgram, StreamSyntaxError
 
     try:
         text = args.dump.read_text()

@@ -2,7 +2,7 @@
 
 Needs: a Program after `insert-sync` (sends, receives, allreduces and `step` placed), and
 the number of data-parallel copies `dp`. Guarantees: a `StreamProgram`
-(pipelang/streams.py) over `dp x R` processes in which
+(pipelang/ir/streams.py) over `dp x R` processes in which
 
 - compute ops run on `compute`, in the rank's order; each transfer runs on the stream of
   its channel end (`send{peer}`, `recv{peer}`), each allreduce on `reduce{stage}`;
@@ -50,8 +50,7 @@ from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import fail
 from pipelang.ir import Action, Kind, Program, deps, placement
-from pipelang.passes.check_streams import Interleaving
-from pipelang.streams import RECORD, WAIT, Access, StreamOp, StreamProgram
+from pipelang.ir.streams import RECORD, WAIT, Access, Interleaving, StreamOp, StreamProgram
 
 if TYPE_CHECKING:
     from pipelang.compiler import Compilation

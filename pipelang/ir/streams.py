@@ -27,17 +27,24 @@ slots, the forward (or recompute) whose activations they are. An accumulator is
 `updates g0/main` (read, add, write back). The k-th send on a channel meets the k-th
 receive of the other end; the n-th `allreduce` on `reduce{s}` meets every other member's
 n-th. `StreamProgram.parse(program.dump())` gives the program back.
+
+`Interleaving` runs a stream program's ops in one legal order (a send with its receive,
+an allreduce with its members'), first-ready or adversarial by seed (`random_choice`):
+`check-streams` proves races and hangs absent with it, and the CPU executor
+(backends/stream_executor.py) runs programs in its order.
 """
 
 from __future__ import annotations
 
 import functools
+import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pipelang.ir import Action, deps
+from pipelang.diagnostics import Diagnostic, Label, PipelangError
+from pipelang.ir import Action, Kind, deps
 from pipelang.source import SourceFile, Span
 
 RECORD, WAIT = "record", "wait"
@@ -269,3 +276,168 @@ def value_key(value: str) -> tuple[str, int, int, str, int | None]:
     action = Action.parse(value)
     assert action.mb is not None and action.stage is not None and action.pipeline is not None
     return (action.kind.value, action.mb, action.stage, action.pipeline, action.chunk)
+
+
+Step = tuple[int, ...]
+"""Ops that run together: one op, a send with its receive, or an allreduce's members."""
+
+
+class Interleaving:
+    """The ops of a stream program, run in a legal order; see the module docstring.
+
+    `choose` picks which runnable step goes next (by default the first, in stream
+    order); `clocks` keeps every op's vector clock for `happens_before`.
+    """
+
+    def __init__(self, program: StreamProgram, clocks: bool = True) -> None:
+        self.program = program
+        self.names = program.streams()
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.queues: list[list[int]] = [[] for _ in self.names]
+        self.stream_of: list[int] = []
+        self.seq_of: list[int] = []
+        for i, op in enumerate(program.ops):
+            s = self.index[(op.rank, op.stream)]
+            self.stream_of.append(s)
+            self.seq_of.append(len(self.queues[s]))
+            self.queues[s].append(i)
+        self.members: dict[str, list[int]] = {}
+        for s, (_, stream) in enumerate(self.names):
+            if stream.startswith("reduce"):
+                self.members.setdefault(stream, []).append(s)
+        self.clocks: list[tuple[int, ...]] | None = [()] * len(program.ops) if clocks else None
+
+    def happens_before(self, a: int, b: int) -> bool:
+        """Whether op `a` is ordered before op `b` in every execution."""
+        assert self.clocks is not None
+        return a != b and self.clocks[b][self.stream_of[a]] > self.seq_of[a]
+
+    def run(self, choose: Callable[[list[Step]], int] | None = None) -> Iterator[Step]:
+        """Yield steps in a legal order; raise PipelangError (E0503, E0504) when stuck."""
+        head = [0] * len(self.names)
+        recorded: dict[tuple[int, int], tuple[int, ...]] = {}
+        width = len(self.names)
+        vc = [[0] * width for _ in self.names]
+        left = len(self.program.ops)
+        while left:
+            steps = self._runnable(head, recorded)
+            if not steps:
+                raise PipelangError([self._deadlock(head)])
+            step = steps[0] if choose is None else steps[choose(steps)]
+            self._meet(step)
+            streams = [self.stream_of[i] for i in step]
+            if self.clocks is not None:
+                clock = [max(c) for c in zip(*(vc[s] for s in streams), strict=True)]
+                for i in step:
+                    op = self.program.ops[i]
+                    if op.what == WAIT:
+                        seen = recorded[(op.rank, op.event)]  # type: ignore[index]
+                        clock = [max(x, y) for x, y in zip(clock, seen, strict=True)]
+                for s in streams:
+                    clock[s] += 1
+                for s in streams:
+                    vc[s] = list(clock)
+                for i in step:
+                    self.clocks[i] = tuple(clock)
+            for i, s in zip(step, streams, strict=True):
+                op = self.program.ops[i]
+                if op.what == RECORD:
+                    recorded[(op.rank, op.event)] = tuple(vc[s]) if self.clocks else ()  # type: ignore[index]
+                head[s] += 1
+            left -= len(step)
+            yield step
+
+    def _head(self, s: int, head: list[int]) -> int | None:
+        queue = self.queues[s]
+        return queue[head[s]] if head[s] < len(queue) else None
+
+    def _runnable(
+        self, head: list[int], recorded: dict[tuple[int, int], tuple[int, ...]]
+    ) -> list[Step]:
+        steps: list[Step] = []
+        for s, (rank, stream) in enumerate(self.names):
+            i = self._head(s, head)
+            if i is None:
+                continue
+            op = self.program.ops[i]
+            if op.what == WAIT:
+                if (rank, op.event) in recorded:
+                    steps.append((i,))
+            elif op.what == RECORD:
+                steps.append((i,))
+            elif stream.startswith("send"):
+                partner = self.index.get((int(stream[4:]), f"recv{rank}"))
+                j = None if partner is None else self._head(partner, head)
+                if j is not None and not self.program.ops[j].is_event:
+                    steps.append((i, j))
+            elif stream.startswith("reduce"):
+                group = self.members[stream]
+                if s == group[0]:
+                    heads = [self._head(m, head) for m in group]
+                    if all(h is not None and not self.program.ops[h].is_event for h in heads):
+                        steps.append(tuple(h for h in heads if h is not None))
+            elif not stream.startswith("recv"):
+                steps.append((i,))
+        return steps
+
+    def _meet(self, step: Step) -> None:
+        """A send and the receive it meets must move the same message (E0504)."""
+        ops = [self.program.ops[i] for i in step]
+        if len(ops) != 2 or not ops[0].stream.startswith("send"):
+            return
+        send, recv = ops
+        a, b = send.action(), recv.action()
+        same = a.op() == b.op() and (a.kind is Kind.SEND) == (b.kind is Kind.RECV)
+        sending = a.kind in (Kind.SEND, Kind.SIGNAL) and b.kind in (Kind.RECV, Kind.WAIT)
+        if not (same and sending) or a.peer != recv.rank or b.peer != send.rank:
+            raise PipelangError([self._mismatch(step, "the same message")])
+
+    def _mismatch(self, step: Step, wanted: str) -> Diagnostic:
+        first, *others = step
+        ops = self.program.ops
+        return Diagnostic(
+            "E0504",
+            f"`{ops[first].what}` on {ops[first].stream_name} meets "
+            + ", ".join(f"`{ops[j].what}` on {ops[j].stream_name}" for j in others)
+            + f", which is not {wanted}: a channel delivers in order, so the k-th send "
+            "must meet the k-th receive of the same message",
+            self.program.span_of(first),
+            tuple(Label(self.program.span_of(j), "met here") for j in others),
+        )
+
+    def _deadlock(self, head: list[int]) -> Diagnostic:
+        stuck = [i for s in range(len(self.names)) if (i := self._head(s, head)) is not None]
+        ops = self.program.ops
+
+        def why(i: int) -> str:
+            op = ops[i]
+            if op.what == WAIT:
+                return f"waits for e{op.event}, not recorded yet"
+            if op.stream.startswith("reduce"):
+                return "waits for the other members of its allreduce"
+            return "waits for the other end of its channel"
+
+        first, *others = stuck
+        return Diagnostic(
+            "E0503",
+            f"the stream program deadlocks: {len(stuck)} streams wait and none can move",
+            self.program.span_of(first),
+            tuple(Label(self.program.span_of(i), f"{ops[i].stream_name} {why(i)}") for i in others),
+            notes=(f"{ops[first].stream_name} {why(first)}",),
+        )
+
+
+def random_choice(seed: int, order: Interleaving) -> Callable[[list[Step]], int]:
+    """A `choose` for `order.run` that is adversarial and reproducible by `seed`: every
+    stream gets a random priority, and the step of the highest-priority stream that can
+    move runs, except one time in four, a uniformly random step. Starving some streams
+    while others race ahead is what exposes a missing wait; uniform choice rarely does."""
+    rng = random.Random(seed)
+    priority = [rng.random() for _ in order.names]
+
+    def choose(steps: list[Step]) -> int:
+        if rng.random() < 0.25:
+            return rng.randrange(len(steps))
+        return max(range(len(steps)), key=lambda k: priority[order.stream_of[steps[k][0]]])
+
+    return choose
