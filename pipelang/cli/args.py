@@ -27,7 +27,7 @@ from pipelang.readers import ReadError, read_number_rows, whole_number
 
 if TYPE_CHECKING:
     from pipelang.backends.models import ModelSpec
-    from pipelang.streams import StreamProgram
+    from pipelang.ir.streams import StreamProgram
 
 
 class UsageError(Exception):
