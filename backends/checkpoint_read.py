@@ -42,8 +42,10 @@ INFO = "pipelang.json"
 """What pipelang adds to a DCP directory; written last, so it marks a complete one."""
 MAX_INFO = 1 << 20
 """The most bytes of a `pipelang.json` (pipelang writes a few hundred)."""
-MAX_METADATA = 256 << 20
-"""The most bytes of a `.metadata` (about 200 bytes per tensor: a million tensors)."""
+MAX_METADATA = 4 << 20
+"""The most bytes of a `.metadata`: DCP writes about 230 bytes per entry, so 18,000
+entries (4,500 parameters with Adam's three). Also what bounds the memory a crafted
+pickle can take: an opcode byte can make a 64-byte object, 4 MiB of them 300 MB, 1 s."""
 MAX_CHUNKS = 256
 """The most chunks one tensor is stored in (pipelang writes one)."""
 Shape = tuple[int, ...]
