@@ -41,7 +41,7 @@ import numpy as np
 from pipelang import api
 from pipelang.diagnostics import PipelangError
 from pipelang.evaluate import MAX_OPS
-from pipelang.ir import CostModel, shape_work, stage_problem
+from pipelang.ir import CostModel, shape_work
 
 Shape = tuple[int, int]
 """(samples, length) of one micro-batch."""
@@ -139,8 +139,8 @@ def pack(
 ) -> Packing:
     """The best packing of `lengths` for the schedule (see the module docstring), with
     `costs` over the schedule's (`with_reference` fixes `S`); ValueError when no packing
-    fits `max_tokens` (a sequence longer than it, say), or `costs` names a stage the
-    schedule does not have. Every candidate is compiled
+    fits `max_tokens` (a sequence longer than it, say); PipelangError (`usage`) where
+    `costs` names a stage the schedule does not have. Every candidate is compiled
     within `max_ops` ops (E0106 past it: the candidate is skipped). One sequence per
     micro-batch, in the file's order and in the search's three, is tried first, before
     any deadline: the packing that holds the fewest tokens at once, so the answer is
@@ -161,11 +161,7 @@ def pack(
             f"a sequence of {max(lengths)} tokens does not fit --max-tokens {max_tokens}"
         )
     costs = with_reference(costs, lengths)
-    stages, model = _stages(sched, params, costs)
-    for kind, stage, _ in costs.entries:
-        problem = None if stage is None else stage_problem(kind, stage, stages)
-        if problem is not None:
-            raise ValueError(f"`--cost {kind}[{stage}]`: {problem}")
+    stages, model = _stages(sched, params, costs)  # refuses a stage it does not have
     search = _Search(lengths, sched, params, costs, max_tokens, max_ops, max_candidates)
     alone = tuple((1, n) for n in lengths)
     try:
@@ -409,12 +405,14 @@ def _stages(sched: str, params: Mapping[str, str], costs: CostModel) -> tuple[in
     refused: PipelangError | None = None
     for n in ("1", params.get("D", "4")):
         try:
-            compiled = api.compile_schedule(sched, {**params, "N": n}, stop_after="expand-orders")
+            compiled = api.compile_schedule(
+                sched, {**params, "N": n}, stop_after="expand-orders", costs=costs
+            )
         except PipelangError as err:
             refused = err
             continue
         program = compiled.need_program()
-        merged = program.costs.merged(costs)
+        merged = program.costs  # the schedule's, `costs` over them
         per = sum(merged.of(k) for k in "FBW")  # a backward is B + W, split or not
         model = _Model(per, merged.of("A"), merged.of("S"), merged.of("O"))
         return program.num_stages, model

@@ -72,20 +72,41 @@ MISSING_STAGE = {
 def test_the_exit_table_says_how_each_command_answers_a_cost_for_a_missing_stage(
     command: str, tmp_path: Path
 ) -> None:
-    """The exit table said a `--cost` on a missing stage exits 2, and `synthesize` exits 1
-    (E0209). The row of the status the command gives names it where the table speaks of
-    such a `--cost`; a command that takes it (exit 0) is named as not checking it."""
+    """Every command that takes `--cost` answers an entry for a stage the schedule does
+    not have alike: exit 2 with one message (`synthesize` said E0209, exit 1), and the
+    exit table's row 2 names it where it speaks of such a `--cost`."""
     (tmp_path / "lengths.txt").write_text("10\n20\n30\n")
     args = [a.replace("{tmp}", str(tmp_path)) for a in MISSING_STAGE[command]]
-    status, _, err = run_in_process(args)
-    rows = _exit_rows()
-    if status == 0:
-        assert f"`{command}` does not check it" in _words(rows[2])
-        return
-    assert "no stage 5" in err, err
-    row = rows[status]
+    status, out, err = run_in_process(args)
+    assert (status, out) == (2, "")
+    assert err == (
+        f"pipelang {command}: error: `--cost F[5]`: one_f_one_b: the schedule has no "
+        "stage 5 (its stages are 0..1)\n"
+    )
+    row = _exit_rows()[2]
     clause = row[row.index("a `--cost` for a stage") :].split("(")[0]
-    assert f"`{command}`" in clause, (status, clause)
+    assert f"`{command}`" in clause, clause
+
+
+def test_every_command_that_takes_cost_takes_the_one_option() -> None:
+    """`--cost` was declared by four commands with four help texts: each command that
+    takes it has the one from `add_cost_argument` (a command's own words after it) and
+    is checked above."""
+    import argparse
+
+    from pipelang.cli.app import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {
+        name: action.help
+        for name, parser in sub.choices.items()
+        for action in parser._actions
+        if "--cost" in action.option_strings
+    }
+    assert set(helps) == set(MISSING_STAGE)
+    common = helps["simulate"]
+    assert common.startswith("cost entries over the schedule's `cost` line")
+    assert all(text.startswith(common) for text in helps.values()), helps
 
 
 def _t(m: int) -> int:

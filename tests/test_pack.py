@@ -168,6 +168,9 @@ def test_a_cost_for_a_stage_the_schedule_lacks_is_refused(tmp_path: Path) -> Non
     args = ["pack", "1f1b", "-p", "D=2", "--sequences", str(sequences), "--max-tokens", "8192"]
     status, _, err = run_in_process([*args, "--cost", "F=1,F[7]=3"])
     assert status == 2
-    assert "pack: `--cost F[7]`: the schedule has no stage 7 (its stages are 0..1)" in err
+    assert (
+        "error: `--cost F[7]`: one_f_one_b: the schedule has no stage 7 (its stages are 0..1)"
+        in err
+    )
     status, _, err = run_in_process([*args, "--cost", "C[1]=3"])
-    assert status == 2 and "`--cost C[1]`: `C[1]` names no stage boundary" in err
+    assert status == 2 and "`--cost C[1]`: one_f_one_b: `C[1]` names no stage boundary" in err

@@ -238,6 +238,18 @@ def test_overlay_draws_both_timelines(tmp_path: Path) -> None:
     assert len(comm) == len(read_trace(TRACE_CHIMERA).extra) + 1  # and the legend's swatch
 
 
+def test_overlay_cost_for_a_stage_the_run_lacks_is_the_one_usage_error() -> None:
+    """The overlay's model is the fitted costs with --cost over them, merged and checked
+    where every --cost is (`layout.given_costs`): the same words as simulate's."""
+    argv = ["viz", "--trace", str(TRACE_1F1B), "--overlay", "--cost", "F=2,F[5]=1"]
+    status, out, err = run_in_process(argv)
+    assert (status, out) == (2, "")
+    assert err == (
+        "pipelang viz: error: `--cost F[5]`: trace_1f1b_D2_N4: the schedule has no stage 5 "
+        "(its stages are 0..1)\n"
+    )
+
+
 def test_fitted_costs_are_mean_times() -> None:
     timeline = read_trace(TRACE_1F1B).timeline
     costs = fitted_costs(timeline)

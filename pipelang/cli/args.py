@@ -22,7 +22,7 @@ from pipelang.backends.config import MAX_STEPS, Option, RunConfig
 from pipelang.compiler import Compilation
 from pipelang.diagnostics import clip
 from pipelang.evaluate import MAX_OPS
-from pipelang.ir import COMPUTE_KINDS, COST_KINDS, CostModel, Program, cost_problem, stage_problem
+from pipelang.ir import COMPUTE_KINDS, COST_KINDS, CostModel, Program, cost_problem
 from pipelang.readers import ReadError, read_number_rows, whole_number
 
 if TYPE_CHECKING:
@@ -236,7 +236,6 @@ def compile_args(
     command has them --max-activations, --dp, --lengths and --cost, under which orders
     that depend on the costs are expanded), through pass `stop_after` (default: all)."""
     lengths = getattr(args, "lengths", None)
-    cost = getattr(args, "cost", None)
     return api.compile_schedule(
         sched or args.sched,
         parse_params(args.params),
@@ -245,7 +244,7 @@ def compile_args(
         dp=getattr(args, "dp", 1),
         max_ops=args.max_ops,
         shapes=None if lengths is None else read_lengths(lengths),
-        costs=None if cost is None else parse_cost(cost),
+        costs=parse_cost(args.cost) if getattr(args, "cost", "") else None,
     )
 
 
@@ -265,6 +264,17 @@ _COST_ITEM = re.compile(rf"({_NAMES})(?:\[(\d{{1,18}})\])?=([0-9]*\.?[0-9]+)")
 """One `--cost` entry: a name, an optional stage, a decimal number."""
 
 
+def add_cost_argument(parser: argparse.ArgumentParser, more: str = "") -> None:
+    """`--cost`, one text for every command (`more`: what it adds there); the stages it
+    names are checked where it meets the schedule (`layout.given_costs`, exit 2)."""
+    text = "cost entries over the schedule's `cost` line (else F=B=R=P=1, W=C=0), e.g. "
+    text += "F=1,B=2,W=1,C=0.1; per stage F[3]=2, C[b] the link between stages b and b+1; "
+    text += "FB an overlapped pair; E, L an eviction's trips; shares A (attention), O (what a "
+    text += "smaller micro-batch still takes), KV (keys and values), MW (what W keeps after "
+    text += "B); S the reference's tokens (docs/language.md, Costs)"
+    parser.add_argument("--cost", metavar="SPEC", default="", help=text + more)
+
+
 def parse_cost(spec: str) -> CostModel:
     """`F=1,B=2,F[3]=1.5,C=0.1` into a CostModel; a malformed spec is a usage error."""
     entries: list[tuple[str, int | None, float]] = []
@@ -281,15 +291,6 @@ def parse_cost(spec: str) -> CostModel:
             raise UsageError(f"`--cost {spec}`: {problem}")
         entries.append((kind, None if stage is None else int(stage), float(value)))
     return CostModel(tuple(entries))
-
-
-def check_cost_stages(costs: CostModel, spec: str, program: Program) -> None:
-    """A `--cost` entry for a stage the schedule does not have is a usage error, not
-    ignored."""
-    for kind, stage, _ in costs.entries:
-        problem = None if stage is None else stage_problem(kind, stage, program.num_stages)
-        if problem is not None:
-            raise UsageError(f"`--cost {spec}`: {program.name}: {problem}")
 
 
 # ---- files ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from pipelang.cli.args import (
     UsageError,
+    add_cost_argument,
     add_param_options,
     parse_cost,
     parse_params,
@@ -82,11 +83,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="T",
         help="the most activation tokens any rank may hold at once (the memory cap)",
     )
-    parser.add_argument(
-        "--cost",
-        metavar="SPEC",
-        help="cost entries over the schedule's, e.g. F=1,B=2,A=0.3,O=0.05,S=4096",
-    )
+    add_cost_argument(parser)
     parser.add_argument(
         "--max-candidates",
         type=positive,
@@ -115,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("-p N=...: pack chooses the micro-batches; leave N out")
     rows = read_number_rows(args.sequences, "E0213", "a length in tokens", 1, "sequence")
     lengths = [row[0] for row in rows]
-    costs = with_reference(parse_cost(args.cost) if args.cost else CostModel(()), lengths)
+    costs = with_reference(parse_cost(args.cost), lengths)
     started = time.perf_counter()
     budget = args.time_budget or math.inf
     try:

@@ -10,9 +10,9 @@ from rich.table import Table
 
 from pipelang.cli.args import (
     activation_bytes,
+    add_cost_argument,
     add_schedule_arguments,
     add_slot_model_arguments,
-    check_cost_stages,
     compile_args,
     data_slot_bytes,
     describe,
@@ -26,16 +26,7 @@ HELP = "replay a schedule with a cost model: makespan, bubbles, memory"
 
 def setup(parser: argparse.ArgumentParser) -> None:
     add_schedule_arguments(parser)
-    parser.add_argument(
-        "--cost",
-        metavar="SPEC",
-        default="",
-        help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2; evicted "
-        "activations' trips to the partner and back: E=0.5,L=0.5; shares of a stage's "
-        "activations: KV (keys and values, with chunks), MW (what W reads after B, "
-        "default 1; 0 counts to B as the papers do). "
-        "Defaults come from the schedule's `cost` line, else 1 (C=0)",
-    )
+    add_cost_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     parser.add_argument("--grid", action="store_true", help="also print the rank x time grid")
     parser.add_argument(
@@ -57,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
     slots = args.slots or args.model is not None
     compiled = compile_args(args, "check-streams" if slots else SCHEDULE_DONE)
     program = compiled.need_program()
-    check_cost_stages(costs, args.cost, program)
     timeline = compiled.timeline(costs)
     metrics = timeline.metrics()
     rows = cast(list[dict[str, object]], metrics["ranks"])

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from pipelang.cli.args import (
     UsageError,
+    add_cost_argument,
     add_model_arguments,
     byte_size,
     layer_counts,
@@ -68,14 +69,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         help=f"refuse a placement of more than K ops to order (default and most {MAX_OPS:,}, "
         "E0605: the solver's memory grows with the ops)",
     )
-    parser.add_argument(
-        "--cost",
-        metavar="SPEC",
-        default="",
-        help="op times, e.g. F=1,B=2,W=1,C=0.1; per stage: F[3]=2; C[b]=0.5 is the link "
-        "between stages b and b+1; MW: the share of a forward's activations W keeps "
-        "after B. Defaults come from the schedule's `cost` line, else 1 (W=0, C=0)",
-    )
+    add_cost_argument(parser)
     parser.add_argument(
         "--profile",
         type=path,

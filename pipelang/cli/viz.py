@@ -14,10 +14,10 @@ from pathlib import Path
 
 from pipelang.cli.args import (
     UsageError,
+    add_cost_argument,
     add_lengths_argument,
     add_param_options,
     at_least_zero,
-    check_cost_stages,
     compile_args,
     parse_cost,
     path,
@@ -45,12 +45,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     add_param_options(parser, "set a schedule parameter, for every SCHED; repeat for several")
     add_lengths_argument(parser)
-    parser.add_argument(
-        "--cost",
-        metavar="SPEC",
-        default="",
-        help="op times as for `simulate` (F=1,B=2,W=1,C=0.1); with --trace, only with "
-        "--overlay: the model's, in milliseconds, over the times fitted to the trace",
+    add_cost_argument(
+        parser,
+        "; with --trace, only with --overlay: the model's, in milliseconds, over the "
+        "times fitted to the trace",
     )
     parser.add_argument(
         "-o",
@@ -125,12 +123,12 @@ def _simulated_panels(args: argparse.Namespace) -> list[Panel]:
     panels = []
     for sched in args.scheds:
         compiled = _compile(sched, args)
-        check_cost_stages(costs, args.cost, compiled.need_program())
         panels.append(simulated(compiled.timeline(costs)))
     return panels
 
 
 def _measured_panels(args: argparse.Namespace) -> list[Panel]:
+    from pipelang.passes.layout import given_costs
     from pipelang.visualize.measured import TraceError, fitted_costs, read_trace
 
     if len(args.scheds) > 1:
@@ -156,10 +154,9 @@ def _measured_panels(args: argparse.Namespace) -> list[Panel]:
         raise UsageError(str(err)) from None
     overlay = None
     if args.overlay:
-        timeline = measured.timeline
+        timeline, ran = measured.timeline, measured.timeline.program
         given = parse_cost(args.cost)
-        check_cost_stages(given, args.cost, timeline.program)
-        costs: CostModel = fitted_costs(timeline).merged(given)
+        costs = given_costs(fitted_costs(timeline), given, ran.name, ran.num_stages)
         overlay = _aligned(_replay(timeline.program, costs), timeline)
     return [measured.panel(overlay)]
 

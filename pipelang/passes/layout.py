@@ -43,13 +43,16 @@ DeclT = TypeVar("DeclT", bound=ast.Node)
 
 
 def schedule_layout(
-    file: ast.File, bindings: Mapping[str, Value], most_ops: int = MAX_OPS
+    file: ast.File,
+    bindings: Mapping[str, Value],
+    most_ops: int = MAX_OPS,
+    costs: CostModel | None = None,
 ) -> Layout:
     """The schedule's declarations evaluated without running its order: placement,
-    micro-batches, kinds and costs (what `pipelang plan` bounds a candidate from; its
-    `after` dependencies are left empty)."""
+    micro-batches, kinds and costs, `costs` over its own (what `pipelang plan` bounds a
+    candidate from, and `synthesize` orders; its `after` dependencies are left empty)."""
     with nesting_limit(file.schedule.span), op_limit(most_ops):
-        return read_layout(file, bindings, None, None)
+        return read_layout(file, bindings, None, costs)
 
 
 def read_layout(
@@ -64,7 +67,7 @@ def read_layout(
     kinds = _kinds(schedule)
     pipelines = _pipelines(_declared(schedule, ast.PipelineDecl, "pipeline"), scope, env)
     num_stages = len(pipelines[0].placement)
-    costs = _costs(schedule, scope, env, num_stages).merged(extra_costs)
+    costs = _costs(schedule, scope, env, num_stages)
     num_ranks = _check_ranks(schedule, pipelines)
     assignment = _assignment(
         _single(schedule, ast.Microbatches, "microbatches"), pipelines, scope, env
@@ -88,7 +91,7 @@ def read_layout(
         assignment,
         kinds,
         ranks=(),
-        costs=costs,
+        costs=given_costs(costs, extra_costs, schedule.name, num_stages),
         frozen=frozen,
         chunks=chunks,
         shapes=shapes,
@@ -303,6 +306,18 @@ def _costs(schedule: ast.Schedule, scope: Scope, env: Env, num_stages: int) -> C
                     raise fail("E0209", f"`cost {item.kind}[{stage}]`: {problem}", item.span)
                 entries.append((item.kind, stage, item.value))
     return CostModel().merged(CostModel(tuple(entries)))
+
+
+def given_costs(costs: CostModel, given: CostModel | None, name: str, num_stages: int) -> CostModel:
+    """A schedule's `costs` with the `given` entries over them (`--cost`, the API's
+    `costs`: `Options.costs`): the one place they are merged with a schedule and checked
+    against its stages. An entry for a stage or boundary the schedule `name` does not
+    have is a usage error (exit 2), whichever command took it."""
+    for kind, stage, _ in () if given is None else given.entries:
+        problem = None if stage is None else stage_problem(kind, stage, num_stages)
+        if problem is not None:
+            raise fail("usage", f"`--cost {kind}[{stage}]`: {name}: {problem}")
+    return costs.merged(given)
 
 
 def read_partition(

@@ -14,7 +14,7 @@ from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import InternalError, fail
 from pipelang.evaluate import Value, nesting_limit, op_limit
-from pipelang.ir import Action, CostModel, Kind, deps, stage_problem
+from pipelang.ir import Action, CostModel, Kind, deps
 from pipelang.ir.placement import crossing, owners
 from pipelang.orders import Layout
 from pipelang.passes.expand_orders import read_after
@@ -103,7 +103,7 @@ def _declarations(
     file = api.load_file(sched)
     bindings = run_passes(file, Options(dict(params or {}), costs=costs), "resolve-params").params
     assert bindings is not None  # resolve-params ran
-    layout = schedule_layout(file, bindings)
+    layout = schedule_layout(file, bindings, costs=costs)
     schedule = file.schedule
     unsupported = [
         (layout.program.frozen is not None, "a frozen part (`frozen on`)"),
@@ -120,11 +120,7 @@ def _declarations(
                 "W ops of synchronous schedules",
                 schedule.span,
             )
-    for kind, stage, _ in () if costs is None else costs.entries:
-        problem = None if stage is None else stage_problem(kind, stage, layout.program.num_stages)
-        if problem is not None:
-            raise fail("E0209", f"`{kind}[{stage}]` for {schedule.name}: {problem}", schedule.span)
-    return layout.declaring(costs=layout.program.costs.merged(costs)), file, bindings
+    return layout, file, bindings
 
 
 def problem_of(
