@@ -175,10 +175,8 @@ def load_here(spec: list[object]) -> str:
             user_model(model)
     except ModelError as err:
         return str(err) or "ModelError"
-    except SystemExit as exit_:
-        return f"`--model {name}`: its code called sys.exit({exit_.code!r}) as it loaded"
-    except BaseException as err:  # whatever the user's code raises
-        text = str(err).strip().splitlines()
-        what = f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-        return clip(f"`--model {name}`: loading it raised {what}")
+    except BaseException as err:  # whatever the user's code raises, sys.exit() too
+        from pipelang.backends.user_models import said
+
+        return clip(f"`--model {name}`: loading it failed: {said(err)}")
     return ""

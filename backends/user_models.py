@@ -45,7 +45,7 @@ from pipelang.diagnostics import clip
 if TYPE_CHECKING:
     from pipelang.backends.models import ModelSpec
 
-__all__ = ["Boundary", "PackedStage", "Tie", "UserModel", "find_ties", "user_model"]
+__all__ = ["Boundary", "PackedStage", "Tie", "UserModel", "find_ties", "said", "user_model"]
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 KEYS = {"model", "split_spec", "loss", "vocab_size", "seq_len", "unpack"}
@@ -156,15 +156,13 @@ def load_factory(name: str) -> Callable[..., object]:
         factory = getattr(module, attr)
     except (ImportError, AttributeError, SyntaxError, ValueError) as err:
         raise ModelError(
-            f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {err}"
+            clip(f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {_cut(str(err))}")
         ) from None
     except SystemExit as exit_:  # the user's file ended the process: not a success
-        raise ModelError(
-            f"`--model {name}`: importing `{module_name}` called sys.exit({exit_.code!r})"
-        ) from None
+        raise ModelError(f"`--model {name}`: importing `{module_name}` {said(exit_)}") from None
     except BaseException as err:  # anything the user's module raises (KeyboardInterrupt too)
         raise ModelError(
-            clip(f"`--model {name}`: importing `{module_name}` failed: {_said(err)}")
+            clip(f"`--model {name}`: importing `{module_name}` failed: {said(err)}")
         ) from None
     if not callable(factory):
         raise ModelError(f"`--model {name}`: `{attr}` is not callable")
@@ -242,9 +240,9 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
     try:
         returned = factory(**kwargs)
     except SystemExit as exit_:
-        raise ModelError(f"`--model {name}`: `{attr}()` called sys.exit({exit_.code!r})") from None
+        raise ModelError(f"`--model {name}`: `{attr}()` {said(exit_)}") from None
     except BaseException as err:
-        raise ModelError(clip(f"`--model {name}`: `{attr}()` failed: {_said(err)}")) from None
+        raise ModelError(clip(f"`--model {name}`: `{attr}()` failed: {said(err)}")) from None
     extras: dict[str, Any] = {}
     if isinstance(returned, dict):
         unknown = sorted(set(returned) - KEYS)
@@ -368,7 +366,7 @@ def _boundaries(spec: ModelSpec, built: _Built) -> list[Boundary | None]:
         raise
     except BaseException as err:  # sys.exit() in a forward, too
         raise ModelError(
-            clip(f"`{spec.name}` does not run on a batch of token ids: {_said(err)}")
+            clip(f"`{spec.name}` does not run on a batch of token ids: {said(err)}")
         ) from None
     return found
 
@@ -393,20 +391,28 @@ def _probe(spec: ModelSpec, built: _Built, i: int, layer: nn.Module, x: object) 
         raise ModelError(
             clip(
                 f"`--model {spec.name}`: {what} {i} ({type(layer).__name__}) fails on "
-                f"{given}: {_said(err)}{hint}"
+                f"{given}: {said(err)}{hint}"
             )
         ) from None
 
 
-def _said(err: BaseException) -> str:
-    """An exception of the user's code in one line: `Type: first line`, or what
-    sys.exit() was called with."""
+SAID = 200
+"""The most characters of what the user's code said (an exception's text) a message shows."""
+
+
+def said(err: BaseException) -> str:
+    """An exception of the user's code in one line, its text cut at SAID characters:
+    `Type: first line`, or `called sys.exit(...)`."""
     if isinstance(err, SystemExit):
-        return f"it called sys.exit({err.code!r})"
+        return f"called sys.exit({_cut(repr(err.code))})"
     if isinstance(err, OSError) and err.strerror:  # not the (maybe long) file name again
         return f"{type(err).__name__}: {err.strerror}"
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+    return f"{type(err).__name__}: {_cut(text[0])}" if text else type(err).__name__
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SAID else f"{text[:SAID]}... ({len(text):,} characters)"
 
 
 def _kind(value: object) -> str:

@@ -397,10 +397,17 @@ def _model_file(tmp_path: Path, at_import: str = "", forward: str = "pass") -> s
             "error: `--model bad.py:layers`: importing `bad.py` failed: Stop: mine",
         ),
         (
+            "raise RuntimeError('v' * 5000)",
+            "pass",
+            "error: `--model bad.py:layers`: importing `bad.py` failed: RuntimeError: "
+            + "v" * 200
+            + "... (5,000 characters)",
+        ),
+        (
             "",
             "import sys; sys.exit(0)",
             "error: `--model bad.py:layers`: layer 1 (Layer) fails on what layer 0 returns (a "
-            "tensor [4, 32, 16]): it called sys.exit(0)",
+            "tensor [4, 32, 16]): called sys.exit(0)",
         ),
     ],
 )
