@@ -6,10 +6,12 @@ A *feature* is something a schedule may declare that not every consumer handles:
 replicas (several pipelines), recompute, asynchronous weights, a frozen part, sequence
 chunks, micro-batch shapes, evicted activations. A *consumer* is what reads a compiled
 Program: torch's CSV format (`export --format torch-csv`), `PipelineSchedule` (the
-training-loop API), and the runtime's options and paths that cannot take a feature yet
-(`--dp`, `--mixed-precision`, `--clip-grad`, checkpoints, a GPU, and the runtime's own
-chunks and evictions, which cannot take recompute). `refusal(program, consumer)` says
-why a consumer cannot run a program, or None:
+training-loop API), `synthesize` (which reads a placement's declarations), the stream
+programs (the `streams` pass, and so `--graphs`, gloo and nccl), and the runtime's
+options and paths that cannot take a feature yet (`--dp`, `--mixed-precision`,
+`--clip-grad`, checkpoints, a GPU, and the runtime's own chunks and evictions, which
+cannot take recompute). `refusal(program, consumer)` says why a consumer cannot run a
+program, or None; `refuse` raises it as a diagnostic:
 
     refusal(seq1f1b, "torch-csv")
   =>
@@ -17,13 +19,20 @@ why a consumer cannot run a program, or None:
     format has no sequence chunks"
 
 A feature a consumer gains is one line out of `REFUSED`.
+
+Which features a schedule may declare together at all (chunks with a frozen part,
+asynchronous weights or evictions; a frozen part with asynchronous weights) is not here:
+that is the language's rule, which no Program breaks (E0210, E0211 at the declarations,
+`passes/layout.py` and `orders.Layout.op`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from pipelang.diagnostics import fail
 from pipelang.ir import Kind, Program
+from pipelang.source import Span
 
 
 def _pipelines(p: Program) -> str | None:
@@ -67,6 +76,7 @@ USES: dict[str, Callable[[Program], str | None]] = {
 
 _CSV = "torch's CSV format"
 _LOOP = "PipelineSchedule"
+_SYNTH = "`synthesize` does not order {} yet; it orders the F, B and W ops of synchronous schedules"
 
 REFUSED: dict[str, dict[str, str]] = {
     "torch-csv": {
@@ -84,6 +94,16 @@ REFUSED: dict[str, dict[str, str]] = {
         "chunks": f"{_LOOP} does not run chunks yet (`pipelang run` does, on its GPT)",
         "shapes": f"{_LOOP} splits a batch into equal ones (`pipelang run` runs shapes)",
         "evictions": f"{_LOOP} does not move evicted activations yet",
+    },
+    "synthesize": {
+        "frozen": _SYNTH.format("a frozen part"),
+        "chunks": _SYNTH.format("sequence chunks"),
+        "shapes": _SYNTH.format("micro-batches of different shapes"),
+        "recompute": _SYNTH.format("recomputation"),
+        "weights": _SYNTH.format("asynchronous weights"),
+    },
+    "stream programs": {
+        "evictions": "evictions are not lowered to stream programs yet; run it without --graphs",
     },
     "--dp": {
         "weights": "the runtime cannot run an asynchronous schedule with --dp yet: each "
@@ -122,8 +142,32 @@ REFUSED: dict[str, dict[str, str]] = {
 def refusal(program: Program, consumer: str) -> str | None:
     """Why `consumer` (a key of `REFUSED`) cannot run `program`: the first feature the
     program uses that the consumer refuses, or None."""
+    found = _refused(program, consumer)
+    return None if found is None else found[1]
+
+
+def refuse(program: Program, consumer: str, code: str, span: Span | None = None) -> None:
+    """Raise `refusal` as diagnostic `code` where `consumer` cannot run `program`: at
+    `span`, else where the program uses the feature (its first eviction, say)."""
+    found = _refused(program, consumer)
+    if found is not None:
+        feature, message = found
+        raise fail(code, message, span or _where(program, feature))
+
+
+def _refused(program: Program, consumer: str) -> tuple[str, str] | None:
+    """The first feature `program` uses that `consumer` refuses, and the refusal's words."""
     for feature, why in REFUSED[consumer].items():
         use = USES[feature](program)
         if use is not None:
-            return f"`{program.name}` {use}: {why}"
+            return feature, f"`{program.name}` {use}: {why}"
     return None
+
+
+def _where(program: Program, feature: str) -> Span | None:
+    """Where `program`'s source uses `feature`, where one place says it."""
+    if feature == "evictions":
+        evicts = program.first_eviction()
+        return None if evicts is None else evicts.span
+    declared = {"weights": program.weights, "chunks": program.chunks, "shapes": program.shapes}
+    return getattr(declared.get(feature), "span", None)

@@ -422,6 +422,56 @@ def test_every_refusal_comes_from_the_feature_table(feature: str, tmp_path: Path
         assert status == 2 and REFUSED["torch-csv"][feature] in err
 
 
+SHAPED = """schedule shaped(D: int = 2, N: int = 2) {
+    pipeline main: stage s in 0..D -> rank s
+    microbatches 0..N -> main
+    lengths 512, 1024
+    order rank r {
+        for i in 0..N { F(i) }
+        for i in 0..N { B(i) }
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("feature", ["frozen", "chunks", "shapes", "recompute", "weights"])
+def test_synthesize_refuses_with_the_feature_table(feature: str, tmp_path: Path) -> None:
+    """`synthesize` kept its own table of what it cannot order (synthesis/problem.py);
+    its E0602, at the schedule, is now `features.REFUSED["synthesize"]`'s words."""
+    from pipelang.features import REFUSED, USES
+
+    if feature == "shapes":
+        (tmp_path / "shaped.pipe").write_text(SHAPED)
+        name, params = str(tmp_path / "shaped.pipe"), {}
+    else:
+        name, params = FEATURED[feature]
+    status, out, err = run_in_process(["synthesize", name, "--time-limit", "1"])
+    assert (status, out) == (1, "")
+    first = err.splitlines()[0]
+    use = USES[feature](pipelang.load(name, **params).program)
+    assert first.startswith("error[E0602]: `") and first.endswith(
+        f"{use}: {REFUSED['synthesize'][feature]}"
+    ), first
+    assert err.splitlines()[1].endswith(":1") and "| schedule " in err  # at the schedule
+
+
+def test_the_stream_programs_refuse_evictions_with_the_feature_table() -> None:
+    """The `streams` pass said its own words for evictions (and `worker.runs_streams`
+    asks the same question): E0506 is `features.REFUSED["stream programs"]`'s, at the
+    first eviction."""
+    from pipelang.features import REFUSED, refusal
+
+    program = pipelang.load("bpipe").program
+    status, _, err = run_in_process(["compile", "bpipe", "--dump-after", "streams"])
+    assert status == 1
+    assert err.startswith(f"error[E0506]: {refusal(program, 'stream programs')}\n"), err
+    assert err.splitlines()[0].endswith(REFUSED["stream programs"]["evictions"])
+    first = program.first_eviction()
+    assert first is not None and first.span is not None
+    assert f"bpipe.pipe:{first.span.line}:{first.span.column}" in err.splitlines()[1]
+    assert refusal(pipelang.load("1f1b").program, "stream programs") is None
+
+
 # ---- round three (issue 44): the language, the CLI and the API under hostile input --------
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipelang.diagnostics import fail
+from pipelang.features import refuse
 from pipelang.ir import Action, Kind, Program, deps, placement
 from pipelang.ir.streams import RECORD, WAIT, Access, Interleaving, StreamOp, StreamProgram
 
@@ -57,15 +58,9 @@ if TYPE_CHECKING:
 
 
 def streams(program: Program, dp: int = 1) -> StreamProgram:
-    """The stream program of `program` run as `dp` data-parallel copies."""
-    evicts = program.first_eviction()
-    if evicts is not None:
-        raise fail(
-            "E0506",
-            f"`{program.name}` evicts activations (`{evicts}`), and evictions are not "
-            "lowered to stream programs yet; run it without --graphs",
-            evicts.span,
-        )
+    """The stream program of `program` run as `dp` data-parallel copies; what stream
+    programs cannot run (`features.REFUSED`) is E0506."""
+    refuse(program, "stream programs", "E0506")
     first = [_Lowering(program, process, dp).lower() for process in range(program.num_ranks * dp)]
     virtual = StreamProgram(program.name, program.num_ranks * dp, tuple(itertools.chain(*first)))
     order = Interleaving(virtual)

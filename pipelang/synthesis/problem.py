@@ -14,6 +14,7 @@ from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import InternalError, fail
 from pipelang.evaluate import Value, nesting_limit, op_limit
+from pipelang.features import refuse
 from pipelang.ir import Action, CostModel, Kind, deps
 from pipelang.ir.placement import crossing, owners
 from pipelang.orders import Layout
@@ -99,27 +100,14 @@ def _declarations(
     sched: str, params: Mapping[str, str] | None, costs: CostModel | None
 ) -> tuple[Layout, ast.File, Mapping[str, Value]]:
     """The schedule's declarations (its order not run): the layout under `costs`, the
-    file and its parameters' values; what `synthesize` cannot order is E0602."""
+    file and its parameters' values; what `synthesize` cannot order (`features.REFUSED`)
+    is E0602, at the schedule."""
     file = api.load_file(sched)
     bindings = run_passes(file, Options(dict(params or {}), costs=costs), "resolve-params").params
     assert bindings is not None  # resolve-params ran
     layout = schedule_layout(file, bindings, costs=costs)
-    schedule = file.schedule
-    unsupported = [
-        (layout.program.frozen is not None, "a frozen part (`frozen on`)"),
-        (layout.program.chunks is not None, "sequence chunks (`chunks`)"),
-        (layout.program.shapes is not None, "micro-batches of different shapes"),
-        (Kind.R in layout.program.kinds, "recomputation (`ops ..., R`)"),
-        (read_weights(schedule, layout.scope, layout.env) is not None, "asynchronous weights"),
-    ]
-    for found, what in unsupported:
-        if found:
-            raise fail(
-                "E0602",
-                f"`synthesize` does not order schedules with {what}: it orders the F, B and "
-                "W ops of synchronous schedules",
-                schedule.span,
-            )
+    weights = read_weights(file.schedule, layout.scope, layout.env)
+    refuse(layout.declaring(weights=weights).program, "synthesize", "E0602", file.schedule.span)
     return layout, file, bindings
 
 
