@@ -69,8 +69,10 @@ class Terminated(Exception):
     or one to a `local` run (its ranks are threads of this process)."""
 
 
+_seen: list[bool] = []
+"""Whether a SIGTERM reached `passing_sigterm`: later ones find this process stopping."""
 _raised: list[bool] = []
-"""Whether `Terminated` was raised: later signals find this process stopping already."""
+"""Whether `Terminated` was raised."""
 
 
 @contextlib.contextmanager
@@ -78,24 +80,27 @@ def passing_sigterm(status: MutableSequence[int] | None) -> Iterator[None]:
     """While ranks run, SIGTERM to this process asks them to stop at their next step
     (the last slot of the launcher's status array, read by `Termination`); a second one,
     or any with no ranks to ask (`status` None), raises `Terminated` here at once; any
-    after that is ignored (the process is stopping)."""
+    after that is ignored, to the end of the process (it is on its way to exit 143)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread can take signals
         return
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        if _raised:  # this process is on its way out already (exit 143)
+        if status is not None and not status[len(status) - 1]:
+            status[len(status) - 1] = 1  # the ranks stop at their next step
+            _seen.append(True)
             return
-        if status is None or status[len(status) - 1]:
-            _raised.append(True)
-            raise Terminated
-        status[len(status) - 1] = 1
+        if _raised or (status is None and _seen):  # this process is stopping (exit 143)
+            return
+        _raised.append(True)
+        _seen.append(True)
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # once seen, a later SIGTERM cannot kill the process on its way to exit 143
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if _seen else previous)
 
 
 STRANDED: list[threading.Event] = []

@@ -183,10 +183,12 @@ def test_sigterm_under_torchrun_saves_the_step_every_rank_stopped_at(tmp_path: P
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_local_run_stops_its_threads_and_exits_143() -> None:
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_to_a_local_run_stops_its_threads_and_exits_143(signals: int) -> None:
     """Every rank a thread of this process: they stop (a waiting one at once, a computing
     one before its next step) before Python exits, which would end a thread still inside
-    torch with pthread_exit, and std::terminate (status -6, not 143)."""
+    torch with pthread_exit, and std::terminate (status -6, not 143). A second SIGTERM
+    while it exits is ignored (it was killed by it: -15)."""
     argv = [sys.executable, "-m", "pipelang.cli", *RUN_1F1B[1:5], "-p", "N=4"]
     proc = subprocess.Popen(
         [*argv, "--backend", "local", "--steps", "100000"],
@@ -201,7 +203,9 @@ def test_sigterm_to_a_local_run_stops_its_threads_and_exits_143() -> None:
         if line.startswith("step 3/"):
             break
     assert proc.poll() is None, seen
-    proc.send_signal(signal.SIGTERM)
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
     err = proc.communicate(timeout=60)[1]
     assert (proc.returncode, err.strip()) == (143, "terminated (SIGTERM): every rank stopped")
 
