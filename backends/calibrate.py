@@ -27,7 +27,6 @@ machine, `message_ms` is the transport's own time (gloo: TCP over loopback).
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ from pipelang.backends.measure import ProfileOptions
 from pipelang.diagnostics import fail
 from pipelang.planner.partition import even_split
 from pipelang.planner.profile import RUNTIME_FIELDS, Profile, RuntimeCosts
+from pipelang.trace import TraceError, load, read_actions
 
 WARMUP_STEPS = 2
 """Steps of the calibration run left out of its statistics."""
@@ -149,31 +149,25 @@ def _calibration_run(
                 notes=tuple(lines[-3:]),
                 help="profile without --calibrate, or check `pipelang run` on this model",
             )
-        events = read_trace(json.loads(trace.read_text()))
+        events = trace_events(trace, backend)
     return runtime_costs(events, profile, counts, backend, ranks)
 
 
-def read_trace(doc: object) -> list[TraceEvent]:
-    """The actions of a Chrome trace that `pipelang run --trace` wrote."""
-    found = []
-    raw = doc.get("traceEvents", []) if isinstance(doc, dict) else []
-    for event in raw:
-        if not isinstance(event, dict) or event.get("ph") != "X":
-            continue
-        args = event.get("args", {})
-        start = float(event["ts"]) / 1e3
-        found.append(
-            TraceEvent(
-                rank=int(event["pid"]),
-                step=int(args.get("step", 0)),
-                index=int(args.get("action", 0)),
-                name=str(event["name"]),
-                kind=str(event.get("cat", "")),
-                start=start,
-                end=start + float(event["dur"]) / 1e3,
-            )
-        )
-    return found
+def trace_events(path: Path, backend: str = "gloo") -> list[TraceEvent]:
+    """The actions of the Chrome trace that `pipelang run --trace` wrote, read as
+    `viz --trace` reads them (pipelang/trace.py); one that does not read is E0404."""
+    try:
+        actions = read_actions(load(path), str(path))
+    except TraceError as err:
+        raise fail(
+            "E0404",
+            f"the calibration run on {backend} wrote a trace that does not read: {err}",
+            help="profile without --calibrate, or check `pipelang run --trace` on this model",
+        ) from None
+    return [
+        TraceEvent(t.rank, t.step, t.index, t.name, t.action.kind.value, t.start / 1e3, t.end / 1e3)
+        for t in actions
+    ]
 
 
 def runtime_costs(

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from pipelang.backends.rank_base import RankResult
 from pipelang.ir import Program
+from pipelang.trace import complete, document, metadata, rank_name
 
 
 class StepProgress:
@@ -183,39 +184,26 @@ def world_text(program: Program, results: list[RankResult]) -> str:
     return f"{dp} x {program.num_ranks} ranks (--dp {dp})"
 
 
-def chrome_trace(program: Program, results: list[RankResult]) -> dict[str, object]:
-    """Every action of every rank as a Chrome trace complete event (pid = tid = rank;
-    with `--dp K`, the process's rank, `replica * R + rank`)."""
-    events: list[dict[str, object]] = []
+def chrome_trace(program: Program, results: list[RankResult]) -> str:
+    """Every action of every rank in every step as a Chrome trace complete event (pid =
+    tid = rank; with `--dp K`, the process's rank, `replica * R + rank`), in the one
+    format of pipelang/trace.py, which `viz --trace` and `profile --calibrate` read."""
+    events: list[str] = []
     for result in results:
         rank = result.rank
-        events.append(
-            {
-                "name": "process_name",
-                "ph": "M",
-                "pid": rank,
-                "tid": rank,
-                "args": {"name": f"rank {rank}"},
-            }
-        )
+        events.append(metadata("process_name", rank, rank, name=rank_name(rank)))
+        actions = program.ranks[rank % program.num_ranks]
         for step, index, start, end in result.events:
-            action = program.ranks[rank % program.num_ranks][index]
+            action = actions[index]
+            more = f',"args":{{"step":{step},"action":{index}}}'
+            kind = action.kind.value
             events.append(
-                {
-                    "name": action.text(),
-                    "cat": action.kind.value,
-                    "ph": "X",
-                    "ts": start / 1e3,
-                    "dur": (end - start) / 1e3,
-                    "pid": rank,
-                    "tid": rank,
-                    "args": {"step": step, "action": index},
-                }
+                complete(action.text(), kind, rank, rank, start / 1e3, (end - start) / 1e3, more)
             )
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return document(events)
 
 
 def write_trace(path: Path, program: Program, results: list[RankResult]) -> None:
     """Write the Chrome trace JSON (open it in Perfetto or chrome://tracing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(program, results)))
+    path.write_text(chrome_trace(program, results))

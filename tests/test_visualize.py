@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pipelang import PipelangError
 from pipelang.api import load_program
 from pipelang.ir import Kind
 from pipelang.sim.timeline import Timeline
@@ -285,6 +286,88 @@ def test_trace_with_foreign_events_and_names(tmp_path: Path) -> None:
     path.write_text(json.dumps({"traceEvents": events[2:3]}))
     with pytest.raises(TraceError, match="no events named like pipelang actions"):
         read_trace(path)
+
+
+def test_a_run_trace_reads_back_alike_in_viz_and_calibrate(tmp_path: Path) -> None:
+    """One format, one reader: what `run --trace` writes (backends/report.py) reads back
+    through pipelang/trace.py in `viz --trace` and in `profile --calibrate`, to the same
+    ranks, steps and times (to the nanosecond)."""
+    from pipelang.backends.calibrate import trace_events
+    from pipelang.backends.rank_base import RankResult
+    from pipelang.backends.report import write_trace
+
+    program = load_program("1f1b", {"D": "2", "N": "2"})
+    results = []
+    for rank, actions in enumerate(program.ranks):
+        timed = [(step, i, 10**9 * step + 1000 * i + 7, 10**9 * step + 1000 * i + 900)
+                 for step in (0, 1) for i in range(len(actions))]  # fmt: skip
+        results.append(RankResult(rank, [], events=timed))
+    path = tmp_path / "run.json"
+    write_trace(path, program, results)
+    calibrated = trace_events(path)
+    assert len(calibrated) == 2 * sum(len(actions) for actions in program.ranks)
+    for e in calibrated:
+        assert e.name == program.ranks[e.rank][e.index].text()
+        ns = 10**9 * e.step + 1000 * e.index
+        near = {"rel": 0, "abs": 1e-7}  # milliseconds: to a tenth of a nanosecond
+        assert (e.start, e.end) == (
+            pytest.approx((ns + 7) / 1e6, **near),
+            pytest.approx((ns + 900) / 1e6, **near),
+        )
+    measured = read_trace(path, program)
+    assert measured.steps == (0, 1)
+    drawn = {(e.rank, e.action.text()) for e in (*measured.timeline.events, *measured.extra)}
+    assert drawn == {(e.rank, e.name) for e in calibrated if e.step == 1}
+
+
+def test_calibrate_takes_the_rank_a_process_is_named_as_viz_does(tmp_path: Path) -> None:
+    """calibrate took `pid` as the rank; `viz --trace` the `rank r` a `process_name`
+    event names (and pid without one): both read ranks by the one rule now."""
+    from pipelang.backends.calibrate import trace_events
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 900, "args": {"name": "rank 1"}},
+        {"ph": "M", "name": "process_name", "pid": 800, "args": {"name": "rank 0"}},
+        {"ph": "X", "name": "F0@0/main", "pid": 800, "ts": 10, "dur": 1000},
+        {"ph": "X", "name": "F0@1/main", "pid": 900, "ts": 1500, "dur": 1000},
+        {"ph": "X", "name": "F1@1/main", "pid": 1, "ts": 2500, "dur": 1000},
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert [(e.rank, e.name) for e in trace_events(path)] == [
+        (0, "F0@0/main"),
+        (1, "F0@1/main"),
+        (1, "F1@1/main"),
+    ]
+    path.write_text(json.dumps([{**events[2], "pid": "r0"}]))  # int("r0") was a ValueError
+    with pytest.raises(PipelangError) as caught:
+        trace_events(path)
+    assert caught.value.diagnostics[0].code == "E0404"
+    assert "event `F0@0/main` has no rank (pid 'r0')" in caught.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize(
+    ("event", "words"),
+    [
+        ({"pid": [1]}, "has no rank (pid [1])"),
+        ({"pid": True}, "has no rank (pid True)"),
+        ({"args": {"step": "x"}}, "has no whole step or index ('x')"),
+        ({"args": {"step": 1e300}}, "has no whole step or index"),
+        ({"args": {"action": -1}}, "has no whole step or index (-1)"),
+    ],
+)
+def test_a_trace_event_without_a_rank_or_a_step_is_named(
+    event: dict[str, object], words: str, tmp_path: Path
+) -> None:
+    """An unhashable pid was an internal TypeError, a step of "x" a ValueError, 1e300 an
+    OverflowError: each is the trace's error, naming the event (viz: exit 2)."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([{"ph": "X", "name": "F0@0/main", "pid": 0, "ts": 1, **event}]))
+    with pytest.raises(TraceError, match="F0@0/main"):
+        read_trace(path)
+    status, out, err = run_in_process(["viz", "--trace", str(path)])
+    assert (status, out) == (2, "")
+    assert words in err and "event `F0@0/main`" in err, err
 
 
 # ---- HTML in a browser, PNG -------------------------------------------------------------------

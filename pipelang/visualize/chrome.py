@@ -1,4 +1,4 @@
-"""The Chrome trace (JSON trace event format), for Perfetto and chrome://tracing.
+"""`viz -o X.json`: timelines as a Chrome trace (its format: pipelang/trace.py).
 
 One process per rank (`pid` = rank when there is one panel), named `rank r` (with the
 schedule's name in front when several schedules share a file). Inside it, the thread
@@ -11,10 +11,6 @@ transfer time C and a recv from the result's arrival to the start of the op usin
 
 `ts` and `dur` are microseconds. A simulated timeline has no real unit: one cost unit is
 written as one millisecond, so a Perfetto ruler reading `3 ms` means 3 cost units.
-
-Events are written with string formatting rather than `json.dumps` of one dict each:
-at 10^5 ops that is most of the time. Action tokens and pipeline names need no JSON
-escaping (they are `[A-Za-z0-9_@/:<>]`); free text goes through `json.dumps`.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from collections.abc import Sequence
 
 from pipelang.ir import Kind
 from pipelang.sim.timeline import Timeline
+from pipelang.trace import complete, document, metadata, rank_name
 from pipelang.visualize import style
 from pipelang.visualize.panel import Panel, transfers
 
@@ -60,22 +57,15 @@ def render_chrome(panels: Sequence[Panel], comms: bool = True) -> str:
             {"name": p.name, "summary": p.summary(), "unit": p.unit or "cost units"} for p in panels
         ],
     }
-    return (
-        '{"displayTimeUnit":"ms","otherData":'
-        + json.dumps(other)
-        + ',"traceEvents":[\n'
-        + ",\n".join(lines)
-        + "\n]}\n"
-    )
+    return document(lines, other)
 
 
 def _processes(lines: list[str], timeline: Timeline, base: int, prefix: str) -> None:
-    label = f"{prefix} " if prefix else ""
     for rank in range(timeline.program.num_ranks):
         pid = base + rank
-        lines.append(_meta("process_name", pid, 0, name=f"{label}rank {rank}"))
-        lines.append(_meta("process_sort_index", pid, 0, sort_index=pid))
-        lines.append(_meta("thread_name", pid, _tid(pid, 0), name="compute"))
+        lines.append(metadata("process_name", pid, 0, name=rank_name(rank, prefix)))
+        lines.append(metadata("process_sort_index", pid, 0, sort_index=pid))
+        lines.append(metadata("thread_name", pid, _tid(pid, 0), name="compute"))
 
 
 def _compute(lines: list[str], timeline: Timeline, base: int, scale: float) -> None:
@@ -85,13 +75,15 @@ def _compute(lines: list[str], timeline: Timeline, base: int, scale: float) -> N
     for rank, a, start, end in timeline.events:
         pid = base + rank
         kind = a.kind
+        args = (
+            f',"args":{{"kind":{kind_names[kind]},"mb":{a.mb},"stage":{a.stage},'
+            f'"pipeline":"{a.pipeline}"' + ("" if a.chunk is None else f',"chunk":{a.chunk}') + "}"
+        )
+        name = f"{kind.value}{a.unit()}@{a.stage}/{a.pipeline}"
         append(
-            f'{{"name":"{kind.value}{a.unit()}@{a.stage}/{a.pipeline}","cat":"{kind.value}",'
-            f'"ph":"X","pid":{pid},"tid":{pid * 1000},"ts":{start * scale:.3f},'
-            f'"dur":{(end - start) * scale:.3f},"args":{{"kind":{kind_names[kind]},'
-            f'"mb":{a.mb},"stage":{a.stage},"pipeline":"{a.pipeline}"'
-            + ("" if a.chunk is None else f',"chunk":{a.chunk}')
-            + "}}"
+            complete(
+                name, kind.value, pid, _tid(pid, 0), start * scale, (end - start) * scale, args
+            )
         )
 
 
@@ -138,23 +130,17 @@ def _comm_events(lines: list[str], comm: list[Comm], base: int, scale: float) ->
         if lane == len(ends):
             ends.append(end)
             label = "comm" if lane == 0 else f"comm {lane + 1}"
-            lines.append(_meta("thread_name", pid, _tid(pid, 1 + lane), name=label))
+            lines.append(metadata("thread_name", pid, _tid(pid, 1 + lane), name=label))
         ends[lane] = end
         flow = ""
         if key is not None:
             direction = "flow_in" if is_recv else "flow_out"
             flow = f',"bind_id":{flows.setdefault(key, len(flows) + 1)},"{direction}":true'
-        lines.append(
-            f'{{"name":"{name}","cat":"{cat}","ph":"X","pid":{pid},"tid":{pid * 1000 + 1 + lane},'
-            f'"ts":{start * scale:.3f},"dur":{(end - start) * scale:.3f}{flow}}}'
-        )
+        tid = _tid(pid, 1 + lane)
+        lines.append(complete(name, cat, pid, tid, start * scale, (end - start) * scale, flow))
 
 
 def _tid(pid: int, lane: int) -> int:
     """Thread ids unique over the whole trace (Perfetto ties a tid to one process):
     lane 0 (compute) of process p is 1000p, its comm lanes 1000p+1, 1000p+2, ..."""
     return pid * 1000 + lane
-
-
-def _meta(what: str, pid: int, tid: int, **args: object) -> str:
-    return json.dumps({"name": what, "ph": "M", "pid": pid, "tid": tid, "args": args})

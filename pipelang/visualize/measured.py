@@ -1,12 +1,8 @@
 """Measured timelines: read what `pipelang run --trace RUN.json` recorded.
 
-The runtime writes a Chrome trace (backends/report.py, `chrome_trace`): one complete
-event (`ph: "X"`) per action per step per rank, named by the action's IR token
-(`F3@1/down`, `send:F3@1/down>2`, `allreduce@1/down`, `step`), `pid` = the rank (a
-`process_name` metadata event `rank r` wins when present), `ts`/`dur` in microseconds
-from the run's common start, `args.step` the training step and `args.action` the index of
-the action in the rank's program. Events whose name is not an action are ignored, so a
-trace with other events mixed in still reads.
+The runtime writes a Chrome trace (backends/report.py, `chrome_trace`; the format and
+its reading back, `read_actions`, are pipelang/trace.py's): one complete event per action
+per step per rank, `ts`/`dur` in microseconds from the run's common start.
 
 One step is drawn (the last by default: the first ones include warm-up). Its times
 start at 0 at the step's first action and are in milliseconds. The program comes from
@@ -16,21 +12,17 @@ else it is rebuilt from the trace: placements, micro-batches and per-rank order.
 
 from __future__ import annotations
 
-import json
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipelang.ir import Action, CostModel, Kind, Pipeline, Program
 from pipelang.sim.timeline import Event, Timeline
+from pipelang.trace import Traced, TraceError, load, read_actions
 from pipelang.visualize.panel import Panel
 from pipelang.visualize.style import ALL_KINDS
 
-
-class TraceError(ValueError):
-    """A trace that cannot be read, or that does not match the schedule."""
+__all__ = ["Measured", "TraceError", "fitted_costs", "read_trace", "rebuild_program"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +41,7 @@ class Measured:
 
 def read_trace(path: Path, program: Program | None = None, step: int | None = None) -> Measured:
     """The measured timeline of `step` (default: the last) of the trace at `path`."""
-    by_step = _actions_by_step(_load(path), path)
+    by_step = _actions_by_step(read_actions(load(path), str(path)), path)
     steps = tuple(sorted(by_step))
     chosen = steps[-1] if step is None else step
     if chosen not in by_step:
@@ -70,28 +62,11 @@ Row = tuple[int, int, Action, float, float]
 """(rank, index in the rank's program, action, start us, end us)."""
 
 
-def _actions_by_step(raw: list[dict[str, Any]], path: Path) -> dict[int, list[Row]]:
-    """The trace's actions grouped by step; other events are skipped, and an action that
-    a rank runs twice in one step is an error (two runs in one file, say)."""
+def _actions_by_step(actions: list[Traced], path: Path) -> dict[int, list[Row]]:
+    """The trace's actions grouped by step."""
     by_step: dict[int, list[Row]] = defaultdict(list)
-    seen: set[tuple[int, int, Action]] = set()
-    ranks = _rank_names(raw)
-    for e in raw:
-        if e.get("ph") != "X" or not isinstance(e.get("name"), str):
-            continue
-        try:
-            action = Action.parse(e["name"])
-            start, dur = float(e["ts"]), float(e.get("dur", 0.0))
-        except (ValueError, KeyError, TypeError):
-            continue
-        args: dict[str, Any] = e["args"] if isinstance(e.get("args"), dict) else {}
-        rank, step = ranks.get(e.get("pid"), e.get("pid")), int(args.get("step", 0))
-        if not isinstance(rank, int) or rank < 0:
-            raise TraceError(f"{path}: event `{e['name']}` has no rank (pid {e.get('pid')!r})")
-        if (rank, step, action) in seen:
-            raise TraceError(f"{path}: rank {rank} runs `{action}` twice in step {step}")
-        seen.add((rank, step, action))
-        by_step[step].append((rank, int(args.get("action", 0)), action, start, start + dur))
+    for t in actions:
+        by_step[t.step].append((t.rank, t.index, t.action, t.start, t.end))
     if not by_step:
         raise TraceError(f"{path}: no events named like pipelang actions (`F3@1/main`)")
     return by_step
@@ -169,31 +144,6 @@ def _check_matches(program: Program, events: list[Event], path: Path) -> None:
             detail = f"never ran {', '.join(lost[:3])}"
         params = ", ".join(f"{k}={v}" for k, v in program.params)
         raise TraceError(f"{path} is not a run of {program.name}({params}): rank {rank} {detail}")
-
-
-def _load(path: Path) -> list[dict[str, Any]]:
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as err:
-        raise TraceError(f"cannot read `{path}`: {err.strerror}") from None
-    except ValueError as err:
-        raise TraceError(f"`{path}` is not JSON: {err}") from None
-    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
-    if not isinstance(events, list):
-        raise TraceError(f"`{path}` is not a Chrome trace (no traceEvents list)")
-    return [e for e in events if isinstance(e, dict)]
-
-
-def _rank_names(raw: list[dict[str, Any]]) -> dict[object, int]:
-    """pid -> rank from `process_name` metadata events named `rank r`."""
-    found = {}
-    for e in raw:
-        args = e.get("args")
-        if e.get("ph") == "M" and e.get("name") == "process_name" and isinstance(args, dict):
-            match = re.fullmatch(r"rank (\d+)", str(args.get("name", "")))
-            if match:
-                found[e.get("pid")] = int(match.group(1))
-    return found
 
 
 def _span(steps: tuple[int, ...]) -> str:
