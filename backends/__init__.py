@@ -7,11 +7,11 @@
   allreduce, step).
 - `transport`: how ranks move tensors: torch.distributed (gloo, nccl) or in one process.
 - `launch`: `pipelang run`: checks, launches the ranks, watches them, reports.
+- `backend`: the backends (`--backend`), one row each in `BACKENDS`.
 - `reference`: the single-process training `--check` compares with.
 
 The run's choices live here, where the CLI reads them without importing torch.
 """
 
-BACKENDS = ("gloo", "nccl", "local")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pipelang.backends import BACKENDS, OPTIMIZERS
+from pipelang.backends import OPTIMIZERS
+from pipelang.backends.backend import BACKENDS, DEFAULT
 
 if TYPE_CHECKING:
     from pipelang.backends.models import ModelSpec
@@ -54,11 +55,10 @@ class RunConfig:
 
     model: str = "gpt:tiny"
     backend: str = option(
-        "gloo",
-        "gloo: a CPU process per rank; nccl: a GPU per rank (both run each rank's "
-        "stream program, `compile --dump-after streams`, receives posted early); local: "
-        "every rank a thread of this process, running its action list (default gloo)",
-        choices=BACKENDS,
+        DEFAULT,
+        "; ".join(f"{name}: {row.help}" for name, row in BACKENDS.items())
+        + f" (default {DEFAULT})",
+        choices=tuple(BACKENDS),
     )
     steps: int = option(3, f"training steps (default 3, at most {MAX_STEPS:,})", "steps")
     dp: int = option(

@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipelang.backends.backend import BACKENDS
 from pipelang.backends.termination import EXIT_STATUS, Terminated
 from pipelang.diagnostics import PipelangError, clip
 from pipelang.features import refusal
@@ -103,7 +104,7 @@ def _run_program(program: Program, config: RunConfig, err: Console, stage: list[
         err.print(f"error: {error}", markup=False)
         return 2
     try:
-        if config.backend != "local" and torchrun is None:
+        if BACKENDS[config.backend].processes and torchrun is None:
             from pipelang.backends.processes import forkserver
 
             forkserver()  # its imports overlap the checks below
@@ -243,7 +244,6 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
 def _check_world(program: Program, config: RunConfig) -> None:
     """The processes the run needs are there: a GPU per rank for nccl, and under torchrun
     WORLD_SIZE = --dp x the program's ranks; raises WorldError."""
-    import torch
 
     from pipelang.backends.torchrun_env import torchrun_env, under_torchrun
 
@@ -251,26 +251,15 @@ def _check_world(program: Program, config: RunConfig) -> None:
     ranks = f"{program.num_ranks} ranks"
     if config.dp > 1:
         ranks = f"{world} ranks (--dp {config.dp} x {ranks})"
-    if config.backend == "nccl" and not under_torchrun():
-        have = torch.cuda.device_count()
-        if have < world:
-            raise WorldError(
-                f"the nccl backend needs one GPU per rank: {ranks}, "
-                f"{have} GPUs here (use --backend gloo or local)"
-            )
     torchrun = torchrun_env() if under_torchrun() else None
     if torchrun is not None and torchrun.world != world:
         raise WorldError(
             f"torchrun started {torchrun.world} processes but the run needs "
             f"{ranks}; WORLD_SIZE must be --dp x the program's ranks"
         )
-    if torchrun is not None and config.backend == "nccl":
-        have = torch.cuda.device_count()
-        if torchrun.local_rank >= have:
-            raise WorldError(
-                f"LOCAL_RANK={torchrun.local_rank}: the nccl backend puts local rank k on "
-                f"cuda:k, and this node has {have} GPUs"
-            )
+    problem = BACKENDS[config.backend].world_problem(world, ranks, torchrun)
+    if problem is not None:
+        raise WorldError(problem)
     if config.rank_hosts is not None and not under_torchrun():
         from pipelang.backends.hosts import HostsError, mismatch, read_hosts, this_host
 
@@ -314,9 +303,8 @@ def eviction_refusal(program: Program, config: RunConfig) -> str | None:
     None when it has none or they can run: on the CPU (gloo, local), without `R`."""
     if program.first_eviction() is None:
         return None
-    import torch
 
-    cuda = config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available())
+    cuda = BACKENDS[config.backend].computes_on_gpu()
     return (cuda and refusal(program, "a GPU")) or refusal(program, "the runtime's evictions")
 
 
@@ -406,11 +394,12 @@ def _run_here(
     title = f"{program.name} on {config.model} ({config.backend}, {ranks})"
     from pipelang.backends.termination import passing_sigterm
 
-    if streams is not None and config.backend == "local":
+    backend = BACKENDS[config.backend]
+    if streams is not None and not backend.processes:
         with passing_sigterm(None):
             return _run_streams(program, config, shapes, err, title, streams)
     with step_progress(program, config, title, err) as progress:
-        if config.backend == "local":
+        if not backend.processes:
             from pipelang.backends.local import run_local
 
             with passing_sigterm(None):
@@ -463,7 +452,8 @@ def report(program: Program, config: RunConfig, outcome: Outcome) -> int:
     from pipelang.backends.worker import rank_threads
 
     world = program.num_ranks * config.dp
-    threads = rank_threads(world) if config.backend == "gloo" else None
+    backend = BACKENDS[config.backend]  # the reference as many threads as a CPU process
+    threads = rank_threads(world) if backend.processes and not backend.cuda else None
     if program.weights is not None:
         from pipelang.backends.async_reference import train_async_reference
 
@@ -532,6 +522,6 @@ def outcome_device(config: RunConfig) -> torch.device:
     """Where the `--check` reference trains: the device the run used."""
     import torch
 
-    if config.backend == "nccl" or (config.backend == "local" and torch.cuda.is_available()):
+    if BACKENDS[config.backend].computes_on_gpu():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

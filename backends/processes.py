@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pipelang.backends.backend import BACKENDS
 from pipelang.backends.codegen import render_stream_rank, write_rank_programs
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
@@ -126,7 +127,7 @@ class Launcher:
         if streams is None and runs_streams(program, config):
             streams = lower_streams(program, config.dp)
         self.streams = streams
-        self.cuda = config.backend == "nccl"
+        self.cuda = BACKENDS[config.backend].cuda
         self.labels = action_labels(program, self.streams, self.cuda)
         self.ctx = forkserver()
         self.status: Any = self.ctx.Array("q", 3 * self.world + 1, lock=False)

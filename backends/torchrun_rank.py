@@ -70,6 +70,7 @@ def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) 
     """One line for a rank under torchrun that failed: where, and what. A peer that went
     away is named as such (rank K when the transfer names it, else its address); this
     rank's own error is the cause."""
+    from pipelang.backends.backend import BACKENDS
     from pipelang.backends.processes import action_labels, where
     from pipelang.backends.torchrun_env import torchrun_env
     from pipelang.backends.transport import PeerFailure
@@ -77,7 +78,7 @@ def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) 
 
     rank = torchrun_env().rank
     streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
-    labels = action_labels(program, streams, config.backend == "nccl")
+    labels = action_labels(program, streams, BACKENDS[config.backend].cuda)
     place = where(labels, rank, *stopped.place)
     cause = stopped.cause
     if isinstance(cause, PeerFailure):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipelang.backends.backend import BACKENDS
 from pipelang.backends.codegen import load_iteration, render_rank_program
 from pipelang.backends.config import RunConfig
 from pipelang.backends.hosts import HostsError, mismatch, read_hosts, this_host
@@ -33,6 +34,7 @@ from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.termination import Termination
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport, peer_failures
 from pipelang.diagnostics import InternalError
+from pipelang.features import refusal
 from pipelang.ir import Program
 from pipelang.ir.streams import StreamProgram
 
@@ -64,10 +66,8 @@ def rank_threads(num_ranks: int) -> int:
 
 
 def device_for(config: RunConfig, local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK for nccl, the CPU for gloo."""
-    if config.backend == "nccl":
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    """The device of the rank process with LOCAL_RANK `local_rank` (`Backend.device`)."""
+    return BACKENDS[config.backend].device(local_rank)
 
 
 def build_rank(
@@ -112,11 +112,12 @@ def build_rank(
 
 def runs_streams(program: Program, config: RunConfig) -> bool:
     """Whether a run executes the rank's stream program: always under `--graphs`, and
-    eagerly on the process backends (gloo, nccl), except for a schedule that evicts
-    activations (not lowered to streams yet), whose ranks run their action lists."""
+    eagerly on a backend whose ranks run stream programs (`Backend.streams`: gloo, nccl),
+    except for a schedule that has none (`features.refusal(program, "stream programs")`:
+    one that evicts activations), whose ranks run their action lists."""
     if config.graphs:
         return True
-    return config.backend != "local" and program.first_eviction() is None
+    return BACKENDS[config.backend].streams and refusal(program, "stream programs") is None
 
 
 def render(program: Program, config: RunConfig, rank: int) -> str:
@@ -127,7 +128,7 @@ def render(program: Program, config: RunConfig, rank: int) -> str:
     from pipelang.backends.codegen import render_stream_rank
 
     streams = lower_streams(program, config.dp)
-    cuda = config.backend == "nccl"
+    cuda = BACKENDS[config.backend].cuda
     return render_stream_rank(program, streams, rank, cuda, capture=config.graphs)
 
 
@@ -237,7 +238,7 @@ def _set_up(job: Job, status: MutableSequence[int]) -> tuple[RankRuntime, Iterat
     program = Program.from_json(job.program_json)
     wait = timedelta(seconds=config.timeout)
     store = dist.TCPStore(job.store_host, job.store_port, None, False, timeout=wait)
-    backend = "nccl" if config.backend == "nccl" else "gloo"
+    backend = BACKENDS[config.backend].dist
     world = program.num_ranks * config.dp
     dist.init_process_group(backend, store=store, rank=job.rank, world_size=world, timeout=wait)
     device = device_for(config, job.rank)
@@ -284,7 +285,7 @@ def run_torchrun_rank(
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; a hand-started rank may not
         torch.set_num_threads(rank_threads(env.local_world))
     wait = timedelta(seconds=config.timeout)
-    backend = "nccl" if config.backend == "nccl" else "gloo"
+    backend = BACKENDS[config.backend].dist
     status = [0] * (3 * world)
     slot = 3 * rank
     status[slot], status[slot + 1] = PHASE_SETUP, -1

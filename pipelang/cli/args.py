@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelang import api
 from pipelang.backends import DTYPES
+from pipelang.backends.backend import checkpoint_problem
 from pipelang.backends.config import MAX_STEPS, Option, RunConfig
 from pipelang.compiler import Compilation
 from pipelang.diagnostics import clip
@@ -570,11 +571,9 @@ def _checkpoint_options(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--save-every needs --save DIR (where the checkpoints go)")
     if args.keep_last is not None and args.save is None:
         raise UsageError("--keep-last needs --save DIR (where the checkpoints go)")
-    if (args.save or args.resume) and args.backend == "local":
-        raise UsageError(
-            "checkpoints (--save, --resume) need a process per rank: use --backend gloo "
-            "or nccl, not local"
-        )
+    problem = (args.save or args.resume) and checkpoint_problem(args.backend)
+    if problem:
+        raise UsageError(problem)
     if args.save is not None:
         try:
             args.save.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pipelang.backends.backend import spawning
 from pipelang.cli.args import add_model_arguments, path, write_output
 from pipelang.diagnostics import clip
 from pipelang.progress import console, work_progress
@@ -62,10 +63,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibrate",
-        choices=("gloo", "nccl"),
+        choices=spawning(),
         metavar="BACKEND",
         help="also run the model under `pipelang run --backend BACKEND --trace` and "
-        "measure what the runtime adds per action and per message (gloo or nccl)",
+        f"measure what the runtime adds per action and per message ({' or '.join(spawning())})",
     )
     parser.add_argument(
         "--calibrate-ranks",

@@ -1,0 +1,70 @@
+"""The backends are one table (backends/backend.py): the runtime asks a backend's row,
+never compares its name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from pipelang.backends.backend import BACKENDS, DEFAULT
+from pipelang.backends.config import RunConfig
+from tests.helpers import run_in_process
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = set(BACKENDS)
+
+
+def _names_in(node: ast.AST) -> list[str]:
+    """The backend names a comparison operand or a tuple of choices spells out."""
+    if isinstance(node, ast.Constant) and node.value in NAMES:
+        return [node.value]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return [name for element in node.elts for name in _names_in(element)]
+    return []
+
+
+def test_no_backend_name_is_compared_outside_the_table() -> None:
+    """`config.backend == "nccl"` in 16 places made a new backend touch 9 files; every
+    such question is a row's answer now (`Backend.cuda`, `processes`, `streams`, ...)."""
+    table = ROOT / "backends" / "backend.py"
+    found = []
+    files = [*(ROOT / "pipelang").rglob("*.py"), *(ROOT / "backends").rglob("*.py")]
+    for file in files:
+        if file == table:
+            continue
+        name = file.relative_to(ROOT)
+        for node in ast.walk(ast.parse(file.read_text())):
+            spelled: list[str] = []
+            if isinstance(node, ast.Compare):
+                for operand in (node.left, *node.comparators):
+                    spelled += _names_in(operand)
+            elif isinstance(node, ast.Tuple) and len(_names_in(node)) > 1:
+                spelled += _names_in(node)  # a list of choices
+            if spelled:
+                found.append(f"{name}:{node.lineno}: {', '.join(spelled)}")
+    assert found == []
+
+
+def test_the_run_options_come_from_the_table() -> None:
+    """`--backend`'s choices, default and help are the table's rows, in order."""
+    status, out, _ = run_in_process(["run", "--help"])
+    assert status == 0
+    assert "--backend {" + ",".join(BACKENDS) + "}" in out
+    assert RunConfig().backend == DEFAULT
+    help_text = "".join(out.split())  # argparse wraps lines at spaces and hyphens
+    for name, row in BACKENDS.items():
+        assert "".join(f"{name}: {row.help}".split()) in help_text
+
+
+@pytest.mark.parametrize("option", ["--save", "--resume"])
+def test_checkpoints_name_the_backends_that_spawn_processes(option: str, tmp_path: Path) -> None:
+    local = [name for name, row in BACKENDS.items() if not row.processes]
+    assert local == ["local"]
+    status, _, err = run_in_process(["run", "1f1b", "--backend", "local", option, str(tmp_path)])
+    assert status == 2
+    assert (
+        "checkpoints (--save, --resume) need a process per rank: use --backend gloo or "
+        "nccl, not local"
+    ) in err
