@@ -145,7 +145,7 @@ def _died(name: str, status: int, log: Path) -> str:
 _CHILD = """
 import json, os
 job, result = json.loads(sys.argv[1]), sys.argv[2]
-from pipelang.backends.model_import import load_here
+from pipelang.backends.models import load_here
 error = load_here(job["spec"])
 with open(result, "w", encoding="utf-8") as file:
     json.dump({"error": error}, file)
@@ -154,29 +154,3 @@ sys.stderr.flush()
 os._exit(0)
 """
 """The child: load the model on the meta device and write what went wrong ("" if not)."""
-
-
-def load_here(spec: list[object]) -> str:
-    """The child's work: `user_model` of the spec on the meta device; its error in one
-    line ("" when it loaded)."""
-    name = str(spec[0])
-    try:
-        import torch
-
-        from pipelang.backends.models import ModelSpec
-        from pipelang.backends.user_models import user_model
-
-        with torch.device("meta"):  # torch's own lazy imports (its meta kernels) first
-            torch.nn.Linear(2, 2)(torch.nn.Embedding(2, 2)(torch.zeros(1, dtype=torch.long)))
-        Path(f"{sys.argv[2]}.started").touch()  # the model's own code runs from here
-        trust(name)
-        model = ModelSpec(name, spec[1], spec[2], spec[3])  # type: ignore[arg-type]
-        with torch.device("meta"):
-            user_model(model)
-    except ModelError as err:
-        return str(err) or "ModelError"
-    except BaseException as err:  # whatever the user's code raises, sys.exit() too
-        from pipelang.backends.user_models import said
-
-        return clip(f"`--model {name}`: loading it failed: {said(err)}")
-    return ""
