@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelang.diagnostics import clip
+from pipelang.evaluate import MAX_OPS
 from pipelang.ir import Action
 
 
@@ -110,9 +111,10 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 def read_actions(events: Sequence[Mapping[str, Any]], source: str) -> list[Traced]:
     """Every complete event named like an action, with its rank (see the module
-    docstring), in the trace's order; an event without a rank or a whole step, or an
-    action a rank runs twice in one step (two runs in one file, say), is a TraceError
-    naming `source`."""
+    docstring), in the trace's order. Such an event without a finite start and a duration
+    of at least 0, a rank below `MAX_OPS` (the most ranks a schedule has) or a whole step
+    and index, or an action a rank runs twice in one step (two runs in one file, say), is
+    a TraceError naming `source` and the event."""
     ranks = _rank_names(events)
     found: list[Traced] = []
     seen: set[tuple[int, int, Action]] = set()
@@ -122,15 +124,24 @@ def read_actions(events: Sequence[Mapping[str, Any]], source: str) -> list[Trace
             continue
         try:
             action = Action.parse(name)
-            start, duration = float(e["ts"]), float(e.get("dur", 0.0))
-        except (ValueError, KeyError, TypeError, OverflowError):
+        except ValueError:
             continue
-        if not (math.isfinite(start) and math.isfinite(duration)):
-            continue
+        start, duration = _time(e.get("ts")), _time(e.get("dur", 0.0))
+        if start is None or duration is None or duration < 0:
+            times = clip(f"ts {e.get('ts')!r}, dur {e.get('dur', 0.0)!r}")
+            raise TraceError(
+                f"{source}: event `{clip(name)}` has no time it ran ({times}): a finite ts "
+                "and a dur of at least 0"
+            )
         pid = e.get("pid")
         rank = ranks.get(pid, pid) if isinstance(pid, int | str) else pid
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise TraceError(f"{source}: event `{clip(name)}` has no rank (pid {clip(repr(pid))})")
+        if rank >= MAX_OPS:
+            raise TraceError(
+                f"{source}: event `{clip(name)}` is on rank {rank:,}; a schedule has fewer than "
+                f"{MAX_OPS:,} ranks"
+            )
         args = e.get("args")
         args = args if isinstance(args, dict) else {}
         step, index = _whole(args.get("step", 0)), _whole(args.get("action", 0))
@@ -150,10 +161,21 @@ def _rank_names(events: Sequence[Mapping[str, Any]]) -> dict[object, int]:
     for e in events:
         args, pid = e.get("args"), e.get("pid")
         if e.get("ph") == "M" and e.get("name") == "process_name" and isinstance(args, dict):
-            match = re.fullmatch(r"rank (\d{1,9})", str(args.get("name", "")))
+            match = re.fullmatch(r"rank (\d{1,18})", str(args.get("name", "")))
             if match and isinstance(pid, int | str):
                 found[pid] = int(match.group(1))
     return found
+
+
+def _time(value: object) -> float | None:
+    """A time in microseconds: a finite number (JSON's, or a string of one); None else."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        time = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return time if math.isfinite(time) else None
 
 
 def _whole(value: object) -> int | None:

@@ -354,13 +354,18 @@ def test_calibrate_takes_the_rank_a_process_is_named_as_viz_does(tmp_path: Path)
         ({"args": {"step": "x"}}, "has no whole step or index ('x')"),
         ({"args": {"step": 1e300}}, "has no whole step or index"),
         ({"args": {"action": -1}}, "has no whole step or index (-1)"),
+        ({"ts": float("nan")}, "has no time it ran (ts nan, dur 0.0)"),
+        ({"ts": "1e400"}, "has no time it ran (ts '1e400', dur 0.0)"),
+        ({"dur": -5}, "has no time it ran (ts 1, dur -5)"),
+        ({"pid": 10**11}, "is on rank 100,000,000,000; a schedule has fewer than 150,000"),
     ],
 )
 def test_a_trace_event_without_a_rank_or_a_step_is_named(
     event: dict[str, object], words: str, tmp_path: Path
 ) -> None:
-    """An unhashable pid was an internal TypeError, a step of "x" a ValueError, 1e300 an
-    OverflowError: each is the trace's error, naming the event (viz: exit 2)."""
+    """An unhashable pid was an internal TypeError, a step of "x" or a time of NaN a
+    ValueError; a step of 1e300 or a negative duration was drawn, a rank of 10^11 ran out
+    of memory: each is the trace's error, naming the event (viz: exit 2)."""
     path = tmp_path / "t.json"
     path.write_text(json.dumps([{"ph": "X", "name": "F0@0/main", "pid": 0, "ts": 1, **event}]))
     with pytest.raises(TraceError, match="F0@0/main"):
@@ -368,6 +373,15 @@ def test_a_trace_event_without_a_rank_or_a_step_is_named(
     status, out, err = run_in_process(["viz", "--trace", str(path)])
     assert (status, out) == (2, "")
     assert words in err and "event `F0@0/main`" in err, err
+
+
+def test_a_trace_nested_too_deep_is_refused(tmp_path: Path) -> None:
+    """json's RecursionError was an internal error."""
+    path = tmp_path / "t.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    status, _, err = run_in_process(["viz", "--trace", str(path)])
+    assert status == 2 and err.startswith("pipelang viz: error: `")
+    assert err.endswith(" nests too deep for a Chrome trace\n") and len(err.splitlines()) == 1
 
 
 # ---- HTML in a browser, PNG -------------------------------------------------------------------
