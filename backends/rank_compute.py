@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +19,7 @@ from pipelang.backends.versions import installed
 from pipelang.backends.weight_split import split_backward, weight_pass
 from pipelang.diagnostics import InternalError
 from pipelang.ir import deps
+from pipelang.ir.program import OpKey, whole_backwards
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RankRuntime
@@ -55,6 +57,25 @@ class ComputeActions:
             else:
                 self.inputs[mb][0].copy_(ids)
                 self.inputs[mb][1].copy_(targets)
+
+    @cached_property
+    def whole(self: RankRuntime) -> frozenset[OpKey]:
+        """The backwards this rank runs whole although W is split off: those whose W
+        comes right after their B (`whole_backwards`). B runs one `backward` and W
+        nothing, without the split's walk, probe and kept gradients; the weight
+        gradients are added where the W would add them, so `--check` stays bitwise."""
+        if not self.split_backward:
+            return frozenset()
+        return whole_backwards(self.program.ranks[self.rank])
+
+    def _saving(
+        self: RankRuntime, mb: int, copy: StageCopy, chunk: int | None = None
+    ) -> AbstractContextManager[None]:
+        """Where a forward files what it saves (`_recording`): nowhere when its backward
+        runs whole (nothing to release after B) and no one counts the bytes."""
+        if not self.counting and (mb, copy.stage, copy.pipeline, chunk) in self.whole:
+            return contextlib.nullcontext()
+        return self._recording(mb, copy, chunk)
 
     def input_key(
         self: RankRuntime, mb: int, stage: int, pipeline: str, chunk: int | None = None
@@ -114,7 +135,7 @@ class ComputeActions:
         start = self.chunk_bounds[chunk]
         with (
             sequence_chunk(SequenceChunk(start, past)) as context,
-            self._recording(mb, copy, chunk),
+            self._saving(mb, copy, chunk),
         ):
             y = self._run_stage(mb, copy, x, record=True, chunk=chunk)
         kept = {
@@ -148,7 +169,7 @@ class ComputeActions:
                     y = self._run_stage(mb, copy, x, record=True)
                 saved = self.saved[(mb, stage, pipeline, None)] = Saved(x, None)
             else:
-                with self._recording(mb, copy):
+                with self._saving(mb, copy):
                     y = self._run_stage(mb, copy, x, record=True)
                 saved = self.saved[(mb, stage, pipeline, None)] = Saved(x, y)
                 self._measure()
@@ -181,7 +202,8 @@ class ComputeActions:
     def backward(
         self: RankRuntime, mb: int, stage: int, pipeline: str, chunk: int | None = None
     ) -> None:
-        """B: input gradient, plus the weight gradient unless the program splits off W."""
+        """B: input gradient, plus the weight gradient unless the program splits off W
+        or this W comes right after it (`whole`)."""
         copy = self.copies[(stage, pipeline)]
         key = (mb, stage, pipeline, chunk)
         saved = self.saved[key]
@@ -190,7 +212,7 @@ class ComputeActions:
         gradient = value_of(deps.gradient_input(mb, stage, pipeline, chunk))
         dy = None if copy.last else self.values.pop(gradient)
         outputs, grads = _chunk_outputs(saved, dy)
-        if not self.split_backward:
+        if not self.split_backward or key in self.whole:
             torch.autograd.backward(outputs, grads)
             del self.saved[key]
             self._forget(key)
@@ -230,7 +252,10 @@ class ComputeActions:
         self: RankRuntime, mb: int, stage: int, pipeline: str, chunk: int | None = None
     ) -> None:
         """W: accumulate the parameter gradients, from what B kept for it
-        (`weight_split`), else from the whole graph B kept."""
+        (`weight_split`), else from the whole graph B kept; nothing where B ran the
+        whole backward (`whole`)."""
+        if (mb, stage, pipeline, chunk) in self.whole:
+            return
         copy = self.copies[(stage, pipeline)]
         saved = self.saved.pop((mb, stage, pipeline, chunk))
         params = saved.params if saved.params is not None else copy.params

@@ -332,8 +332,9 @@ class StreamRankRuntime(RankRuntime):
         if dy is not None:
             incoming = self._view(dy, stage, chunk, mb)
             # a split backward keeps dy until W, when the slot may hold another value
+            split = self.split_backward and (mb, stage, pipeline, chunk) not in self.whole
             self.values[("B", mb, stage + 1, pipeline, chunk)] = (
-                incoming.clone() if self.split_backward else incoming
+                incoming.clone() if split else incoming
             )
         super().backward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
         if dx is not None:

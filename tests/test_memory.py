@@ -18,8 +18,8 @@ def ops(text: str) -> list[Action]:
 def test_held_counts_forwards_until_the_op_that_frees_them() -> None:
     order = ops("F0 F1 B0 F2 W0 B1 W1 B2 W2")
     assert list(memory.held(order)) == [1, 2, 1, 2, 2, 1, 1, 0, 0]
-    whole = list(memory.held(order, lambda stage: 1.0))  # W reads all: held until W
-    assert whole == [1, 2, 2, 3, 2, 2, 1, 1, 0]
+    whole = list(memory.held(order, lambda stage: 1.0))  # W reads all: held until W,
+    assert whole == [1, 2, 2, 3, 2, 1, 1, 0, 0]  # but B1 W1, B2 W2 run whole at B
     assert memory.peak(order) == 2 and memory.peak(order, lambda stage: 1.0) == 3
     assert memory.holding(order[:4]) == [order[1], order[3]]
     assert memory.holding(order[:4], lambda stage: 1.0) == [order[0], order[1], order[3]]
@@ -28,8 +28,10 @@ def test_held_counts_forwards_until_the_op_that_frees_them() -> None:
 def test_the_w_share_is_held_from_b_to_w() -> None:
     """B frees all but W's share (`MW`), W frees that: the zero-bubble paper's deltas
     (F +M_B, B M_W - M_B, W -M_W), and its ZB-H1 worker holds p - i + 1 + (i - 1) MW."""
-    order = ops("F0 F1 B0 W0 B1 W1")
-    assert list(memory.held(order, lambda stage: 0.4)) == pytest.approx([1, 2, 1.4, 1, 0.4, 0])
+    order = ops("F0 F1 B0 B1 W0 W1")
+    assert list(memory.held(order, lambda stage: 0.4)) == pytest.approx([1, 2, 1.4, 0.8, 0.4, 0])
+    # a W right after its B: the runtime runs one whole backward, B frees everything
+    assert list(memory.held(ops("F0 F1 B0 W0 B1 W1"), lambda stage: 0.4)) == [1, 2, 1, 1, 0, 0]
     program = load_program("zb-h1", {"D": "4", "N": "8"})
     for mw in (0.0, 0.43, 1.0):
         peaks = [memory.peak(actions, lambda stage, mw=mw: mw) for actions in program.ranks]

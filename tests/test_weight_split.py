@@ -1,10 +1,13 @@
 """A backward split into B and W keeps, between them, exactly what W reads
-(backends/weight_split.py), and W's gradients are bitwise those of one backward."""
+(backends/weight_split.py), and W's gradients are bitwise those of one backward; where
+W comes right after its B, the runtime runs one whole backward at B instead
+(`whole_backwards`), and the memory count knows it."""
 
 from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -13,12 +16,15 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
+from pipelang.backends import rank_compute
 from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
-from pipelang.backends.measure import activation_peaks
+from pipelang.backends.measure import activation_peaks, stage_activation_bytes
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.stash import ReleasedError, Stash
 from pipelang.backends.weight_split import split_backward, weight_backward, weight_pass
+from pipelang.ir import Action, Kind
+from pipelang.ir.program import whole_backwards
 from tests.helpers import run, stdlib
 
 KEY = (0, 0, "main", None)
@@ -184,14 +190,101 @@ def test_a_stage_that_is_one_embedding_keeps_its_graph_for_w() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [(), ("--mixed-precision", "bfloat16")])
+@pytest.mark.parametrize("options", [(), ("--mixed-precision", "bfloat16"), ("--graphs",)])
 def test_split_schedules_train_as_one_process(options: tuple[str, ...]) -> None:
-    """zb-h1 and zbv under `--check`, also with bf16 compute and fp32 masters (whose
-    gradients arrive through hooks on the bf16 parameters' accumulators): bitwise."""
-    for name in ("zb-h1", "zbv"):
+    """zb-h1, zbv and v-half under `--check`, also with bf16 compute and fp32 masters
+    (whose gradients arrive through hooks on the bf16 parameters' accumulators) and on
+    the CPU's stream executor (`--graphs`): bitwise, their whole backwards too (the
+    weight gradients added where the W would add them)."""
+    for name in ("zb-h1", "zbv", "v-half"):
         program = stdlib(name, D=4, N=8)
+        assert whole_backwards(program.ranks[0])  # some pairs run whole
         args = ("--backend", "local", "--model", "gpt:tiny", "--steps", "2", "--check")
         assert run(program, *args, *options) == 0
+
+
+def test_whole_backwards_are_ws_right_after_their_b_with_only_receives_between() -> None:
+    """The rule: W is the rank's next action after its B but for receives. A send (B's
+    input gradient to the stage before), a signal, a wait or another op keeps them
+    split; so does another micro-batch's or chunk's W."""
+    tokens = (
+        "B0@0/main W0@0/main "  # adjacent: whole
+        "B1@1/main recv:F3@0/main<0 W1@1/main "  # a receive between: whole
+        "B2@1/main send:B2@1/main>0 W2@1/main "  # B's gradient leaves first: split
+        "B3@1/main wait:F4@0/main<0 W3@1/main "  # an `after` wait: split
+        "B4@1/main F5@1/main W4@1/main "  # an op between: split
+        "B5@1/main W6@1/main W5@1/main "  # another micro-batch's W: split
+        "B7.1@1/main W7.0@1/main W7.1@1/main"  # another chunk's W: split
+    )
+    actions = [Action.parse(t) for t in tokens.split()]
+    assert whole_backwards(actions) == {(0, 0, "main", None), (1, 1, "main", None)}
+
+
+def compute_adjacent(actions: tuple[Action, ...]) -> int:
+    """Pairs whose W is the next compute op after its B, whatever moves between."""
+    ops = [a for a in actions if a.kind.is_compute]
+    pairs = itertools.pairwise(ops)
+    return sum(b.kind is Kind.B and w.kind is Kind.W and b[1:4] == w[1:4] for b, w in pairs)
+
+
+@pytest.mark.parametrize(
+    ("name", "whole", "adjacent"),
+    [("zb-h1", 8, 8), ("zbv", 13, 46), ("v-half", 13, 58), ("dualpipev", 46, 52)],
+)
+def test_the_pairs_that_run_whole(name: str, whole: int, adjacent: int) -> None:
+    """At D = 4, N = 8: zb-h1's are rank 0's eight (stage 0 sends no gradient); zbv's
+    and v-half's are those of a stage whose gradient stays on its rank (stage 0, and
+    rank 3's stage 4, whose gradient goes to stage 3 on the same rank). Their other W's
+    right after B (46 and 58 counting compute ops alone) have B's gradient sent between,
+    and stay split: run whole, that send would wait for W. DualPipeV's `BW`'s send
+    after their W anyway."""
+    program = stdlib(name, D=4, N=8)
+    assert sum(len(whole_backwards(actions)) for actions in program.ranks) == whole
+    assert sum(compute_adjacent(actions) for actions in program.ranks) == adjacent
+    ranks = [r for r, actions in enumerate(program.ranks) if whole_backwards(actions)]
+    assert ranks == ([0] if name == "zb-h1" else [0, 1, 2, 3] if name == "dualpipev" else [0, 3])
+
+
+def test_a_w_right_after_its_b_runs_nothing(
+    monkeypatch: pytest.MonkeyPatch, one_torch_thread: None
+) -> None:
+    """zb-h1 at D = 4, N = 8 splits 24 backwards a step, not 32: rank 0's B runs one whole
+    backward, its forward files nothing in the stash (no one counts the bytes), and
+    its W does nothing."""
+    calls = {"split": 0, "weight": 0, "recorded": 0}
+
+    def counted(name: str, function: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(rank_compute, "split_backward", counted("split", split_backward))
+    monkeypatch.setattr(rank_compute, "weight_pass", counted("weight", weight_pass))
+    monkeypatch.setattr(Stash, "recording", counted("recorded", Stash.recording))
+    program = stdlib("zb-h1", D=4, N=8)
+    config = RunConfig(backend="local", steps=1)
+    run_local(program, config, plan_stages(config.spec, 4, None).shapes, lambda *_: None)
+    assert calls == {"split": 24, "weight": 24, "recorded": 24}
+
+
+def test_a_whole_backward_keeps_nothing_for_w(one_torch_thread: None) -> None:
+    """gpt:tiny's first stage keeps more for W than its forward saved (the gradients W
+    starts from outweigh the embedding's saved ids): split, zb-h1's rank 0 would peak
+    right after a B. Its W's follow their B's, so it holds 1F1B's rank 0's four
+    forwards, and `simulate --model` (`activation_peaks`) says so."""
+    config = RunConfig(backend="local", steps=1, count_activations=True)
+    stages = stage_activation_bytes(config.spec, 4, None)
+    assert stages[0][1] > stages[0][0]  # what W would keep > what F saved
+    shapes = plan_stages(config.spec, 4, None).shapes
+    peaks = {}
+    for name in ("1f1b", "zb-h1"):
+        program = stdlib(name, D=4, N=8)
+        outcome = run_local(program, config, shapes, lambda *_: None)
+        peaks[name] = [r.peak_activation_bytes for r in outcome.results]
+        assert peaks[name] == pytest.approx(activation_peaks(config.spec, program, program.costs))
+    assert peaks["zb-h1"][0] == peaks["1f1b"][0] == 4 * stages[0][0]
 
 
 def live_tensors() -> int:

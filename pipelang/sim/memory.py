@@ -9,6 +9,14 @@ activations to a partner and its load `L` brings them back. A recompute `R` rebu
 what its F dropped: counted in forwards it changes nothing (the F is still held);
 counted in bytes it adds the stage's activations over the stage input the F kept.
 
+Where a rank's `W` comes right after its `B` (`ir.program.whole_backwards`: nothing but
+receives between them), the runtime runs one whole backward at B and keeps nothing for
+W, so B frees everything and W nothing (`w_kept`): the same peak where W's share is at
+most 1 (every cost model's `MW`), lower where the gradients W would keep outweigh what
+B releases (a measured share over 1, `simulate --model`: gpt:tiny's first stage). The
+orders that place W themselves (squeeze, synthesis) count each pair split with `change`:
+never below this count.
+
 Counts are in micro-batches: with sequence chunks (`chunks C`), a chunk's forward holds
 its share of the micro-batch's tokens (`Chunks.tokens`), so a chunked schedule compares
 with an unchunked one directly, and more: past the first chunk, its attention
@@ -24,7 +32,8 @@ evictions over time, the partner's side too, `peak_over_time`; in bytes with
 bound) and the planner (peak bytes).
 
     held([F0, F1, B0, F2, B1, B2])  ->  1 2 1 2 1 0
-    held([F0, F1, B0, W0, B1, W1], MW = 0.4)  ->  1 2 1.4 1 0.4 0
+    held([F0, F1, B0, B1, W0, W1], MW = 0.4)  ->  1 2 1.4 0.8 0.4 0
+    held([F0, F1, B0, W0, B1, W1], MW = 0.4)  ->  1 2 1 1 0 0      (whole backwards)
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pipelang.ir import Action, CostModel, Kind, Program
+from pipelang.ir.program import whole_backwards
 
 if TYPE_CHECKING:
     from pipelang.sim.timeline import Event
@@ -55,6 +65,27 @@ def kinds_w_share(kinds: Iterable[Kind], costs: CostModel) -> WShare | None:
     if Kind.W not in kinds:
         return None
     return lambda stage: costs.of("MW", stage)
+
+
+Kept = Callable[[Action], float | None]
+"""What W reads after B of an action's forward, for `change` (`w_kept`)."""
+
+
+def w_kept(actions: Iterable[Action], w: WShare | None) -> Kept:
+    """Per action of one rank's `actions`, what its W reads after its B: `w` of its
+    stage, or None where the backward is not split or where the rank runs it whole
+    (`whole_backwards`), so that B frees everything. The one place the count asks."""
+    if w is None:
+        return lambda action: None
+    whole = whole_backwards(actions)
+    if not whole:
+        return lambda action: w(action.stage)
+
+    def share(action: Action) -> float | None:
+        key = (action.mb, action.stage, action.pipeline, action.chunk)
+        return None if key in whole else w(action.stage)
+
+    return share
 
 
 def change(kind: Kind, kept: float | None = None) -> float:
@@ -115,9 +146,11 @@ def held(
     """After each action, how many forwards (micro-batches) the rank holds; `w` is what
     W reads after B (`w_share`), `share` what each forward counts for (`shares`) where
     they differ."""
+    actions = tuple(actions)
+    kept_by = w_kept(actions, w)
     count: float = 0
     for action in actions:
-        delta = change(action.kind, None if w is None else w(action.stage))
+        delta = change(action.kind, kept_by(action))
         count += delta * share(action) if delta and share is not None else delta
         yield count
 
@@ -130,15 +163,17 @@ def peak(actions: Iterable[Action], w: WShare | None = None, share: Share | None
 def holding(actions: Iterable[Action], w: WShare | None = None) -> list[Action]:
     """The forwards (or loads) still held, whole or their W's share, after the last of
     `actions`, oldest first: who makes up the count `held` gives, for messages."""
-    kept: dict[tuple[int | None, int | None, str | None, int | None], Action] = {}
+    actions = tuple(actions)
+    kept_by = w_kept(actions, w)
+    found: dict[tuple[int | None, int | None, str | None, int | None], Action] = {}
     for action in actions:
         key = (action.mb, action.stage, action.pipeline, action.chunk)
         kind = action.kind
         if kind is Kind.F or kind is Kind.L:
-            kept[key] = action
-        elif kind is Kind.E or kind is (Kind.B if w is None or not w(action.stage) else Kind.W):
-            kept.pop(key, None)
-    return list(kept.values())
+            found[key] = action
+        elif kind is Kind.E or kind is (Kind.W if kept_by(action) else Kind.B):
+            found.pop(key, None)
+    return list(found.values())
 
 
 def peak_bytes(
@@ -152,6 +187,8 @@ def peak_bytes(
     forward, and with recomputation also `recomputed[stage]` from its R, until B frees
     them (all, or where W is split off all but W's share `w`, which W frees); where
     forwards differ (`shares`), each its share of either."""
+    actions = tuple(actions)
+    kept_by = w_kept(actions, w)
     total = top = 0.0
     for action in actions:
         stage = action.stage or 0
@@ -165,7 +202,7 @@ def peak_bytes(
         elif kind is Kind.R and recomputed is not None:
             total += part * recomputed[stage]
         elif kind is Kind.B or kind is Kind.W:
-            kept_by_w = 0.0 if w is None else w(action.stage)
+            kept_by_w = kept_by(action) or 0.0
             total -= part * whole * (1 - kept_by_w if kind is Kind.B else kept_by_w)
         top = max(top, total)
     return top
@@ -192,12 +229,13 @@ def peak_over_time(
         return None  # a valid program with no stash actions (the usual case)
     loads = {e.action[1:4]: e for e in events if e.action.kind is Kind.L}
     changes: list[list[tuple[float, int, int, float]]] = [[] for _ in program.ranks]
+    kept_by = [w_kept(actions, w) for actions in program.ranks]
     evicted = False
     for seq, event in enumerate(events):
         action = event.action
         kind, rows = action.kind, changes[event.rank]
         part = 1.0 if share is None else share(action)
-        delta = change(kind, None if w is None else w(action.stage)) * part
+        delta = change(kind, kept_by[event.rank](action)) * part
         if delta:  # taken as the op starts, freed (or handed over) once it ends
             rows.append((event.start if delta > 0 else event.end, 1, seq, delta))
         if kind is Kind.E:
