@@ -7,14 +7,17 @@ On the device `local` uses (the GPU when there is one, else the CPU):
 1. Speed. Each schedule trains the model for `--warmup` + `--steps` steps with the
    `local` backend, and the same model, micro-batches and optimizer train in one process
    without a pipeline (`backends/reference.py`, the `--check` oracle), in `--rounds`
-   rounds that alternate which goes first. Steps/s from the median timed step. On one
+   rounds: each round runs every schedule beside its reference, alternating which goes
+   first, so zb-h1 and 1F1B are measured side by side (the line under the table: zb-h1's
+   ratio over 1F1B's, round by round). Steps/s from the median timed step. On one
    device a pipeline cannot beat one process (its ranks share the device); the ratio is
    what running the schedule as per-rank programs costs (actions, stage copies, the
    hand-over between ranks, on CUDA the streams and events).
 2. Memory. A run with `count_activations` gives each rank's peak bytes of saved
    activations (backends/stash.py: the tensors autograd saves, not weights, not a
    stage's output; after a split backward's B, only what W reads and the gradients it
-   starts from). The expectation for a rank is `pipelang simulate --model`'s
+   starts from; a W right after its B runs with it as one whole backward, keeping
+   nothing). The expectation for a rank is `pipelang simulate --model`'s
    (`measure.activation_peaks`: each stage's bytes and W's share, held along the
    rank's order by the one counter), for 1F1B and the schedules that split W off B, on
    `--memory-models`. Issues 6's and 33's bar is 10%; issue 33 also asks for zb-h1's
@@ -35,6 +38,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -97,26 +101,45 @@ def pipelined(program: Program, config: RunConfig) -> tuple[list[float], list[in
     return seconds, [r.peak_activation_bytes for r in outcome.results]
 
 
-def speed(config: RunConfig, warmup: int, rounds: int) -> list[str]:
-    rows = []
-    for name, params in SPEED:
-        program = program_of(name, params)
-        times: dict[str, list[float]] = {"local": [], "alone": []}
-        for round_ in range(rounds):
+def speed(config: RunConfig, warmup: int, rounds: int) -> tuple[list[str], str]:
+    """The speed table's rows, and zb-h1's ratio over 1F1B's. Every round runs every
+    schedule, each with its one-process reference right before or after it (the order
+    alternates by round, the schedules' too), so a drift in the machine's speed falls on
+    all of them alike; a schedule's ratio is the median of its rounds' ratios."""
+    programs = [(label(name, params), program_of(name, params)) for name, params in SPEED]
+    times: dict[str, dict[str, list[float]]] = {
+        name: {"local": [], "alone": []} for name, _ in programs
+    }
+    ratios: dict[str, list[float]] = {name: [] for name, _ in programs}
+    for round_ in range(rounds):
+        for name, program in programs if round_ % 2 == 0 else programs[::-1]:
+            got: dict[str, list[float]] = {}
             for kind in ("local", "alone") if round_ % 2 == 0 else ("alone", "local"):
                 if kind == "local":
-                    seconds = pipelined(program, config)[0]
+                    got[kind] = pipelined(program, config)[0][warmup:]
                 else:
                     n = program.num_microbatches
-                    seconds = train_reference(config, n, local_device()).step_seconds
-                times[kind] += seconds[warmup:]
-        a, b = statistics.median(times["local"]), statistics.median(times["alone"])
+                    got[kind] = train_reference(config, n, local_device()).step_seconds[warmup:]
+                times[name][kind] += got[kind]
+            ratios[name].append(statistics.median(got["alone"]) / statistics.median(got["local"]))
+    rows = []
+    for name, program in programs:
+        a, b = statistics.median(times[name]["local"]), statistics.median(times[name]["alone"])
         actions = sum(op.kind in COMPUTE_KINDS for rank in program.ranks for op in rank)
         rows.append(
-            f"| {label(name, params)} | {1 / a:.2f} | {1 / b:.2f} | {b / a:.2f} | "
+            f"| {name} | {1 / a:.2f} | {1 / b:.2f} | {statistics.median(ratios[name]):.2f} | "
+            f"{min(ratios[name]):.2f}-{max(ratios[name]):.2f} | "
             f"{1e3 * (a - b) / actions:.3f} |"
         )
-    return rows
+    zb, one = ratios[label(*SPEED[3])], ratios[label(*SPEED[0])]
+    pairs = [z / o for z, o in zip(zb, one, strict=True)]
+    side = (
+        f"zb-h1 against 1F1B, side by side in this run: local / one process "
+        f"{statistics.median(zb):.2f} against {statistics.median(one):.2f}, zb-h1's ratio "
+        f"{statistics.median(pairs):.2f} of 1F1B's (the median over the {rounds} rounds of "
+        f"each round's quotient; {min(pairs):.2f} to {max(pairs):.2f})."
+    )
+    return rows, side
 
 
 def memory(
@@ -191,11 +214,12 @@ def main() -> None:
         optimizer="sgd",
         micro_batch_size=args.micro_batch_size,
     )
-    speed_rows = speed(config, args.warmup, args.rounds)
+    speed_rows, side = speed(config, args.warmup, args.rounds)
     memory_rows: list[str] = []
     largest_rows: list[str] = []
     if not args.no_write:  # the speed rows at once: a run cut off later keeps them
-        write_section(SECTION, _section(args, load, began, speed_rows, [], [], partial=True))
+        partial = _section(args, load, began, speed_rows, side, [], [], partial=True)
+        write_section(SECTION, partial)
     for entry in args.memory_models.split(","):
         entry, _, cut = entry.partition("=")
         model, _, size = entry.partition("@")
@@ -205,7 +229,7 @@ def main() -> None:
             rows, largest = memory(measured, partition)
             memory_rows += rows
             largest_rows += largest
-    text = _section(args, load, began, speed_rows, memory_rows, largest_rows, partial=False)
+    text = _section(args, load, began, speed_rows, side, memory_rows, largest_rows, partial=False)
     print(text)
     if not args.no_write:
         write_section(SECTION, text)
@@ -216,6 +240,7 @@ def _section(
     load: float,
     began: float,
     speed_rows: list[str],
+    side: str,
     memory_rows: list[str],
     largest_rows: list[str],
     partial: bool,
@@ -224,6 +249,7 @@ def _section(
     cuda = torch.cuda.is_available()
     where = torch.cuda.get_device_name() if cuda else f"{os.cpu_count()}-core CPU, 1 thread"
     so_far = "; speed only so far, memory still running" if partial else ""
+    argv = [a for a in sys.argv[1:] if a != "--no-write"]
     return "\n".join(
         [
             SECTION,
@@ -231,19 +257,24 @@ def _section(
             f"- Device: {where} ({platform.machine()}); load average {load:.2f} before, "
             f"{os.getloadavg()[0]:.2f} after",
             f"- torch {torch.__version__}, Python {platform.python_version()}",
-            f"- Command: `python benchmarks/local_vs_reference.py` "
+            f"- Command: `{' '.join(['python', 'benchmarks/local_vs_reference.py', *argv])}` "
             f"({(time.perf_counter() - began) / 60:.1f} min{so_far})",
             f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             f"- Speed: model `{args.model}`, micro-batches of {args.micro_batch_size}, SGD, "
             f"fp32; {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed "
-            "steps, alternating which runs first; the median timed step. Memory: "
+            "steps of every schedule and of one process beside it, alternating which runs "
+            "first; steps/s from the median timed step, the ratio the median of the "
+            "rounds' ratios (each of its round's median steps), its spread their least "
+            "and most. Memory: "
             f"{args.memory_models} (`@B`: micro-batches of B; `=`: also that partition "
             "of the layers), otherwise the same micro-batches, 2 steps.",
             "",
             "| schedule | local steps/s | one process steps/s | local / one process | "
-            "extra ms per compute action |",
-            "|---|---|---|---|---|",
+            "over the rounds | extra ms per compute action |",
+            "|---|---|---|---|---|---|",
             *speed_rows,
+            "",
+            side,
             "",
             "Saved activations per rank (KiB): the simulator's `peak_activations` (a "
             "forward until its B, and where W is split off W's share until its W); "
