@@ -95,6 +95,7 @@ def evaluate(
             shapes=tuple(shapes),
             stop_after="validate",
             max_ops=max_ops,
+            costs=costs,  # an order built from the costs (greedy, squeeze) is built under them
         )
     except PipelangError as err:
         if refused is not None:

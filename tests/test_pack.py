@@ -174,3 +174,20 @@ def test_a_cost_for_a_stage_the_schedule_lacks_is_refused(tmp_path: Path) -> Non
     )
     status, _, err = run_in_process([*args, "--cost", "C[1]=3"])
     assert status == 2 and "`--cost C[1]`: one_f_one_b: `C[1]` names no stage boundary" in err
+
+
+def test_a_packing_is_timed_as_simulate_times_it_under_the_same_costs() -> None:
+    """An order built from the costs (v-half's squeeze) is built under `--cost` for each
+    candidate, as `simulate --cost` builds it (pack built it under the schedule's own
+    costs and timed it under the given ones: 150 against simulate's 124 here)."""
+    from pipelang import api
+    from pipelang.cli.args import parse_cost
+
+    costs = parse_cost("F=1,B=2,W=1,C=3")
+    shapes = [(1, 128), (2, 64), (1, 256), (4, 32)] * 2
+    tokens = sum(s * n for s, n in shapes)
+    packing = pack_module.evaluate("v-half", {"D": "4"}, shapes, costs, tokens)
+    compiled = api.compile_schedule(
+        "v-half", {"D": "4", "N": "8"}, shapes=tuple(shapes), stop_after="validate", costs=costs
+    )
+    assert packing is not None and packing.makespan == compiled.timeline(costs).makespan == 124
