@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from pipelang.backends.config import RunConfig
     from pipelang.backends.torchrun_env import TorchrunEnv
+    from pipelang.ir import Program
 
 
 class Backend(Protocol):
@@ -153,3 +155,16 @@ def checkpoint_problem(name: str) -> str | None:
         "checkpoints (--save, --resume) need a process per rank: use --backend "
         f"{' or '.join(spawning())}, not {name}"
     )
+
+
+def runs_streams(program: Program, config: RunConfig) -> bool:
+    """Whether a run executes each rank's stream program, which its caller then compiles
+    (`compiler.stream_program`) and hands it: always under `--graphs`, and eagerly on a
+    backend whose ranks run stream programs (`Backend.streams`: gloo, nccl), except for a
+    schedule that has none (`features.refusal(program, "stream programs")`: one that
+    evicts activations), whose ranks run their action lists."""
+    from pipelang.features import refusal
+
+    if config.graphs:
+        return True
+    return BACKENDS[config.backend].streams and refusal(program, "stream programs") is None

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipelang.backends.backend import BACKENDS
+from pipelang.backends.backend import BACKENDS, runs_streams
 from pipelang.backends.codegen import render_stream_rank, write_rank_programs
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
@@ -41,11 +41,10 @@ from pipelang.backends.worker import (
     PHASE_STARTING,
     Job,
     from_bytes,
-    lower_streams,
     rank_threads,
-    runs_streams,
     worker_main,
 )
+from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
 from pipelang.ir.streams import StreamProgram
 
@@ -124,9 +123,10 @@ class Launcher:
         self.shapes = shapes
         self.on_step = on_step
         self.world = program.num_ranks * config.dp
-        if streams is None and runs_streams(program, config):
-            streams = lower_streams(program, config.dp)
+        if (streams is not None) != runs_streams(program, config):
+            raise InternalError("the launcher takes the stream program exactly where it runs")
         self.streams = streams
+        """The checked stream program the ranks run (`backend.runs_streams`), or None."""
         self.cuda = BACKENDS[config.backend].cuda
         self.labels = action_labels(program, self.streams, self.cuda)
         self.ctx = forkserver()
@@ -187,7 +187,7 @@ class Launcher:
         return Outcome([self.results[r] for r in range(self.world)], self.losses)
 
     def _write_programs(self) -> None:
-        """rank{r}.py for every rank: its stream program, or its actions (`runs_streams`)."""
+        """rank{r}.py for every rank: its part of the stream program, or its actions."""
         if self.streams is None:
             write_rank_programs(self.program, self.run_dir)
             return
@@ -414,6 +414,7 @@ def launch(
     on_step: OnStep,
     streams: StreamProgram | None = None,
 ) -> Outcome:
-    """Run `program` with one process per rank on this machine (with `--graphs`, each
-    rank's part of `streams`, lowered here if not given)."""
+    """Run `program` with one process per rank on this machine: each rank its part of
+    `streams` where the ranks run stream programs (`backend.runs_streams`; the caller
+    compiles it, `compiler.stream_program`), else its action list."""
     return Launcher(program, config, shapes, on_step, streams).run()

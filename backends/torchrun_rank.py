@@ -1,9 +1,10 @@
 """`pipelang run` as one rank of a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR set), and
 a generated `rank{r}.py` started by hand as such a rank (`pipelang/cli/rank.py`).
 
-Every process compiles the same schedule and checks it (`launch.preflight`); rank 0
-shows the progress and reports. torchrun's variables are read through
-`torchrun_env.torchrun_env`, which names a wrong one (exit 2).
+Every process compiles the same schedule (and where the ranks run one, its stream
+program) and checks it (`preflight.preflight`); rank 0 shows the progress and reports.
+torchrun's variables are read through `torchrun_env.torchrun_env`, which names a wrong
+one (exit 2).
 """
 
 from __future__ import annotations
@@ -14,21 +15,30 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelang.diagnostics import PipelangError, clip
-from pipelang.passes.validate.lowered import read_lowered
+from pipelang.backends.preflight import RunError, WorldError, preflight
+from pipelang.backends.run_report import Predicted, report, step_progress
+from pipelang.diagnostics import clip
 
 if TYPE_CHECKING:
     from pipelang.backends.config import RunConfig
     from pipelang.backends.worker import RankStopped
     from pipelang.ir import Program
+    from pipelang.ir.streams import StreamProgram
 
 
 def run_as_torchrun_rank(
-    program: Program, config: RunConfig, source: str | None = None, filename: str | None = None
+    program: Program,
+    config: RunConfig,
+    streams: StreamProgram | None = None,
+    predicted: Predicted | None = None,
+    source: str | None = None,
+    filename: str | None = None,
 ) -> int:
+    """Run this process as its rank of the torchrun job: where the ranks run stream
+    programs, its part of `streams` (which the caller compiled), else its action list
+    (`source`: a rank file's text); the exit status (rank 0 reports, with `predicted`)."""
     import contextlib
 
-    from pipelang.backends.launch import report, step_progress
     from pipelang.backends.report import Outcome
     from pipelang.backends.torchrun_env import torchrun_env
     from pipelang.backends.worker import RankStopped, run_torchrun_rank
@@ -49,7 +59,7 @@ def run_as_torchrun_rank(
 
     try:
         with progress or contextlib.nullcontext():
-            results = run_torchrun_rank(program, config, on_step, source, filename)
+            results = run_torchrun_rank(program, config, on_step, streams, source, filename)
     except RankStopped as stopped:
         from pipelang.backends.hosts import HostsError
 
@@ -57,16 +67,18 @@ def run_as_torchrun_rank(
             if rank == 0:
                 err.print(f"error: {stopped.cause}", markup=False)
             return 2
-        err.print(f"error: {torchrun_failure(program, config, stopped)}", markup=False)
+        err.print(f"error: {torchrun_failure(program, config, stopped, streams)}", markup=False)
         if config.debug:
             err.print("".join(traceback.format_exception(stopped.cause)), markup=False)
         return 1
     if results is None:
         return 0
-    return report(program, config, Outcome(results, losses))
+    return report(program, config, Outcome(results, losses), predicted)
 
 
-def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) -> str:
+def torchrun_failure(
+    program: Program, config: RunConfig, stopped: RankStopped, streams: StreamProgram | None
+) -> str:
     """One line for a rank under torchrun that failed: where, and what. A peer that went
     away is named as such (rank K when the transfer names it, else its address); this
     rank's own error is the cause."""
@@ -74,10 +86,9 @@ def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) 
     from pipelang.backends.processes import action_labels, where
     from pipelang.backends.torchrun_env import torchrun_env
     from pipelang.backends.transport import PeerFailure
-    from pipelang.backends.worker import describe, lower_streams, runs_streams
+    from pipelang.backends.worker import describe
 
     rank = torchrun_env().rank
-    streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
     labels = action_labels(program, streams, BACKENDS[config.backend].cuda)
     place = where(labels, rank, *stopped.place)
     cause = stopped.cause
@@ -90,22 +101,18 @@ def torchrun_failure(program: Program, config: RunConfig, stopped: RankStopped) 
     return f"rank {rank} failed {place}: {describe(cause)}"
 
 
-def run_rank_file(rank: int, file: str, config: RunConfig) -> int:
-    """Run a generated `rank{r}.py` started by hand: its folder holds schedule.json; the
+def run_rank_file(
+    rank: int, file: str, program: Program, config: RunConfig, predicted: Predicted | None = None
+) -> int:
+    """Run a generated `rank{r}.py` started by hand: `program` is its folder's
+    schedule.json, which the command line read and checked (`lowered.read_lowered`); the
     environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
     if config.dp == 1:
         os.environ.setdefault("RANK", str(rank))
     missing = [
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
     ]
-    from pipelang.backends.launch import RunError, WorldError, preflight
     from pipelang.backends.models import ModelError
-
-    try:
-        program = read_lowered(Path(file).parent / "schedule.json")
-    except PipelangError as err:
-        print(err.render(), file=sys.stderr)
-        return 1
     from pipelang.backends.torchrun_env import TorchrunEnvError, torchrun_env
 
     need = f"RANK = copy x {program.num_ranks} + {rank}" if config.dp > 1 else f"RANK={rank}"
@@ -138,7 +145,7 @@ def run_rank_file(rank: int, file: str, config: RunConfig) -> int:
     except (RunError, ModelError) as error:
         print(f"error: {clip(str(error))}", file=sys.stderr)
         return 2 if isinstance(error, WorldError) else 1
-    return run_as_torchrun_rank(program, config, Path(file).read_text(), file)
+    return run_as_torchrun_rank(program, config, None, predicted, Path(file).read_text(), file)
 
 
 def _runs_file(env_rank: int, rank: int, num_ranks: int, dp: int) -> bool:

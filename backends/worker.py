@@ -34,7 +34,6 @@ from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.termination import Termination
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport, peer_failures
 from pipelang.diagnostics import InternalError
-from pipelang.features import refusal
 from pipelang.ir import Program
 from pipelang.ir.streams import StreamProgram
 
@@ -81,11 +80,13 @@ def build_rank(
     filename: str | None = None,
     shapes: Shapes | None = None,
     replica: int = 0,
+    streams: StreamProgram | None = None,
 ) -> tuple[RankRuntime, Iteration]:
     """The runtime of program rank `rank` in data-parallel copy `replica`, and its
-    generated `iteration` (rendered unless `source` given): an action list runs on a
-    `RankRuntime`, a stream program (its file defines SLOTS) on a `StreamRankRuntime`."""
-    text = source if source is not None else render(program, config, rank)
+    generated `iteration` (rendered from `program` and `streams` unless `source` given):
+    an action list runs on a `RankRuntime`, a stream program (its file defines SLOTS) on
+    a `StreamRankRuntime`."""
+    text = source if source is not None else render(program, config, rank, streams)
     iteration = load_iteration(text, filename or f"<pipelang rank{rank}.py>")
     generated = iteration.__globals__
     if "SLOTS" not in generated:
@@ -110,34 +111,16 @@ def build_rank(
     return stream_rt, iteration
 
 
-def runs_streams(program: Program, config: RunConfig) -> bool:
-    """Whether a run executes the rank's stream program: always under `--graphs`, and
-    eagerly on a backend whose ranks run stream programs (`Backend.streams`: gloo, nccl),
-    except for a schedule that has none (`features.refusal(program, "stream programs")`:
-    one that evicts activations), whose ranks run their action lists."""
-    if config.graphs:
-        return True
-    return BACKENDS[config.backend].streams and refusal(program, "stream programs") is None
-
-
-def render(program: Program, config: RunConfig, rank: int) -> str:
-    """The generated program of `rank`: its stream program where the run executes one
-    (`runs_streams`), else its action list."""
-    if not runs_streams(program, config):
+def render(program: Program, config: RunConfig, rank: int, streams: StreamProgram | None) -> str:
+    """The generated program of `rank`: its part of `streams` where the run executes a
+    stream program (`backend.runs_streams`: the caller compiled it), else its action
+    list."""
+    if streams is None:
         return render_rank_program(program, rank)
     from pipelang.backends.codegen import render_stream_rank
 
-    streams = lower_streams(program, config.dp)
     cuda = BACKENDS[config.backend].cuda
     return render_stream_rank(program, streams, rank, cuda, capture=config.graphs)
-
-
-def lower_streams(program: Program, dp: int) -> StreamProgram:
-    """The checked stream program of `program` run as `dp` copies (PipelangError if not)."""
-    from pipelang.passes.check_streams import check_streams
-    from pipelang.passes.streams import streams
-
-    return check_streams(streams(program, dp))
 
 
 def run_step(
@@ -268,6 +251,7 @@ def run_torchrun_rank(
     program: Program,
     config: RunConfig,
     on_step: Callable[[int, float, float], None],
+    streams: StreamProgram | None = None,
     source: str | None = None,
     filename: str | None = None,
 ) -> list[RankResult] | None:
@@ -275,7 +259,7 @@ def run_torchrun_rank(
 
     With `--dp K`, RANK is `replica * R + program rank` (WORLD_SIZE is K x R). `source`
     is the rank's generated program (a hand-started rank{r}.py); by default it is
-    rendered from `program`.
+    rendered from `program` and, where the ranks run one, its stream program `streams`.
     """
     from pipelang.backends.torchrun_env import torchrun_env
 
@@ -312,24 +296,14 @@ def run_torchrun_rank(
             source,
             filename,
             replica=replica,
+            streams=streams,
         )
         with peer_failures():
             dist.barrier()
         runtime.start_clock()
         status[slot] = PHASE_RUNNING
         n = program.num_microbatches * config.dp
-
-        def done(i: int, losses: dict[int, float], seconds: float) -> None:
-            # one slot per micro-batch, filled by the one rank that computed its loss: the
-            # sum is exact, and the mean adds them in micro-batch order, as --check does
-            each = torch.zeros(n, dtype=torch.float64, device=device)
-            for mb, loss in losses.items():
-                each[mb] = loss
-            with peer_failures():
-                dist.all_reduce(each)
-            if rank == 0:
-                on_step(i, sum(each.tolist()) / n, seconds)
-
+        done = _step_losses(n, device, on_step if rank == 0 else None)
         stopped = train(runtime, iteration, config, done, termination)
         status[slot] = PHASE_DONE
         result = runtime.result(config.check)
@@ -344,6 +318,26 @@ def run_torchrun_rank(
         raise RankStopped(err, place) from err  # type: ignore[arg-type]
     finally:
         dist.destroy_process_group()
+
+
+def _step_losses(
+    n: int, device: torch.device, on_step: Callable[[int, float, float], None] | None
+) -> Callable[[int, dict[int, float], float], None]:
+    """What a rank under torchrun does after each step: the step's mean loss over the `n`
+    micro-batches, summed over the ranks, to `on_step` (rank 0's; None elsewhere)."""
+
+    def done(i: int, losses: dict[int, float], seconds: float) -> None:
+        # one slot per micro-batch, filled by the one rank that computed its loss: the
+        # sum is exact, and the mean adds them in micro-batch order, as --check does
+        each = torch.zeros(n, dtype=torch.float64, device=device)
+        for mb, loss in losses.items():
+            each[mb] = loss
+        with peer_failures():
+            dist.all_reduce(each)
+        if on_step is not None:
+            on_step(i, sum(each.tolist()) / n, seconds)
+
+    return done
 
 
 def _check_hosts(path: str, world: int) -> None:

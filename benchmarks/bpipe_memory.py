@@ -10,9 +10,11 @@ table ("BPipe evictions (CPU)").
 from __future__ import annotations
 
 from pipelang.api import compile_schedule
+from pipelang.backends.backend import runs_streams
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import plan_stages
 from pipelang.backends.processes import launch
+from pipelang.compiler import stream_program
 from pipelang.sim.timeline import CostModel, simulate
 
 
@@ -24,7 +26,8 @@ def main() -> None:
             assert graph is not None
             config = RunConfig(backend="gloo", steps=2, count_activations=True)
             shapes = plan_stages(config.spec, program.num_stages, None).shapes
-            outcome = launch(program, config, shapes, lambda *_: None)
+            streams = stream_program(program, config.dp) if runs_streams(program, config) else None
+            outcome = launch(program, config, shapes, lambda *_: None, streams)
             kib = [round(r.peak_activation_bytes / 1024) for r in outcome.results]
             timeline = simulate(program, graph, CostModel())
             counts = [timeline.peak_activations(r) for r in range(program.num_ranks)]

@@ -38,7 +38,7 @@ from pipelang.backends.config import RunConfig
 from pipelang.backends.local import local_device, run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.stream_executor import StreamExecutor
-from pipelang.backends.worker import lower_streams
+from pipelang.compiler import stream_program as lower_streams
 
 try:
     from benchmarks.results import write_section

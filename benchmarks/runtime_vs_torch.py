@@ -74,7 +74,8 @@ from pipelang.backends.config import DEFAULT_LR, SGD_MOMENTUM, RunConfig
 from pipelang.backends.models import GPTConfig, LayeredModel, ModelSpec, gpt_layers
 from pipelang.backends.stream_runtime import StreamRankRuntime
 from pipelang.backends.transport import DistTransport
-from pipelang.backends.worker import build_rank, lower_streams, run_step
+from pipelang.backends.worker import build_rank, run_step
+from pipelang.compiler import stream_program as lower_streams
 from pipelang.ir import Program
 
 try:

@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 
 from pipelang.api import compile_schedule
+from pipelang.backends.backend import runs_streams
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import plan_stages
 from pipelang.backends.processes import launch
+from pipelang.compiler import stream_program
 from pipelang.ir import KV_SHARE, CostModel
 from pipelang.planner.profile import ProfileOptions, measure
 from pipelang.sim import memory
@@ -91,7 +93,8 @@ def measured() -> None:
         assert graph is not None
         plan = plan_stages(config.spec, program.num_stages, None)
         kept = [sum(layers[i].activation_bytes for i in bounds) for bounds in plan.bounds]
-        outcome = launch(program, config, plan.shapes, lambda *_: None)
+        streams = stream_program(program, config.dp) if runs_streams(program, config) else None
+        outcome = launch(program, config, plan.shapes, lambda *_: None, streams)
         w = memory.w_share(program)
         label = name if "C" not in params else f"{name} C = {params['C']}"
         for rank, result in enumerate(outcome.results):

@@ -151,6 +151,19 @@ def check_program(program: Program, stop_after: str = "validate") -> Compilation
     return _run(Compilation(None, Options(), program=program), "build-dag", stop_after)
 
 
+@bulk
+def stream_program(program: Program, dp: int = 1) -> StreamProgram:
+    """The checked stream program of a lowered Program (`PROGRAM_DONE`'s, or a
+    schedule.json's) run as `dp` data-parallel copies: the passes after `PROGRAM_DONE`,
+    through `check-streams`, as `run_passes(..., stop_after="check-streams")` runs them.
+    What `pipelang run` hands a backend whose ranks run stream programs."""
+    first = PASS_NAMES[PASS_NAMES.index(PROGRAM_DONE) + 1]
+    c = _run(Compilation(None, Options(dp=dp), program=program), first, "check-streams")
+    if c.streams is None:
+        raise InternalError("check-streams gave no stream program")
+    return c.streams
+
+
 def _run(c: Compilation, first: str, stop_after: str) -> Compilation:
     start = PASS_NAMES.index(first)
     for run_pass, name in zip(PASSES[start:], PASS_NAMES[start:], strict=True):

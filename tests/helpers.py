@@ -37,12 +37,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import pipelang
 from pipelang import api
 from pipelang.api import load_program
+from pipelang.backends.backend import runs_streams
 from pipelang.backends.launch import run_program
 from pipelang.backends.processes import action_labels
-from pipelang.backends.worker import lower_streams
 from pipelang.cli import main
 from pipelang.cli.args import add_run_arguments, config_from_args
-from pipelang.compiler import SCHEDULE_DONE, Options, run_passes
+from pipelang.compiler import SCHEDULE_DONE, Options, run_passes, stream_program
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.import_torch import check_pipe
 from pipelang.ir import Action, CostModel, Dependency, Kind, Pipeline, Program
@@ -338,11 +338,18 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 
 def run(program: Program, *options: str) -> int:
-    """`pipelang run` on a Program, in this process; returns the exit status."""
+    """`pipelang run` on a Program, in this process; returns the exit status. As the
+    command does, the compiler gives the stream program where the ranks run one."""
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true")
-    return run_program(program, config_from_args(parser.parse_args(list(options))))
+    config = config_from_args(parser.parse_args(list(options)))
+    try:
+        streams = stream_program(program, config.dp) if runs_streams(program, config) else None
+    except PipelangError as err:
+        print(err.render(), file=sys.stderr)
+        return 1
+    return run_program(program, config, streams)
 
 
 def stdlib(name: str, **params: int) -> Program:
@@ -353,7 +360,7 @@ def stdlib(name: str, **params: int) -> Program:
 def host_op(program: Program, rank: int, index: int, dp: int = 1) -> str:
     """How a failure names op `index` of program rank `rank` in a gloo run: the stream
     op the host issues there (`r1.compute F0@1/main`), as the launcher labels it."""
-    return action_labels(program, lower_streams(program, dp))[rank][index]
+    return action_labels(program, stream_program(program, dp))[rank][index]
 
 
 def _consumer(program: Program, op: Action) -> Action | None:

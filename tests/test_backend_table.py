@@ -68,3 +68,48 @@ def test_checkpoints_name_the_backends_that_spawn_processes(option: str, tmp_pat
         "checkpoints (--save, --resume) need a process per rank: use --backend gloo or "
         "nccl, not local"
     ) in err
+
+
+UPWARD = (
+    "pipelang.passes",
+    "pipelang.compiler",
+    "pipelang.api",
+    "pipelang.planner",
+    "pipelang.cli",
+)
+"""What the runtime may not import: the compiler delivers what it runs (the checked stream
+program too), the command line hands it the plan's prediction."""
+KNOWN = {
+    "backends/models.py": "pipelang.planner",  # even_split
+    "backends/measure.py": "pipelang.planner",  # the profile's data (`profile` measures)
+    "backends/calibrate.py": "pipelang.planner",  # the same, and even_split
+}
+"""Upward imports left, by the module that has them (`pipelang profile`'s measuring half)."""
+
+
+def _imported(tree: ast.AST) -> list[str]:
+    """Every module an import statement names, at any depth (lazy imports count)."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_the_runtime_imports_no_pass_compiler_or_command_line() -> None:
+    """The runtime ran the `streams` and `check-streams` passes itself (worker.py, a
+    second pass driver) and imported upward: passes (worker, torchrun_rank), the
+    planner (launch), the CLI. `python -m pipelang.backends` (__main__.py) is the command
+    line's entry, which nothing imports."""
+    found = []
+    for file in sorted((ROOT / "backends").glob("*.py")):
+        if file.name == "__main__.py":
+            continue
+        name = str(file.relative_to(ROOT))
+        for module in _imported(ast.parse(file.read_text())):
+            upward = next((u for u in UPWARD if module == u or module.startswith(u + ".")), None)
+            if upward is not None and KNOWN.get(name) != upward:
+                found.append(f"{name}: {module}")
+    assert found == []

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import subprocess
@@ -27,12 +26,10 @@ import sys
 import pytest
 
 from pipelang import api, ast
-from pipelang.backends.launch import run_program
-from pipelang.cli.args import add_run_arguments, config_from_args
 from pipelang.compiler import Options, run_passes
 from pipelang.ir import Action, CostModel, Kind, Program
 from pipelang.sim.timeline import Timeline
-from tests.helpers import replay, run_in_process
+from tests.helpers import replay, run, run_in_process
 
 NAMES = ("chimera-fwd-double", "chimera-bwd-half")
 
@@ -303,14 +300,6 @@ def test_invalid_size_on_the_command_line_is_a_diagnostic() -> None:
 
 
 # ---- the runtime ------------------------------------------------------------------------
-
-
-def run(prog: Program, *options: str) -> int:
-    """`pipelang run` on a compiled Program, in this process; returns the exit status."""
-    parser = argparse.ArgumentParser()
-    add_run_arguments(parser)
-    parser.add_argument("--debug", action="store_true")
-    return run_program(prog, config_from_args(parser.parse_args(list(options))))
 
 
 @pytest.mark.slow

@@ -11,15 +11,25 @@ import json
 
 import pytest
 
+from pipelang.backends.backend import runs_streams
 from pipelang.backends.codegen import load_iteration, render_stream_rank
 from pipelang.backends.config import RunConfig
-from pipelang.backends.worker import lower_streams, render, runs_streams
+from pipelang.backends.worker import render as render_streams
 from pipelang.cli import main
+from pipelang.compiler import stream_program as lower_streams
+from pipelang.ir import Program
 from tests.helpers import run, stdlib
 
 BPIPE = stdlib("bpipe", D=4, N=8)
 
 GRAPHS = ("--backend", "gloo", "--graphs", "--steps", "2", "--check")
+
+
+def render(program: Program, config: RunConfig, rank: int) -> str:
+    """Rank `rank`'s generated program in a run with `config`, its stream program from
+    the compiler where the run executes one."""
+    streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
+    return render_streams(program, config, rank, streams)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ def rank_file_main(rank: int, file: str) -> int:
     """The `__main__` of a generated `rank{r}.py`: its folder holds schedule.json; the
     environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
     from pipelang.backends.torchrun_rank import run_rank_file
+    from pipelang.planner.write import read_plan
 
     parser = argparse.ArgumentParser(
         prog=Path(file).name,
@@ -28,13 +29,22 @@ def rank_file_main(rank: int, file: str) -> int:
     )
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
-    return run_rank_file(rank, file, _config(parser, parser.parse_args()))
+    config = _config(parser, parser.parse_args())
+    try:
+        program = read_lowered(Path(file).parent / "schedule.json")
+    except PipelangError as err:
+        print(err.render(), file=sys.stderr)
+        return 1
+    return run_rank_file(rank, file, program, config, read_plan(program.source))
 
 
 def compiled_main() -> int:
     """`python -m pipelang.backends SCHEDULE.json [run options]`: run what `pipelang
     compile -o DIR` wrote (DIR/schedule.json)."""
+    from pipelang.backends.backend import runs_streams
     from pipelang.backends.launch import run_program
+    from pipelang.compiler import stream_program
+    from pipelang.planner.write import read_plan
 
     parser = argparse.ArgumentParser(
         prog="python -m pipelang.backends", description="Run a compiled pipelang program."
@@ -46,10 +56,11 @@ def compiled_main() -> int:
     config = _config(parser, args)
     try:
         program = read_lowered(args.schedule)
+        streams = stream_program(program, config.dp) if runs_streams(program, config) else None
     except PipelangError as err:
         print(err.render(), file=sys.stderr)
         return 1
-    return run_program(program, config)
+    return run_program(program, config, streams, read_plan(program.source))
 
 
 def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunConfig:

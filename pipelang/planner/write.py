@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipelang import __version__, api
 from pipelang.diagnostics import QUOTED
@@ -193,6 +194,18 @@ def read_prediction(text: str) -> Prediction | None:
     return Prediction(
         float(ms.group(1)), profile.group(1), profile.group(2), assumed and assumed.group(1)
     )
+
+
+def read_plan(path: str | Path) -> Prediction | None:
+    """The prediction of the schedule file at `path` when `pipelang plan` wrote it; None
+    for any other file, or one that cannot be read."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return read_prediction(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _copies(plan: Plan) -> list[str]:
