@@ -6,6 +6,7 @@ W comes right after its B, the runtime runs one whole backward at B instead
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import itertools
 import warnings
@@ -23,9 +24,9 @@ from pipelang.backends.measure import activation_peaks, stage_activation_bytes
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.stash import ReleasedError, Stash
 from pipelang.backends.weight_split import split_backward, weight_backward, weight_pass
-from pipelang.ir import Action, Kind
+from pipelang.ir import Action, CostModel, Kind
 from pipelang.ir.program import whole_backwards
-from tests.helpers import run, stdlib
+from tests.helpers import replay, run, stdlib
 
 KEY = (0, 0, "main", None)
 
@@ -243,6 +244,50 @@ def test_the_pairs_that_run_whole(name: str, whole: int, adjacent: int) -> None:
     assert sum(compute_adjacent(actions) for actions in program.ranks) == adjacent
     ranks = [r for r, actions in enumerate(program.ranks) if whole_backwards(actions)]
     assert ranks == ([0] if name == "zb-h1" else [0, 1, 2, 3] if name == "dualpipev" else [0, 3])
+
+
+def fused(
+    actions: tuple[Action, ...], pairs: Callable[[tuple[Action, ...]], set[int]]
+) -> tuple[Action, ...]:
+    """The rank's compute ops, each W at an index of `pairs` fused to the B before it (one
+    compound: its B's result leaves when the W ends)."""
+    marked = pairs(actions)
+    out = [a._replace(fused=i in marked) for i, a in enumerate(actions)]
+    return tuple(a for a in out if a.kind.is_compute)
+
+
+@pytest.mark.parametrize(("name", "split", "across"), [("zbv", 51, 57), ("v-half", 58, 72)])
+def test_fusing_across_a_send_would_delay_the_rank_before(
+    name: str, split: int, across: int
+) -> None:
+    """Why a send between B and W keeps them split: run whole, B's gradient leaves after
+    W. As compounds (B and W ending together), the pairs `whole_backwards` names leave
+    the simulated makespan (F = B = W = 1) as it was; all compute-adjacent pairs make it
+    12% (zbv) and 24% (v-half) longer."""
+
+    def rule(actions: tuple[Action, ...]) -> set[int]:
+        whole = whole_backwards(actions)
+        return {
+            i
+            for i, a in enumerate(actions)
+            if a.kind is Kind.W and (a.mb, a.stage, a.pipeline, a.chunk) in whole
+        }
+
+    def adjacent(actions: tuple[Action, ...]) -> set[int]:
+        ops = [(i, a) for i, a in enumerate(actions) if a.kind.is_compute]
+        return {
+            i
+            for (_, b), (i, w) in itertools.pairwise(ops)
+            if b.kind is Kind.B and w.kind is Kind.W and b[1:4] == w[1:4]
+        }
+
+    program = stdlib(name, D=4, N=8)
+    costs = CostModel((("F", None, 1.0), ("B", None, 1.0), ("W", None, 1.0)))
+    spans = []
+    for how in (lambda actions: set(), rule, adjacent):
+        ranks = tuple(fused(actions, how) for actions in program.ranks)
+        spans.append(replay(dataclasses.replace(program, ranks=ranks), costs).makespan)
+    assert spans == [split, split, across]
 
 
 def test_a_w_right_after_its_b_runs_nothing(

@@ -28,8 +28,9 @@ def whole_backwards(actions: Iterable[Action]) -> frozenset[OpKey]:
 
     A send between them (the input gradient B hands the stage before) or a signal
     keeps the pair split: run whole, the message would leave after W too, and the rank
-    that waits for it would wait W longer (zbv: 46 of 64 pairs are adjacent across a
-    send, and fusing them too lengthens its simulated makespan by 12%, v-half's by 24%).
+    that waits for it would wait W longer (zbv at D = 4, N = 8: 46 of 64 pairs are
+    adjacent but for that send, and fusing them too lengthens its simulated makespan at
+    F = B = W = 1 by 12%, v-half's by 24%).
     A pair written `BW` (B with its W fused, `&W`) has its sends after the W anyway. A
     receive between them moves no message later; a `wait`, an eviction or any other
     action keeps them apart.
