@@ -91,55 +91,80 @@ def program_of(name: str, params: dict[str, int]) -> Program:
     return load_program(name, {k: str(v) for k, v in params.items()})
 
 
-def pipelined(program: Program, config: RunConfig) -> tuple[list[float], list[int]]:
+def pipelined(program: Program, config: RunConfig) -> tuple[list[float], list[int], list[float]]:
     """Step seconds and each rank's peak saved-activation bytes of one `local` run (with
-    the schedule's partition)."""
+    the schedule's partition), and this process's CPU seconds as each step ended."""
     config = config.for_program(program)
     shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
     seconds: list[float] = []
-    outcome = run_local(program, config, shapes, lambda _s, _l, t: seconds.append(t))
-    return seconds, [r.peak_activation_bytes for r in outcome.results]
+    cpu: list[float] = []
+
+    def done(_step: int, _loss: float, took: float) -> None:
+        seconds.append(took)
+        cpu.append(time.process_time())
+
+    outcome = run_local(program, config, shapes, done)
+    return seconds, [r.peak_activation_bytes for r in outcome.results], cpu
+
+
+def timed(program: Program, config: RunConfig, warmup: int, local: bool) -> tuple[float, float]:
+    """The median timed step's seconds, and the CPU seconds of a timed step (the
+    process's CPU time over the timed steps, over their count), of the schedule on
+    `local` or of one process (the steps' CPU time: that of the whole run less that
+    of a run of the warm-up steps alone)."""
+    steps = config.steps - warmup
+    if local:
+        seconds, _, cpu = pipelined(program, config)
+        return statistics.median(seconds[warmup:]), (cpu[-1] - cpu[warmup - 1]) / steps
+    n, device = program.num_microbatches, local_device()
+    began = time.process_time()
+    seconds = train_reference(config, n, device).step_seconds
+    middle = time.process_time()
+    train_reference(replace(config, steps=warmup), n, device)
+    return statistics.median(seconds[warmup:]), (2 * middle - began - time.process_time()) / steps
 
 
 def speed(config: RunConfig, warmup: int, rounds: int) -> tuple[list[str], str]:
     """The speed table's rows, and zb-h1's ratio over 1F1B's. Every round runs every
     schedule, each with its one-process reference right before or after it (the order
-    alternates by round, the schedules' too), so a drift in the machine's speed falls on
-    all of them alike; a schedule's ratio is the median of its rounds' ratios."""
+    alternates by round, the schedules' too); a schedule's ratios are the medians of
+    its rounds' ratios, in wall time and in CPU time. On a shared machine the CPU time
+    is the steadier: another process's load lengthens a step's wall time, not the
+    CPU time it takes."""
     programs = [(label(name, params), program_of(name, params)) for name, params in SPEED]
-    times: dict[str, dict[str, list[float]]] = {
-        name: {"local": [], "alone": []} for name, _ in programs
-    }
-    ratios: dict[str, list[float]] = {name: [] for name, _ in programs}
+    walls: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in programs}
+    cpus: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in programs}
     for round_ in range(rounds):
         for name, program in programs if round_ % 2 == 0 else programs[::-1]:
-            got: dict[str, list[float]] = {}
-            for kind in ("local", "alone") if round_ % 2 == 0 else ("alone", "local"):
-                if kind == "local":
-                    got[kind] = pipelined(program, config)[0][warmup:]
-                else:
-                    n = program.num_microbatches
-                    got[kind] = train_reference(config, n, local_device()).step_seconds[warmup:]
-                times[name][kind] += got[kind]
-            ratios[name].append(statistics.median(got["alone"]) / statistics.median(got["local"]))
+            first = round_ % 2 == 0
+            got = {local: timed(program, config, warmup, local) for local in (first, not first)}
+            walls[name].append((got[True][0], got[False][0]))
+            cpus[name].append((got[True][1], got[False][1]))
     rows = []
+    ratio: dict[str, list[float]] = {}
     for name, program in programs:
-        a, b = statistics.median(times[name]["local"]), statistics.median(times[name]["alone"])
+        wall = [b / a for a, b in walls[name]]
+        ratio[name] = [b / a for a, b in cpus[name]]
+        a, b = (statistics.median(t[k] for t in walls[name]) for k in (0, 1))
         actions = sum(op.kind in COMPUTE_KINDS for rank in program.ranks for op in rank)
         rows.append(
-            f"| {name} | {1 / a:.2f} | {1 / b:.2f} | {statistics.median(ratios[name]):.2f} | "
-            f"{min(ratios[name]):.2f}-{max(ratios[name]):.2f} | "
-            f"{1e3 * (a - b) / actions:.3f} |"
+            f"| {name} | {1 / a:.2f} | {1 / b:.2f} | {_spread(wall)} | "
+            f"{_spread(ratio[name])} | {1e3 * (a - b) / actions:.3f} |"
         )
-    zb, one = ratios[label(*SPEED[3])], ratios[label(*SPEED[0])]
+    zb, one = ratio[label(*SPEED[3])], ratio[label(*SPEED[0])]
     pairs = [z / o for z, o in zip(zb, one, strict=True)]
     side = (
-        f"zb-h1 against 1F1B, side by side in this run: local / one process "
-        f"{statistics.median(zb):.2f} against {statistics.median(one):.2f}, zb-h1's ratio "
-        f"{statistics.median(pairs):.2f} of 1F1B's (the median over the {rounds} rounds of "
-        f"each round's quotient; {min(pairs):.2f} to {max(pairs):.2f})."
+        f"zb-h1 against 1F1B, side by side in this run (CPU time): local / one process "
+        f"{statistics.median(zb):.2f} against {statistics.median(one):.2f}; zb-h1's ratio is "
+        f"{_spread(pairs)} of 1F1B's (the median over the {rounds} rounds of each round's "
+        "quotient, and their least and most)."
     )
     return rows, side
+
+
+def _spread(values: list[float]) -> str:
+    """The median of `values`, and their least and most: `0.78 (0.64-0.82)`."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def memory(
@@ -192,7 +217,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt:small" if cuda else "gpt:tiny")
     parser.add_argument("--micro-batch-size", type=int, default=8 if cuda else 4)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run (at least 1)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--memory-models",
@@ -203,6 +228,8 @@ def main() -> None:
     )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error("--warmup, --steps and --rounds must be at least 1")
     if not cuda:
         torch.set_num_threads(1)
     began = time.perf_counter()
@@ -263,14 +290,14 @@ def _section(
             f"- Speed: model `{args.model}`, micro-batches of {args.micro_batch_size}, SGD, "
             f"fp32; {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed "
             "steps of every schedule and of one process beside it, alternating which runs "
-            "first; steps/s from the median timed step, the ratio the median of the "
-            "rounds' ratios (each of its round's median steps), its spread their least "
-            "and most. Memory: "
+            "first; steps/s from the median timed step; a ratio is the median of the "
+            "rounds' ratios (in parentheses their least and most), of the median timed "
+            "steps (wall) or of the timed steps' CPU time. Memory: "
             f"{args.memory_models} (`@B`: micro-batches of B; `=`: also that partition "
             "of the layers), otherwise the same micro-batches, 2 steps.",
             "",
-            "| schedule | local steps/s | one process steps/s | local / one process | "
-            "over the rounds | extra ms per compute action |",
+            "| schedule | local steps/s | one process steps/s | local / one process "
+            "(wall) | local / one process (CPU time) | extra ms per compute action |",
             "|---|---|---|---|---|---|",
             *speed_rows,
             "",
