@@ -36,6 +36,7 @@ from typing import Any
 from pipelang.diagnostics import clip
 from pipelang.evaluate import MAX_OPS
 from pipelang.ir import Action
+from pipelang.readers import ReadError, read_text
 
 
 class TraceError(ValueError):
@@ -96,10 +97,10 @@ class Traced:
 def load(path: Path) -> list[dict[str, Any]]:
     """The events of the trace file at `path` (a document or a bare list of events)."""
     try:
-        doc = json.loads(path.read_text())
-    except OSError as err:
-        raise TraceError(f"cannot read `{path}`: {err.strerror}") from None
-    except ValueError as err:  # not JSON, or not UTF-8
+        doc = json.loads(read_text(path))
+    except ReadError as err:
+        raise TraceError(f"cannot read `{path}`: {err}") from None
+    except ValueError as err:  # not JSON
         raise TraceError(f"`{path}` is not JSON: {err}") from None
     except RecursionError:
         raise TraceError(f"`{path}` nests too deep for a Chrome trace") from None

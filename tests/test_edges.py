@@ -584,3 +584,15 @@ def test_load_says_what_is_wrong_with_the_path(sched: str, code: str, message: s
     found = raised.value.diagnostics[0]
     assert found.code == code and message in found.message, found.message
     assert len(found.message) < 200
+
+
+@pytest.mark.parametrize("command", [["check-streams"], ["viz", "-o", "x.svg", "--trace"]])
+def test_a_stream_dump_or_trace_is_read_as_every_input_file_is(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Through `readers.read_text`, with its size limit: a name linked to /dev/zero was
+    read until memory ran out."""
+    link = tmp_path / "z.json"
+    link.symlink_to("/dev/zero")
+    status, _, err = run_in_process([*command, str(link)])
+    assert status in (1, 2) and "it is larger than 64 MiB" in err, err

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from pipelang.cli.args import path
-from pipelang.diagnostics import fail
+from pipelang.diagnostics import fail, quote
 
 HELP = (
     "check a stream program dump (`compile SCHED --dump-after streams`, perhaps edited): "
@@ -22,11 +22,12 @@ def setup(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipelang.ir.streams import StreamProgram, StreamSyntaxError
     from pipelang.passes.check_streams import check_streams
+    from pipelang.readers import ReadError, read_text
 
     try:
-        text = args.dump.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise fail("E0003", f"cannot read `{args.dump}`: {err}") from None
+        text = read_text(args.dump)
+    except ReadError as err:
+        raise fail("E0003", f"cannot read {quote(args.dump)}: {err}") from None
     try:
         program = StreamProgram.parse(text, str(args.dump))
     except StreamSyntaxError as err:
