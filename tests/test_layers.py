@@ -116,3 +116,25 @@ def test_every_package_is_installed() -> None:
         for init in folder.rglob("__init__.py")
     }
     assert found <= listed, f"add to pyproject.toml's packages: {sorted(found - listed)}"
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_module_over_600_lines_and_no_function_over_80() -> None:
+    """docs/architecture.md's size limits, so they stay true: a module is read whole and a
+    function at a glance. A function's lines run from its `def` (decorators not counted)
+    to its last statement, its docstring included."""
+    too_long = []
+    for name, file in _modules().items():
+        text = file.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
+    assert not too_long, "over the size limits:\n" + "\n".join(too_long)
