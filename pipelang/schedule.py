@@ -102,6 +102,8 @@ class Schedule:
         from pipelang.visualize.panel import simulated
         from pipelang.visualize.png import MissingMatplotlib, TooLarge
 
+        if not isinstance(path, str | Path):
+            raise _usage(f"draw takes a file name (a str or a Path), not {_shown(path)}")
         path = Path(path)
         suffix = path.suffix.lower()
         if suffix not in FORMATS:

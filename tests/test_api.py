@@ -112,3 +112,11 @@ def test_a_per_stage_list_of_the_wrong_length_is_refused(
     with pytest.raises(pipelang.PipelangError) as raised:  # synthesize took a short list
         pipelang.synthesize("1f1b", D=4, N=4, costs=costs)
     assert raised.value.diagnostics[0].message.startswith(message)
+
+
+@pytest.mark.parametrize("path", [None, 3, b"x.svg"])
+def test_draw_to_what_is_no_file_name_is_a_pipelang_error(path: object) -> None:
+    with pytest.raises(pipelang.PipelangError) as raised:
+        pipelang.load("1f1b", D=2, N=2).draw(path)  # type: ignore[arg-type]
+    assert raised.value.diagnostics[0].message.startswith("draw takes a file name")
+
