@@ -409,3 +409,23 @@ def test_an_internal_error_under_json_is_a_json_object_too(
     assert found["ok"] is False and found["diagnostics"][0]["code"] == "internal"
     assert found["diagnostics"][0]["message"] == "internal error: RuntimeError: boom"
     assert err.startswith("internal error: RuntimeError: boom\nthis is a bug in pipelang")
+
+
+def test_profile_and_plan_refuse_an_output_they_cannot_write_before_working(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-o DIR` (a directory) was refused after a minute of measuring."""
+    import pipelang.backends.measure as measure
+
+    def measured(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before the output was checked")
+
+    monkeypatch.setattr(measure, "measure", measured)
+    out = tmp_path / "d"
+    out.mkdir()
+    status, _, err = run_in_process(["profile", "--model", "gpt:tiny", "-o", str(out)])
+    assert status == 2 and "cannot write `" in err and "Is a directory" in err, err
+    missing = str(tmp_path / "no.json")
+    plan = ["plan", "--profile", missing, "--topology", missing, "--micro-batches", "4"]
+    status, _, err = run_in_process([*plan, "-o", str(out)])
+    assert status == 2 and "cannot write `" in err and "Is a directory" in err, err

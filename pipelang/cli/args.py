@@ -310,12 +310,13 @@ def write_output(path: Path, data: str | bytes) -> None:
 
 
 def writable(path: Path) -> Path:
-    """`path`, once it is known that a file can be written there (its folder made; an
-    existing file is left as it is): a usage error now rather than after a run."""
+    """`path`, once a file can be written there (its folder made): a usage error now."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a"):
-            pass
+        made = not path.exists()  # checked, not written: a later failure leaves no file
+        path.open("a").close()
+        if made:
+            path.unlink()
     except OSError as err:
         raise UsageError(f"cannot write `{path}`: {err.strerror}") from None
     return path

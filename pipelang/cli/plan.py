@@ -10,7 +10,14 @@ from typing import Any
 
 from rich.table import Table
 
-from pipelang.cli.args import UsageError, path, positive, seconds_or_zero, write_output
+from pipelang.cli.args import (
+    UsageError,
+    path,
+    positive,
+    seconds_or_zero,
+    writable,
+    write_output,
+)
 from pipelang.diagnostics import PipelangError, fail
 from pipelang.planner.units import UnitError, format_bytes, parse_bytes
 from pipelang.planner.units import positive as more_than_0
@@ -108,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from pipelang.planner.topology import load_topology
     from pipelang.planner.write import plan_source
 
+    writable(args.out)  # before the search, not after
     started = time.perf_counter()  # reading the inputs counts against --time-budget
     max_memory = None
     if args.max_memory is not None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pipelang.backends.backend import spawning
-from pipelang.cli.args import add_model_arguments, path, write_output
+from pipelang.cli.args import add_model_arguments, path, writable, write_output
 from pipelang.diagnostics import clip
 from pipelang.progress import console, work_progress
 from pipelang.readers import ReadError, whole_number
@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from pipelang.backends.measure import ProfileOptions, measure
     from pipelang.backends.models import ModelError
 
+    writable(args.out)  # before measuring for a minute, not after
     options = ProfileOptions(
         model=args.model,
         micro_batch_size=args.micro_batch_size,
