@@ -19,6 +19,7 @@ processes do not fit the machine or torchrun's world (a usage error).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pipelang.backends.backend import BACKENDS, runs_streams
@@ -42,14 +43,16 @@ __all__ = ["RunError", "WorldError", "preflight", "report", "run_program"]
 def run_program(
     program: Program,
     config: RunConfig,
-    streams: StreamProgram | None = None,
+    compile_streams: Callable[[], StreamProgram] | None = None,
     predicted: Predicted | None = None,
 ) -> int:
     """Run a compiled Program as `config` says; returns the exit status. The config is
     completed by the schedule first (`RunConfig.for_program`: its `partition` line, its
-    frozen part). Where the ranks run stream programs (`backend.runs_streams`), `streams`
-    is the program's, checked: the compiler's (`compiler.stream_program`), never lowered
-    here. `predicted`: what the plan the schedule's file is predicts (`run_report`).
+    frozen part). Where the ranks run stream programs (`backend.runs_streams`), they run
+    the checked stream program that `compile_streams` gets from the compiler
+    (`compiler.stream_program`), asked once the run's checks passed (its E0506 comes
+    after them); nothing is lowered here. `predicted`: what the plan that the schedule's
+    file is predicts (`run_report`).
 
     SIGTERM at any point is a message and exit 143: while ranks run they stop at a step
     (backends/termination.py); before (set-up) or after (the report, `--check`) this
@@ -61,7 +64,7 @@ def run_program(
     stage = ["set-up"]
     with passing_sigterm(None):
         try:
-            status = _run_program(program, config, err, stage, streams, predicted)
+            status = _run_program(program, config, err, stage, compile_streams, predicted)
         except Terminated:
             status = EXIT_STATUS
     if status == EXIT_STATUS and stage[0] != "stopped":
@@ -86,7 +89,7 @@ def _run_program(
     config: RunConfig,
     err: Console,
     stage: list[str],
-    streams: StreamProgram | None,
+    compile_streams: Callable[[], StreamProgram] | None,
     predicted: Predicted | None,
 ) -> int:
     """`run_program`; `stage[0]` says where it is: set-up, ranks, report, or stopped (a
@@ -97,8 +100,6 @@ def _run_program(
     from pipelang.backends.torchrun_env import TorchrunEnvError, torchrun_env, under_torchrun
 
     config = config.for_program(program)
-    if (streams is not None) != runs_streams(program, config):
-        raise InternalError("run_program takes the stream program exactly where it runs one")
     set_deadline(config.timeout, "--timeout")  # for loading a model of the user's own
     if config.graphs:
         refusal = graphs_refusal(config)
@@ -117,6 +118,11 @@ def _run_program(
             forkserver()  # its imports overlap the checks below
         shapes = preflight(program, config)
         _resume_note(config, err)
+        streams = None
+        if runs_streams(program, config):
+            if compile_streams is None:
+                raise InternalError("a run of stream programs without the compiler's")
+            streams = compile_streams()
         if torchrun is not None:
             stage[0] = "ranks"
             from pipelang.backends.torchrun_rank import run_as_torchrun_rank

@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import pipelang
 from pipelang import api
 from pipelang.api import load_program
-from pipelang.backends.backend import runs_streams
 from pipelang.backends.launch import run_program
 from pipelang.backends.processes import action_labels
 from pipelang.cli import main
@@ -344,12 +343,7 @@ def run(program: Program, *options: str) -> int:
     add_run_arguments(parser)
     parser.add_argument("--debug", action="store_true")
     config = config_from_args(parser.parse_args(list(options)))
-    try:
-        streams = stream_program(program, config.dp) if runs_streams(program, config) else None
-    except PipelangError as err:
-        print(err.render(), file=sys.stderr)
-        return 1
-    return run_program(program, config, streams)
+    return run_program(program, config, lambda: stream_program(program, config.dp))
 
 
 def stdlib(name: str, **params: int) -> Program:

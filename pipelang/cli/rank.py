@@ -41,7 +41,6 @@ def rank_file_main(rank: int, file: str) -> int:
 def compiled_main() -> int:
     """`python -m pipelang.backends SCHEDULE.json [run options]`: run what `pipelang
     compile -o DIR` wrote (DIR/schedule.json)."""
-    from pipelang.backends.backend import runs_streams
     from pipelang.backends.launch import run_program
     from pipelang.compiler import stream_program
     from pipelang.planner.write import read_plan
@@ -56,10 +55,10 @@ def compiled_main() -> int:
     config = _config(parser, args)
     try:
         program = read_lowered(args.schedule)
-        streams = stream_program(program, config.dp) if runs_streams(program, config) else None
     except PipelangError as err:
         print(err.render(), file=sys.stderr)
         return 1
+    streams = lambda: stream_program(program, config.dp)  # noqa: E731  the compiler's
     return run_program(program, config, streams, read_plan(program.source))
 
 

@@ -26,7 +26,6 @@ def run(args: argparse.Namespace) -> int:
 
     with passing_sigterm(None):  # from here on SIGTERM is a message and exit 143
         try:
-            from pipelang.backends.backend import runs_streams
             from pipelang.backends.launch import run_program
             from pipelang.compiler import stream_program
             from pipelang.planner.write import read_plan
@@ -34,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
             program = compile_args(args).need_program()
             config = config_from_args(args)
             # what the ranks run comes from the compiler: their stream program, checked
-            streams = stream_program(program, config.dp) if runs_streams(program, config) else None
+            streams = lambda: stream_program(program, config.dp)  # noqa: E731
             return run_program(program, config, streams, read_plan(program.source))
         except CheckpointError as err:  # a checkpoint that cannot be read: exit 1, one line
             print(f"pipelang run: error: {err}", file=sys.stderr)
