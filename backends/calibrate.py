@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipelang.backends.backend import DEFAULT
 from pipelang.backends.measure import ProfileOptions
 from pipelang.diagnostics import fail
 from pipelang.planner.partition import even_split
@@ -65,7 +66,7 @@ class TraceEvent:
 def calibrate(
     profile: Profile,
     options: ProfileOptions,
-    backend: str = "gloo",
+    backend: str = DEFAULT,
     ranks: int = 2,
     steps: int = 8,
     rounds: int = 3,
@@ -153,7 +154,7 @@ def _calibration_run(
     return runtime_costs(events, profile, counts, backend, ranks)
 
 
-def trace_events(path: Path, backend: str = "gloo") -> list[TraceEvent]:
+def trace_events(path: Path, backend: str = DEFAULT) -> list[TraceEvent]:
     """The actions of the Chrome trace that `pipelang run --trace` wrote, read as
     `viz --trace` reads them (pipelang/trace.py); one that does not read is E0404."""
     try:

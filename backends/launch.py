@@ -1,7 +1,7 @@
 """`pipelang run`: check that a Program fits the model, run it, report, compare.
 
     run_program(program, config)     run a compiled Program; returns the exit status
-    run_rank_file(rank, file, config)  a generated rank{r}.py started by hand
+    run_rank_file(rank, file, ...)   a rank{r}.py (`compile -o`) started by hand
 
 Backends: `gloo` (one CPU process per rank, started here), `nccl` (one GPU per rank),
 `local` (every rank in this process). Started by torchrun (RANK and WORLD_SIZE in the
@@ -202,7 +202,7 @@ def _run_streams(
     CPU in an adversarial order, on a GPU captured as one CUDA graph (`local --graphs`)."""
     import torch
 
-    from pipelang.backends.codegen import GRAPH_WARMUP
+    from pipelang.backends.executor import GRAPH_WARMUP
     from pipelang.backends.local import local_device
     from pipelang.backends.stream_executor import StreamExecutor
 

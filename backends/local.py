@@ -1,10 +1,10 @@
 """The `local` backend: every rank of a program in this one process.
 
-Each rank runs its generated program in a thread of its own, and a `LocalHub` lets one
-thread run at a time, handing the baton on in rank order whenever a rank must wait for a
-message, so a run is deterministic. On the CPU that runs the ranks one after another. On
-CUDA every rank computes on its own stream and messages are device copies ordered by
-events, so the ranks' kernels overlap on one GPU.
+Each rank runs its action list (backends/executor.py) in a thread of its own, and a
+`LocalHub` lets one thread run at a time, handing the baton on in rank order whenever a
+rank must wait for a message, so a run is deterministic. On the CPU that runs the ranks
+one after another. On CUDA every rank computes on its own stream and messages are device
+copies ordered by events, so the ranks' kernels overlap on one GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 
-from pipelang.backends.codegen import render_rank_program
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
 from pipelang.backends.processes import RunFailure, action_labels, where
@@ -160,23 +159,23 @@ class LocalRun:
             if transport.stream is not None:
                 torch.cuda.set_stream(transport.stream)
             program_rank = rank % self.program.num_ranks
-            runtime, iteration = build_rank(
+            built = build_rank(  # threads run action lists
                 self.program,
                 program_rank,
                 self.config,
                 transport,
                 self.device,
                 self.status,
-                render_rank_program(self.program, program_rank),  # threads run action lists
                 shapes=self.shapes,
                 replica=rank // self.program.num_ranks,
             )
+            runtime = built.runtime
             runtime.start_clock(self.t0, self.t0_event)
             self.status[slot] = PHASE_RUNNING
             for step in range(self.config.steps):
                 if self.stopping.is_set():
                     raise Aborted
-                losses, seconds = run_step(runtime, iteration, step)
+                losses, seconds = run_step(built, step)
                 self._step_done(rank, step, losses, seconds)
             if transport.stream is not None:
                 transport.stream.synchronize()

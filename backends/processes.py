@@ -1,12 +1,12 @@
 """Start one process per rank on this machine, watch them, stop them all on a fault.
 
-The launcher hosts the rendezvous store (no port race), writes each rank's generated
-program into a run folder, and starts the ranks from a forkserver that has torch already
-imported. Each rank publishes (phase, step, action) in a shared array and sends its steps,
-result or error through a queue. The launcher stops every rank as soon as one fails or
-dies, or when no rank has moved for `--timeout` seconds, and names the rank and the
-action it was on. Ranks also die with the launcher (PR_SET_PDEATHSIG), so none is left
-behind.
+The launcher hosts the rendezvous store (no port race), hands each rank the program (and
+where the ranks run one, the checked stream program's text), keeps their logs in a run
+folder, and starts the ranks from a forkserver that has torch already imported. Each
+rank publishes (phase, step, action) in a shared array and sends its steps, result or
+error through a queue. The launcher stops every rank as soon as one fails or dies, or
+when no rank has moved for `--timeout` seconds, and names the rank and the action it was
+on. Ranks also die with the launcher (PR_SET_PDEATHSIG), so none is left behind.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any
 import torch.distributed as dist
 
 from pipelang.backends.backend import BACKENDS, runs_streams
-from pipelang.backends.codegen import render_stream_rank, write_rank_programs
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
@@ -80,7 +79,7 @@ class RunFailure(Exception):
 def where(labels: Sequence[Sequence[str]], rank: int, phase: int, step: int, action: int) -> str:
     """`at step 1, action 7 (recv:B0@2/main<3)`, or `during setup`.
 
-    `labels[r]` names the generated lines of program rank r (`action_labels`); `rank` is
+    `labels[r]` names the ops program rank r runs (`action_labels`); `rank` is
     the process's rank, and with `--dp` it runs program rank `rank % R`."""
     if phase in (PHASE_STARTING, PHASE_SETUP) or step < 0:
         return "during setup"
@@ -93,9 +92,9 @@ def where(labels: Sequence[Sequence[str]], rank: int, phase: int, step: int, act
 def action_labels(
     program: Program, streams: StreamProgram | None = None, cuda: bool = False
 ) -> list[list[str]]:
-    """What each generated line of each program rank does: its action's token, or with a
-    stream program its op (`r1.recv0 recv:F0@0/main<0`): every op on a GPU, those the
-    host issues on a CPU (as `render_stream_rank` writes them)."""
+    """What each op each program rank runs does: its action's token, or with a stream
+    program its op (`r1.recv0 recv:F0@0/main<0`): every op on a GPU, those the host
+    issues on a CPU (as `executor.stream_rank` runs them)."""
     if streams is None:
         return [[a.text() for a in actions] for actions in program.ranks]
     return [
@@ -143,7 +142,7 @@ class Launcher:
     def run(self) -> Outcome:
         with tempfile.TemporaryDirectory(prefix="pipelang-run-") as run_dir:
             self.run_dir = Path(run_dir)
-            self._write_programs()
+            streams = None if self.streams is None else self.streams.dump()
             store = dist.TCPStore(
                 "127.0.0.1",
                 0,
@@ -164,6 +163,7 @@ class Launcher:
                     threads,
                     self.shapes,
                     dict(os.environ),
+                    streams,
                 )
                 proc = self.ctx.Process(
                     target=worker_main,
@@ -185,17 +185,6 @@ class Launcher:
             if self.failures:
                 raise self._failure_report()
         return Outcome([self.results[r] for r in range(self.world)], self.losses)
-
-    def _write_programs(self) -> None:
-        """rank{r}.py for every rank: its part of the stream program, or its actions."""
-        if self.streams is None:
-            write_rank_programs(self.program, self.run_dir)
-            return
-        for rank in range(self.program.num_ranks):
-            text = render_stream_rank(
-                self.program, self.streams, rank, self.cuda, capture=self.config.graphs
-            )
-            (self.run_dir / f"rank{rank}.py").write_text(text)
 
     def _watch(self) -> None:
         last_seen: tuple[int, ...] = tuple(self.status)

@@ -1,4 +1,4 @@
-"""`RankRuntime`: what a generated rank program calls, one method per action.
+"""`RankRuntime`: what a rank's program calls (backends/executor.py), one method per action.
 
 A rank holds the stage copies `program.stage_copies(rank)`. Every rank builds the whole
 model from the seed and keeps only those stages, so the replicas of a stage (Chimera's

@@ -42,15 +42,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipelang.backends.codegen import GRAPH_WARMUP
 from pipelang.backends.config import RunConfig
+from pipelang.backends.executor import GRAPH_WARMUP, action_call
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_sync import clip_coefficient, copy_grads, set_grads
 from pipelang.backends.report import Outcome
 from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.summation import tree_sum
 from pipelang.diagnostics import InternalError
-from pipelang.ir import Action, Kind, Program
+from pipelang.ir import Program
 from pipelang.ir.streams import (
     Interleaving,
     StreamOp,
@@ -303,7 +303,7 @@ class StreamExecutor:
         if op.what == "step":
             self._step(op)
         else:
-            _run_action(rt, op.action())
+            action_call(op.action()).run(rt)  # the executor's table
         for access in op.writes:
             if access.slot.startswith("d"):
                 value = rt.values.pop(value_key(access.value))
@@ -389,20 +389,3 @@ class StreamExecutor:
         buffer = p.buffers[slot]
         whole = buffer.numel() - buffer.numel() % 4
         buffer[:whole].view(torch.float32).fill_(math.nan)
-
-
-def _run_action(rt: RankRuntime, action: Action) -> None:
-    where = {"stage": action.stage, "pipeline": action.pipeline}
-    if action.kind is Kind.U:
-        rt.update(version=(action.mb or 0) + 1, **where)  # type: ignore[arg-type]
-        return
-    method = {
-        Kind.F: rt.forward,
-        Kind.B: rt.backward,
-        Kind.W: rt.weight_grad,
-        Kind.R: rt.recompute,
-        Kind.P: rt.frozen_forward,
-    }[action.kind]
-    if action.chunk is not None:
-        where["chunk"] = action.chunk
-    method(mb=action.mb, **where)  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 """`StreamRankRuntime`: what a rank's stream program (`--graphs`) calls, on CPU processes.
 
-A generated `rank{r}.py` for `--graphs` (codegen `render_stream_rank`) issues its rank's
-ops of the stream program in order. On the CPU there is one real stream, the host: a
+A rank of a gloo or nccl run issues its ops of the stream program in order, one call per
+op (backends/executor.py, `stream_rank`). On the CPU there is one real stream, the host: a
 compute op runs when it is issued. A channel or reduce stream is the list of
 torch.distributed works issued on it and not yet waited:
 
@@ -12,13 +12,13 @@ torch.distributed works issued on it and not yet waited:
   needed, or a sent slot is reused.
 
 A record on the compute stream and a wait on any other stream need nothing here (the
-host has run every compute op it issued), so the CPU's generated program leaves them out
+host has run every compute op it issued), so a CPU process does not issue them
 (`host_ops`).
 
 On a GPU (nccl, one process per GPU) every stream is a CUDA stream, created on first use
 and kept, so warm-up and capture use the same streams; `record_event`/`wait_event` are
 CUDA events; a transfer or allreduce runs on its stream and makes that stream wait for
-it (`Work.wait` inside the stream). The driver in the generated file warms up, captures
+it (`Work.wait` inside the stream). The driver (`executor.StreamRankProgram`) warms up, captures
 the whole iteration once (`torch.cuda.graph`, `thread_local` capture mode, optimizer
 included) and replays it, under its own timeout: captured NCCL calls have none. This
 CUDA path is written to the rules of ../shared/reference/cuda_graphs_nccl.md but has not
@@ -54,7 +54,7 @@ Slots = Mapping[str, tuple[int, ...]]
 
 
 class StreamRankRuntime(RankRuntime):
-    """The `rt` of a generated stream program; see the module docstring."""
+    """The `rt` of a rank's stream program; see the module docstring."""
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class StreamRankRuntime(RankRuntime):
         super().__init__(program, rank, config, transport, device, status, shapes, replica)
         self.channels = transport
         self.actions = actions
-        """Per op of the generated iteration: the index of its action, None for an event."""
+        """Per op of the iteration: the index of its action, None for an event."""
         self.reduced_at_step: list[StageCopy] = []  # the stream program reduces them itself
         self.slots = {
             name: torch.empty(max(_nbytes(self.shapes[b]) for b in bounds), dtype=torch.uint8)
@@ -160,7 +160,7 @@ class StreamRankRuntime(RankRuntime):
     def timed_call(
         self, index: int, method: Callable[..., None], args: Any, kwargs: dict[str, Any]
     ) -> None:
-        """Time op `index` as the action it performs (`ACTIONS` of the generated file),
+        """Time op `index` as the action it performs (`executor.StreamRank.actions`),
         so that a trace names actions as the action-list runtime's does; events untimed."""
         action = self.actions[index]
         if action is None:

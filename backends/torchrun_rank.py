@@ -31,12 +31,10 @@ def run_as_torchrun_rank(
     config: RunConfig,
     streams: StreamProgram | None = None,
     predicted: Predicted | None = None,
-    source: str | None = None,
-    filename: str | None = None,
 ) -> int:
     """Run this process as its rank of the torchrun job: where the ranks run stream
-    programs, its part of `streams` (which the caller compiled), else its action list
-    (`source`: a rank file's text); the exit status (rank 0 reports, with `predicted`)."""
+    programs, its part of `streams` (which the caller compiled), else its action list;
+    the exit status (rank 0 reports, with `predicted`)."""
     import contextlib
 
     from pipelang.backends.report import Outcome
@@ -59,7 +57,7 @@ def run_as_torchrun_rank(
 
     try:
         with progress or contextlib.nullcontext():
-            results = run_torchrun_rank(program, config, on_step, streams, source, filename)
+            results = run_torchrun_rank(program, config, on_step, streams)
     except RankStopped as stopped:
         from pipelang.backends.hosts import HostsError
 
@@ -104,8 +102,9 @@ def torchrun_failure(
 def run_rank_file(
     rank: int, file: str, program: Program, config: RunConfig, predicted: Predicted | None = None
 ) -> int:
-    """Run a generated `rank{r}.py` started by hand: `program` is its folder's
-    schedule.json, which the command line read and checked (`lowered.read_lowered`); the
+    """Run a generated `rank{r}.py` started by hand: rank `rank`'s action list of
+    `program`, its folder's schedule.json, which the command line read and checked
+    (`lowered.read_lowered`), through the executor (the file lists the same calls); the
     environment gives WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun does)."""
     if config.dp == 1:
         os.environ.setdefault("RANK", str(rank))
@@ -136,7 +135,7 @@ def run_rank_file(
     if config.graphs:
         print(
             f"error: {Path(file).name} runs its rank's action list; --graphs runs stream "
-            "programs, which `pipelang run ... --graphs` writes and starts itself",
+            "programs, which `pipelang run ... --graphs` runs itself",
             file=sys.stderr,
         )
         return 2
@@ -145,7 +144,7 @@ def run_rank_file(
     except (RunError, ModelError) as error:
         print(f"error: {clip(str(error))}", file=sys.stderr)
         return 2 if isinstance(error, WorldError) else 1
-    return run_as_torchrun_rank(program, config, None, predicted, Path(file).read_text(), file)
+    return run_as_torchrun_rank(program, config, None, predicted)
 
 
 def _runs_file(env_rank: int, rank: int, num_ranks: int, dp: int) -> bool:

@@ -25,8 +25,14 @@ import torch
 import torch.distributed as dist
 
 from pipelang.backends.backend import BACKENDS
-from pipelang.backends.codegen import load_iteration, render_rank_program
 from pipelang.backends.config import RunConfig
+from pipelang.backends.executor import (
+    GRAPH_WARMUP,
+    RankProgram,
+    StreamRankProgram,
+    action_call,
+    stream_rank,
+)
 from pipelang.backends.hosts import HostsError, mismatch, read_hosts, this_host
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
@@ -39,8 +45,6 @@ from pipelang.ir.streams import StreamProgram
 
 PHASE_STARTING, PHASE_SETUP, PHASE_RUNNING, PHASE_DONE, PHASE_FAILED = range(5)
 """The first entry of a rank's (phase, step, action) status."""
-
-Iteration = Callable[[RankRuntime], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,8 @@ class Job:
     shapes: Shapes
     env: dict[str, str]
     """The launcher's environment now (the forkserver's may be older)."""
+    streams: str | None = None
+    """The checked stream program's text (`StreamProgram.dump`) where the ranks run one."""
 
 
 def rank_threads(num_ranks: int) -> int:
@@ -76,71 +82,48 @@ def build_rank(
     transport: Transport,
     device: torch.device,
     status: MutableSequence[int] | None,
-    source: str | None = None,
-    filename: str | None = None,
     shapes: Shapes | None = None,
     replica: int = 0,
     streams: StreamProgram | None = None,
-) -> tuple[RankRuntime, Iteration]:
-    """The runtime of program rank `rank` in data-parallel copy `replica`, and its
-    generated `iteration` (rendered from `program` and `streams` unless `source` given):
-    an action list runs on a `RankRuntime`, a stream program (its file defines SLOTS) on
-    a `StreamRankRuntime`."""
-    text = source if source is not None else render(program, config, rank, streams)
-    iteration = load_iteration(text, filename or f"<pipelang rank{rank}.py>")
-    generated = iteration.__globals__
-    if "SLOTS" not in generated:
+) -> RankProgram:
+    """Program rank `rank` in data-parallel copy `replica` on its runtime: its action
+    list on a `RankRuntime`, or where the run executes one (`backend.runs_streams`: the
+    caller compiled it) its part of `streams` on a `StreamRankRuntime`, with the driver
+    that warms up, captures and replays under `--graphs` (backends/executor.py)."""
+    if streams is None:
         runtime = RankRuntime(program, rank, config, transport, device, status, shapes, replica)
-        return runtime, iteration
+        return RankProgram(runtime, [action_call(a) for a in program.ranks[rank]])
     from pipelang.backends.stream_runtime import StreamRankRuntime
 
     if not isinstance(transport, DistTransport):
         raise InternalError("a stream program runs over torch.distributed channels")
+    part = stream_rank(program, streams, rank, device.type == "cuda")
     stream_rt = StreamRankRuntime(
         program,
         rank,
         config,
         transport,
         device,
-        generated["SLOTS"],
-        generated["ACTIONS"],
+        part.slots,
+        part.actions,
         status,
         shapes,
         replica,
     )
-    return stream_rt, iteration
+    return StreamRankProgram(stream_rt, part.calls, GRAPH_WARMUP if config.graphs else None)
 
 
-def render(program: Program, config: RunConfig, rank: int, streams: StreamProgram | None) -> str:
-    """The generated program of `rank`: its part of `streams` where the run executes a
-    stream program (`backend.runs_streams`: the caller compiled it), else its action
-    list."""
-    if streams is None:
-        return render_rank_program(program, rank)
-    from pipelang.backends.codegen import render_stream_rank
-
-    cuda = BACKENDS[config.backend].cuda
-    return render_stream_rank(program, streams, rank, cuda, capture=config.graphs)
-
-
-def run_step(
-    runtime: RankRuntime, iteration: Iteration, step: int
-) -> tuple[dict[int, float], float]:
+def run_step(rank: RankProgram, step: int) -> tuple[dict[int, float], float]:
     """One training iteration; returns the losses this rank computed and its duration."""
     start = time.perf_counter()
-    runtime.begin_step(step)
-    driver = iteration.__globals__.get("train_step")  # a stream program's (--graphs)
-    if driver is None:
-        iteration(runtime)
-    else:
-        driver(runtime, step)
-    losses = runtime.end_step()
+    rank.runtime.begin_step(step)
+    rank.run(step)
+    losses = rank.runtime.end_step()
     return losses, time.perf_counter() - start
 
 
 def train(
-    runtime: RankRuntime,
-    iteration: Iteration,
+    rank: RankProgram,
     config: RunConfig,
     done: Callable[[int, dict[int, float], float], None],
     termination: Termination | None = None,
@@ -152,11 +135,12 @@ def train(
     to (SIGTERM), saving there under `--save`; returns that step (None: all ran)."""
     from pipelang.backends import checkpoint
 
+    runtime = rank.runtime
     if config.resume is not None:
         runtime.load_checkpoint(config.resume)
     for i in range(config.run_steps):
         step = config.first_step + i
-        losses, seconds = run_step(runtime, iteration, step)
+        losses, seconds = run_step(rank, step)
         done(i, losses, seconds)
         saved = checkpoint.saves_after(config, step + 1)
         if saved:
@@ -192,11 +176,12 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
     status[slot] = PHASE_SETUP
     status[slot + 1] = -1
     try:
-        runtime, iteration = _set_up(job, status)
+        rank = _set_up(job, status)
+        runtime = rank.runtime
         status[slot] = PHASE_RUNNING
         report = lambda *done: queue.put(("step", job.rank, *done))  # noqa: E731
         checkpoint.announce = lambda line: queue.put(("note", job.rank, line))
-        stopped = train(runtime, iteration, job.config, report, termination)
+        stopped = train(rank, job.config, report, termination)
         result = runtime.result(job.config.check)
         result.stopped_after = stopped
         status[slot] = PHASE_DONE
@@ -214,8 +199,8 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
         os._exit(1)
 
 
-def _set_up(job: Job, status: MutableSequence[int]) -> tuple[RankRuntime, Iteration]:
-    """Join the process group, open the channels, build the stages, load the program."""
+def _set_up(job: Job, status: MutableSequence[int]) -> RankProgram:
+    """Join the process group, open the channels, build the stages and the program."""
     config = job.config
     torch.set_num_threads(job.threads)
     program = Program.from_json(job.program_json)
@@ -229,22 +214,12 @@ def _set_up(job: Job, status: MutableSequence[int]) -> tuple[RankRuntime, Iterat
         torch.cuda.set_device(device)
     replica, rank = divmod(job.rank, program.num_ranks)
     transport = DistTransport(program, rank, device, config.timeout, replica, config.dp)
-    path = Path(job.run_dir) / f"rank{rank}.py"
-    runtime, iteration = build_rank(
-        program,
-        rank,
-        config,
-        transport,
-        device,
-        status,
-        path.read_text(),
-        str(path),
-        job.shapes,
-        replica,
-    )
+    streams = None if job.streams is None else StreamProgram.parse(job.streams)
+    shapes = job.shapes
+    built = build_rank(program, rank, config, transport, device, status, shapes, replica, streams)
     dist.barrier()
-    runtime.start_clock()
-    return runtime, iteration
+    built.runtime.start_clock()
+    return built
 
 
 def run_torchrun_rank(
@@ -252,14 +227,12 @@ def run_torchrun_rank(
     config: RunConfig,
     on_step: Callable[[int, float, float], None],
     streams: StreamProgram | None = None,
-    source: str | None = None,
-    filename: str | None = None,
 ) -> list[RankResult] | None:
     """This process is one rank under torchrun; rank 0 gets every rank's result.
 
-    With `--dp K`, RANK is `replica * R + program rank` (WORLD_SIZE is K x R). `source`
-    is the rank's generated program (a hand-started rank{r}.py); by default it is
-    rendered from `program` and, where the ranks run one, its stream program `streams`.
+    With `--dp K`, RANK is `replica * R + program rank` (WORLD_SIZE is K x R). The rank
+    runs its part of `streams` where the ranks run a stream program (the caller compiled
+    it), else its action list.
     """
     from pipelang.backends.torchrun_env import torchrun_env
 
@@ -286,25 +259,17 @@ def run_torchrun_rank(
             torch.cuda.set_device(device)
         replica, program_rank = divmod(rank, program.num_ranks)
         transport = DistTransport(program, program_rank, device, config.timeout, replica, config.dp)
-        runtime, iteration = build_rank(
-            program,
-            program_rank,
-            config,
-            transport,
-            device,
-            status,
-            source,
-            filename,
-            replica=replica,
-            streams=streams,
+        built = build_rank(
+            program, program_rank, config, transport, device, status, None, replica, streams
         )
+        runtime = built.runtime
         with peer_failures():
             dist.barrier()
         runtime.start_clock()
         status[slot] = PHASE_RUNNING
         n = program.num_microbatches * config.dp
         done = _step_losses(n, device, on_step if rank == 0 else None)
-        stopped = train(runtime, iteration, config, done, termination)
+        stopped = train(built, config, done, termination)
         status[slot] = PHASE_DONE
         result = runtime.result(config.check)
         result.stopped_after = stopped

@@ -33,8 +33,8 @@ from datetime import UTC, datetime
 import torch
 
 from pipelang.api import load_program
-from pipelang.backends.codegen import GRAPH_WARMUP
 from pipelang.backends.config import RunConfig
+from pipelang.backends.executor import GRAPH_WARMUP
 from pipelang.backends.local import local_device, run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.stream_executor import StreamExecutor

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import math
 import os
 import pickle
@@ -69,7 +68,6 @@ from torch import nn
 import pipelang
 from pipelang.api import load_program
 from pipelang.backends import optim as pipelang_optim
-from pipelang.backends.codegen import render_rank_program, render_stream_rank
 from pipelang.backends.config import DEFAULT_LR, SGD_MOMENTUM, RunConfig
 from pipelang.backends.models import GPTConfig, LayeredModel, ModelSpec, gpt_layers
 from pipelang.backends.stream_runtime import StreamRankRuntime
@@ -238,22 +236,16 @@ class PipelangRunner:
             model=model_name, optimizer="sgd", micro_batch_size=MICRO_BATCH_SIZE, timeout=TIMEOUT
         )
         transport = DistTransport(program, rank, CPU, TIMEOUT)
-        source = (
-            render_stream_rank(program, lower_streams(program, 1), rank, capture=False)
-            if streams
-            else render_rank_program(program, rank)
-        )
-        self.runtime, self.iteration = build_rank(
-            program, rank, config, transport, CPU, None, source
-        )
+        lowered = lower_streams(program, 1) if streams else None
+        self.rank = build_rank(program, rank, config, transport, CPU, None, streams=lowered)
+        self.runtime = self.rank.runtime
         for copy in self.runtime.copies.values():
             _time_forward(copy.module)
-        lines = inspect.getsource(self.iteration).splitlines()
-        self.actions: int | None = sum(1 for line in lines if line.strip().startswith("rt."))
-        """Generated lines per step: stream ops, or actions."""
+        self.actions: int | None = len(self.rank.calls)
+        """Calls per step: stream ops, or actions."""
 
     def step(self, step: int) -> float | None:
-        losses, _ = run_step(self.runtime, self.iteration, step)
+        losses, _ = run_step(self.rank, step)
         return statistics.fmean(losses.values()) if losses else None
 
 

@@ -113,3 +113,32 @@ def test_the_runtime_imports_no_pass_compiler_or_command_line() -> None:
             if upward is not None and KNOWN.get(name) != upward:
                 found.append(f"{name}: {module}")
     assert found == []
+
+
+def test_nothing_generated_is_executed() -> None:
+    """Each rank rendered Python source and `exec`ed it (codegen.load_iteration), in
+    process too (local); the executor's table runs the calls instead, and a rank file is
+    a listing of the same calls (`Call.text`)."""
+    found = []
+    for file in [*(ROOT / "pipelang").rglob("*.py"), *(ROOT / "backends").rglob("*.py")]:
+        for node in ast.walk(ast.parse(file.read_text())):
+            name = getattr(node.func, "id", None) if isinstance(node, ast.Call) else None
+            if name in ("exec", "eval", "compile"):
+                found.append(f"{file.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}: {name}")
+    assert found == []
+
+
+def test_a_rank_file_lists_the_calls_the_executor_makes() -> None:
+    """`compile -o`'s rank{r}.py: one line per action, the executor's call for it."""
+    from pipelang.backends.codegen import render_rank_program
+    from pipelang.backends.executor import action_call
+    from tests.helpers import stdlib
+
+    program = stdlib("zb-h1", D=2, N=4)
+    for rank, actions in enumerate(program.ranks):
+        text = render_rank_program(program, rank)
+        body = text.split("def iteration(rt):\n")[1].split("\n\n")[0].splitlines()
+        assert [line.split("#")[0].strip() for line in body] == [
+            action_call(a).text() for a in actions
+        ]
+        assert [line.split("#")[1].split()[1] for line in body] == [a.text() for a in actions]

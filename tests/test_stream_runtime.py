@@ -1,8 +1,8 @@
 """Stream programs run eagerly over gloo (`run --backend gloo --graphs`).
 
-Each rank runs its generated stream program: receives posted early as `irecv`s, sends
-as `isend`s, the compute stream waiting for exactly the works its events name. Oracle:
-the single-process reference (`--check`).
+Each rank runs its part of the stream program (backends/executor.py): receives posted
+early as `irecv`s, sends as `isend`s, the compute stream waiting for exactly the works its
+events name. Oracle: the single-process reference (`--check`).
 """
 
 from __future__ import annotations
@@ -12,24 +12,15 @@ import json
 import pytest
 
 from pipelang.backends.backend import runs_streams
-from pipelang.backends.codegen import load_iteration, render_stream_rank
 from pipelang.backends.config import RunConfig
-from pipelang.backends.worker import render as render_streams
+from pipelang.backends.executor import Call, StreamRankProgram, action_call, stream_rank
 from pipelang.cli import main
 from pipelang.compiler import stream_program as lower_streams
-from pipelang.ir import Program
 from tests.helpers import run, stdlib
 
 BPIPE = stdlib("bpipe", D=4, N=8)
 
 GRAPHS = ("--backend", "gloo", "--graphs", "--steps", "2", "--check")
-
-
-def render(program: Program, config: RunConfig, rank: int) -> str:
-    """Rank `rank`'s generated program in a run with `config`, its stream program from
-    the compiler where the run executes one."""
-    streams = lower_streams(program, config.dp) if runs_streams(program, config) else None
-    return render_streams(program, config, rank, streams)
 
 
 @pytest.mark.slow
@@ -61,26 +52,80 @@ def test_warm_up_capture_and_replays_train_like_one_process() -> None:
     assert run(stdlib("chimera", D=4, N=4), *options) == 0
 
 
-def test_the_generated_stream_program_reads_as_its_dump() -> None:
+def test_a_ranks_stream_calls_read_as_its_dump() -> None:
     """One call per op of the rank's stream program that a CPU host must issue (no
-    record on compute, no wait on another stream), its stream and op in the comment, its
-    slots' stage boundaries in SLOTS; receives come first (posted early)."""
+    record on compute, no wait on another stream), its slots' stage boundaries in
+    `slots`; receives come first (posted early)."""
     program = stdlib("1f1b", D=2, N=2)
     streams = lower_streams(program, 1)
-    text = render_stream_rank(program, streams, 1)
-    body = text.split("def iteration(rt):\n")[1].split("\n\n")[0].splitlines()
-    assert len(body) == len(list(streams.host_ops(1)))
-    assert 'SLOTS = {"d0": (0,), "d1": (0,)}' in text
+    part = stream_rank(program, streams, 1, cuda=False)
+    body = [call.text() for call in part.calls]
+    assert part.ops == tuple(op for _, op in streams.host_ops(1))
+    assert part.slots == {"d0": (0,), "d1": (0,)}
     assert len(body) < len(list(streams.by_rank(1)))
+    assert len(stream_rank(program, streams, 1, cuda=True).calls) == len(list(streams.by_rank(1)))
     assert not [line for line in body if 'on="compute")' in line and "record_event" in line]
     assert not [line for line in body if "wait_event" in line and 'on="compute")' not in line]
     first_recv = next(i for i, line in enumerate(body) if "rt.recv(" in line)
     first_compute = next(i for i, line in enumerate(body) if "rt.forward(" in line)
     assert first_recv < first_compute
-    assert 'rt.forward(mb=0, stage=1, pipeline="main", x="d0")' in text
-    driver = text.split("def train_step(rt, step):")[1]
-    assert "rt.load_inputs(step)" in driver and "rt.capture(iteration)" in driver
-    assert "WARMUP = 3" in text
+    assert 'rt.forward(mb=0, stage=1, pipeline="main", x="d0")' in body
+
+
+class _Driven:
+    """What the stream driver asks of a runtime, recorded."""
+
+    def __init__(self) -> None:
+        self.graph: object = None
+        self.said: list[str] = []
+
+    def load_inputs(self, step: int) -> None:
+        self.said.append(f"load {step}")
+
+    def run_eager(self, iteration: object) -> None:
+        self.said.append("eager")
+
+    def capture(self, iteration: object) -> None:
+        self.graph = iteration
+        self.said.append("capture")
+
+    def replay(self) -> None:
+        self.said.append("replay")
+
+    def step(self) -> None:
+        self.said.append("step")
+
+
+@pytest.mark.parametrize(
+    ("warmup", "said"),
+    [
+        (None, ["load 0", "eager", "load 1", "eager", "load 2", "eager", "load 3", "eager"]),
+        (
+            2,
+            [
+                "load 0",
+                "eager",
+                "load 1",
+                "eager",
+                "load 2",
+                "capture",
+                "replay",
+                "load 3",
+                "replay",
+            ],
+        ),
+    ],
+)
+def test_the_stream_driver_warms_up_captures_once_and_replays(
+    warmup: int | None, said: list[str]
+) -> None:
+    """Without --graphs every step runs eagerly; with it the first WARMUP steps do, the
+    next captures the iteration once, and every later step replays it."""
+    runtime = _Driven()
+    program = StreamRankProgram(runtime, [Call("step")], warmup)  # type: ignore[arg-type]
+    for step in range(4):
+        program.run(step)
+    assert runtime.said == said
 
 
 def test_a_failure_names_the_stream_op(
@@ -109,18 +154,17 @@ def test_graphs_refusals(
 
 
 def test_a_plain_gloo_run_executes_the_stream_program_eagerly() -> None:
-    """Without --graphs, gloo and nccl ranks run their stream programs with WARMUP None
-    (every step eager); --graphs captures after 3; the local backend and a schedule with
-    evictions run action lists."""
+    """Without --graphs, gloo and nccl ranks run their stream programs (every step eager;
+    --graphs captures after 3); the local backend and a schedule with evictions run
+    action lists."""
     program = stdlib("1f1b", D=2, N=4)
-    eager = render(program, RunConfig(), 1)
-    assert "SLOTS = " in eager and "WARMUP = None" in eager
-    assert "WARMUP = 3" in render(program, RunConfig(graphs=True), 1)
-    assert "WARMUP = None" in render(program, RunConfig(backend="nccl"), 1)
+    assert runs_streams(program, RunConfig())
+    assert runs_streams(program, RunConfig(backend="nccl"))
+    assert runs_streams(program, RunConfig(backend="local", graphs=True))
     for config, evicting in ((RunConfig(backend="local"), program), (RunConfig(), BPIPE)):
         assert not runs_streams(evicting, config)
-        assert "SLOTS" not in render(evicting, config, 0)
-        assert "rt.send_activation(" in render(evicting, config, 0)
+        calls = [action_call(a).text() for a in evicting.ranks[0]]
+        assert any(call.startswith("rt.send_activation(") for call in calls)
 
 
 @pytest.mark.parametrize(
@@ -128,22 +172,19 @@ def test_a_plain_gloo_run_executes_the_stream_program_eagerly() -> None:
     [("1f1b", {"D": 2, "N": 4}), ("chimera", {"D": 4, "N": 4}), ("zbv", {"D": 2, "N": 4})],
 )
 def test_actions_name_the_action_each_op_performs(name: str, params: dict[str, int]) -> None:
-    """ACTIONS (what --trace records an op as) holds every action of the rank once, at
-    the op whose comment names it; events map to None."""
+    """`actions` (what --trace records an op as) holds every action of the rank once, at
+    the op that performs it; events map to None."""
     program = stdlib(name, **params)
+    streams = lower_streams(program, 1)
     for rank, actions in enumerate(program.ranks):
-        text = render(program, RunConfig(), rank)
-        mapped = load_iteration(text, f"<rank{rank}>").__globals__["ACTIONS"]
-        assert isinstance(mapped, tuple)
-        body = text.split("def iteration(rt):\n")[1].split("\n\n")[0].splitlines()
-        assert len(mapped) == len(body)
-        assert sorted(i for i in mapped if i is not None) == list(range(len(actions)))
-        for index, line in zip(mapped, body, strict=True):
-            comment = line.split("#", 1)[1].split()
+        part = stream_rank(program, streams, rank, cuda=False)
+        assert len(part.actions) == len(part.calls) == len(part.ops)
+        assert sorted(i for i in part.actions if i is not None) == list(range(len(actions)))
+        for index, op, call in zip(part.actions, part.ops, part.calls, strict=True):
             if index is None:
-                assert "_event(" in line
+                assert op.is_event and call.method.endswith("_event")
             else:
-                assert comment[1] == actions[index].text()
+                assert op.what == actions[index].text()
 
 
 def test_a_run_allocates_the_slot_bytes_that_simulate_and_compile_plan(
@@ -184,3 +225,15 @@ def test_slot_bytes_need_a_model_that_fits(
 ) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_graphs_refusal_comes_before_the_stream_program(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The launcher asks the compiler for the stream program after the run's own checks:
+    `--graphs --trace` on a schedule that has no stream program is the --trace refusal
+    (exit 2), as before the compiler delivered it (E0506 came first, exit 1)."""
+    assert run(BPIPE, "--graphs", "--trace", "t.json") == 2
+    assert capsys.readouterr().err.startswith("error: --trace times every action")
+    assert run(BPIPE, "--graphs", "--steps", "1") == 1
+    assert capsys.readouterr().err.startswith("error[E0506]: `bpipe` evicts activations")
