@@ -142,19 +142,22 @@ def speed(config: RunConfig, warmup: int, rounds: int) -> tuple[list[str], str]:
             cpus[name].append((got[True][1], got[False][1]))
     rows = []
     ratio: dict[str, list[float]] = {}
+    cuda = torch.cuda.is_available()  # the host's CPU time is not a GPU's: wall time there
     for name, program in programs:
         wall = [b / a for a, b in walls[name]]
-        ratio[name] = [b / a for a, b in cpus[name]]
+        cpu = [b / a for a, b in cpus[name]]
+        ratio[name] = wall if cuda else cpu
         a, b = (statistics.median(t[k] for t in walls[name]) for k in (0, 1))
         actions = sum(op.kind in COMPUTE_KINDS for rank in program.ranks for op in rank)
         rows.append(
             f"| {name} | {1 / a:.2f} | {1 / b:.2f} | {_spread(wall)} | "
-            f"{_spread(ratio[name])} | {1e3 * (a - b) / actions:.3f} |"
+            f"{_spread(cpu)} | {1e3 * (a - b) / actions:.3f} |"
         )
     zb, one = ratio[label(*SPEED[3])], ratio[label(*SPEED[0])]
     pairs = [z / o for z, o in zip(zb, one, strict=True)]
     side = (
-        f"zb-h1 against 1F1B, side by side in this run (CPU time): local / one process "
+        f"zb-h1 against 1F1B, side by side in this run ({'wall' if cuda else 'CPU time'}): "
+        "local / one process "
         f"{statistics.median(zb):.2f} against {statistics.median(one):.2f}; zb-h1's ratio is "
         f"{_spread(pairs)} of 1F1B's (the median over the {rounds} rounds of each round's "
         "quotient, and their least and most)."
@@ -292,7 +295,7 @@ def _section(
             "steps of every schedule and of one process beside it, alternating which runs "
             "first; steps/s from the median timed step; a ratio is the median of the "
             "rounds' ratios (in parentheses their least and most), of the median timed "
-            "steps (wall) or of the timed steps' CPU time. Memory: "
+            "steps (wall) or of the timed steps' CPU time (on CUDA the host's alone). Memory: "
             f"{args.memory_models} (`@B`: micro-batches of B; `=`: also that partition "
             "of the layers), otherwise the same micro-batches, 2 steps.",
             "",
