@@ -127,19 +127,20 @@ _RUN = re.compile(rf"[^\s`]{{{QUOTED + 1},}}")
 """A run of characters without a space longer than any word: text the user typed."""
 
 
-def clip(text: str, runs: bool = False) -> str:
-    """`text` with every quoted piece longer than QUOTED characters cut in the middle,
+def clip(text: str, runs: bool = False, longest: int = QUOTED) -> str:
+    """`text` with every quoted piece longer than `longest` characters cut in the middle,
     saying how long it was, and cut at MESSAGE characters: a 300,000-character name does
-    not make a 300 KB message. With `runs`, an unquoted run of more than QUOTED
+    not make a 300 KB message. With `runs`, an unquoted run of more than `longest`
     characters without a space is cut so too (argparse's messages quote the command
     line their own way, or not at all)."""
 
     def cut(found: re.Match[str]) -> str:
-        return found[0] if len(found[1]) <= QUOTED else _cut(found[1])
+        return found[0] if len(found[1]) <= longest else _cut(found[1])
 
     text = _QUOTE.sub(cut, text)
     if runs:
-        text = _RUN.sub(lambda found: _cut(found[0]), text)
+        run = _RUN if longest == QUOTED else re.compile(rf"[^\s`]{{{longest + 1},}}")
+        text = run.sub(lambda found: _cut(found[0]), text)
     if len(text) > MESSAGE:
         return f"{text[:MESSAGE]}... (cut at {MESSAGE:,} of {len(text):,} characters)"
     return text

@@ -31,7 +31,7 @@ from pipelang.cli import compile as compile_command
 from pipelang.cli import list as list_command
 from pipelang.cli import run as run_command
 from pipelang.cli.args import UsageError
-from pipelang.diagnostics import InternalError, PipelangError, clip
+from pipelang.diagnostics import ECHOED, InternalError, PipelangError, clip
 
 # name -> module with HELP, setup(parser) and run(args); `pipelang --help` lists them so
 COMMANDS = {
@@ -118,7 +118,7 @@ def _wants_json(argv: Sequence[str]) -> bool:
 def _usage_error(message: str, as_json: bool) -> int:
     """A bad command line: the message on stderr (and as JSON on stdout); exit 2. Clipped
     as diagnostics are (`diagnostics.clip`): a usage error may quote what was typed."""
-    message = clip(message, runs=True)
+    message = clip(message, runs=True, longest=ECHOED)  # a path of 200 characters stays whole
     print(message, file=sys.stderr)
     if as_json:
         _print_json_error("usage", message)
