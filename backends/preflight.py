@@ -94,12 +94,14 @@ def _check_world(program: Program, config: RunConfig) -> None:
     """The processes the run needs are there: a GPU per rank for nccl, and under torchrun
     WORLD_SIZE = --dp x the program's ranks; raises WorldError."""
 
-    from pipelang.backends.torchrun_env import torchrun_env, under_torchrun
+    from pipelang.backends.torchrun_env import MAX_PROCESSES, torchrun_env, under_torchrun
 
     world = program.num_ranks * config.dp
     ranks = f"{program.num_ranks} ranks"
     if config.dp > 1:
-        ranks = f"{world} ranks (--dp {config.dp} x {ranks})"
+        ranks = f"{world:,} ranks (--dp {config.dp:,} x {ranks})"
+    if world > MAX_PROCESSES:
+        raise WorldError(f"the run needs {ranks}, more than the {MAX_PROCESSES:,} a job may have")
     torchrun = torchrun_env() if under_torchrun() else None
     if torchrun is not None and torchrun.world != world:
         raise WorldError(

@@ -596,3 +596,10 @@ def test_a_stream_dump_or_trace_is_read_as_every_input_file_is(
     link.symlink_to("/dev/zero")
     status, _, err = run_in_process([*command, str(link)])
     assert status in (1, 2) and "it is larger than 64 MiB" in err, err
+
+
+def test_a_dp_past_the_processes_a_job_may_have_is_refused_at_once() -> None:
+    """`--dp 1000000000` ran for minutes, growing to gigabytes, before anything was said."""
+    argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", "--steps", "2", "--dp", "1000000000"]
+    status, _, err = run_in_process(argv)
+    assert status == 2 and "the run needs 2,000,000,000 ranks (--dp 1,000,000,000 x 2 ranks)" in err
