@@ -119,4 +119,3 @@ def test_draw_to_what_is_no_file_name_is_a_pipelang_error(path: object) -> None:
     with pytest.raises(pipelang.PipelangError) as raised:
         pipelang.load("1f1b", D=2, N=2).draw(path)  # type: ignore[arg-type]
     assert raised.value.diagnostics[0].message.startswith("draw takes a file name")
-
