@@ -26,6 +26,7 @@ from pipelang.backends.measure import split_passes
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.stash import Stash
+from pipelang.ir.program import whole_backwards
 from pipelang.planner.plans import Inputs
 from pipelang.planner.profile import LayerCost, Profile
 from pipelang.planner.search import Planner
@@ -136,9 +137,13 @@ def test_split_stage_costs_equal_the_runtimes_work(
     topology = Topology(("a", "b"), (1e12, 1e12), ((None, link), (link, None)))
     planner = Planner(Inputs(flop_profile(), topology, 4))
     costs = planner.costs.stage_costs(partition, split_w=True)
+    # a W right after its B runs whole at B (`whole_backwards`): B does both, W nothing
+    program = load_program("interleaved-zb", {"D": "2", "N": "4", "v": "2"})
+    whole = {key[:2] for actions in program.ranks for key in whole_backwards(actions)}
     for stage, (_, b, w) in enumerate(costs):
-        assert counted[("B", stage)] == {b}, f"B of stage {stage}"
-        assert counted[("W", stage)] == {w}, f"W of stage {stage}"
+        fused = {(mb, stage) in whole for mb in range(program.num_microbatches)}
+        assert counted[("B", stage)] == {b + w if f else b for f in fused}, f"B of stage {stage}"
+        assert counted[("W", stage)] == {0 if f else w for f in fused}, f"W of stage {stage}"
     # the first stage's B makes no input gradient but runs its layers' backward up to
     # their weight ops (for the weights of the layers before them), past an embedding
     assert (costs[0][1] > 0) == (partition[0] > 1)
