@@ -111,28 +111,18 @@ class Nccl:
         return None
 
 
-class Local:
+class Local(Gloo):
     """Every rank a thread of this process, on the GPU when there is one. Under torchrun
-    its processes are gloo's, on the CPU."""
+    its processes are gloo's, on the CPU (their device and world are Gloo's)."""
 
     help = "every rank a thread of this process, running its action list"
     processes = False
     streams = False
-    dist = "gloo"
-    cuda = False
-
-    def device(self, local_rank: int) -> torch.device:
-        import torch
-
-        return torch.device("cpu")
 
     def computes_on_gpu(self) -> bool:
         import torch
 
         return torch.cuda.is_available()
-
-    def world_problem(self, world: int, ranks: str, torchrun: TorchrunEnv | None) -> str | None:
-        return None
 
 
 BACKENDS: dict[str, Backend] = {"gloo": Gloo(), "nccl": Nccl(), "local": Local()}
