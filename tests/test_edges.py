@@ -243,6 +243,7 @@ def test_an_unknown_cost_name_is_refused_with_the_same_words_everywhere(tmp_path
 # ---- a user's model that exits or raises ----------------------------------------------------
 
 
+@pytest.mark.slow  # each case loads the model in a child process first
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -262,6 +263,7 @@ def test_a_model_file_that_exits_or_raises_is_the_users_error(
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # each case loads the model in a child process first
 @pytest.mark.parametrize(
     ("returned", "message"),
     [

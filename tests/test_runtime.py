@@ -416,6 +416,7 @@ def test_a_user_model_from_a_file_trains_like_one_process(
     assert "check OK" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # each case loads the model in a child process first
 @pytest.mark.parametrize(
     ("model", "ranks", "options", "message"),
     [

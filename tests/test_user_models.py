@@ -262,6 +262,7 @@ def test_the_models_own_loss_is_the_one_trained(
     assert f"loss {expected:.4f}" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # each case loads the model in a child process first
 @pytest.mark.parametrize(
     ("func", "ranks", "message"),
     [
