@@ -41,7 +41,7 @@ from pipelang.backends.backend import DEFAULT
 from pipelang.backends.measure import ProfileOptions
 from pipelang.diagnostics import fail
 from pipelang.planner.partition import even_split
-from pipelang.planner.profile import RUNTIME_FIELDS, Profile, RuntimeCosts
+from pipelang.profile import RUNTIME_FIELDS, Profile, RuntimeCosts
 from pipelang.trace import TraceError, load, read_actions
 
 WARMUP_STEPS = 2

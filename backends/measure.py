@@ -1,5 +1,5 @@
 """`pipelang profile`'s measuring half: a model's layers timed into a `Profile`
-(`pipelang.planner.profile` holds the data and reads it back).
+(`pipelang.profile` holds the data and reads it back).
 
 The model is built as `pipelang run` builds it, one micro-batch is pushed through the
 layers once to get every layer's input, then each layer is timed on its own input,
@@ -34,7 +34,7 @@ from pipelang.backends.stash import Stash
 from pipelang.backends.weight_split import WeightWork, split_backward, weight_pass
 from pipelang.diagnostics import quote
 from pipelang.ir import CostModel, Kind, Program
-from pipelang.planner.profile import LayerCost, Profile
+from pipelang.profile import LayerCost, Profile
 from pipelang.sim import memory
 from pipelang.source import one_line
 

@@ -33,9 +33,9 @@ from datetime import UTC, datetime
 import torch
 
 from pipelang.planner.plans import Inputs
-from pipelang.planner.profile import LayerCost, Profile
 from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology
+from pipelang.profile import LayerCost, Profile
 
 try:
     from benchmarks.plan_vs_measured import replace_block

@@ -62,10 +62,10 @@ import torch.multiprocessing as mp
 from pipelang.backends.calibrate import calibrate
 from pipelang.backends.measure import ProfileOptions, measure
 from pipelang.planner.plans import Inputs, Plan
-from pipelang.planner.profile import Profile
 from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology
 from pipelang.planner.write import plan_source
+from pipelang.profile import Profile
 
 try:
     from benchmarks.results import write_block

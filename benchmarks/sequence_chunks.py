@@ -23,11 +23,11 @@ import argparse
 from pipelang.api import compile_schedule
 from pipelang.backends.backend import runs_streams
 from pipelang.backends.config import RunConfig
+from pipelang.backends.measure import ProfileOptions, measure
 from pipelang.backends.models import plan_stages
 from pipelang.backends.processes import launch
 from pipelang.compiler import stream_program
 from pipelang.ir import KV_SHARE, CostModel
-from pipelang.planner.profile import ProfileOptions, measure
 from pipelang.sim import memory
 from pipelang.sim.timeline import Timeline, simulate
 

@@ -27,6 +27,9 @@ from pipelang.source import SourceFile, Span
 
 MAX_FILE_BYTES = 64 * 2**20
 """The largest input file read (the 10 s / 1 GiB promise is for files under 1 MiB)."""
+MAX_BYTES = 2.0**60
+"""The largest size read (1 EiB): a device's memory (a topology), a tensor, a layer's
+bytes (a profile)."""
 
 _WHOLE = re.compile(rf"[0-9]{{1,{MAX_DIGITS}}}")
 

@@ -49,11 +49,8 @@ from pipelang.ir.graph import op_graph
 from pipelang.parser import stdlib_dir
 from pipelang.passes.insert_comms import insert_comms
 from pipelang.passes.validate import validate
-from pipelang.planner.profile import (
-    LayerCost,
-    Profile,
-)
 from pipelang.planner.topology import Link, Topology
+from pipelang.profile import LayerCost, Profile
 from pipelang.sim.timeline import Timeline, simulate
 from pipelang.source import SourceFile, Span
 

@@ -116,9 +116,9 @@ def test_the_plan_search_stops_at_its_time_budget() -> None:
     """A budget shorter than one candidate's screening leaves candidates out for time,
     said as such, instead of running past it."""
     from pipelang.planner.plans import Inputs
-    from pipelang.planner.profile import LayerCost, Profile
     from pipelang.planner.search import Planner
     from pipelang.planner.topology import Link, Topology
+    from pipelang.profile import LayerCost, Profile
 
     layers = tuple(LayerCost(f"l{i}", 1.0, 1.0, 1.0, 1e3, 1e3, 1e2) for i in range(256))
     size = 64

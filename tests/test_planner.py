@@ -24,16 +24,16 @@ from pipelang.ir import CostModel, Program
 from pipelang.planner.mapping import map_ranks
 from pipelang.planner.partition import best_partition
 from pipelang.planner.plans import Candidate, Inputs, Plan, candidates, lopsided
-from pipelang.planner.profile import (
+from pipelang.planner.search import Planner
+from pipelang.planner.topology import Link, Topology, load_topology
+from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
+from pipelang.planner.write import plan_source
+from pipelang.profile import (
     Profile,
     RuntimeCosts,
     load_profile,
     profile_from_dict,
 )
-from pipelang.planner.search import Planner
-from pipelang.planner.topology import Link, Topology, load_topology
-from pipelang.planner.units import parse_bandwidth, parse_bytes, parse_seconds
-from pipelang.planner.write import plan_source
 from tests.helpers import make_profile, pipelang_here, replay, run_in_process, two_nodes
 
 MiB = 2**20

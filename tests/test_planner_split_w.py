@@ -28,9 +28,9 @@ from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.stash import Stash
 from pipelang.ir.program import whole_backwards
 from pipelang.planner.plans import Inputs
-from pipelang.planner.profile import LayerCost, Profile
 from pipelang.planner.search import Planner
 from pipelang.planner.topology import Link, Topology
+from pipelang.profile import LayerCost, Profile
 
 MODEL = "pipelang.planner.demo:unbalanced"
 SEQ, MB = 8, 2

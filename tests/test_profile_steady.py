@@ -15,7 +15,7 @@ import torch
 
 import pipelang.backends.measure as measure
 from pipelang.backends.measure import ProfileOptions, Runs, _timed
-from pipelang.planner.profile import LayerCost, Profile, load_profile, profile_from_dict
+from pipelang.profile import LayerCost, Profile, load_profile, profile_from_dict
 from tests.helpers import run_in_process
 
 

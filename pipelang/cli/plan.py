@@ -110,10 +110,10 @@ def setup(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipelang.planner.plans import Inputs
-    from pipelang.planner.profile import load_profile
     from pipelang.planner.search import Planner
     from pipelang.planner.topology import load_topology
     from pipelang.planner.write import plan_source
+    from pipelang.profile import load_profile
 
     writable(args.out)  # before the search, not after
     started = time.perf_counter()  # reading the inputs counts against --time-budget

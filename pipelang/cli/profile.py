@@ -14,7 +14,7 @@ from pipelang.readers import ReadError, whole_number
 from pipelang.source import one_line
 
 if TYPE_CHECKING:
-    from pipelang.planner.profile import LayerCost, Profile
+    from pipelang.profile import LayerCost, Profile
 
 HELP = "measure a model's per-layer times and memory into a profile JSON"
 

@@ -160,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
             f"--name {args.name!r}: a schedule name is a letter or _ then letters, digits or "
             "_, and not a word of the language"
         )
-    from pipelang.planner.profile import load_profile
     from pipelang.planner.topology import load_topology
+    from pipelang.profile import load_profile
 
     params = parse_params(args.params)
     stage_bytes = None if args.model is None else _stage_bytes(args, params)

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 
 from pipelang.ir import MW_SHARE, Action, CostModel, Kind, Program, placement
 from pipelang.planner.mapping import Traffic
-from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
+from pipelang.profile import Profile
 from pipelang.sim import memory
 from pipelang.sim.engine import Link
 from pipelang.sim.timeline import Event

@@ -9,9 +9,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pipelang.planner.families import FAMILIES
-from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
 from pipelang.planner.units import format_bytes
+from pipelang.profile import Profile
 
 FULL_OPS = 4_000
 """Schedules with at most this many ops are simulated at N directly, never extrapolated."""

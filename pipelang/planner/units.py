@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from pipelang.readers import ReadError, number
+from pipelang.readers import MAX_BYTES, ReadError, number
 
 _PREFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
@@ -22,8 +22,6 @@ class UnitError(ReadError):
     """A value whose number or unit cannot be read; the message says what is expected."""
 
 
-MAX_BYTES = 2.0**60
-"""The largest size read (1 EiB): a device's memory, a tensor."""
 MAX_BANDWIDTH = 1e15
 """The fastest link read, in bytes per second (1 PB/s)."""
 MAX_LATENCY = 1e3

@@ -19,9 +19,9 @@ from pipelang import __version__, api
 from pipelang.diagnostics import QUOTED
 from pipelang.planner.costs import stage_w_shares
 from pipelang.planner.plans import Plan
-from pipelang.planner.profile import Profile
 from pipelang.planner.search import Planner
 from pipelang.planner.units import format_bytes
+from pipelang.profile import Profile
 from pipelang.source import one_line
 
 

@@ -49,8 +49,8 @@ from pipelang.compiler import Compilation
 from pipelang.diagnostics import InternalError, PipelangError, clip, fail
 from pipelang.ir import CostModel, Program
 from pipelang.parser import keywords
-from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
+from pipelang.profile import Profile
 from pipelang.sim.timeline import as_number
 from pipelang.synthesis.problem import (
     MOST_OPS,

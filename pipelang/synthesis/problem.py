@@ -22,8 +22,8 @@ from pipelang.passes.expand_orders import read_after
 from pipelang.passes.layout import read_partition, read_weights, schedule_layout
 from pipelang.planner.costs import OpCosts, stage_outputs, stage_w_shares
 from pipelang.planner.partition import even_split
-from pipelang.planner.profile import Profile
 from pipelang.planner.topology import Topology
+from pipelang.profile import Profile
 from pipelang.sim.engine import Engine, Input, durations
 from pipelang.source import Span
 

@@ -11,7 +11,9 @@ adds to the layers' own times, the runtime's host work per action and per messag
 measured apart (`pipelang.backends.calibrate`) and kept as `runtime`.
 
 This module is the profile's data and its reading (`load_profile`, every field checked);
-it imports no torch.
+it imports no torch. It sits below both its writer, the runtime (`backends/measure.py`,
+`backends/calibrate.py`), and its readers, the planner and the synthesizer, so that
+neither imports the other for it.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipelang.diagnostics import clip, fail
-from pipelang.planner.units import MAX_BYTES
-from pipelang.readers import ReadError, file_error, number, read_json, read_source
+from pipelang.readers import MAX_BYTES, ReadError, file_error, number, read_json, read_source
 from pipelang.source import one_line
 
 FORMAT = "pipelang-profile/1"
