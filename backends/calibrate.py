@@ -40,7 +40,7 @@ from typing import Any
 from pipelang.backends.backend import DEFAULT
 from pipelang.backends.measure import ProfileOptions
 from pipelang.diagnostics import fail
-from pipelang.planner.partition import even_split
+from pipelang.ir.program import even_split
 from pipelang.profile import RUNTIME_FIELDS, Profile, RuntimeCosts
 from pipelang.trace import TraceError, load, read_actions
 

@@ -38,7 +38,7 @@ from pipelang.backends.model_error import ModelError
 from pipelang.backends.model_import import trust
 from pipelang.backends.user_models import Tie, said, user_model
 from pipelang.diagnostics import clip
-from pipelang.planner.partition import even_split
+from pipelang.ir.program import even_split
 
 
 @dataclass(frozen=True, slots=True)

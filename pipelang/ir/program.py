@@ -1,7 +1,8 @@
 """`Program`, a whole schedule after expansion (every rank's ordered actions and what
 they mean), with its placement (`Pipeline`), `after` edges (`Dependency`) and the weight
-policy of asynchronous schedules (`WeightPolicy`); and which of a rank's split backwards
-run whole (`whole_backwards`)."""
+policy of asynchronous schedules (`WeightPolicy`); which of a rank's split backwards
+run whole (`whole_backwards`); and the runtime's cut of a model's layers into stages
+when none is given (`even_split`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from pipelang.source import Span
 
 OpKey = tuple[int | None, int | None, str | None, int | None]
 """A compute op's (micro-batch, stage, pipeline, chunk), without its kind."""
+
+
+def even_split(layers: int, stages: int) -> tuple[int, ...]:
+    """`layers` cut into `stages` contiguous parts as evenly as possible, the first ones
+    one longer: the runtime's partition when none is given (`Program.partition` None,
+    no `--partition`), which the calibration run and the synthesizer assume too."""
+    base, extra = divmod(layers, stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(stages))
 
 
 def whole_backwards(actions: Iterable[Action]) -> frozenset[OpKey]:
@@ -129,7 +138,8 @@ class Program:
     order_span: Span | None = field(default=None, compare=False, repr=False)
     """Where the schedule's `order` is written; diagnostics about missing ops point here."""
     partition: tuple[int, ...] | None = None
-    """Layers per stage from the schedule's `partition` line, for the runtime; None: even."""
+    """Layers per stage from the schedule's `partition` line, for the runtime; None: the
+    runtime cuts the model by `even_split`."""
     weights: WeightPolicy | None = None
     """The weight versioning of an asynchronous schedule (its ranks update their stage
     copies with `U` actions, and there is no `step`); None for a synchronous one."""

@@ -50,13 +50,6 @@ class Partition:
     objective: float
 
 
-def even_split(layers: int, stages: int) -> tuple[int, ...]:
-    """`layers` cut into `stages` contiguous parts as evenly as possible, the first ones
-    one longer: the runtime's partition when none is given."""
-    base, extra = divmod(layers, stages)
-    return tuple(base + (1 if s < extra else 0) for s in range(stages))
-
-
 def evaluate(
     counts: Sequence[int],
     costs: Sequence[float],

@@ -17,11 +17,11 @@ from pipelang.evaluate import Value, nesting_limit, op_limit
 from pipelang.features import refuse
 from pipelang.ir import Action, CostModel, Kind, deps
 from pipelang.ir.placement import crossing, owners
+from pipelang.ir.program import even_split
 from pipelang.orders import Layout
 from pipelang.passes.expand_orders import read_after
 from pipelang.passes.layout import read_partition, read_weights, schedule_layout
 from pipelang.planner.costs import OpCosts, stage_outputs, stage_w_shares
-from pipelang.planner.partition import even_split
 from pipelang.planner.topology import Topology
 from pipelang.profile import Profile
 from pipelang.sim.engine import Engine, Input, durations
