@@ -78,40 +78,42 @@ UPWARD = (
     "pipelang.cli",
 )
 """What the runtime may not import: the compiler delivers what it runs (the checked stream
-program too), the command line hands it the plan's prediction."""
-KNOWN = {
-    "backends/models.py": "pipelang.planner",  # even_split
-    "backends/measure.py": "pipelang.planner",  # the profile's data (`profile` measures)
-    "backends/calibrate.py": "pipelang.planner",  # the same, and even_split
-}
-"""Upward imports left, by the module that has them (`pipelang profile`'s measuring half)."""
+program too), the command line hands it the plan's prediction. What both sides read lies
+below them: the profile's format in `pipelang/profile.py`, the even split of a model's
+layers in `pipelang/ir/program.py`."""
 
 
-def _imported(tree: ast.AST) -> list[str]:
-    """Every module an import statement names, at any depth (lazy imports count)."""
-    names = []
+def _imported(tree: ast.AST, package: list[str]) -> list[list[str]]:
+    """For every import statement, at any depth (lazy imports count), the modules it may
+    name: `from pipelang import planner` may name `pipelang.planner`, and a relative
+    import is read from `package`, the importing module's."""
+    statements = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.append(node.module)
-    return names
+            statements += [[alias.name] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) + 1 - node.level]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            statements.append([module, *(f"{module}.{alias.name}" for alias in node.names)])
+    return statements
 
 
 def test_the_runtime_imports_no_pass_compiler_or_command_line() -> None:
     """The runtime ran the `streams` and `check-streams` passes itself (worker.py, a
     second pass driver) and imported upward: passes (worker, torchrun_rank), the
-    planner (launch), the CLI. `python -m pipelang.backends` (__main__.py) is the command
-    line's entry, which nothing imports."""
+    planner (launch; then models and calibrate for the even split, measure and calibrate
+    for the profile's data), the CLI. `python -m pipelang.backends` (__main__.py) is the
+    command line's entry, which nothing imports."""
     found = []
-    for file in sorted((ROOT / "backends").glob("*.py")):
+    for file in sorted((ROOT / "backends").rglob("*.py")):
         if file.name == "__main__.py":
             continue
         name = str(file.relative_to(ROOT))
-        for module in _imported(ast.parse(file.read_text())):
-            upward = next((u for u in UPWARD if module == u or module.startswith(u + ".")), None)
-            if upward is not None and KNOWN.get(name) != upward:
-                found.append(f"{name}: {module}")
+        package = ["pipelang", "backends", *file.relative_to(ROOT / "backends").parent.parts]
+        for names in _imported(ast.parse(file.read_text()), package):
+            upward = [m for m in names if any(m == u or m.startswith(u + ".") for u in UPWARD)]
+            if upward:
+                found.append(f"{name}: {upward[0]}")
     assert found == []
 
 
