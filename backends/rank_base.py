@@ -1,6 +1,7 @@
-"""What every part of a rank's runtime shares: a stage copy (`StageCopy`), what a forward
-keeps (`Saved`), a rank's report (`RankResult`), an injected fault (`Fault`), the
-optimizer of a stage copy, and the decorators that count, time and guard each action."""
+"""What every part of a rank's runtime shares: the name of a value in flight (`Value`), a
+rank's report (`RankResult`), an injected fault (`Fault`), the optimizer of a stage
+copy, and the decorators that count, time and guard each action. A stage copy itself is
+backends/stage.py."""
 
 from __future__ import annotations
 
@@ -25,13 +26,11 @@ from pipelang.backends.optim import (
     Optimizer,
     decays,
 )
-from pipelang.backends.precision import copy_back
 from pipelang.backends.transport import peer_failures
 from pipelang.diagnostics import InternalError
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RankRuntime
-    from pipelang.backends.weight_split import WeightWork
     from pipelang.ir import deps
 
 
@@ -56,38 +55,6 @@ def make_optimizer(params: Sequence[nn.Parameter], config: RunConfig) -> Optimiz
     raise InternalError(f"unknown optimizer {config.optimizer!r}")
 
 
-@dataclass(slots=True)
-class StageCopy:
-    """One copy of one stage's weights on this rank, with its own optimizer."""
-
-    stage: int
-    pipeline: str
-    layers: range
-    module: nn.Sequential
-    first: bool
-    last: bool
-    params: list[nn.Parameter]
-    """The parameters the stage computes with (its module's)."""
-    optimizer: Optimizer
-    masters: list[nn.Parameter] | None = None
-    """`--mixed-precision`: the fp32 masters of `params`, which the optimizer updates
-    (backends/precision.py); None: the optimizer updates `params` themselves."""
-
-    @property
-    def trained(self) -> list[nn.Parameter]:
-        """The parameters the optimizer updates, whose gradients are reduced."""
-        return self.masters if self.masters is not None else self.params
-
-    def finish_update(self) -> None:
-        """After the optimizer step: the masters' new values into the computed params."""
-        if self.masters is not None:
-            copy_back(self.params, self.masters)
-
-
-Key = tuple[int, int, str, int | None]
-"""What a forward saves is filed under (micro-batch, stage, pipeline, chunk); the chunk
-is None unless the schedule splits micro-batches into sequence chunks."""
-
 Value = tuple[str, int, int, str, int | None]
 """A value in flight between actions: (kind of the op that made it, micro-batch, stage,
 pipeline, chunk), `("F", 3, 1, "main", None)` is the output of F3@1/main."""
@@ -97,26 +64,6 @@ def value_of(key: deps.Key) -> Value:
     """The runtime's name for an op's result: its key (`ir.deps`) with the kind's letter."""
     kind, mb, stage, pipeline, chunk = key
     return cast(Value, (kind.value, mb, stage, pipeline, chunk))
-
-
-@dataclass(slots=True)
-class Saved:
-    """What a forward keeps for its backward: input, output (or scaled loss), output grad."""
-
-    x: torch.Tensor
-    y: torch.Tensor | None
-    dy: torch.Tensor | None = None
-    params: list[nn.Parameter] | None = None
-    """Asynchronous schedules: the weight version the forward read."""
-    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    """Sequence chunks: per attention block (by `id`), the keys and values this chunk
-    made, in its graph (outputs of its backward besides `y`)."""
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    """Sequence chunks: the same keys and values as leaves, which later chunks read and
-    leave their gradients on."""
-    work: WeightWork | None = None
-    """A split backward: what W does once B has run (`weight_split`); None while B has
-    not run, or when the whole graph is kept for W."""
 
 
 def fingerprint(params: Sequence[torch.Tensor]) -> int:

@@ -3,16 +3,13 @@ trips; the byte count of saved activations."""
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
 
-from pipelang.backends.rank_base import Key, StageCopy, _action, _comm
-from pipelang.backends.stash import Stash
+from pipelang.backends.rank_base import _action, _comm
+from pipelang.backends.stash import Key, Stash
 from pipelang.diagnostics import InternalError
-from pipelang.ir import Action, Kind
 
 if TYPE_CHECKING:
     from pipelang.backends.runtime import RankRuntime
@@ -22,24 +19,9 @@ class StashActions:
     """Evicted activations (BPipe; backends/stash.py): E, the partner's H, L, and their
     trips; the byte count of saved activations."""
 
-    def _recording(
-        self: RankRuntime, mb: int, copy: StageCopy, chunk: int | None = None
-    ) -> AbstractContextManager[None]:
-        """File the tensors a forward saves under (mb, stage, pipeline, chunk): for
-        evictions, the byte count, and a split backward's release after B."""
-        if self.stash is None:
-            return contextlib.nullcontext()
-        key: Key = (mb, copy.stage, copy.pipeline, chunk)
-        name = Action(Kind.F, mb, copy.stage, copy.pipeline, chunk=chunk).text()
-        return self.stash.recording(key, name, copy.module)
-
     def _measure(self: RankRuntime) -> None:
         if self.stash is not None and self.counting:
-            self.stash.measure(set(self.saved))
-
-    def _forget(self: RankRuntime, key: Key) -> None:
-        if self.stash is not None:
-            self.stash.forget(key)
+            self.stash.measure(set(self.stash.entries))
 
     def _stash(self: RankRuntime) -> Stash:
         if self.stash is None:
@@ -60,8 +42,8 @@ class StashActions:
     def evict(self: RankRuntime, mb: int, stage: int, pipeline: str, to: int) -> None:
         """E: copy the forward's activations into one buffer and free their storages."""
         key: Key = (mb, stage, pipeline, None)
-        saved = self.saved[key]
-        keep = None if self.copies[(stage, pipeline)].last else saved.y
+        copy = self.copies[(stage, pipeline)]
+        keep = None if copy.last else copy.saved[key].y
         self.values[("E", *key)] = self._stash().evict(key, keep)
 
     @_comm

@@ -7,13 +7,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipelang.backends.checkpoint import Held, held_by_model, load
 from pipelang.backends.models import (
     LayeredModel,
 )
-from pipelang.backends.rank_base import StageCopy, _action, _comm
+from pipelang.backends.rank_base import _action, _comm
+from pipelang.backends.stage import Stage
 from pipelang.backends.transport import peer_failures
 
 if TYPE_CHECKING:
@@ -31,12 +31,12 @@ class SyncActions:
             return
         self._start_allreduce(self.copies[(stage, pipeline)])
 
-    def _start_allreduce(self: RankRuntime, copy: StageCopy) -> None:
+    def _start_allreduce(self: RankRuntime, copy: Stage) -> None:
         """Start summing a copy's gradients with its replicas'; a stage without weights
         (an activation alone, on every replica alike) has nothing to sum."""
         if not copy.trained:
             return
-        flat, grads = copy_grads(copy)
+        flat, grads = copy.flat_gradients()
         handle = self.transport.allreduce(copy.stage, flat)
         self.reducing.append((copy, flat, grads, handle))
 
@@ -52,7 +52,7 @@ class SyncActions:
             # in stage order on every rank: a sum over more than two copies runs here
             for copy, flat, grads, handle in sorted(self.reducing, key=lambda r: r[0].stage):
                 handle.wait()
-                set_grads(copy, flat, grads)
+                copy.set_gradients(flat, grads)
         self.reducing.clear()
         self.update_copies()
 
@@ -96,7 +96,7 @@ class SyncActions:
                         total += param.grad.detach().float().square().sum()
         return total
 
-    def counts(self: RankRuntime, copy: StageCopy) -> bool:
+    def counts(self: RankRuntime, copy: Stage) -> bool:
         """Whether `copy` stands for its stage in a sum over the whole run: the copy on
         the lowest rank that holds the stage, in data-parallel copy 0 (the others hold
         the same gradients once the stage's allreduce is done)."""
@@ -114,9 +114,7 @@ class SyncActions:
     def apply_updates(self: RankRuntime) -> None:
         """The optimizer step of every copy; then clear the gradients."""
         for copy in self.copies.values():
-            copy.optimizer.step()
-            copy.optimizer.zero_grad()
-            copy.finish_update()
+            copy.step()
         self.stepped = True
 
 
@@ -135,12 +133,12 @@ class TiedGrads:
         self,
         model: LayeredModel,
         bounds: Sequence[range],
-        copies: Sequence[StageCopy],
-        counts: Callable[[StageCopy], bool],
+        copies: Sequence[Stage],
+        counts: Callable[[Stage], bool],
         device: torch.device,
     ) -> None:
         self.device = device
-        self.uses: list[tuple[int, StageCopy, int, bool]] = []
+        self.uses: list[tuple[int, Stage, int, bool]] = []
         """(offset in the flat sum, copy, index in `copy.trained`, counts)."""
         self.repeated: set[tuple[int, int]] = set()
         """(id of the copy, index) of the uses a norm skips: all but each tie's first."""
@@ -168,7 +166,7 @@ class TiedGrads:
         takes part in the sum, holding a use or not)."""
         return self.size > 0
 
-    def repeats(self, copy: StageCopy, index: int) -> bool:
+    def repeats(self, copy: Stage, index: int) -> bool:
         """Whether `copy.trained[index]` is a tied weight's use other than its first (a
         norm counts the weight once)."""
         return (id(copy), index) in self.repeated
@@ -190,7 +188,7 @@ class TiedGrads:
             param.grad = part.to(param.dtype).clone()
 
 
-def _trained_index(copy: StageCopy, layer: int, name: str) -> int:
+def _trained_index(copy: Stage, layer: int, name: str) -> int:
     """Where the parameter `name` of model layer `layer` is in `copy.trained`."""
     names = [n for n, p in copy.module.named_parameters() if p.requires_grad]
     return names.index(f"{layer - copy.layers.start}.{name}")
@@ -200,19 +198,3 @@ def clip_coefficient(square_sum: torch.Tensor, max_norm: float) -> torch.Tensor:
     """What `torch.nn.utils.clip_grad_norm_` multiplies gradients by, given their squared
     global norm: max_norm / (norm + 1e-6), at most 1."""
     return (max_norm / (square_sum.sqrt() + 1e-6)).clamp(max=1.0)
-
-
-def copy_grads(copy: StageCopy) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A copy's gradients as one flat tensor (zeros where a parameter has none; float32
-    for half dtypes on the CPU, whose collectives lack them), and the list it came from."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in copy.trained]
-    flat = _flatten_dense_tensors(grads)
-    if flat.device.type == "cpu" and flat.dtype in (torch.float16, torch.bfloat16):
-        flat = flat.float()
-    return flat, grads
-
-
-def set_grads(copy: StageCopy, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
-    """Give a copy's parameters the gradients in `flat` (laid out as `copy_grads` made it)."""
-    for param, grad in zip(copy.trained, _unflatten_dense_tensors(flat, grads), strict=True):
-        param.grad = grad.to(param.dtype)

@@ -1,35 +1,26 @@
 """`RankRuntime`: what a rank's program calls (backends/executor.py), one method per action.
 
-A rank holds the stage copies `program.stage_copies(rank)`. Every rank builds the whole
-model from the seed and keeps only those stages, so the replicas of a stage (Chimera's
-`down` and `up` copies) start identical.
+A rank holds the stage copies `program.stage_copies(rank)`, each a `Stage`
+(backends/stage.py), which owns its module, optimizer and saved activations and does the
+arithmetic of F, R, B, W, its reduce and its update. Every rank builds the whole model
+from the seed and keeps only those stages, so the replicas of a stage (Chimera's `down`
+and `up` copies) start identical.
 
-- `forward` runs a stage on its input and keeps input and output for the backward. The
-  input of stage s > 0 is detached and requires grad, so each stage owns its autograd
-  graph. The last stage turns its logits into the loss, scaled by 1/N here and nowhere
-  else (`_scaled_loss`). With `R` in the program's kinds, `forward` keeps only the input
-  and `recompute` redoes the forward just before the backward.
-- `backward` is the full backward, or, when the program splits off `W`, the input
-  gradient only (`autograd.grad(..., inputs=[x], retain_graph=True)`); `weight_grad` then
-  accumulates the parameter gradients from the same graph. Together they equal the full
-  backward.
-- `send_*`/`recv_*` move a stage's output (activation) or its input gradient; `signal`
-  and `wait` carry no data. `allreduce` starts summing one stage's gradients over its
-  replicas; `step` waits for those sums, runs the optimizer and clears the gradients.
-- `update` (asynchronous schedules only, which have no `step`) applies one stage copy's
-  gathered gradients and makes a new version of its weights (backends/versions.py).
-- With sequence chunks (`chunks C`, Seq1F1B), the compute and transfer actions name a
-  chunk, and a forward runs the stage over that span of the micro-batch's tokens
-  (`models.sequence_chunk`): its attention reads the keys and values the chunks before
-  it made on this stage, as leaves of its own graph, so that its backward leaves their
-  gradients there; the backward of the earlier chunk (which runs later) feeds them into
-  its graph together with its output gradient. Each chunk's loss is scaled by its share
-  of the tokens, so the chunks' gradients sum to the micro-batch's.
+The runtime is what lies between the stages: the inputs and targets of its micro-batches
+and the loss, scaled by 1/N here and nowhere else (`_scaled_loss`, which the stages call
+on the last stage); the values in flight (`values`: a stage's output, an input gradient)
+that `send_*`/`recv_*` move and the next stage's action takes; `signal` and `wait`,
+which carry no data; `allreduce`, which starts summing one stage's gradients over its
+replicas, and `step`, which waits for those sums, clips, and steps every copy; `update`
+(asynchronous schedules only, which have no `step`), one copy's new weight version
+(backends/versions.py); evictions (BPipe); and the counters, times and faults of each
+action.
 
 The actions are grouped by concern, one module each, which `RankRuntime` combines:
-backends/rank_compute.py (F, P, R, B, W, U), rank_comms.py (sends, receives, signals),
-rank_stash.py (evictions), rank_sync.py (allreduce, step, clipping, tied weights); what
-they share (StageCopy, Saved, RankResult, the action decorators) is rank_base.py.
+backends/rank_compute.py (F, P, R, B, W, U: inputs in, outputs out), rank_comms.py
+(sends, receives, signals), rank_stash.py (evictions), rank_sync.py (allreduce, step,
+clipping, tied weights); what they share (the value names, RankResult, the action
+decorators) is rank_base.py.
 """
 
 from __future__ import annotations
@@ -53,10 +44,7 @@ from pipelang.backends.models import (
 from pipelang.backends.precision import master_weights
 from pipelang.backends.rank_base import (
     Fault,
-    Key,
     RankResult,
-    Saved,
-    StageCopy,
     Value,
     fingerprint,
     make_optimizer,
@@ -68,11 +56,13 @@ from pipelang.backends.rank_sync import (
     SyncActions,
     TiedGrads,
 )
+from pipelang.backends.stage import Settings, Stage
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import Handle, Transport, peer_failures
 from pipelang.backends.versions import CopyVersions
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Action, Kind, Program, placement
+from pipelang.ir.program import whole_backwards
 from pipelang.weights import weight_versions
 
 
@@ -112,7 +102,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.first_mb = replica * program.num_microbatches
         """This replica's micro-batch `mb` is micro-batch `first_mb + mb` of the step."""
         self._build_stages(shapes)
-        self.versions, self.delays = _versions(program, config, self.copies)
+        self.versions = _versions(program, config, self.copies)
         self.peak_versions = len(self.versions)
         self.reduced_at_step = [
             self.copies[key] for key in placement.reduced_at_step(program, rank, config.dp)
@@ -120,18 +110,8 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.group_sizes = {
             stage: len(set(program.replicas(stage))) * config.dp for stage, _ in self.copies
         }
-        self.saved: dict[Key, Saved] = {}
-        chunks, attention = program.chunks, program.costs.of("A")
-        self.chunk_bounds = chunks and chunks.token_bounds(self.model.seq_len, attention)
-        """The token boundaries of the sequence chunks (`Chunks.token_bounds`); None
-        without chunks."""
-        self.counting = config.count_activations or program.first_eviction() is not None
-        """Whether the saved activations' bytes are measured (`RankResult`)."""
-        self.stash = Stash() if self.counting or self.split_backward else None
-        """Saved activations per forward: for evictions, their byte count, and what a
-        split backward keeps for W (`weight_split`)."""
         self.values: dict[Value, torch.Tensor] = {}
-        self.reducing: list[tuple[StageCopy, torch.Tensor, list[torch.Tensor], Handle]] = []
+        self.reducing: list[tuple[Stage, torch.Tensor, list[torch.Tensor], Handle]] = []
         self.losses: list[tuple[int, torch.Tensor]] = []
         self.lr = config.lr_schedule_at()
         """The learning rate of each step (`--lr-schedule`)."""
@@ -156,6 +136,25 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         runs `P`); the rest of the model is let go."""
         program, config, rank, device = self.program, self.config, self.rank, self.device
         self.model = config.spec.build()
+        chunks, attention = program.chunks, program.costs.of("A")
+        self.chunk_bounds = chunks and chunks.token_bounds(self.model.seq_len, attention)
+        """The token boundaries of the sequence chunks (`Chunks.token_bounds`); None
+        without chunks."""
+        self.counting = config.count_activations or program.first_eviction() is not None
+        """Whether the saved activations' bytes are measured (`RankResult`)."""
+        self.stash = Stash() if self.counting or self.split_backward else None
+        """Saved activations per forward: for evictions, their byte count, and what a
+        split backward keeps for W (`weight_split`)."""
+        whole = whole_backwards(program.ranks[rank]) if self.split_backward else frozenset()
+        self.settings = Settings(
+            self._scaled_loss,
+            self.split_backward,
+            self.recomputes,
+            whole,
+            self.stash,
+            self.counting,
+            self.chunk_bounds,
+        )
         bounds = self.model.stage_bounds(program.num_stages, config.partition)
         if shapes is None:
             shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
@@ -210,14 +209,14 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         if self.program.ranks[self.rank][index].kind.is_compute:
             self.busy_ns += end_ns - start
 
-    def _stage_copy(self, stage: int, pipeline: str, layers: range) -> StageCopy:
+    def _stage_copy(self, stage: int, pipeline: str, layers: range) -> Stage:
         module = self.model.stage_module(layers)
         if self.model.ties:  # a tied weight: each copy its own, kept equal by `step`
             module = copying.deepcopy(module)  # shared inside the stage stay shared
         module = module.to(self.device)
         params = [p for p in module.parameters() if p.requires_grad]
         masters = master_weights(params) if self.config.mixed_precision else None
-        return StageCopy(
+        return Stage(
             stage,
             pipeline,
             layers,
@@ -226,6 +225,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
             stage == self.program.num_stages - 1,
             params,
             make_optimizer(masters or params, self.config),
+            self.settings,
             masters,
         )
 
@@ -248,7 +248,9 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         with peer_failures():
             self.transport.end_step()
         left = [Action(Kind(k[0]), k[1], k[2], k[3], chunk=k[4]).text() for k in self.values] + [
-            Action(Kind.F, mb, s, p, chunk=c).text() for mb, s, p, c in self.saved
+            Action(Kind.F, mb, s, p, chunk=c).text()
+            for copy in self.copies.values()
+            for mb, s, p, c in copy.saved
         ]
         if self.stash is not None:
             left += [f"H{mb}@{s}/{p}" for mb, s, p, _ in self.stash.held]
@@ -301,21 +303,25 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
 
 
 def _versions(
-    program: Program, config: RunConfig, copies: dict[tuple[int, str], StageCopy]
-) -> tuple[dict[tuple[int, str], CopyVersions], dict[tuple[int, int, str], int]]:
+    program: Program, config: RunConfig, copies: dict[tuple[int, str], Stage]
+) -> dict[tuple[int, str], CopyVersions]:
     """An asynchronous schedule's weight versions per stage copy, and with
-    --predict-weights each forward's gradient delay (weights.py); empty otherwise."""
+    --predict-weights each forward's gradient delay (weights.py), given to each copy
+    (`Stage.versions`, `Stage.delays`); empty otherwise."""
     if program.weights is None:
-        return {}, {}
+        return {}
     predict = config.predict_weights
-    versions = {
-        key: CopyVersions(c.module, c.params, program.weights.stashes, predict)
-        for key, c in copies.items()
-    }
-    return versions, weight_versions(program).gradient_delays() if predict else {}
+    delays = weight_versions(program).gradient_delays() if predict else {}
+    versions = {}
+    for key, copy in copies.items():
+        copy.versions = versions[key] = CopyVersions(
+            copy.module, copy.params, program.weights.stashes, predict
+        )
+        copy.delays = {mb: d for (mb, s, p), d in delays.items() if (s, p) == key}
+    return versions
 
 
-def copy_names(copy: StageCopy) -> dict[str, torch.Tensor]:
+def copy_names(copy: Stage) -> dict[str, torch.Tensor]:
     """A stage copy's parameters named as in the whole model (`{layer}.{name}`)."""
     out = {}
     for name, tensor in copy.module.state_dict().items():

@@ -45,7 +45,7 @@ import torch
 from pipelang.backends.config import RunConfig
 from pipelang.backends.executor import GRAPH_WARMUP, action_call
 from pipelang.backends.models import Shapes
-from pipelang.backends.rank_sync import clip_coefficient, copy_grads, set_grads
+from pipelang.backends.rank_sync import clip_coefficient
 from pipelang.backends.report import Outcome
 from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.summation import tree_sum
@@ -309,7 +309,7 @@ class StreamExecutor:
                 value = rt.values.pop(value_key(access.value))
                 self._view(p, access.slot, access.value).copy_(value)
             p.holds[access.slot] = access.value
-        p.peak_saved = max(p.peak_saved, len(rt.saved))
+        p.peak_saved = max(p.peak_saved, sum(len(c.saved) for c in rt.copies.values()))
 
     def _step(self, op: StreamOp) -> None:
         """A rank's optimizer step. With tied weights or `--clip-grad` every rank's step
@@ -359,13 +359,13 @@ class StreamExecutor:
         if not copies[0].trained:  # a stage without weights: nothing to sum
             return
         with self._stream(members[0]):
-            parts = [copy_grads(copy) for copy in copies]
+            parts = [copy.flat_gradients() for copy in copies]
             total = tree_sum([flat for flat, _ in parts])
             for op, copy, (_, grads) in zip(members, copies, parts, strict=True):
                 with self._stream(op, "compute"):  # where the sum is used and freed
                     mine = torch.empty_like(total)
                 mine.copy_(total)
-                set_grads(copy, mine, grads)
+                copy.set_gradients(mine, grads)
         self._meet(*members)
 
     # ---- slots -----------------------------------------------------------------------------

@@ -42,8 +42,9 @@ import torch
 
 from pipelang.backends.config import RunConfig
 from pipelang.backends.models import Shapes
-from pipelang.backends.rank_base import RankResult, StageCopy, _action
+from pipelang.backends.rank_base import RankResult, _action
 from pipelang.backends.runtime import RankRuntime
+from pipelang.backends.stage import Stage
 from pipelang.backends.transport import DistTransport, PeerFailure, StepSum, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
@@ -73,7 +74,7 @@ class StreamRankRuntime(RankRuntime):
         self.channels = transport
         self.actions = actions
         """Per op of the iteration: the index of its action, None for an event."""
-        self.reduced_at_step: list[StageCopy] = []  # the stream program reduces them itself
+        self.reduced_at_step: list[Stage] = []  # the stream program reduces them itself
         self.slots = {
             name: torch.empty(max(_nbytes(self.shapes[b]) for b in bounds), dtype=torch.uint8)
             for name, bounds in slots.items()
@@ -332,7 +333,7 @@ class StreamRankRuntime(RankRuntime):
         if dy is not None:
             incoming = self._view(dy, stage, chunk, mb)
             # a split backward keeps dy until W, when the slot may hold another value
-            split = self.split_backward and (mb, stage, pipeline, chunk) not in self.whole
+            split = self.split_backward and (mb, stage, pipeline, chunk) not in self.settings.whole
             self.values[("B", mb, stage + 1, pipeline, chunk)] = (
                 incoming.clone() if split else incoming
             )

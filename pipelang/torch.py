@@ -19,11 +19,12 @@ the first message.
 
 `step` splits the batch into the schedule's micro-batches, runs this rank's actions in
 the compiled order (forwards, backwards, split weight gradients, recomputes; sends and
-receives on one process group per directed rank pair; a split backward keeps after B
-only what W reads, backends/weight_split.py), and sums each stage's gradients over its
-replicas (and copies). The gradients are those of the mean of the micro-batch
-losses over the whole batch of every copy, as torch's schedules give with
-`scale_grads=True`: after `opt.step()` the parameters equal single-process training on
+receives on one process group per directed rank pair) on each stage copy as `pipelang
+run` does, through the same `Stage` (backends/stage.py: a split backward keeps after B
+only what W reads, and a W right after its B runs with it as one backward), and sums
+each stage's gradients over its replicas (and copies). The gradients are those of the
+mean of the micro-batch losses over the whole batch of every copy, as torch's schedules
+give with `scale_grads=True`: after `opt.step()` the parameters equal single-process training on
 the whole batch. What it cannot run yet (asynchronous schedules, frozen work, chunks,
 shapes, evictions) it refuses by `features.refusal`.
 """
@@ -38,18 +39,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils import _pytree as pytree
 
 from pipelang.backends.model_error import ModelError
+from pipelang.backends.stage import Settings, Stage
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import DistTransport, Handle
 from pipelang.backends.user_models import Boundary
-from pipelang.backends.weight_split import WeightWork, split_backward, weight_pass
 from pipelang.diagnostics import clip, fail
 from pipelang.features import refusal
 from pipelang.ir import Action, Kind, deps
 from pipelang.ir.placement import reduce_ranks
+from pipelang.ir.program import whole_backwards
 from pipelang.schedule import Schedule
 
 HEADER = 10
@@ -91,9 +92,23 @@ class PipelineSchedule:
         self.copies_count = world // program.num_ranks
         self.replica, self.rank = divmod(dist.get_rank(), program.num_ranks)
         self.loss_fn = loss_fn
+        self.boundaries: dict[int, Boundary] = {}
+        """What stage s hands on where it is more than one tensor: how it is packed."""
+        split, recomputes = Kind.W in program.kinds, Kind.R in program.kinds
+        settings = Settings(
+            self._loss,
+            split,
+            recomputes,
+            whole_backwards(program.ranks[self.rank]) if split else frozenset(),
+            # each forward's saved tensors, so that B releases all but what W reads
+            Stash() if split and not recomputes else None,
+        )
         self.stages: dict[tuple[int, str], nn.Module] = {
             (s, p): build_stage(s) for s, p in program.stage_copies(self.rank)
         }
+        """The caller's module of each stage copy this rank holds, by (stage, pipeline)."""
+        self.copies = {key: self._stage(*key, m, settings) for key, m in self.stages.items()}
+        """The same as stage copies that run the ops (backends/stage.py)."""
         self.device = next(
             (t.device for m in self.stages.values() for t in m.parameters()), torch.device("cpu")
         )
@@ -101,15 +116,16 @@ class PipelineSchedule:
             program, self.rank, self.device, timeout, self.replica, self.copies_count
         )
         self._make_replicas_equal(timeout)
-        self.split = Kind.W in program.kinds
-        self.recomputes = Kind.R in program.kinds
-        self.stash = Stash() if self.split and not self.recomputes else None
-        """Where W is split off: each forward's saved tensors, so that B releases all but
-        what W reads (backends/weight_split.py), as `pipelang run` does."""
         self.announced: set[tuple[str, int, int]] = set()
         self.shapes: dict[tuple[str, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
-        self.boundaries: dict[int, Boundary] = {}
-        """What stage s hands on where it is more than one tensor: how it is packed."""
+
+    def _stage(self, stage: int, pipeline: str, module: nn.Module, settings: Settings) -> Stage:
+        """The user's module of `stage` as a stage copy (backends/stage.py), whose input
+        and output cross boundaries packed (`_Packing`); the optimizer is the caller's."""
+        last = stage == self.program.num_stages - 1
+        packing = _Packing(module, stage, last, self.boundaries)
+        trained = [p for p in module.parameters() if p.requires_grad]
+        return Stage(stage, pipeline, range(0), packing, stage == 0, last, trained, None, settings)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters of every stage copy this rank holds, for its optimizer."""
@@ -146,11 +162,8 @@ class PipelineSchedule:
         self.targets = _micro_batches(target, n, "the target")
         self.scale = 1.0 / (n * self.copies_count)
         self.values: dict[deps.Key, torch.Tensor] = {}
-        self.saved: dict[tuple[int, int, str], list[Any]] = {}
-        """Per micro-batch and stage: its input (packed, or stage 0's as given), output, dy."""
-        self.work: dict[tuple[int, int, str], WeightWork | None] = {}
         self.losses: list[torch.Tensor] = []
-        self.reducing: list[tuple[int, nn.Module, torch.Tensor, list[torch.Tensor], Handle]] = []
+        self.reducing: list[tuple[Stage, torch.Tensor, list[torch.Tensor], Handle]] = []
         for action in self.program.ranks[self.rank]:
             self._run(action)
         self.transport.end_step()
@@ -173,36 +186,13 @@ class PipelineSchedule:
         if a.stage is not None:
             self._allreduce(a.stage)
 
-    def _stage_output(self, a: Action, x: Any) -> torch.Tensor:
-        """The stage's output (packed into one tensor where it is several), or on the
-        last stage its share of the loss; `x` is the input as it arrived (packed)."""
-        mb, stage, pipe = _where(a)
-        takes = self.boundaries.get(stage - 1) if stage > 0 else None
-        y = self.stages[(stage, pipe)](x if takes is None else takes.unpack(x))
-        if stage < self.program.num_stages - 1:
-            return self._packed(stage, y)
+    def _loss(self, mb: int, y: Any, record: bool, chunk: int | None) -> torch.Tensor:
+        """The last stage's loss of micro-batch `mb` (`Settings.loss`), scaled by
+        1/(N * copies); recorded once (not again by a recompute)."""
         loss = self.loss_fn(y, self.targets[mb])
-        if a.kind is Kind.F:
+        if record:
             self.losses.append(loss.detach())
         return loss * self.scale
-
-    def _packed(self, stage: int, y: object) -> torch.Tensor:
-        """`y` as it crosses to the next stage: a tensor as it is, several packed into
-        one (each micro-batch's of the structure and shapes the first had)."""
-        if isinstance(y, torch.Tensor) and y.is_floating_point():
-            return y  # an integer tensor crosses as floats, as `run` sends it (Boundary)
-        try:
-            found = Boundary.of(y, f"stage {stage}")
-        except ModelError as err:
-            raise fail("usage", clip(str(err))) from None
-        known = self.boundaries.setdefault(stage, found)
-        if found != known:
-            raise fail(
-                "usage",
-                f"stage {stage} hands on {_described(found)}, but before it handed on "
-                f"{_described(known)}: every micro-batch's must have one structure and shape",
-            )
-        return known.pack(y)
 
     def _forward(self, a: Action) -> None:
         mb, stage, pipe = _where(a)
@@ -214,75 +204,32 @@ class PipelineSchedule:
                 .detach()
                 .requires_grad_(True)
             )
-        if self.recomputes:
-            with torch.no_grad():
-                y = self._stage_output(a, x)
-            self.saved[(mb, stage, pipe)] = [x, None, None]
-        elif self.stash is not None:
-            module = self.stages[(stage, pipe)]
-            with self.stash.recording((mb, stage, pipe, None), a.text(), module):
-                y = self._stage_output(a, x)
-            self.saved[(mb, stage, pipe)] = [x, y, None]
-        else:
-            y = self._stage_output(a, x)
-            self.saved[(mb, stage, pipe)] = [x, y, None]
+        y = self.copies[(stage, pipe)].forward(mb, x)
         if stage < self.program.num_stages - 1:
             self.values[(Kind.F, mb, stage, pipe, None)] = y.detach()
 
     def _recompute(self, a: Action) -> None:
-        saved = self.saved[_where(a)]
-        assert saved[0] is not None
-        saved[1] = self._stage_output(a, saved[0])
+        mb, stage, pipe = _where(a)
+        self.copies[(stage, pipe)].recompute(mb)
 
     def _backward(self, a: Action) -> None:
-        mb, stage, pipe = key = _where(a)
-        x, y, _ = self.saved[key]
-        assert y is not None and x is not None
-        last = stage == self.program.num_stages - 1
-        if not y.requires_grad:
-            what = "loss" if last else "output (no tensor of it requires a gradient)"
+        mb, stage, pipe = _where(a)
+        copy = self.copies[(stage, pipe)]
+        y = copy.saved[copy.key(mb)].y
+        if y is not None and not y.requires_grad:
+            what = "loss" if copy.last else "output (no tensor of it requires a gradient)"
             raise fail(
                 "usage",
                 f"stage {stage}'s {what} for micro-batch {mb} has no gradient to go back by",
             )
-        dy = None if last else self.values.pop(deps.gradient_input(mb, stage, pipe, None))
-        if self.split:
-            self._split_backward(key, x, y, dy)
-            return
-        torch.autograd.backward(y, dy)
-        del self.saved[key]
-        if stage > 0:  # none where the input reached no output (an integer mask, say)
-            self.values[(Kind.B, mb, stage, pipe, None)] = _or_zeros(x.grad, x)
-
-    def _split_backward(
-        self, key: tuple[int, int, str], x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor | None
-    ) -> None:
-        """B: the input's gradient, and what W reads kept (the rest released; without a
-        recorded forward, the whole graph kept)."""
-        mb, stage, pipe = key
-        params = _trained(self.stages[(stage, pipe)])
-        needed: set[int] = set()
-        stash, entry = self.stash, (mb, stage, pipe, None)
-        probe = None if stash is None else stash.prober(entry, needed)
-        own = [x] if stage > 0 else []
-        found, work = split_backward([y], [dy], own, params, probe)
-        if own:
-            self.values[(Kind.B, mb, stage, pipe, None)] = _or_zeros(found[0], x)
-        self.work[key] = work
-        if work is None:
-            self.saved[key][2] = dy  # W differentiates the whole graph again
-        else:
-            assert stash is not None
-            stash.keep(entry, needed, work.gradients())
-            self.saved[key] = [None, None, None]  # W reads only what the stash kept
+        dy = None if copy.last else self.values.pop(deps.gradient_input(mb, stage, pipe, None))
+        dx = copy.backward(mb, dy)
+        if dx is not None:
+            self.values[(Kind.B, mb, stage, pipe, None)] = dx
 
     def _weight_grad(self, a: Action) -> None:
-        mb, stage, pipe = key = _where(a)
-        _, y, dy = self.saved.pop(key)
-        params = _trained(self.stages[(stage, pipe)])
-        weight_pass(self.work.pop(key), [] if y is None else [y], [dy], params)
-        if self.stash is not None:
-            self.stash.forget((mb, stage, pipe, None))
+        mb, stage, pipe = _where(a)
+        self.copies[(stage, pipe)].weight_grad(mb)
 
     # ---- messages: the first of each kind and stage on a channel announces its shape --------
 
@@ -327,26 +274,59 @@ class PipelineSchedule:
     def _allreduce(self, stage: int) -> None:
         if len(reduce_ranks(self.program, stage, self.copies_count)) < 2:
             return
-        module = next(m for (s, _), m in self.stages.items() if s == stage)
-        params = _trained(module)  # a frozen parameter gets no gradient, summed or not
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        self.reducing.append((stage, module, flat, grads, self.transport.allreduce(stage, flat)))
+        copy = next(c for (s, _), c in self.copies.items() if s == stage)
+        flat, grads = copy.flat_gradients()  # a frozen parameter's gradient is not summed
+        self.reducing.append((copy, flat, grads, self.transport.allreduce(stage, flat)))
 
     def _finish(self) -> None:
         """At `step`: stages with no allreduce of their own (no replica in the schedule,
         but `--dp`-style copies) are summed now; then every sum is written back."""
-        reduced = {id(m) for _, m, *_ in self.reducing}
-        for (stage, _), module in self.stages.items():
-            if id(module) not in reduced:
+        reduced = {id(c) for c, *_ in self.reducing}
+        for (stage, _), copy in self.copies.items():
+            if id(copy) not in reduced:
                 self._allreduce(stage)
         # in stage order on every process: a sum over more than two copies runs here
-        for _, module, flat, grads, handle in sorted(self.reducing, key=lambda r: r[0]):
+        for copy, flat, grads, handle in sorted(self.reducing, key=lambda r: r[0].stage):
             handle.wait()
-            for param, grad in zip(
-                _trained(module), _unflatten_dense_tensors(flat, grads), strict=True
-            ):
-                param.grad = grad
+            copy.set_gradients(flat, grads)
+
+
+class _Packing(nn.Module):
+    """A user's stage as `Stage` runs it: the input unpacked where the stage before hands
+    on several tensors, the output packed into one where this one does (not on the last
+    stage, whose output goes to the loss)."""
+
+    def __init__(
+        self, stage: nn.Module, index: int, last: bool, boundaries: dict[int, Boundary]
+    ) -> None:
+        super().__init__()
+        self.stage = stage
+        self.index = index
+        self.last = last
+        self.boundaries = boundaries
+
+    def forward(self, x: torch.Tensor) -> Any:
+        takes = self.boundaries.get(self.index - 1) if self.index > 0 else None
+        y = self.stage(x if takes is None else takes.unpack(x))
+        return y if self.last else self._packed(y)
+
+    def _packed(self, y: object) -> torch.Tensor:
+        """`y` as it crosses to the next stage: a tensor as it is, several packed into
+        one (each micro-batch's of the structure and shapes the first had)."""
+        if isinstance(y, torch.Tensor) and y.is_floating_point():
+            return y  # an integer tensor crosses as floats, as `run` sends it (Boundary)
+        try:
+            found = Boundary.of(y, f"stage {self.index}")
+        except ModelError as err:
+            raise fail("usage", clip(str(err))) from None
+        known = self.boundaries.setdefault(self.index, found)
+        if found != known:
+            raise fail(
+                "usage",
+                f"stage {self.index} hands on {_described(found)}, but before it handed on "
+                f"{_described(known)}: every micro-batch's must have one structure and shape",
+            )
+        return known.pack(y)
 
 
 def _micro_batches(value: object, n: int, what: str) -> list[Any]:
@@ -368,10 +348,6 @@ def _micro_batches(value: object, n: int, what: str) -> list[Any]:
     return [pytree.tree_unflatten([p[i] for p in parts], tree) for i in range(n)]
 
 
-def _or_zeros(grad: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(x) if grad is None else grad
-
-
 def _boundary_text(boundary: Boundary) -> bytes:
     """A Boundary as the bytes that announce it on a channel (`_boundary_of_text`)."""
     leaves = [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in boundary.leaves]
@@ -388,11 +364,6 @@ def _boundary_of_text(text: bytes) -> Boundary:
 def _described(boundary: Boundary) -> str:
     shapes = ", ".join(f"{list(shape)} {str(dtype)[6:]}" for shape, dtype in boundary.leaves)
     return f"{len(boundary.leaves)} tensors ({shapes})"
-
-
-def _trained(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of a stage copy that take gradients (a frozen one does not)."""
-    return [p for p in module.parameters() if p.requires_grad]
 
 
 def _where(a: Action) -> tuple[int, int, str]:

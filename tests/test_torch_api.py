@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import pipelang
 import pipelang.torch
+from pipelang.backends import stage as stage_module
 from pipelang.ir import Action, Kind
 from pipelang.torch import PipelineSchedule
 
@@ -64,14 +65,29 @@ def test_refusals_before_anything_runs() -> None:
         PipelineSchedule(pipelang.load("1f1b", D=2, N=2), build, lambda y, t: y)  # type: ignore[arg-type]
 
 
+APART = """
+schedule apart(N: int = 4) {
+    ops F, B, W
+    pipeline main: stage s in 0..1 -> rank s
+    microbatches 0..N -> main
+    order rank r {
+        for i in 0..N { F(i) }
+        for i in 0..N { B(i) }
+        for i in 0..N { W(i) }
+    }
+}
+"""
+
+
 def test_a_split_schedule_keeps_after_b_only_what_w_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """zb-h1 in the user's own loop (one process, D = 1, N = 4): after each B, the
-    micro-batch's saved tensors that W does not read are released (backends/
-    weight_split.py, as `pipelang run` does), W reads the rest, nothing is left after the
-    step, and the gradients are one process's, summed micro-batch by micro-batch as the
-    schedule sums them, bit for bit."""
+    """A split schedule in the user's own loop (one process, D = 1, N = 4, every W after
+    every B): after each B, the micro-batch's saved tensors that W does not read are
+    released (backends/weight_split.py, as `pipelang run` does), W reads the rest,
+    nothing is left after the step, and the gradients are one process's, summed
+    micro-batch by micro-batch as the schedule sums them, bit for bit. zb-h1 at D = 1
+    runs each W right after its B: one whole backward each, nothing split."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -91,13 +107,22 @@ def test_a_split_schedule_keeps_after_b_only_what_w_reads(
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        sched = PipelineSchedule(pipelang.load("zb-h1", D=1, N=4), build, loss_fn)
-        assert sched.stash is not None
+        splits: list[int] = []
+        split_backward = stage_module.split_backward
+        monkeypatch.setattr(
+            stage_module, "split_backward", lambda *a: splits.append(1) or split_backward(*a)
+        )
+        PipelineSchedule(pipelang.load("zb-h1", D=1, N=4), build, loss_fn).step(x, target)
+        assert splits == []
+        apart = tmp_path / "apart.pipe"
+        apart.write_text(APART)
+        sched = PipelineSchedule(pipelang.load(str(apart), N=4), build, loss_fn)
+        stash = sched.copies[(0, "main")].settings.stash
+        assert stash is not None
         whole: dict[int, int] = {}
         kept: dict[int, int] = {}
         handlers = pipelang.torch._HANDLERS
         forward, weight = handlers[Kind.F], handlers[Kind.W]
-        stash = sched.stash
 
         def spy_forward(self: PipelineSchedule, a: Action) -> None:
             forward(self, a)
@@ -112,7 +137,8 @@ def test_a_split_schedule_keeps_after_b_only_what_w_reads(
         sched.step(x, target)
         assert sorted(whole) == sorted(kept) == [0, 1, 2, 3]
         assert all(0 < kept[mb] < whole[mb] for mb in whole)  # the GELU's, the norm's went
-        assert not sched.stash.entries
+        assert len(splits) == 4
+        assert not stash.entries
         alone = build(0)
         for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):  # as the schedule sums
             (loss_fn(alone(xs), ts) * 0.25).backward()

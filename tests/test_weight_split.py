@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import Node
 
-from pipelang.backends import rank_compute
+from pipelang.backends import stage as stage_module
 from pipelang.backends.config import RunConfig
 from pipelang.backends.local import run_local
 from pipelang.backends.measure import activation_peaks, stage_activation_bytes
@@ -305,8 +305,8 @@ def test_a_w_right_after_its_b_runs_nothing(
 
         return call
 
-    monkeypatch.setattr(rank_compute, "split_backward", counted("split", split_backward))
-    monkeypatch.setattr(rank_compute, "weight_pass", counted("weight", weight_pass))
+    monkeypatch.setattr(stage_module, "split_backward", counted("split", split_backward))
+    monkeypatch.setattr(stage_module, "weight_pass", counted("weight", weight_pass))
     monkeypatch.setattr(Stash, "recording", counted("recorded", Stash.recording))
     program = stdlib("zb-h1", D=4, N=8)
     config = RunConfig(backend="local", steps=1)
