@@ -16,7 +16,7 @@ of the op's kind makes (`ACTION_CALLS` for an action, `STREAM_CALLS` for a strea
 
 (`update` belongs to asynchronous schedules; its `version` counts the copy's updates from
 1 in each iteration; see docs/runtime.md.) A stream op's call names its data slots
-(`rt.forward(mb=0, stage=1, pipeline="main", x="d0")`), its events and its peers
+(`rt.slot_forward(mb=0, stage=1, pipeline="main", x="d0")`), its events and its peers
 (backends/stream_runtime.py).
 
 `RankProgram` binds a rank's calls to its runtime once and runs them each step; for a
@@ -78,6 +78,14 @@ _COMPUTE = {
     Kind.P: "frozen_forward",
 }
 """The runtime method of each compute kind."""
+
+_SLOT_COMPUTE = {
+    **_COMPUTE,
+    Kind.F: "slot_forward",
+    Kind.B: "slot_backward",
+    Kind.P: "slot_frozen_forward",
+}
+"""The same in a stream program, whose F, B and P read and write data slots."""
 
 _STASH = {Kind.E: "evict", Kind.H: "hold", Kind.L: "load"}
 """The runtime method of each eviction action (BPipe; backends/stash.py)."""
@@ -171,7 +179,7 @@ dx; P writes y."""
 def _stream_compute(op: StreamOp, action: Action, world: int) -> Call:
     data = [(a, False) for a in op.reads] + [(a, True) for a in op.writes]
     named = tuple((_ROLE[(action.kind, out)], a.slot) for a, out in data if _is_data(a.slot))
-    return Call(_COMPUTE[action.kind], (), (*_op(action), *named, *_chunk(action)))
+    return Call(_SLOT_COMPUTE[action.kind], (), (*_op(action), *named, *_chunk(action)))
 
 
 def _stream_transfer(op: StreamOp, action: Action, world: int) -> Call:
@@ -185,7 +193,7 @@ def _stream_transfer(op: StreamOp, action: Action, world: int) -> Call:
 def _stream_signal(op: StreamOp, action: Action, world: int) -> Call:
     assert action.peer is not None
     if action.kind is Kind.SIGNAL:
-        return Call("signal", (), (("to", action.peer % world),))
+        return Call("send_signal", (), (("to", action.peer % world),))
     return Call("wait_signal", (), (("src", action.peer % world),))
 
 

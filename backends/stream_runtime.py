@@ -259,7 +259,7 @@ class StreamRankRuntime(RankRuntime):
         self._on(f"recv{src}", lambda: group.recv([view], peer, 0))
 
     @_action
-    def signal(self, to: int) -> None:  # type: ignore[override]
+    def send_signal(self, to: int) -> None:
         """Tell rank `to` an op finished (an `after` dependency): a one-element message."""
         group, peer = self.channels.out[to]
         message = self._message("to", to)
@@ -296,7 +296,7 @@ class StreamRankRuntime(RankRuntime):
 
     # ---- compute: slots in, slots out --------------------------------------------------------
 
-    def forward(  # type: ignore[override]
+    def slot_forward(
         self,
         mb: int,
         stage: int,
@@ -308,20 +308,18 @@ class StreamRankRuntime(RankRuntime):
         if x is not None:
             key = self.input_key(mb, stage, pipeline, chunk)
             self.values[key] = self._view(x, stage - 1, key[4], mb).clone()
-        super().forward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
+        self.forward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
         if y is not None:
             self._view(y, stage, chunk, mb).copy_(
                 self.values.pop(("F", mb, stage, pipeline, chunk))
             )
 
-    def frozen_forward(  # type: ignore[override]
-        self, mb: int, stage: int, pipeline: str, y: str | None = None
-    ) -> None:
-        super().frozen_forward(mb=mb, stage=stage, pipeline=pipeline)
+    def slot_frozen_forward(self, mb: int, stage: int, pipeline: str, y: str | None = None) -> None:
+        self.frozen_forward(mb=mb, stage=stage, pipeline=pipeline)
         if y is not None:
             self._view(y, -1, None, mb).copy_(self.values.pop(("P", mb, stage, pipeline, None)))
 
-    def backward(  # type: ignore[override]
+    def slot_backward(
         self,
         mb: int,
         stage: int,
@@ -337,7 +335,7 @@ class StreamRankRuntime(RankRuntime):
             self.values[("B", mb, stage + 1, pipeline, chunk)] = (
                 incoming.clone() if split else incoming
             )
-        super().backward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
+        self.backward(mb=mb, stage=stage, pipeline=pipeline, chunk=chunk)
         if dx is not None:
             self._view(dx, stage - 1, chunk, mb).copy_(
                 self.values.pop(("B", mb, stage, pipeline, chunk))

@@ -67,9 +67,9 @@ def test_a_ranks_stream_calls_read_as_its_dump() -> None:
     assert not [line for line in body if 'on="compute")' in line and "record_event" in line]
     assert not [line for line in body if "wait_event" in line and 'on="compute")' not in line]
     first_recv = next(i for i, line in enumerate(body) if "rt.recv(" in line)
-    first_compute = next(i for i, line in enumerate(body) if "rt.forward(" in line)
+    first_compute = next(i for i, line in enumerate(body) if "rt.slot_forward(" in line)
     assert first_recv < first_compute
-    assert 'rt.forward(mb=0, stage=1, pipeline="main", x="d0")' in body
+    assert 'rt.slot_forward(mb=0, stage=1, pipeline="main", x="d0")' in body
 
 
 class _Driven:
