@@ -2,7 +2,7 @@
 
 Each field that `pipelang run` (and a generated rank file) takes from its command line
 says so here, with its help text and how its value is read (`Option`); the CLI builds the
-options from these fields (`cli/args.py`, `add_run_arguments`) and the config back from
+options from these fields (`cli/run_options.py`, `add_run_arguments`) and the config back from
 them (`config_from_args`), so a new option is one field. The model's own options
 (`--model`, `--micro-batch-size`, `--seq-len`, `--dtype`, `--seed`) are shared with
 `profile` and `simulate --model` and are the CLI's `add_model_arguments`. Nothing here
@@ -33,7 +33,7 @@ MAX_STEPS = 10**9
 @dataclass(frozen=True, slots=True)
 class Option:
     """How the command line gives a field: its help, how the text is read (`parse`: a
-    reader the CLI names, `cli/args.py`'s `READERS`; "" for a flag), and its metavar and
+    reader the CLI names, `cli/run_options.py`'s `READERS`; "" for a flag), and its metavar and
     choices."""
 
     help: str

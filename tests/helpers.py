@@ -40,7 +40,7 @@ from pipelang.api import load_program
 from pipelang.backends.launch import run_program
 from pipelang.backends.processes import action_labels
 from pipelang.cli import main
-from pipelang.cli.args import add_run_arguments, config_from_args
+from pipelang.cli.run_options import add_run_arguments, config_from_args
 from pipelang.compiler import SCHEDULE_DONE, Options, run_passes, stream_program
 from pipelang.diagnostics import Diagnostic, PipelangError
 from pipelang.import_torch import check_pipe

@@ -78,6 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     as_json = _wants_json(argv)
+    if getattr(args, "config", None) is not None:  # `run --config FILE`: its options first
+        try:
+            args = _configured(parser, args, argv)
+        except UsageError as err:
+            return _usage_error(f"pipelang {args.command}: error: {err}", as_json)
+        except _BadArguments as err:
+            err.parser.print_usage(sys.stderr)
+            return _usage_error(f"{err.parser.prog}: error: {err}", as_json)
     try:
         return int(COMMANDS[args.command].run(args))
     except UsageError as err:
@@ -106,6 +114,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if as_json:
             _print_json_error("internal", message)
         return 1
+
+
+def _configured(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]
+) -> argparse.Namespace:
+    """The command line parsed again over the --config file's options as defaults, so
+    that the options given on it override the file's (cli/config_file.py)."""
+    from pipelang.cli.config_file import read_config
+
+    command = COMMAND_PARSERS[args.command]
+    command.set_defaults(**read_config(args.config, command))
+    return parser.parse_args(argv)
 
 
 def _wants_json(argv: Sequence[str]) -> bool:
@@ -171,4 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="show Python tracebacks for internal errors",
         )
         module.setup(command)
+        COMMAND_PARSERS[name] = command
     return parser
+
+
+COMMAND_PARSERS: dict[str, argparse.ArgumentParser] = {}
+"""Each command's parser, as the last `build_parser` made it."""

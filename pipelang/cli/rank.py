@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelang.cli.args import UsageError, add_run_arguments, config_from_args, path
+from pipelang.cli.args import UsageError, path
+from pipelang.cli.run_options import add_run_arguments, config_from_args
 from pipelang.diagnostics import PipelangError
 from pipelang.passes.validate.lowered import read_lowered
 

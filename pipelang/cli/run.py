@@ -5,19 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipelang.cli.args import (
-    add_run_arguments,
-    add_schedule_arguments,
-    compile_args,
-    config_from_args,
-)
+from pipelang.cli.args import UsageError, add_schedule_arguments, compile_args, path
+from pipelang.cli.config_file import write_effective_config
+from pipelang.cli.run_options import add_run_arguments, config_from_args
 
 HELP = "train a model with the schedule: one process per rank (gloo), or local"
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
-    add_schedule_arguments(parser)
+    add_schedule_arguments(parser, optional=True)
     add_run_arguments(parser)
+    parser.add_argument(
+        "--config",
+        type=path,
+        metavar="FILE.toml",
+        help="take the options from a TOML file: each option a key named as its flag "
+        '(`steps = 100`, `lr-schedule = "cosine"`, a flag `check = true`), `schedule = '
+        "\"1f1b\"` and a [params] table; the command line's options override the file's. "
+        "With --save DIR, the run writes DIR/config.toml, which runs it again",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,8 +36,14 @@ def run(args: argparse.Namespace) -> int:
             from pipelang.compiler import stream_program
             from pipelang.planner.write import read_plan
 
+            if args.sched is None:
+                raise UsageError(
+                    "give the schedule: SCHED (a .pipe file or a stdlib name), or "
+                    "`schedule = ...` in the --config file"
+                )
             program = compile_args(args).need_program()
             config = config_from_args(args)
+            write_effective_config(args, _parser())
             # what the ranks run comes from the compiler: their stream program, checked
             streams = lambda: stream_program(program, config.dp)  # noqa: E731
             return run_program(program, config, streams, read_plan(program.source))
@@ -44,3 +56,10 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return EXIT_STATUS
+
+
+def _parser() -> argparse.ArgumentParser:
+    """`pipelang run`'s options alone (what its written config lists)."""
+    parser = argparse.ArgumentParser(prog="pipelang run")
+    setup(parser)
+    return parser
