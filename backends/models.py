@@ -1,8 +1,9 @@
 """Models a run trains, cut into pipeline stages, and the synthetic data they train on.
 
 A model is an ordered list of layers (`LayeredModel.layers`); stage `s` is a contiguous
-slice of them (`partition`). Every rank builds the whole model from the seed and keeps
-only its stages, so replicas of a stage start identical without any communication.
+slice of them (`partition`). A rank materializes only its stages' layers of a built-in
+model, each from its own seed (backends/layer_init.py), and builds a user's model whole
+from the seed, so the replicas of a stage start identical without any communication.
 
     gpt:tiny | gpt:small | gpt:medium    a GPT from torch.nn (see `GPT_SIZES`)
     llama:tiny | llama:small             a Llama: RMSNorm, rotary positions, SwiGLU,
@@ -24,7 +25,7 @@ import contextlib
 import contextvars
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import torch.nn.functional as functional
 from torch import nn
 
 from pipelang.backends.data import DataError, check_tokens, sample_batch, synthetic_batch
+from pipelang.backends.layer_init import init_layer, materialize
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.model_import import trust
 from pipelang.backends.user_models import Tie, said, user_model
@@ -50,6 +52,11 @@ class GPTConfig:
     heads: int
     blocks: int
     seq_len: int
+
+    @property
+    def init(self) -> tuple[frozenset[str], float]:
+        """GPT-2's `init_layer` rule: the residual projections scaled by 1/sqrt(2 * blocks)."""
+        return frozenset({"proj.weight", "out.weight"}), 0.02 * (1 / math.sqrt(2 * self.blocks))
 
 
 GPT_SIZES: dict[str, GPTConfig] = {
@@ -179,20 +186,11 @@ class Head(nn.Module):
 
 
 def gpt_layers(cfg: GPTConfig, seq_len: int) -> list[nn.Module]:
-    """The layers of a GPT: embedding, `blocks` transformer blocks, head; GPT-2 init."""
-    layers: list[nn.Module] = [Embedding(cfg, seq_len)]
-    layers.extend(Block(cfg) for _ in range(cfg.blocks))
-    layers.append(Head(cfg))
+    """The layers of a GPT: embedding, `blocks` transformer blocks, head; GPT-2 init
+    (`GPTConfig.init`) drawn from torch's global generator (none on the meta device)."""
+    layers = [Embedding(cfg, seq_len), *(Block(cfg) for _ in range(cfg.blocks)), Head(cfg)]
     for layer in layers:
-        for name, param in layer.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(param)
-            elif param.dim() >= 2:
-                # GPT-2 scales the residual projections by 1/sqrt(2 * blocks).
-                scale = (
-                    1 / math.sqrt(2 * cfg.blocks) if name in ("proj.weight", "out.weight") else 1
-                )
-                nn.init.normal_(param, 0.0, 0.02 * scale)
+        init_layer(layer, *cfg.init)
     return layers
 
 
@@ -208,6 +206,11 @@ class LlamaConfig:
     blocks: int
     hidden: int
     seq_len: int
+
+    @property
+    def init(self) -> tuple[frozenset[str], float]:
+        """Llama's `init_layer` rule: the residual outputs scaled by 1/sqrt(2 * blocks)."""
+        return frozenset({"o.weight", "down.weight"}), 0.02 / math.sqrt(2 * self.blocks)
 
 
 LLAMA_SIZES: dict[str, LlamaConfig] = {
@@ -293,16 +296,11 @@ class LlamaHead(nn.Module):
 
 def llama_layers(cfg: LlamaConfig) -> list[nn.Module]:
     """The layers of a Llama: token embedding (positions are rotary, inside attention),
-    `blocks` blocks, head; normal(0, 0.02) weights, the residual outputs scaled by
-    1/sqrt(2 * blocks)."""
-    layers: list[nn.Module] = [nn.Embedding(cfg.vocab, cfg.width)]
-    layers.extend(LlamaBlock(cfg) for _ in range(cfg.blocks))
+    `blocks` blocks, head; `LlamaConfig.init` drawn from torch's global generator."""
+    layers = [nn.Embedding(cfg.vocab, cfg.width), *(LlamaBlock(cfg) for _ in range(cfg.blocks))]
     layers.append(LlamaHead(cfg))
     for layer in layers:
-        for name, param in layer.named_parameters():
-            if param.dim() >= 2:
-                residual = name in ("o.weight", "down.weight")
-                nn.init.normal_(param, 0.0, 0.02 / (math.sqrt(2 * cfg.blocks) if residual else 1))
+        init_layer(layer, *cfg.init)
     return layers
 
 
@@ -342,37 +340,41 @@ class ModelSpec:
             raise ModelError(f"unknown dtype `{self.dtype}`; use one of: {', '.join(DTYPES)}")
         return DTYPES[self.dtype]
 
-    def build(self) -> LayeredModel:
-        """The whole model in fp32 on the current default device, seeded, then cast."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model = self._build_fp32()
-        for layer in model.layers:
-            layer.to(self.torch_dtype)
-        for layer in model.layers[: self.frozen_layers]:
-            layer.requires_grad_(False)
-        return model
-
-    def _build_fp32(self) -> LayeredModel:
+    def build(self, layers: Iterable[int] | None = None) -> LayeredModel:
+        """The model on the current default device: a built-in one made on the meta
+        device with only `layers` (None: all) materialized, each from a seed of its own
+        (backends/layer_init.py), the rest left on meta (`LayeredModel.materialize`); a
+        user's whole, whatever `layers` says, in fp32 from the seed, then cast."""
         kind, sep, rest = self.name.partition(":")
         if not sep or not rest:
             raise ModelError(
                 f"`--model {self.name}`: expected gpt:SIZE, llama:SIZE, module:FUNC or file.py:FUNC"
             )
-        sizes = MODEL_FAMILIES.get(kind)
-        if sizes is None:
-            built = user_model(self)
-            return LayeredModel(
+        if kind in MODEL_FAMILIES:
+            with torch.device("meta"):
+                model = self._built_in(kind, rest)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                built = user_model(self)
+            model = LayeredModel(
                 self, built.layers, built.vocab, built.seq_len, built.stages, built.loss, built.ties
             )
-        if rest not in sizes:
-            raise ModelError(f"unknown {kind} size `{rest}`; use one of: {', '.join(sizes)}")
-        if kind == "gpt":
-            cfg = GPT_SIZES[rest]
-            seq_len = self.seq_len or cfg.seq_len
-            return LayeredModel(self, gpt_layers(cfg, seq_len), cfg.vocab, seq_len)
-        llama = LLAMA_SIZES[rest]
-        return LayeredModel(self, llama_layers(llama), llama.vocab, self.seq_len or llama.seq_len)
+        for layer in model.layers:
+            layer.to(self.torch_dtype)
+        for layer in model.layers[: self.frozen_layers]:
+            layer.requires_grad_(False)
+        model.materialize(range(len(model.layers)) if layers is None else layers)
+        return model
+
+    def _built_in(self, kind: str, size: str) -> LayeredModel:
+        """`gpt:SIZE` or `llama:SIZE` (on the meta device: nothing drawn, nothing made)."""
+        sizes = MODEL_FAMILIES[kind]
+        if size not in sizes:
+            raise ModelError(f"unknown {kind} size `{size}`; use one of: {', '.join(sizes)}")
+        cfg, seq_len = sizes[size], self.seq_len or sizes[size].seq_len
+        layers = gpt_layers(cfg, seq_len) if isinstance(cfg, GPTConfig) else llama_layers(cfg)
+        return LayeredModel(self, layers, cfg.vocab, seq_len, init=cfg.init)
 
 
 @dataclass(slots=True)
@@ -391,6 +393,13 @@ class LayeredModel:
     """The model function's `loss(output, targets)`; None: next-token cross-entropy."""
     ties: tuple[Tie, ...] = ()
     """Parameters shared by several layers (a user model's tied weights)."""
+    init: tuple[frozenset[str], float] | None = None
+    """A built-in model's `layer_init.init_layer` rule; None: a user's, built whole."""
+
+    def materialize(self, indices: Iterable[int]) -> None:
+        """Give the layers `indices` still on meta their weights (backends/layer_init.py)."""
+        if self.init is not None:
+            materialize(self.layers, indices, self.spec.seed, self.spec.torch_dtype, self.init)
 
     def batch(self, step: int, mb: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and next-token targets of micro-batch `mb` of step `step`."""

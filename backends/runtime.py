@@ -2,9 +2,10 @@
 
 A rank holds the stage copies `program.stage_copies(rank)`, each a `Stage`
 (backends/stage.py), which owns its module, optimizer and saved activations and does the
-arithmetic of F, R, B, W, its reduce and its update. Every rank builds the whole model
-from the seed and keeps only those stages, so the replicas of a stage (Chimera's `down`
-and `up` copies) start identical.
+arithmetic of F, R, B, W, its reduce and its update. A rank materializes only those
+stages' layers of a built-in model, each from its own seed (backends/layer_init.py), and
+builds a user's model whole from the seed, keeping only those stages, so the replicas of
+a stage (Chimera's `down` and `up` copies) start identical.
 
 The runtime is what lies between the stages: the inputs and targets of its micro-batches
 and the loss, scaled by 1/N here and nowhere else (`_scaled_loss`, which the stages call
@@ -133,9 +134,11 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
 
     def _build_stages(self, shapes: Shapes | None) -> None:
         """The model cut into this rank's stage copies (and its frozen part where the rank
-        runs `P`); the rest of the model is let go."""
+        runs `P`): of a built-in model only their layers are ever materialized, on the
+        rank's device, the rest stay on the meta device (`ModelSpec.build`); a user's is
+        built whole. The rest of the model is let go."""
         program, config, rank, device = self.program, self.config, self.rank, self.device
-        self.model = config.spec.build()
+        self.model = config.spec.build(layers=())
         chunks, attention = program.chunks, program.costs.of("A")
         self.chunk_bounds = chunks and chunks.token_bounds(self.model.seq_len, attention)
         """The token boundaries of the sequence chunks (`Chunks.token_bounds`); None
@@ -159,6 +162,11 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         if shapes is None:
             shapes = plan_stages(config.spec, program.num_stages, config.partition).shapes
         self.shapes = shapes
+        held = {i for s, _ in program.stage_copies(rank) for i in bounds[s]}
+        if rank in (program.frozen or ()):
+            held.update(self.model.frozen_bounds)
+        with torch.device(device):
+            self.model.materialize(held)
         self.copies = {
             (s, p): self._stage_copy(s, p, bounds[s]) for s, p in program.stage_copies(rank)
         }
