@@ -42,6 +42,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from pipelang.backends.model_error import ModelError
+from pipelang.backends.optim import LrSchedule
+from pipelang.backends.precision import master_weights
+from pipelang.backends.rank_sync import clip_coefficient
 from pipelang.backends.stage import Settings, Stage
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import DistTransport, Handle
@@ -52,6 +55,11 @@ from pipelang.ir import Action, Kind, deps
 from pipelang.ir.placement import reduce_ranks
 from pipelang.ir.program import whole_backwards
 from pipelang.schedule import Schedule
+
+__all__ = ["LrSchedule", "PipelineSchedule"]
+"""`LrSchedule` is `pipelang run`'s learning rate per step (warm-up, then constant, cosine
+or linear to a floor), for a loop of your own: `lr = LrSchedule(3e-3, "cosine", warmup=10,
+floor=3e-4, steps=1000).lr(step)`."""
 
 HEADER = 10
 """Length of the int64 header that precedes the first message of each kind and stage on a
@@ -70,8 +78,16 @@ class PipelineSchedule:
         build_stage: Callable[[int], nn.Module],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         timeout: float = 300.0,
+        mixed_precision: str | None = None,
     ) -> None:
         program = schedule.program
+        if mixed_precision not in (None, "bfloat16"):
+            raise fail(
+                "usage",
+                f"mixed_precision={clip(repr(mixed_precision))}: give 'bfloat16' (bf16 compute, "
+                "fp32 master weights) or None",
+            )
+        self.mixed_precision = mixed_precision
         refused = refusal(program, "PipelineSchedule")
         if refused is not None:
             raise fail("usage", refused)
@@ -116,6 +132,9 @@ class PipelineSchedule:
             program, self.rank, self.device, timeout, self.replica, self.copies_count
         )
         self._make_replicas_equal(timeout)
+        if mixed_precision is not None:
+            for copy in self.copies.values():
+                copy.masters = master_weights(copy.params)
         self.announced: set[tuple[str, int, int]] = set()
         self.shapes: dict[tuple[str, int, int], tuple[tuple[int, ...], torch.dtype]] = {}
 
@@ -125,12 +144,41 @@ class PipelineSchedule:
         last = stage == self.program.num_stages - 1
         packing = _Packing(module, stage, last, self.boundaries)
         trained = [p for p in module.parameters() if p.requires_grad]
+        if self.mixed_precision is not None:  # bf16 compute; masters once replicas agree
+            module.to(torch.bfloat16)
         return Stage(stage, pipeline, range(0), packing, stage == 0, last, trained, None, settings)
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters of every stage copy this rank holds, for its optimizer."""
-        for module in self.stages.values():
-            yield from module.parameters()
+        """The parameters of every stage copy this rank holds, for its optimizer; with
+        `mixed_precision`, their fp32 masters, which the next `step` rounds into the bf16
+        parameters the stages compute with (backends/precision.py)."""
+        for (stage, pipeline), module in self.stages.items():
+            masters = self.copies[(stage, pipeline)].masters
+            yield from module.parameters() if masters is None else masters
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """After `step`: scale every gradient of every process so that their global norm
+        is at most `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one model;
+        returns the norm before clipping. Each stage counts once however many copies
+        hold it (replicas and data-parallel copies hold the same sums after `step`), so
+        every process must call it."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        counted: set[int] = set()
+        for copy in self.copies.values():
+            holders = self.program.replicas(copy.stage)
+            if self.replica == 0 and min(holders) == self.rank and copy.stage not in counted:
+                counted.add(copy.stage)
+                for param in copy.trained:
+                    if param.grad is not None:
+                        total += param.grad.detach().float().square().sum()
+        dist.all_reduce(total)
+        coefficient = clip_coefficient(total, max_norm)
+        with torch.no_grad():
+            for copy in self.copies.values():
+                for param in copy.trained:
+                    if param.grad is not None:
+                        param.grad.mul_(coefficient.to(param.grad.dtype))
+        return total.sqrt()
 
     def _make_replicas_equal(self, timeout: float) -> None:
         """Every copy of a stage takes the parameters of the first process holding one
@@ -158,6 +206,10 @@ class PipelineSchedule:
         of the mean loss. Returns the mean loss of the micro-batches whose last stage ran
         on this rank, or None if none did."""
         n = self.program.num_microbatches
+        for copy in self.copies.values():
+            copy.finish_update()  # mixed precision: the masters' values into the bf16 copies
+        if self.mixed_precision is not None:
+            x = pytree.tree_map(_bf16, x)
         self.inputs = _micro_batches(x, n, "the batch")
         self.targets = _micro_batches(target, n, "the target")
         self.scale = 1.0 / (n * self.copies_count)
@@ -189,6 +241,8 @@ class PipelineSchedule:
     def _loss(self, mb: int, y: Any, record: bool, chunk: int | None) -> torch.Tensor:
         """The last stage's loss of micro-batch `mb` (`Settings.loss`), scaled by
         1/(N * copies); recorded once (not again by a recompute)."""
+        if self.mixed_precision is not None:  # the loss in fp32, as `pipelang run`'s
+            y = pytree.tree_map(_fp32, y)
         loss = self.loss_fn(y, self.targets[mb])
         if record:
             self.losses.append(loss.detach())
@@ -327,6 +381,18 @@ class _Packing(nn.Module):
                 f"{_described(known)}: every micro-batch's must have one structure and shape",
             )
         return known.pack(y)
+
+
+def _bf16(value: object) -> object:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(torch.bfloat16)
+    return value
+
+
+def _fp32(value: object) -> object:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    return value
 
 
 def _micro_batches(value: object, n: int, what: str) -> list[Any]:
