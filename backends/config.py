@@ -181,9 +181,19 @@ class RunConfig:
     )
     log: str | None = option(
         None,
-        "write one JSON line per step: step, loss, seconds, tokens, tokens_per_s",
+        "write one JSON line per step: step, loss, seconds, tokens, tokens_per_s, lr, "
+        "grad_norm (before clipping), peak_memory (bytes, per rank), bubble (measured) and "
+        "predicted_bubble (the simulator's, with the schedule's costs)",
         "path",
         metavar="FILE.jsonl",
+    )
+    tensorboard: str | None = option(
+        None,
+        "write the --log metrics per step as TensorBoard scalars to DIR, and with --trace "
+        "the measured timeline's figure at the end (needs the tensorboard extra: pip "
+        "install pipelang[tensorboard])",
+        "path",
+        metavar="DIR",
     )
     data: str | None = option(
         None,
@@ -280,6 +290,13 @@ class RunConfig:
                 seq_len=config.seq_len or max(shapes.lengths),
             )
         return config
+
+    @property
+    def logs_metrics(self) -> bool:
+        """Whether each step measures what only the metrics show (`--log`,
+        `--tensorboard`): the gradient norm without `--clip-grad` (a collective over every
+        rank), and on a GPU the step's busy time (a wait for the step's last op)."""
+        return self.log is not None or self.tensorboard is not None
 
     @property
     def run_steps(self) -> int:

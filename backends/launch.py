@@ -94,6 +94,7 @@ def _run_program(
 ) -> int:
     """`run_program`; `stage[0]` says where it is: set-up, ranks, report, or stopped (a
     message about SIGTERM already printed)."""
+    from pipelang.backends.metrics import tensorboard_refusal
     from pipelang.backends.model_import import set_deadline
     from pipelang.backends.models import ModelError
     from pipelang.backends.processes import RunFailure
@@ -101,11 +102,11 @@ def _run_program(
 
     config = config.for_program(program)
     set_deadline(config.timeout, "--timeout")  # for loading a model of the user's own
-    if config.graphs:
-        refusal = graphs_refusal(config)
-        if refusal is not None:
-            err.print(f"error: {refusal}", markup=False)
-            return 2
+    refusal = graphs_refusal(config) if config.graphs else None
+    refusal = refusal or tensorboard_refusal(config.tensorboard)
+    if refusal is not None:
+        err.print(f"error: {refusal}", markup=False)
+        return 2
     try:
         torchrun = torchrun_env() if under_torchrun() else None
     except TorchrunEnvError as error:

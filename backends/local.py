@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from collections.abc import Callable
 
 import torch
 
 from pipelang.backends.config import RunConfig
+from pipelang.backends.metrics import StepMetrics, StepReport, combine
 from pipelang.backends.models import Shapes
 from pipelang.backends.processes import RunFailure, action_labels, where
 from pipelang.backends.rank_base import RankResult
@@ -28,13 +28,13 @@ from pipelang.backends.worker import (
     PHASE_FAILED,
     PHASE_RUNNING,
     PHASE_SETUP,
+    OnStep,
     build_rank,
     describe,
     run_step,
 )
 from pipelang.ir import Program
 
-OnStep = Callable[[int, float, float], None]
 STOP_SECONDS = 5.0
 """How long a run that stops early (SIGTERM, Ctrl-C, --timeout) waits for its rank threads
 to finish the action they are on."""
@@ -66,10 +66,10 @@ class LocalRun:
         self.status = [0] * (3 * self.world)
         self.lock = threading.Lock()
         self.results: dict[int, RankResult] = {}
-        self.pending: dict[int, dict[int, float]] = {}
-        self.seconds: dict[int, float] = {}
-        self.reported: dict[int, int] = {}
+        self.pending: dict[int, dict[int, StepReport]] = {}
+        """Per step not yet combined, the reports of the ranks that finished it."""
         self.losses: list[float] = []
+        self.metrics: list[StepMetrics] = []
         self.failure: tuple[int, str, str] | None = None
         self.stopping = threading.Event()
         """Set when the run stops early: every rank thread stops before its next step."""
@@ -108,7 +108,7 @@ class LocalRun:
             if not trace:  # the watchdog's verdict, not an exception
                 raise RunFailure(f"rank {rank} stopped responding {place}: {what}")
             raise RunFailure(f"rank {rank} failed {place}: {what}", trace)
-        return Outcome([self.results[r] for r in range(self.world)], self.losses)
+        return Outcome([self.results[r] for r in range(self.world)], self.losses, self.metrics)
 
     def _watch(self) -> None:
         """Wait for the rank threads, or call the run hung after `--timeout`.
@@ -175,8 +175,7 @@ class LocalRun:
             for step in range(self.config.steps):
                 if self.stopping.is_set():
                     raise Aborted
-                losses, seconds = run_step(built, step)
-                self._step_done(rank, step, losses, seconds)
+                self._step_done(rank, step, run_step(built, step))
             if transport.stream is not None:
                 transport.stream.synchronize()
             self.results[rank] = runtime.result(self.config.check)
@@ -192,18 +191,17 @@ class LocalRun:
                     self.failure = self.failure or (rank, describe(err), traceback.format_exc())
             self.hub.finish(rank, err)
 
-    def _step_done(self, rank: int, step: int, losses: dict[int, float], seconds: float) -> None:
+    def _step_done(self, rank: int, step: int, report: StepReport) -> None:
         with self.lock:
-            self.pending.setdefault(step, {}).update(losses)
-            self.seconds[step] = max(self.seconds.get(step, 0.0), seconds)
-            self.reported[step] = self.reported.get(step, 0) + 1
-            while self.reported.get(len(self.losses)) == self.world:
+            self.pending.setdefault(step, {})[rank] = report
+            while len(self.pending.get(len(self.losses), {})) == self.world:
                 done = len(self.losses)
                 n = self.program.num_microbatches * self.config.dp
-                merged = self.pending.pop(done)
-                loss = sum(merged.get(mb, float("nan")) for mb in range(n)) / n
+                reports = self.pending.pop(done)
+                loss, seconds, metrics = combine([reports[r] for r in range(self.world)], n)
                 self.losses.append(loss)
-                self.on_step(done, loss, self.seconds[done])
+                self.metrics.append(metrics)
+                self.on_step(done, loss, seconds, metrics)
 
 
 def run_local(program: Program, config: RunConfig, shapes: Shapes, on_step: OnStep) -> Outcome:

@@ -19,7 +19,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from pipelang.backends.backend import BACKENDS, runs_streams
 from pipelang.backends.config import RunConfig
+from pipelang.backends.metrics import StepMetrics, StepReport, combine
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
 from pipelang.backends.report import Outcome
@@ -39,6 +40,7 @@ from pipelang.backends.worker import (
     PHASE_SETUP,
     PHASE_STARTING,
     Job,
+    OnStep,
     from_bytes,
     rank_threads,
     worker_main,
@@ -47,7 +49,6 @@ from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
 from pipelang.ir.streams import StreamProgram
 
-OnStep = Callable[[int, float, float], None]
 GRACE_SECONDS = 0.5
 """After a first failure, how long to keep listening for the one that caused it."""
 HANG_MARGIN = 2.0
@@ -134,9 +135,10 @@ class Launcher:
         self.queue: Any = self.ctx.Queue()
         self.procs: list[Any] = []
         self.results: dict[int, RankResult] = {}
-        self.step_losses: dict[int, dict[int, dict[int, float]]] = {}
-        self.step_seconds: dict[int, float] = {}
+        self.step_reports: dict[int, dict[int, StepReport]] = {}
+        """Per step not yet combined, the reports of the ranks that finished it."""
         self.losses: list[float] = []
+        self.metrics: list[StepMetrics] = []
         self.failures: list[Failure] = []
 
     def run(self) -> Outcome:
@@ -184,7 +186,7 @@ class Launcher:
                 self._stop_all(graceful=not isinstance(sys.exc_info()[1], KeyboardInterrupt))
             if self.failures:
                 raise self._failure_report()
-        return Outcome([self.results[r] for r in range(self.world)], self.losses)
+        return Outcome([self.results[r] for r in range(self.world)], self.losses, self.metrics)
 
     def _watch(self) -> None:
         last_seen: tuple[int, ...] = tuple(self.status)
@@ -221,8 +223,8 @@ class Launcher:
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind, rank = message[0], message[1]
         if kind == "step":
-            _, _, step, losses, seconds = message
-            self._step_done(rank, step, losses, seconds)
+            _, _, step, report = message
+            self._step_done(rank, step, report)
         elif kind == "done":
             self.results[rank] = from_bytes(message[2])
         elif kind == "note":  # a line a rank says (a checkpoint complete)
@@ -236,19 +238,16 @@ class Launcher:
         slot = 3 * rank
         return self.status[slot], self.status[slot + 1], self.status[slot + 2]
 
-    def _step_done(self, rank: int, step: int, losses: dict[int, float], seconds: float) -> None:
-        per_rank = self.step_losses.setdefault(step, {})
-        per_rank[rank] = losses
-        self.step_seconds[step] = max(self.step_seconds.get(step, 0.0), seconds)
-        while len(self.step_losses.get(len(self.losses), {})) == self.world:
+    def _step_done(self, rank: int, step: int, report: StepReport) -> None:
+        self.step_reports.setdefault(step, {})[rank] = report
+        while len(self.step_reports.get(len(self.losses), {})) == self.world:
             done = len(self.losses)
-            merged = {
-                mb: v for part in self.step_losses.pop(done).values() for mb, v in part.items()
-            }
+            reports = self.step_reports.pop(done)
             n = self.program.num_microbatches * self.config.dp
-            loss = sum(merged.get(mb, float("nan")) for mb in range(n)) / n
+            loss, seconds, metrics = combine([reports[r] for r in range(self.world)], n)
             self.losses.append(loss)
-            self.on_step(done, loss, self.step_seconds[done])
+            self.metrics.append(metrics)
+            self.on_step(done, loss, seconds, metrics)
 
     def _check_exits(self) -> None:
         reported = {f.rank for f in self.failures}

@@ -24,6 +24,11 @@ class SyncActions:
     """Synchronisation: the replicas' allreduce, the optimizer step, tied weights,
     gradient clipping, and a checkpoint's state."""
 
+    grad_norm: torch.Tensor | None = None
+    """The global gradient norm before clipping that the last `step` took (0-d, float32,
+    on the device): with `--clip-grad`, or where the metrics ask for it
+    (`RunConfig.logs_metrics`); None where no step took it (the worker clears it)."""
+
     @_comm
     def allreduce(self: RankRuntime, stage: int, pipeline: str) -> None:
         """allreduce: start summing this copy's gradients with the stage's other replicas."""
@@ -73,14 +78,17 @@ class SyncActions:
         """The optimizer step of every copy, gradients summed already; then clear them.
         First a tied weight's copies get the sum of its gradients, and with `--clip-grad`
         the gradients are clipped by the global norm (each a collective over every rank
-        of the run)."""
+        of the run). The norm is taken (`grad_norm`) with `--clip-grad` or where the
+        metrics ask for it, never else: it costs a collective."""
         if self.tied:
             with peer_failures():
                 self.tied.set(self.transport.world_sum(self.tied.contribution()))
-        if self.config.clip_grad is not None:
+        if self.config.clip_grad is not None or self.config.logs_metrics:
             with peer_failures():
                 total = self.transport.world_sum(self.grad_square_sum())
-            self.scale_grads(clip_coefficient(total, self.config.clip_grad))
+            self.grad_norm = total.sqrt()
+            if self.config.clip_grad is not None:
+                self.scale_grads(clip_coefficient(total, self.config.clip_grad))
         self.apply_updates()
 
     def grad_square_sum(self: RankRuntime) -> torch.Tensor:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -21,6 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from pipelang.backends.metrics import StepMetrics, TensorBoardLog, finite
 from pipelang.backends.rank_base import RankResult
 from pipelang.ir import Program
 from pipelang.trace import complete, document, metadata, rank_name
@@ -28,8 +28,10 @@ from pipelang.trace import complete, document, metadata, rank_name
 
 class StepProgress:
     """A rich progress bar over steps (loss, tokens/s, time left); every finished step
-    also prints a line and, with `log`, writes a JSON line to that file. A run resumed at
-    step `first` counts its steps from there, to `steps`."""
+    also prints a line and, with `log`, writes a JSON line to that file (with
+    `tensorboard`, the same numbers as TensorBoard scalars to that directory). A run
+    resumed at step `first` counts its steps from there, to `steps`. `predicted` is the
+    simulator's bubble for the schedule (`metrics.predicted_bubble`), in every line."""
 
     def __init__(
         self,
@@ -39,8 +41,13 @@ class StepProgress:
         tokens_per_step: int = 0,
         log: str | None = None,
         first: int = 0,
+        tensorboard: str | None = None,
+        predicted: float | None = None,
     ) -> None:
         self.steps = steps
+        self.tensorboard_dir = tensorboard
+        self.tensorboard: TensorBoardLog | None = None
+        self.predicted = predicted
         self.first = first
         self.console = console
         self.tokens_per_step = tokens_per_step
@@ -64,6 +71,8 @@ class StepProgress:
             kept = _steps_up_to(Path(self.log_path), self.first)
             self.log = open(self.log_path, "w")  # closed in __exit__
             self.log.writelines(kept)
+        if self.tensorboard_dir is not None:
+            self.tensorboard = TensorBoardLog(self.tensorboard_dir, self.first)
         self.progress.start()
         return self
 
@@ -74,23 +83,40 @@ class StepProgress:
         if self.log is not None:
             with contextlib.suppress(OSError):
                 self.log.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
-    def step(self, i: int, loss: float, seconds: float) -> None:
-        """The `i`-th step of this run (from 0) is done."""
+    def step(self, i: int, loss: float, seconds: float, metrics: StepMetrics | None = None) -> None:
+        """The `i`-th step of this run (from 0) is done; `metrics`, its numbers over every
+        rank (None: not measured, their keys `null`)."""
         step = self.first + i
         rate = self.tokens_per_step / seconds if seconds > 0 else 0.0
         self.progress.console.print(
             f"step {step + 1}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms"
         )
         self.progress.update(self.task, advance=1, loss=f"{loss:.4f}", rate=f"{rate:,.0f}")
+        if self.log is None and self.tensorboard is None:
+            return
+        line: dict[str, Any] = {
+            "step": step + 1,
+            "loss": finite(loss),
+            "seconds": seconds,
+            "tokens": self.tokens_per_step,
+            "tokens_per_s": rate,
+            "lr": None,
+            "grad_norm": None,
+            "peak_memory": None,
+            "bubble": None,
+            "predicted_bubble": finite(self.predicted),
+        }
+        if metrics is not None:
+            line["lr"] = finite(metrics.lr)
+            line["grad_norm"] = finite(metrics.grad_norm)
+            line["peak_memory"] = list(metrics.peak_memory)
+            line["bubble"] = finite(metrics.bubble)
+        if self.tensorboard is not None:
+            self.tensorboard.write(line)
         if self.log is not None:
-            line = {
-                "step": step + 1,
-                "loss": loss if math.isfinite(loss) else None,
-                "seconds": seconds,
-                "tokens": self.tokens_per_step,
-                "tokens_per_s": rate,
-            }
             try:
                 self.log.write(json.dumps(line) + "\n")
                 self.log.flush()
@@ -126,6 +152,8 @@ class Outcome:
 
     results: list[RankResult]
     losses: list[float]
+    metrics: list[StepMetrics] = field(default_factory=list)
+    """Per step, its numbers over every rank (empty where the run did not measure them)."""
 
 
 def training_seconds(results: list[RankResult]) -> float:
@@ -173,6 +201,29 @@ def summary(
             f"{result.peak_memory / 2**20:,.1f} MiB",
         ]
         table.add_row(*cells, *[f"{result.slot_bytes:,} B"] * slots)
+    return table
+
+
+def metrics_table(metrics: list[StepMetrics], predicted: float | None) -> Table:
+    """The step metrics of `--log` after a run, each saying which step(s) it is of (the
+    tokens/s are the summary's title's, the peak memory per rank its column's)."""
+    table = Table("metric", "value", "of", title="step metrics", title_justify="left")
+    last = metrics[-1] if metrics else None
+    lr = "-" if last is None else f"{last.lr:.4g}"
+    table.add_row("learning rate", lr, "the last step")
+    norm = None if last is None else last.grad_norm
+    if norm is None:
+        table.add_row("gradient norm", "-", "not taken (--log, --tensorboard or --clip-grad)")
+    else:
+        table.add_row("gradient norm", f"{norm:.4g}", "the last step, before clipping")
+    bubbles = [m.bubble for m in metrics if m.bubble is not None]
+    measured = f"{sum(bubbles) / len(bubbles):.3f}" if bubbles else "-"
+    table.add_row("bubble, measured", measured, f"the mean over {len(bubbles)} steps")
+    table.add_row(
+        "bubble, predicted",
+        "-" if predicted is None else f"{predicted:.3f}",
+        "pipelang simulate, with the schedule's costs",
+    )
     return table
 
 

@@ -44,7 +44,8 @@ def report(
     """Print the summary (and beside it the step time `predicted` where the schedule is
     a plan), write the trace, run the check; the exit status (143 when SIGTERM stopped
     the run early: there is no check then)."""
-    from pipelang.backends.report import summary, write_trace
+    from pipelang.backends.metrics import predicted_bubble
+    from pipelang.backends.report import metrics_table, summary, write_trace
     from pipelang.backends.termination import stopped_line
     from pipelang.progress import console
 
@@ -62,12 +63,18 @@ def report(
     out.print(
         summary(program, outcome.results, outcome.losses, config.model, config.backend, tokens)
     )
+    out.print(metrics_table(outcome.metrics, predicted_bubble(program)))
     planned = plan_line(config, outcome, predicted)
     if planned:
         out.print(planned, markup=False)
     if config.trace:
         write_trace(Path(config.trace), program, outcome.results)
         out.print(f"wrote the trace of every action to {config.trace}", markup=False)
+        if config.tensorboard is not None and done:
+            from pipelang.backends.metrics import timeline_figure
+
+            last = config.first_step + done
+            out.print(timeline_figure(config.tensorboard, config.trace, last), markup=False)
     if program.weights is not None:
         from pipelang.backends.versions import versions_line
 
@@ -123,11 +130,14 @@ def plan_line(config: RunConfig, outcome: Outcome, predicted: Predicted | None) 
 
 
 def step_progress(program: Program, config: RunConfig, title: str, err: Console) -> StepProgress:
-    """The progress bar, step lines and `--log` of a run."""
+    """The progress bar, step lines, `--log` and `--tensorboard` of a run."""
+    from pipelang.backends.metrics import predicted_bubble
     from pipelang.backends.report import StepProgress
 
     tokens = tokens_per_step(program, config)
-    return StepProgress(config.steps, title, err, tokens, config.log, config.first_step)
+    first, board = config.first_step, config.tensorboard
+    predicted = predicted_bubble(program) if config.logs_metrics else None
+    return StepProgress(config.steps, title, err, tokens, config.log, first, board, predicted)
 
 
 def tokens_per_step(program: Program, config: RunConfig) -> int:

@@ -44,11 +44,13 @@ import torch
 
 from pipelang.backends.config import RunConfig
 from pipelang.backends.executor import GRAPH_WARMUP, action_call
+from pipelang.backends.metrics import StepMetrics, combine
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_sync import clip_coefficient
 from pipelang.backends.report import Outcome
 from pipelang.backends.runtime import RankRuntime
 from pipelang.backends.summation import tree_sum
+from pipelang.backends.worker import OnStep, step_report
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
 from pipelang.ir.streams import (
@@ -60,7 +62,6 @@ from pipelang.ir.streams import (
     value_key,
 )
 
-OnStep = Callable[[int, float, float], None]
 CPU = torch.device("cpu")
 
 
@@ -170,9 +171,12 @@ class StreamExecutor:
             p.runtime.start_clock(start)
             if self.cuda:  # a timing event per action cannot go into a captured graph
                 p.runtime.timed, p.runtime.gpu_events = False, None
+        metrics: list[StepMetrics] = []
         for step in range(self.config.steps):
             began = time.perf_counter()
+            busy = [p.runtime.busy_ns for p in self.processes]
             for p in self.processes:
+                p.runtime.grad_norm = None
                 p.runtime.begin_step(step)
                 p.runtime.load_inputs(step)
                 p.reads_left = Counter(self.reads[p.runtime.world_rank])
@@ -185,16 +189,21 @@ class StreamExecutor:
                 self._on_gpu(lambda: self.iteration(self.seed))
             else:
                 self._replay()
-            merged: dict[int, float] = {}
-            for p in self.processes:
-                merged.update(p.runtime.end_step())
+            ended = [p.runtime.end_step() for p in self.processes]
+            seconds = time.perf_counter() - began
+            reports = [
+                step_report(p.runtime, step, mine, seconds, before)
+                for p, mine, before in zip(self.processes, ended, busy, strict=True)
+            ]
             n = self.program.num_microbatches * self.config.dp
-            losses.append(sum(merged.get(mb, float("nan")) for mb in range(n)) / n)
-            on_step(step, losses[-1], time.perf_counter() - began)
+            loss, _, measured = combine(reports, n)
+            losses.append(loss)
+            metrics.append(measured)
+            on_step(step, loss, seconds, measured)
         results = [p.runtime.result(self.config.check) for p in self.processes]
         for result, nbytes in zip(results, self.allocated_bytes, strict=True):
             result.slot_bytes = nbytes
-        return Outcome(results, losses)
+        return Outcome(results, losses, metrics)
 
     def iteration(self, seed: int) -> None:
         """Run (on a GPU: issue) every op of the stream program once, in the order `seed`
@@ -317,7 +326,8 @@ class StreamExecutor:
         sums, clips and updates them all, a rank's `step` being the last op of its
         iteration."""
         runtime = self.processes[op.rank].runtime
-        if self.config.clip_grad is None and not runtime.tied:
+        norm = self.config.clip_grad is not None or self.config.logs_metrics
+        if not norm and not runtime.tied:
             runtime.apply_updates()
             return
         self.stepping.append(op)
@@ -330,8 +340,11 @@ class StreamExecutor:
             tied = tree_sum([rt.tied.contribution() for rt in runtimes])
             for rt in runtimes:
                 rt.tied.set(tied)
-        if self.config.clip_grad is not None:
+        if norm:
             total = tree_sum([rt.grad_square_sum() for rt in runtimes])
+            for rt in runtimes:
+                rt.grad_norm = total.sqrt()
+        if self.config.clip_grad is not None:
             coefficient = clip_coefficient(total, self.config.clip_grad)
             for rt in runtimes:
                 rt.scale_grads(coefficient)

@@ -21,6 +21,7 @@ from pipelang.diagnostics import clip
 
 if TYPE_CHECKING:
     from pipelang.backends.config import RunConfig
+    from pipelang.backends.metrics import StepMetrics
     from pipelang.backends.worker import RankStopped
     from pipelang.ir import Program
     from pipelang.ir.streams import StreamProgram
@@ -44,16 +45,18 @@ def run_as_torchrun_rank(
 
     err = console(stderr=True)
     losses: list[float] = []
+    measured: list[StepMetrics] = []
     progress = None
     rank = torchrun_env().rank
     if rank == 0:  # the rank that reports: the bar, the lines, --log
         title = f"{program.name} on {config.model} (torchrun)"
         progress = step_progress(program, config, title, err)
 
-    def on_step(step: int, loss: float, seconds: float) -> None:
+    def on_step(step: int, loss: float, seconds: float, metrics: StepMetrics) -> None:
         losses.append(loss)
+        measured.append(metrics)
         if progress is not None:
-            progress.step(step, loss, seconds)
+            progress.step(step, loss, seconds, metrics)
 
     try:
         with progress or contextlib.nullcontext():
@@ -71,7 +74,7 @@ def run_as_torchrun_rank(
         return 1
     if results is None:
         return 0
-    return report(program, config, Outcome(results, losses), predicted)
+    return report(program, config, Outcome(results, losses, measured), predicted)
 
 
 def torchrun_failure(
@@ -138,6 +141,12 @@ def run_rank_file(
             "programs, which `pipelang run ... --graphs` runs itself",
             file=sys.stderr,
         )
+        return 2
+    from pipelang.backends.metrics import tensorboard_refusal
+
+    refusal = tensorboard_refusal(config.tensorboard)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     try:
         preflight(program, config)

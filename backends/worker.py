@@ -34,9 +34,10 @@ from pipelang.backends.executor import (
     stream_rank,
 )
 from pipelang.backends.hosts import HostsError, mismatch, read_hosts, this_host
+from pipelang.backends.metrics import StepMetrics, StepReport, combine
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
-from pipelang.backends.runtime import RankRuntime
+from pipelang.backends.runtime import RankRuntime, peak_memory
 from pipelang.backends.termination import Termination
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport, peer_failures
 from pipelang.diagnostics import InternalError
@@ -45,6 +46,8 @@ from pipelang.ir.streams import StreamProgram
 
 PHASE_STARTING, PHASE_SETUP, PHASE_RUNNING, PHASE_DONE, PHASE_FAILED = range(5)
 """The first entry of a rank's (phase, step, action) status."""
+OnStep = Callable[[int, float, float, StepMetrics], None]
+"""What the reporting process is told after each step: (i, mean loss, seconds, metrics)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,23 +116,63 @@ def build_rank(
     return StreamRankProgram(stream_rt, part.calls, GRAPH_WARMUP if config.graphs else None)
 
 
-def run_step(rank: RankProgram, step: int) -> tuple[dict[int, float], float]:
-    """One training iteration; returns the losses this rank computed and its duration."""
+def run_step(rank: RankProgram, step: int) -> StepReport:
+    """One training iteration; returns this rank's report of it (`step_report`)."""
+    runtime = rank.runtime
+    busy, events = runtime.busy_ns, len(runtime.gpu_events or ())
+    runtime.grad_norm = None
     start = time.perf_counter()
-    rank.runtime.begin_step(step)
+    runtime.begin_step(step)
     rank.run(step)
-    losses = rank.runtime.end_step()
-    return losses, time.perf_counter() - start
+    losses = runtime.end_step()
+    return step_report(runtime, step, losses, time.perf_counter() - start, busy, events)
+
+
+def step_report(
+    runtime: RankRuntime,
+    step: int,
+    losses: dict[int, float],
+    seconds: float,
+    busy: int,
+    events: int = 0,
+) -> StepReport:
+    """A rank's report of step `step`, which took `seconds` and computed `losses`: the
+    step's metrics as this rank sees them (`metrics.py`); its busy time and GPU events
+    were `busy` and `events` before the step."""
+    norm = runtime.grad_norm
+    if norm is not None and runtime.device.type == "cuda" and not runtime.config.logs_metrics:
+        norm = None  # only --clip-grad took it: reading it would wait for the GPU
+    lr = runtime.lr.lr(step)
+    busy_ns = step_busy_ns(runtime, busy, events)
+    peak = peak_memory(runtime.device)
+    return StepReport(losses, seconds, lr, busy_ns, peak, None if norm is None else float(norm))
+
+
+def step_busy_ns(runtime: RankRuntime, busy: int, events: int) -> int | None:
+    """The rank's time in compute actions in the step just run, its busy time having been
+    `busy` and its GPU events `events` before. On a GPU the time is the step's GPU
+    time (as the summary's busy share), read where the metrics ask for it (waiting for
+    the step's events); None where not measured (a captured graph has no events)."""
+    if runtime.device.type != "cuda":
+        return runtime.busy_ns - busy
+    if runtime.gpu_events is None or not runtime.config.logs_metrics:
+        return None
+    mine = runtime.gpu_events[events:]
+    for *_, end in mine:
+        end.synchronize()
+    actions = runtime.program.ranks[runtime.rank]
+    ms = sum(b.elapsed_time(e) for _, i, b, e in mine if actions[i].kind.is_compute)
+    return int(ms * 1e6)
 
 
 def train(
     rank: RankProgram,
     config: RunConfig,
-    done: Callable[[int, dict[int, float], float], None],
+    done: Callable[[int, StepReport], None],
     termination: Termination | None = None,
 ) -> int | None:
     """The steps of a run on one rank: from `--resume`'s checkpoint if given, saving
-    where `--save` asks; `done(i, losses, seconds)` after the i-th step of this run.
+    where `--save` asks; `done(i, report)` after the i-th step of this run.
 
     With `termination`, every rank stops after the first step at which any was asked
     to (SIGTERM), saving there under `--save`; returns that step (None: all ran)."""
@@ -140,8 +183,7 @@ def train(
         runtime.load_checkpoint(config.resume)
     for i in range(config.run_steps):
         step = config.first_step + i
-        losses, seconds = run_step(rank, step)
-        done(i, losses, seconds)
+        done(i, run_step(rank, step))
         saved = checkpoint.saves_after(config, step + 1)
         if saved:
             checkpoint.write(runtime.held(), step + 1, config, runtime.program.name)
@@ -225,7 +267,7 @@ def _set_up(job: Job, status: MutableSequence[int]) -> RankProgram:
 def run_torchrun_rank(
     program: Program,
     config: RunConfig,
-    on_step: Callable[[int, float, float], None],
+    on_step: OnStep,
     streams: StreamProgram | None = None,
 ) -> list[RankResult] | None:
     """This process is one rank under torchrun; rank 0 gets every rank's result.
@@ -268,7 +310,7 @@ def run_torchrun_rank(
         runtime.start_clock()
         status[slot] = PHASE_RUNNING
         n = program.num_microbatches * config.dp
-        done = _step_losses(n, device, on_step if rank == 0 else None)
+        done = _step_reports(n, rank, world, device, on_step if rank == 0 else None)
         stopped = train(built, config, done, termination)
         status[slot] = PHASE_DONE
         result = runtime.result(config.check)
@@ -285,22 +327,37 @@ def run_torchrun_rank(
         dist.destroy_process_group()
 
 
-def _step_losses(
-    n: int, device: torch.device, on_step: Callable[[int, float, float], None] | None
-) -> Callable[[int, dict[int, float], float], None]:
-    """What a rank under torchrun does after each step: the step's mean loss over the `n`
-    micro-batches, summed over the ranks, to `on_step` (rank 0's; None elsewhere)."""
+def _step_reports(
+    n: int, rank: int, world: int, device: torch.device, on_step: OnStep | None
+) -> Callable[[int, StepReport], None]:
+    """What a rank under torchrun does after each step: its report to rank 0 in the
+    step's one all-reduce, where the ranks' reports are combined (`metrics.combine`: the
+    mean loss over the `n` micro-batches, the time, the metrics) for `on_step` (rank
+    0's; None elsewhere)."""
 
-    def done(i: int, losses: dict[int, float], seconds: float) -> None:
+    def done(i: int, report: StepReport) -> None:
         # one slot per micro-batch, filled by the one rank that computed its loss: the
-        # sum is exact, and the mean adds them in micro-batch order, as --check does
-        each = torch.zeros(n, dtype=torch.float64, device=device)
-        for mb, loss in losses.items():
+        # sum is exact, and the mean adds them in micro-batch order, as --check does;
+        # then per rank (seconds, busy ns or -1, peak memory), filled by that rank alone
+        each = torch.zeros(n + 3 * world, dtype=torch.float64, device=device)
+        for mb, loss in report.losses.items():
             each[mb] = loss
+        busy = -1 if report.busy_ns is None else report.busy_ns
+        mine = torch.tensor([report.seconds, busy, report.peak_memory], dtype=torch.float64)
+        each[n + 3 * rank : n + 3 * rank + 3] = mine
         with peer_failures():
             dist.all_reduce(each)
-        if on_step is not None:
-            on_step(i, sum(each.tolist()) / n, seconds)
+        if on_step is None:
+            return
+        values = each.tolist()
+        reports = []
+        for r in range(world):
+            seconds, busy_ns, peak = values[n + 3 * r : n + 3 * r + 3]
+            losses = dict(enumerate(values[:n])) if r == 0 else {}
+            norm = report.grad_norm if r == 0 else None  # every rank took the same norm
+            busy_or_none = None if busy_ns < 0 else int(busy_ns)
+            reports.append(StepReport(losses, seconds, report.lr, busy_or_none, int(peak), norm))
+        on_step(i, *combine(reports, n))
 
     return done
 

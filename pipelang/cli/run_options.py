@@ -80,8 +80,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     given = {name: getattr(args, name) for name, _, _ in _run_options()}
     if args.log is not None:
         writable(args.log)
-    for name in ("trace", "log", "save"):
-        if given[name] is not None:
+    for name, _, option in _run_options():  # a path is kept as its text
+        if option.parse == "path" and given[name] is not None:
             given[name] = str(given[name])
     config = RunConfig(
         model=args.model,
