@@ -27,6 +27,14 @@ gradient. So:
   which it hands out (`Stash.probe`). Everything else the forward saved is released
   right after B (`Stash.keep`); a W that read a released tensor would raise.
 
+Every micro-batch of a stage makes a graph of one shape, so which nodes are weight ops
+is found once per shape (`_plan`): each B walks its graph (about 40 us for two of
+gpt:tiny's blocks) and looks its shape up; the analysis runs on a shape not met
+before. The shape holds all that the analysis reads (each node's type
+and the places of the nodes below it, which parameter each accumulator adds into), so
+a graph gets the plan it would have got alone. W calls autograd's engine as
+`torch.autograd.backward` would, without its checks of the arguments (`_backward`).
+
 A graph where a parameter is used twice (weights tied inside a stage), whose
 output is itself a chain to a parameter (a stage that is one embedding: all its backward
 is W), with a node whose saved values cannot be read, or a forward that saved nothing
@@ -36,12 +44,18 @@ A graph that reaches no parameter keeps nothing for W.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.overrides import has_torch_function
+
+Group = tuple[tuple[GradientEdge, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+"""One weight op's work in W: its gradient edges, the gradients B left there, and the
+parameters its chains reach."""
 
 
 @dataclass(slots=True)
@@ -49,7 +63,7 @@ class WeightWork:
     """What W does once B has run: per weight op, its gradient edges, the gradients B
     left there, and the parameters its chains reach."""
 
-    groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]]
+    groups: list[Group]
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradients kept for W (counted with the activations W keeps)."""
@@ -71,23 +85,24 @@ def split_backward(
     """B: the gradients of `inputs`, and what W needs (see the module docstring); None
     for the latter when the graph is not split, and then the whole graph is kept for a
     plain `backward(outputs, grads, inputs=params)`."""
-    work = None if probe is None else _weight_ops(outputs, params)
-    ops, reach = ([], {}) if work is None else work
-    later = [op for op in ops if not _cheap(reach[op][0])]
-    if work is not None:
+    found_plan = None if probe is None else _plan(outputs, params)
+    if found_plan is not None:
         assert probe is not None
-        if not probe([*later, *{node for op in later for node in reach[op][1]}]):
-            work = None
-    if work is None:  # not split: the input gradients alone, the whole graph kept for W
+        nodes, plan = found_plan
+        if not probe([nodes[i] for i in plan.read]):
+            found_plan = None
+    if found_plan is None:  # not split: the input gradients alone, the whole graph kept for W
         if not inputs:
             return [], None
         alone = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
         return list(alone), None
     # One pass: the input gradients, the gradients into the weight ops W runs later,
     # and the cheap weight ops' own parameter gradients (they are on B's way anyway).
-    edges = [GradientEdge(op, i) for op in later for i in range(len(op._input_metadata))]
-    deferred = set(later)
-    cheap = [p for op in ops if op not in deferred for p in reach[op][0]]
+    later = [nodes[i] for i, _ in plan.later]
+    counts = [len(op._input_metadata) for op in later]
+    pairs = zip(later, counts, strict=True)
+    edges = [GradientEdge(op, i) for op, count in pairs for i in range(count)]
+    cheap = [params[p] for p in plan.cheap]
     wrt: list[Any] = [*inputs, *edges, *cheap]
     found: Sequence[torch.Tensor | None] = ()
     if wrt:
@@ -95,13 +110,13 @@ def split_backward(
     _accumulate(cheap, found[len(inputs) + len(edges) :])
     groups = []
     at = len(inputs)
-    for op in later:
-        count = len(op._input_metadata)
+    for op, count, (_, owned) in zip(later, counts, plan.later, strict=True):
         given = found[at : at + count]
         at += count
         kept = [(GradientEdge(op, i), g) for i, g in enumerate(given) if g is not None]
         if kept:
-            groups.append(([e for e, _ in kept], [g for _, g in kept], reach[op][0]))
+            mine = tuple(params[p] for p in owned)
+            groups.append((tuple(e for e, _ in kept), tuple(g for _, g in kept), mine))
     return list(found[: len(inputs)]), WeightWork(groups)
 
 
@@ -110,8 +125,8 @@ def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     `backward` does (so hooks on them run: `--mixed-precision` moves them to fp32)."""
     pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
     if pairs:
-        leaves = [p for p, _ in pairs]
-        torch.autograd.backward(leaves, [g for _, g in pairs], inputs=leaves)
+        leaves = tuple(p for p, _ in pairs)
+        _backward(leaves, tuple(g for _, g in pairs), leaves)
 
 
 def _cheap(params: Sequence[torch.Tensor]) -> bool:
@@ -137,89 +152,190 @@ def weight_pass(
 
 def weight_backward(work: WeightWork) -> None:
     """W: each weight op's parameter gradients from the gradient B left it, added into
-    `.grad` by their gradient accumulators, as one `backward` adds them."""
+    `.grad` by their gradient accumulators, as one `backward` adds them. One backward
+    per weight op: from all of them at once, an op's input gradient would run on down
+    into the ops below (their parameters are wanted too) and add to their gradients."""
     for edges, grads, params in work.groups:
-        torch.autograd.backward(edges, grads, inputs=params)
+        _backward(edges, grads, params)
 
 
-def _weight_ops(
+_run_backward: Callable[..., object] | None = getattr(
+    torch.autograd.graph, "_engine_run_backward", None
+)
+"""What `torch.autograd.backward` calls once it has checked its arguments (torch 2.4 on)."""
+
+
+def _backward(
+    roots: tuple[Any, ...], grads: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]
+) -> None:
+    """`torch.autograd.backward(roots, grads, inputs=inputs)` without its checks of the
+    arguments (about 20 us, and a W makes one call per weight op): each gradient is what
+    B found for its root, so they have nothing to find. Parameters that override torch
+    functions (`__torch_function__`) go the public way."""
+    if _run_backward is None or has_torch_function(inputs):
+        torch.autograd.backward(roots, grads, inputs=inputs)
+        return
+    _run_backward(roots, grads, False, False, inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The weight ops of one shape of graph, by their nodes' places in `_walk`'s order and
+    their parameters' in the stage's list (`_analyse`)."""
+
+    later: tuple[tuple[int, tuple[int, ...]], ...]
+    """The weight ops W runs: each op's node and its parameters."""
+    read: tuple[int, ...]
+    """The nodes whose saved values W reads: those ops and their chains."""
+    cheap: tuple[int, ...]
+    """The parameters of the weight ops B runs at once (`_cheap`)."""
+
+
+_PLANS: dict[tuple[object, ...], _Plan | None] = {}
+"""The plan of each shape of graph met (None: not split). Every micro-batch of a stage
+makes a graph of one shape: its plan is found once."""
+_PLANS_HELD = 256
+"""How many shapes `_PLANS` holds before it starts again."""
+
+
+def _plan(
     outputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
-) -> tuple[list[Node], dict[Node, tuple[list[torch.Tensor], list[Node]]]] | None:
-    """The weight ops of the graph below `outputs`, each with the parameters and the
-    chain nodes below it (none when no parameter is reached); None when an output is
-    itself a chain to a parameter (all the backward is W's) or a parameter is used
-    twice (no one op owns it)."""
-    accumulators: dict[Node, torch.Tensor] = {}
-    for param in params:
-        if param.requires_grad:
-            accumulators[_accumulator(param)] = param
+) -> tuple[list[Node], _Plan] | None:
+    """The nodes of the graph below `outputs` in `_walk`'s order, and the plan of its
+    weight ops (found once per shape: `_PLANS`); None when it is not split (`_analyse`)."""
+    nodes, edges, shape = _walk(outputs, params)
+    if shape in _PLANS:
+        plan = _PLANS[shape]
+    else:
+        place = {node: at for at, node in enumerate(nodes)}
+        below = [[None if n is None else place[n] for n, _ in out] for out in edges]
+        roots = [place[t.grad_fn] for t in outputs if t.grad_fn is not None]
+        which = {id(p): i for i, p in enumerate(params) if p.requires_grad}
+        accumulator = _accumulator_type()
+        owned = {
+            at: which[_leaf(node)]
+            for at, node in enumerate(nodes)
+            if type(node) is accumulator and _leaf(node) in which
+        }
+        plan = _analyse(below, roots, owned, [p.dim() <= 1 for p in params])
+        if len(_PLANS) >= _PLANS_HELD:
+            _PLANS.clear()
+        _PLANS[shape] = plan
+    return None if plan is None else (nodes, plan)
+
+
+def _walk(
+    outputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> tuple[list[Node], list[tuple[tuple[Node | None, int], ...]], tuple[object, ...]]:
+    """Every node below `outputs`, depth first, and each one's `next_functions`; and the
+    graph's shape, all that `_analyse` reads: the roots' places in that order, each
+    node's type and the places of the nodes below it (None for none), and for a
+    parameter's accumulator which parameter it is and whether a vector (`_cheap`). One
+    shape, one plan."""
     roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    parents: dict[Node, set[Node]] = {}
-    order: dict[Node, None] = {}  # every node, in the order found
+    place: dict[Node, int] = {}
+    nodes: list[Node] = []
+    edges: list[tuple[tuple[Node | None, int], ...]] = []
     stack = list(roots)
     while stack:
         node = stack.pop()
-        if node in order:
+        if node in place:
             continue
-        order[node] = None
-        for below, _ in node.next_functions:
-            if below is not None:
-                parents.setdefault(below, set()).add(node)
-                stack.append(below)
-    chain: dict[Node, torch.Tensor | None] = {}
+        place[node] = len(nodes)
+        nodes.append(node)
+        out = node.next_functions
+        edges.append(out)
+        for n, _ in out:
+            if n is not None:
+                stack.append(n)
+    which = {id(p): (i, p.dim() <= 1) for i, p in enumerate(params) if p.requires_grad}
+    accumulator = _accumulator_type()
+    shape: list[object] = [len(roots)]
+    shape.extend(place[r] for r in roots)
+    for node, out in zip(nodes, edges, strict=True):
+        kind = type(node)
+        shape.append(kind)
+        shape.append(len(out))
+        for n, _ in out:
+            shape.append(None if n is None else place[n])
+        if kind is accumulator:
+            shape.append(which.get(_leaf(node)))
+    return nodes, edges, tuple(shape)
 
-    def param_of(node: Node) -> torch.Tensor | None:
+
+def _analyse(
+    below: list[list[int | None]], roots: list[int], owned: dict[int, int], vector: list[bool]
+) -> _Plan | None:
+    """The weight ops of a walked graph (`_walk`: nodes by place, `below` each one's
+    edges, `owned` maps a parameter's accumulator to the parameter), each with the
+    parameters and the chain nodes below it; None when an output is itself a chain to a
+    parameter (all the backward is W's) or a parameter is used twice (no one op owns
+    it). `vector`: which parameters are vectors (`_cheap`)."""
+    parents: list[set[int]] = [set() for _ in below]
+    for at, kids in enumerate(below):
+        for n in kids:
+            if n is not None:
+                parents[n].add(at)
+    chain: dict[int, int | None] = {}
+
+    def param_of(node: int) -> int | None:
         """The parameter `node` is a chain to (a line of nodes no other node joins),
         or None."""
         if node not in chain:
-            if node in accumulators:
-                chain[node] = accumulators[node]
+            if node in owned:
+                chain[node] = owned[node]
             else:
-                below = [n for n, _ in node.next_functions if n is not None]
-                alone = len(below) == 1 and len(parents[below[0]]) == 1
-                chain[node] = param_of(below[0]) if alone else None
+                kids = [n for n in below[node] if n is not None]
+                alone = len(kids) == 1 and len(parents[kids[0]]) == 1
+                chain[node] = param_of(kids[0]) if alone else None
         return chain[node]
+
+    def chain_nodes(node: int) -> list[int]:
+        """The nodes of a chain, from `node` down to its parameter's accumulator
+        (excluded)."""
+        nodes = []
+        while node not in owned:
+            nodes.append(node)
+            node = next(n for n in below[node] if n is not None)  # a chain: one below
+        return nodes
 
     if any(param_of(root) is not None for root in roots):
         return None
-    ops: list[Node] = []
-    reach: dict[Node, tuple[list[torch.Tensor], list[Node]]] = {}
-    for node in order:
-        if param_of(node) is not None:
-            if len(parents[node]) > 1 and node not in accumulators:
-                ops.append(node)  # a chain that several nodes use: W starts at its top
-                reach[node] = ([chain[node]], _chain_nodes(node, accumulators))  # type: ignore[list-item]
+    ops: list[tuple[int, list[int], list[int]]] = []  # node, its parameters, its chains
+    for node in range(len(below)):
+        param = param_of(node)
+        if param is not None:
+            if len(parents[node]) > 1 and node not in owned:
+                ops.append((node, [param], chain_nodes(node)))  # W starts at its top
             continue
-        mine: list[torch.Tensor] = []
-        nodes: list[Node] = []
-        for below, _ in node.next_functions:
-            owner = None if below is None else param_of(below)
-            if below is not None and owner is not None and len(parents[below]) == 1:
+        mine: list[int] = []
+        nodes: list[int] = []
+        for n in below[node]:
+            owner = None if n is None else param_of(n)
+            if n is not None and owner is not None and len(parents[n]) == 1:
                 mine.append(owner)
-                nodes.extend(_chain_nodes(below, accumulators))
+                nodes.extend(chain_nodes(n))
         if mine:
-            ops.append(node)
-            reach[node] = (mine, nodes)
-    owners = [id(p) for op in ops for p in reach[op][0]]
-    reached = {id(accumulators[node]) for node in order if node in accumulators}
-    if len(owners) != len(set(owners)) or set(owners) != reached:
+            ops.append((node, mine, nodes))
+    owners = [p for _, mine, _ in ops for p in mine]
+    if len(owners) != len(set(owners)) or set(owners) != set(owned.values()):
         return None  # a parameter used twice (tied weights): no op owns it alone
-    return ops, reach
+    later = [(node, mine, nodes) for node, mine, nodes in ops if not all(vector[p] for p in mine)]
+    read = [node for node, _, _ in later] + sorted({n for _, _, nodes in later for n in nodes})
+    cheap = [p for _, mine, _ in ops if all(vector[p] for p in mine) for p in mine]
+    return _Plan(tuple((node, tuple(mine)) for node, mine, _ in later), tuple(read), tuple(cheap))
 
 
-def _chain_nodes(node: Node, accumulators: dict[Node, torch.Tensor]) -> list[Node]:
-    """The nodes of a chain, from `node` down to its parameter's accumulator (excluded)."""
-    nodes = []
-    while node not in accumulators:
-        nodes.append(node)
-        node = next(n for n, _ in node.next_functions if n is not None)
-    return nodes
+def _leaf(accumulator: Node) -> int:
+    """The id of the leaf a gradient accumulator adds into."""
+    leaf: torch.Tensor = accumulator.variable  # type: ignore[attr-defined]
+    return id(leaf)
 
 
-def _accumulator(param: torch.Tensor) -> Node:
-    """The gradient accumulator of a leaf (made on first use, through a view)."""
-    node = param.view_as(param).grad_fn
-    assert node is not None
-    accumulator = node.next_functions[0][0]
-    assert accumulator is not None
-    return accumulator
+@functools.cache
+def _accumulator_type() -> type:
+    """The type of a leaf's gradient accumulator (the node that adds into `.grad`)."""
+    leaf = torch.zeros(1, requires_grad=True)
+    node = leaf.view_as(leaf).grad_fn
+    assert node is not None and node.next_functions[0][0] is not None
+    return type(node.next_functions[0][0])
