@@ -1,9 +1,9 @@
 """Models a run trains, cut into pipeline stages, and the synthetic data they train on.
 
 A model is an ordered list of layers (`LayeredModel.layers`); stage `s` is a contiguous
-slice of them (`partition`). A rank materializes only its stages' layers of a built-in
-model, each from its own seed (backends/layer_init.py), and builds a user's model whole
-from the seed, so the replicas of a stage start identical without any communication.
+slice of them (`partition`). A rank materializes only its stages' layers of a built-in or
+Hugging Face model (`hf:DIR`, backends/hf_models.py), each from its seed (layer_init.py) or
+checkpoint, and a user's model whole from the seed: replicas of a stage start identical.
 
     gpt:tiny | gpt:small | gpt:medium    a GPT from torch.nn (see `GPT_SIZES`)
     llama:tiny | llama:small             a Llama: RMSNorm, rotary positions, SwiGLU,
@@ -314,10 +314,7 @@ MODEL_FAMILIES: dict[str, dict[str, GPTConfig] | dict[str, LlamaConfig]] = {
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """What `--model`, `--seq-len`, `--micro-batch-size`, `--dtype`, `--seed` and `--data`
-    name.
-
-    Building is deterministic: `build()` gives the same weights in every process.
-    """
+    name. Building is deterministic: `build()` gives the same weights in every process."""
 
     name: str
     seq_len: int | None = None
@@ -341,18 +338,23 @@ class ModelSpec:
         return DTYPES[self.dtype]
 
     def build(self, layers: Iterable[int] | None = None) -> LayeredModel:
-        """The model on the current default device: a built-in one made on the meta
-        device with only `layers` (None: all) materialized, each from a seed of its own
-        (backends/layer_init.py), the rest left on meta (`LayeredModel.materialize`); a
+        """The model on the current default device: a built-in one or a Hugging Face
+        checkpoint's (backends/hf_models.py) made on the meta device with only `layers`
+        (None: all) materialized (`LayeredModel.materialize`), the rest left on meta; a
         user's whole, whatever `layers` says, in fp32 from the seed, then cast."""
         kind, sep, rest = self.name.partition(":")
         if not sep or not rest:
             raise ModelError(
-                f"`--model {self.name}`: expected gpt:SIZE, llama:SIZE, module:FUNC or file.py:FUNC"
+                f"`--model {self.name}`: expected gpt:SIZE, llama:SIZE, hf:DIR, module:FUNC or "
+                "file.py:FUNC"
             )
         if kind in MODEL_FAMILIES:
             with torch.device("meta"):
                 model = self._built_in(kind, rest)
+        elif kind == "hf":  # a Hugging Face checkpoint: the `hf` extra's transformers
+            from pipelang.backends.hf_models import hf_model
+
+            model = hf_model(self)
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
