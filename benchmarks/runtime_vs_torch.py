@@ -245,7 +245,7 @@ class PipelangRunner:
         """Calls per step: stream ops, or actions."""
 
     def step(self, step: int) -> float | None:
-        losses, _ = run_step(self.rank, step)
+        losses = run_step(self.rank, step).losses
         return statistics.fmean(losses.values()) if losses else None
 
 
