@@ -116,13 +116,17 @@ def tensorboard_refusal(directory: str | None) -> str | None:
             f"--tensorboard needs the tensorboard package, an optional extra: {EXTRA} "
             "(or pip install tensorboard)"
         )
+    from pipelang.diagnostics import quote
+
     path = Path(directory)
     try:
+        if path.exists() and not path.is_dir():
+            return f"--tensorboard: {quote(directory)} is a file; give a directory"
         path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        return f"--tensorboard: cannot make `{directory}`: {err.strerror}"
-    if not os.access(path, os.W_OK):
-        return f"--tensorboard: cannot write in `{directory}`"
+    except OSError as err:  # a name too long, say: exists() raises it too
+        return f"--tensorboard: cannot make {quote(directory)}: {err.strerror}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"--tensorboard: cannot write in {quote(directory)}"
     return None
 
 

@@ -202,11 +202,22 @@ def test_tensorboard_without_its_extra_is_a_usage_error(
 
 
 def test_a_tensorboard_dir_that_cannot_be_made_is_a_usage_error(tmp_path: Path) -> None:
+    """One line, exit 2, before any rank starts; a name past 200 characters is cut (a
+    name too long for the system made Path.exists raise: an internal error)."""
     blocked = tmp_path / "file"
     blocked.write_text("")
     status, _, err = run_in_process(["run", "1f1b", "--tensorboard", str(blocked / "tb")])
     assert status == 2
     assert err.strip() == f"error: --tensorboard: cannot make `{blocked / 'tb'}`: Not a directory"
+    status, _, err = run_in_process(["run", "1f1b", "--tensorboard", str(blocked)])
+    assert (status, err.strip()) == (
+        2,
+        f"error: --tensorboard: `{blocked}` is a file; give a directory",
+    )
+    status, _, err = run_in_process(["run", "1f1b", "--tensorboard", "x" * 5000])
+    assert status == 2
+    assert err.strip().endswith("` (5,000 characters): File name too long")
+    assert len(err) < 300
 
 
 def test_combine_adds_the_ranks_reports() -> None:
