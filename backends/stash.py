@@ -9,7 +9,8 @@ another live micro-batch also saved, and the stage's own output, which the send 
 next stage may still be reading.
 
 While a forward runs, the pack hook files every saved tensor in that forward's `Entry`
-and hands autograd a `Handle`; the unpack hook returns the tensor from the handle. `E`
+and hands autograd its index there; the forward's unpack hook returns the tensor at the
+index (`Entry.unpack`). `E`
 copies the bytes of the entry's storages into one flat uint8 buffer and frees the
 storages (`resize_(0)`): every tensor that views them (the hooks' copies, the runtime's
 kept input) stays the same object, now without memory. `L` gives the storages their
@@ -64,6 +65,21 @@ class Entry:
     reads: set[int] | None = None
     """While probing or counting, the indices of the saved tensors handed out."""
 
+    def unpack(self, index: int) -> torch.Tensor:
+        """The saved tensor at `index`, for autograd (the unpack hook): an error while it
+        is evicted or once released."""
+        if self.evicted:
+            raise EvictedError(
+                f"the backward of {self.name} needs its activations, but they are on the "
+                "partner rank: no `L` loaded them back"
+            )
+        if self.reads is not None:
+            self.reads.add(index)
+        tensor = self.tensors[index]
+        if tensor is None:
+            raise ReleasedError(f"the W of {self.name} read a tensor released after its B")
+        return tensor
+
     def storages(self) -> dict[int, torch.UntypedStorage]:
         """Every storage the entry's tensors and kept gradients view, by data pointer
         (each once)."""
@@ -75,14 +91,6 @@ class Entry:
             if storage.nbytes() > 0:
                 out.setdefault(storage.data_ptr(), storage)
         return out
-
-
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """What autograd keeps instead of a saved tensor: its entry and index there."""
-
-    entry: Entry
-    index: int
 
 
 class Stash:
@@ -97,15 +105,22 @@ class Stash:
     def recording(self, key: Key, name: str, module: nn.Module) -> Iterator[None]:
         """Run a forward of `key` with its saved tensors filed in a fresh entry."""
         entry = self.entries[key] = Entry(name)
-        own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+        own = _own_storages(module)
 
         def pack(tensor: torch.Tensor) -> object:
             if tensor.untyped_storage().data_ptr() in own:
                 return tensor  # weights and buffers stay: not activations
-            entry.tensors.append(tensor)
-            return Handle(entry, len(entry.tensors) - 1)
+            tensors = entry.tensors  # not held here: `forget` lets the entry's list go
+            tensors.append(tensor)
+            return len(tensors) - 1  # its index in the entry: an int, no object to collect
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        def unpack(packed: object) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            assert isinstance(packed, int)
+            return entry.unpack(packed)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
 
     def evict(self, key: Key, keep: torch.Tensor | None) -> torch.Tensor:
@@ -190,7 +205,7 @@ class Stash:
 
     def forget(self, key: Key) -> None:
         """Forget `key`'s forward once its backward is done, and let its entry go of the
-        tensors. The graph's saved values hold the entry (a `Handle` each), and a kept
+        tensors. The graph's saved values hold the entry (through its unpack hook), and a kept
         tensor's own graph holds saved values: a cycle through autograd's C++ nodes that
         Python's garbage collector cannot see, so without this, a split backward's
         graph (kept with `retain_graph` past B) would stay, every step's."""
@@ -225,22 +240,16 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
     return names
 
 
-def _unpack(packed: object) -> torch.Tensor:
-    if isinstance(packed, torch.Tensor):
-        return packed
-    assert isinstance(packed, Handle)
-    entry = packed.entry
-    if entry.evicted:
-        raise EvictedError(
-            f"the backward of {entry.name} needs its activations, but they are on the "
-            "partner rank: no `L` loaded them back"
-        )
-    if entry.reads is not None:
-        entry.reads.add(packed.index)
-    tensor = entry.tensors[packed.index]
-    if tensor is None:
-        raise ReleasedError(f"the W of {entry.name} read a tensor released after its B")
-    return tensor
+def _own_storages(module: nn.Module) -> set[int]:
+    """The data pointers of the storages of `module`'s parameters and buffers (those of
+    `parameters()` and `buffers()`, read from each submodule's own: a third of the time)."""
+    own = set()
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for t in table.values():
+                if t is not None:
+                    own.add(t.untyped_storage().data_ptr())
+    return own
 
 
 def _bytes_of(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipelang.backends import stash as stash_module
 from pipelang.backends import weight_split
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.stash import Stash
@@ -153,3 +154,52 @@ def test_a_plan_is_its_shape_s_alone(
     else:
         assert work is not None and len(work.groups) == groups  # type: ignore[attr-defined]
     assert_whole(stage, twin, x, grad, found, plain)
+
+
+def test_the_stash_hands_autograd_a_saved_tensor_s_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What autograd keeps for a saved activation is its index in the forward's entry, an
+    int (no object per saved tensor for the garbage collector to track: a `Handle` each
+    made zb-h1's collections many); a weight stays itself. The backward reads them back."""
+    packed: list[object] = []
+    hooks = torch.autograd.graph.saved_tensors_hooks
+
+    class Spy(hooks):  # type: ignore[misc, valid-type]
+        def __init__(self, pack: Callable[[torch.Tensor], object], unpack: object) -> None:
+            def spied(tensor: torch.Tensor) -> object:
+                packed.append(pack(tensor))
+                return packed[-1]
+
+            super().__init__(spied, unpack)
+
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", Spy)
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    twin = copy.deepcopy(stage)
+    x = torch.randn(4, 8, requires_grad=True)
+    stash = Stash()
+    with stash.recording(KEY, "F0", stage):
+        y = stage(x)
+    tensors = stash.entries[KEY].tensors
+    assert [p for p in packed if type(p) is int] == list(range(len(tensors)))
+    weights = [p for p in packed if isinstance(p, torch.Tensor)]
+    assert weights and all(w.untyped_storage().data_ptr() in _storages(stage) for w in weights)
+    torch.autograd.backward(y, torch.ones_like(y))
+    twin(x.detach()).backward(torch.ones_like(y))
+    for ours, theirs in zip(stage.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)  # type: ignore[arg-type]
+
+
+def _storages(module: nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+
+
+def test_a_module_s_own_storages_are_its_parameters_and_buffers() -> None:
+    """`_own_storages` reads each submodule's tables: the same storages as `parameters()`
+    and `buffers()`, with a shared layer, a missing bias, a view's base and buffers that
+    are not saved in the state."""
+    shared = nn.Linear(4, 4, bias=False)
+    module = nn.Sequential(shared, nn.BatchNorm1d(4), shared, nn.Linear(4, 4))
+    module.register_buffer("mask", torch.ones(4), persistent=False)
+    module.register_buffer("nothing", None)
+    module.register_parameter("part", nn.Parameter(torch.zeros(8)[2:]))
+    assert stash_module._own_storages(module) == _storages(module)
