@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,40 +84,45 @@ OTHER_DTYPES: dict[str, int] = {
 """Dtypes a header may list (for tensors not loaded); a weight in one is refused."""
 
 
+def located(path: Path) -> str:
+    """A file of the checkpoint in a message: its name whole, then its directory (which
+    a long message may cut in the middle)."""
+    return f"{quote(path.name)} in {quote(path.parent)}"
+
+
 def hf_directory(name: str) -> Path:
     """The directory of `--model hf:DIR` (`name`), after checking that the extra is
     installed and that DIR is an existing directory holding a config.json."""
-    shown = quote(name)
+    shown, path = quote(name), name.removeprefix("hf:")
     if any(importlib.util.find_spec(m) is None for m in ("transformers", "safetensors")):
         raise ModelError(
-            f"--model {shown} needs the Hugging Face extra (transformers, safetensors, "
-            f"tokenizers): {EXTRA}"
+            f"{shown} needs the Hugging Face extra (transformers, safetensors, tokenizers): {EXTRA}"
         )
-    directory = Path(name.removeprefix("hf:"))
-    if not name.removeprefix("hf:") or not directory.is_dir():
+    directory = Path(path)
+    try:
+        found = bool(path) and "\0" not in path and directory.is_dir()
+    except OSError:  # a name too long for the file system
+        found = False
+    if not found:
         raise ModelError(
-            f"--model {shown}: no directory {quote(directory)} (pipelang never downloads "
-            "a model: download it first, e.g. `hf download NAME --local-dir DIR`, and "
-            "give --model hf:DIR)"
+            f"{shown}: no directory {quote(path)}; pipelang never downloads a model: "
+            "download it first (e.g. `hf download NAME --local-dir DIR`) and give hf:DIR"
         )
     if not (directory / "config.json").is_file():
-        raise ModelError(f"--model {shown}: the directory holds no config.json")
+        raise ModelError(f"{shown}: the directory holds no config.json")
     return directory
 
 
 def read_config(directory: Path) -> dict[str, Any]:
     """DIR/config.json as a dict (see the module docstring for what is checked)."""
     path = directory / "config.json"
-    where = f"{quote(path)}"
-    try:
-        config = read_json(read_text(path, CONFIG_BYTES))
-    except ReadError as err:
-        raise ModelError(f"{where}: {err}") from None
+    where = located(path)
+    config = _read_json(path, CONFIG_BYTES)
     if not isinstance(config, dict):
         raise ModelError(f"{where}: expected a JSON object, found {type(config).__name__}")
     family = config.get("model_type")
     if family not in FAMILIES:
-        given = quote(family) if isinstance(family, str) else "none"
+        given = quote(family if isinstance(family, str) else json.dumps(family))
         raise ModelError(
             f"{where}: model_type {given} is not supported; --model hf:DIR builds "
             f"{', '.join(FAMILIES)}"
@@ -130,6 +136,21 @@ def read_config(directory: Path) -> dict[str, Any]:
     if config.get("add_cross_attention"):
         raise ModelError(f"{where}: add_cross_attention: a causal LM has no encoder to attend to")
     return config
+
+
+def _read_json(path: Path, limit: int) -> object:
+    """A JSON file of at most `limit` bytes; a ModelError naming it (and the line and
+    column where it is not JSON)."""
+    text = ""
+    try:
+        text = read_text(path, limit)
+        return read_json(text)
+    except ReadError as err:
+        where = ""
+        if err.offset is not None and text:
+            line = text.count("\n", 0, err.offset) + 1
+            where = f" (line {line}, column {err.offset - text.rfind(chr(10), 0, err.offset)})"
+        raise ModelError(f"{located(path)}: {err}{where}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +181,8 @@ def find_weights(directory: Path) -> Weights | None:
 
 
 def _read_index(path: Path) -> dict[str, str]:
-    where = quote(path)
-    try:
-        index = read_json(read_text(path, INDEX_BYTES))
-    except ReadError as err:
-        raise ModelError(f"{where}: {err}") from None
+    where = located(path)
+    index = _read_json(path, INDEX_BYTES)
     files = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(files, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in files.items()
@@ -189,7 +207,7 @@ class TensorInfo:
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """The tensors a safetensors file's header lists, checked against the file (see the
     module docstring); a ModelError naming the file and the first lie."""
-    where = quote(path)
+    where = located(path)
     try:
         size = path.stat().st_size
         with path.open("rb") as file:
@@ -209,7 +227,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     try:
         header = read_json(text)
     except ReadError as err:
-        raise ModelError(f"{where}: its header {err}") from None
+        raise ModelError(f"{where}: its header {str(err).removeprefix('it ')}") from None
     if not isinstance(header, dict):
         raise ModelError(f"{where}: its header is not a JSON object")
     return _tensors(where, header, size - 8 - length)

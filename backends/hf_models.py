@@ -46,6 +46,7 @@ from pipelang.backends.hf_config import (
     Weights,
     find_weights,
     hf_directory,
+    located,
     read_config,
     read_header,
 )
@@ -91,13 +92,9 @@ class HFBlock(nn.Module):
         self.mask = mask
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        mask = self.mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            cache=None,
-            position_ids=None,  # positions 0 .. seq - 1: no packed sequences to look for
-        )
+        # config, inputs, no padding mask, no cache (positionally: transformers renames
+        # it); positions 0 .. seq - 1, no packed sequences to look for
+        mask = self.mask(self.config, hidden, None, None, position_ids=None)
         if self.rotary is None:
             out: torch.Tensor = self.block(hidden, attention_mask=mask)
             return out
@@ -207,7 +204,7 @@ class HFModel(LayeredModel):
                 with safetensors.safe_open(str(path), framework="pt", device="cpu") as opened:
                     values = [(slot, opened.get_tensor(name)) for slot, name in items]
             except Exception as err:  # safetensors' own error: the file changed, or lies
-                raise ModelError(f"{quote(path)}: cannot read it: {said(err)}") from None
+                raise ModelError(f"{located(path)}: cannot read it: {said(err)}") from None
             for slot, value in values:
                 self._set(slot, value.to(dtype).to(device))
 
@@ -282,13 +279,13 @@ def _check_tensor(path: Path, header: dict[str, Any], name: str, slot: Slot) -> 
     the config gives its parameter."""
     info = header.get(name)
     if info is None:
-        raise ModelError(f"{quote(path)} holds no tensor {quote(name)}, though the index says so")
+        raise ModelError(f"{located(path)} holds no tensor {quote(name)}, though the index says so")
     expected = tuple(getattr(slot.module, slot.attr).shape)
     if info.dtype not in DTYPES:
-        raise ModelError(f"{quote(path)}: {name} is {info.dtype}, not floating point")
+        raise ModelError(f"{located(path)}: {name} is {info.dtype}, not floating point")
     if info.shape != expected:
         raise ModelError(
-            f"{quote(path)}: {name} has shape {list(info.shape)} but config.json gives "
+            f"{located(path)}: {name} has shape {list(info.shape)} but config.json gives "
             f"{list(expected)}"
         )
 
@@ -320,6 +317,12 @@ def hf_model(spec: ModelSpec) -> HFModel:
     directory = hf_directory(spec.name)
     read_config(directory)  # checked before transformers reads it
     weights = find_weights(directory)
+    headers = {}
+    if weights is not None and torch.get_default_device().type == "meta":
+        # planning the run (`plan_stages`): every header checked before the long import;
+        # a rank builds on its own device and reads only its own files' headers
+        for file in sorted(set(weights.files.values())):
+            headers[file] = read_header(directory / file)
     with _quiet() as transformers, torch.device("meta"):
         try:
             config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -329,7 +332,7 @@ def hf_model(spec: ModelSpec) -> HFModel:
             hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         except Exception as err:
             raise ModelError(
-                f"{quote(directory / 'config.json')}: transformers cannot build it: {said(err)}"
+                f"{located(directory / 'config.json')}: transformers cannot build it: {said(err)}"
             ) from None
         layers = _cut(hf)
     positions = getattr(hf.config, "max_position_embeddings", None) or hf.config.n_positions
@@ -340,6 +343,7 @@ def hf_model(spec: ModelSpec) -> HFModel:
             f"{quote(spec.name)} (config.json's max_position_embeddings)"
         )
     model = HFModel(spec, layers, hf.config.vocab_size, seq_len, hf=hf, weights=weights)
+    model.headers = headers
     model.ties = find_ties(layers)
     _index(model, hf)
     return model

@@ -333,6 +333,20 @@ def data_file(text: str) -> str:
     return text
 
 
+def model_name(text: str) -> str:
+    """`--model`: `hf:DIR` checked here (the extra installed, DIR a directory with a
+    config.json); the other kinds when the model is built."""
+    if text.startswith("hf:"):
+        from pipelang.backends.hf_config import hf_directory
+        from pipelang.backends.model_error import ModelError
+
+        try:
+            hf_directory(text)
+        except ModelError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 # ---- runs -----------------------------------------------------------------------------------
 
 
@@ -344,13 +358,16 @@ def add_model_arguments(
     is for (the slot bytes of `simulate` and `compile`)."""
     parser.add_argument(
         "--model",
+        type=model_name,
         default=default_model,
         required=default_model is None and not purpose,
         metavar="MODEL",
         help=(purpose or "")
-        + "gpt:tiny, gpt:small, gpt:medium, llama:tiny, llama:small, or your own "
-        "package.module:FUNC or file.py:FUNC returning an nn.Sequential (layers) or a list "
-        "of modules (one per stage)" + (f" (default {default_model})" if default_model else ""),
+        + "gpt:tiny, gpt:small, gpt:medium, llama:tiny, llama:small, hf:DIR (a Hugging Face "
+        "checkpoint directory: Llama, Qwen2, Mistral, GPT-2; pip install pipelang[hf]), or "
+        "your own package.module:FUNC or file.py:FUNC returning an nn.Sequential (layers) or "
+        "a list of modules (one per stage)"
+        + (f" (default {default_model})" if default_model else ""),
     )
     parser.add_argument(
         "--micro-batch-size",
