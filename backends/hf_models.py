@@ -14,7 +14,7 @@ their shape, as the family's model does once for all its blocks. Tied input and 
 embeddings (GPT-2, small Llamas with `tie_word_embeddings`) are one parameter held by
 the first and the last layer, a tie as a user model's (`LayeredModel.ties`).
 
-A process materializes only the layers it holds (`HFModel.materialize`). With weights
+A process materializes only the layers it holds (`HFLayers.materialize`). With weights
 (backends/hf_config.py: `model.safetensors`, or shards and their index), each
 parameter is read with `safetensors.safe_open` from the one file that holds it: only
 the tensors of those layers, only the shards that hold them, every header and shape
@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -52,9 +52,11 @@ from pipelang.backends.hf_config import (
 )
 from pipelang.backends.layer_init import layer_seed
 from pipelang.backends.model_error import ModelError
-from pipelang.backends.models import LayeredModel, ModelSpec
-from pipelang.backends.user_models import find_ties, said
+from pipelang.backends.user_models import Tie, find_ties, said
 from pipelang.diagnostics import InternalError, quote
+
+if TYPE_CHECKING:
+    from pipelang.backends.models import ModelSpec
 
 DEFAULT_SEQ_LEN = 256
 """`--seq-len` when none is given (at most the model's positions)."""
@@ -134,10 +136,16 @@ class Slot:
 
 
 @dataclass(slots=True)
-class HFModel(LayeredModel):
-    """A LayeredModel of a Hugging Face checkpoint, materialized from its weights or
-    from the family's init rule (see the module docstring)."""
+class HFLayers:
+    """A Hugging Face checkpoint's layers, what a LayeredModel holds of them, and what
+    materializes them: its weights, or the family's init rule (see the module
+    docstring)."""
 
+    spec: ModelSpec
+    layers: list[nn.Module]
+    vocab: int
+    seq_len: int
+    ties: tuple[Tie, ...] = ()
     hf: Any = None
     """The transformers model on the meta device (its `_init_weights` rule)."""
     weights: Weights | None = None
@@ -312,7 +320,7 @@ def _quiet() -> Iterator[Any]:
         logging.set_verbosity(verbosity)
 
 
-def hf_model(spec: ModelSpec) -> HFModel:
+def hf_model(spec: ModelSpec) -> HFLayers:
     """The model of `spec.name` (`hf:DIR`) on the meta device, cut into layers."""
     directory = hf_directory(spec.name)
     read_config(directory)  # checked before transformers reads it
@@ -342,7 +350,7 @@ def hf_model(spec: ModelSpec) -> HFModel:
             f"--seq-len {seq_len} is longer than the {positions} positions of --model "
             f"{quote(spec.name)} (config.json's max_position_embeddings)"
         )
-    model = HFModel(spec, layers, hf.config.vocab_size, seq_len, hf=hf, weights=weights)
+    model = HFLayers(spec, layers, hf.config.vocab_size, seq_len, hf=hf, weights=weights)
     model.headers = headers
     model.ties = find_ties(layers)
     _index(model, hf)
@@ -375,7 +383,7 @@ def _cut(hf: Any) -> list[nn.Module]:
     return [HFEmbedding(body.embed_tokens, None), *blocks, HFHead(body.norm, hf.lm_head)]
 
 
-def _index(model: HFModel, hf: Any) -> None:
+def _index(model: HFLayers, hf: Any) -> None:
     """Fill `model.slots` and `holders`; with weights, check that each parameter has a
     tensor in them."""
     names: dict[int, list[str]] = {}

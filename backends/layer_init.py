@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -86,3 +88,23 @@ def materialize(
         generator = torch.Generator(device="cpu").manual_seed(layer_seed(seed, i))
         init_layer(layer, *init, generator)
         layer.to(device=device, dtype=dtype)
+
+
+class Materializer(Protocol):
+    """What gives a model's layers left on the meta device their weights."""
+
+    def materialize(self, indices: Iterable[int]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SeededLayers:
+    """A built-in model's layers, materialized by `init_layer`'s rule from each layer's
+    own seed (`materialize`)."""
+
+    layers: list[nn.Module]
+    seed: int
+    dtype: torch.dtype
+    rule: tuple[frozenset[str], float]
+
+    def materialize(self, indices: Iterable[int]) -> None:
+        materialize(self.layers, indices, self.seed, self.dtype, self.rule)

@@ -167,7 +167,7 @@ def chunks_refusal(program: Program, config: RunConfig) -> str | None:
     refused = refusal(program, "the runtime's chunks")
     if refused is not None:
         return refused
-    from pipelang.backends.models import MODEL_FAMILIES
+    from pipelang.backends.builtin_models import MODEL_FAMILIES
 
     family, _, name = config.model.partition(":")
     if family not in MODEL_FAMILIES:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipelang.backends.models import SequenceChunk, sequence_chunk
+from pipelang.backends.builtin_models import SequenceChunk, sequence_chunk
 from pipelang.backends.optim import Optimizer
 from pipelang.backends.precision import copy_back
 from pipelang.backends.stash import Stash

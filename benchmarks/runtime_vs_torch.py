@@ -68,8 +68,9 @@ from torch import nn
 import pipelang
 from pipelang.api import load_program
 from pipelang.backends import optim as pipelang_optim
+from pipelang.backends.builtin_models import GPTConfig, gpt_layers
 from pipelang.backends.config import DEFAULT_LR, SGD_MOMENTUM, RunConfig
-from pipelang.backends.models import GPTConfig, LayeredModel, ModelSpec, gpt_layers
+from pipelang.backends.models import LayeredModel, ModelSpec
 from pipelang.backends.stream_runtime import StreamRankRuntime
 from pipelang.backends.transport import DistTransport
 from pipelang.backends.worker import build_rank, run_step

@@ -175,9 +175,10 @@ def _expected(directory: Path, layers: range) -> collections.Counter[tuple[str, 
     spec = ModelSpec(f"hf:{directory}", seq_len=16)
     with torch.device("meta"):
         model = spec.build()
-    assert isinstance(model, hf_models.HFModel) and model.weights is not None
-    files = model.weights.files
-    names = {next(n for n in s.names if n in files) for i in layers for s in model.slots[i]}
+    built = model.materializer
+    assert isinstance(built, hf_models.HFLayers) and built.weights is not None
+    files = built.weights.files
+    names = {next(n for n in s.names if n in files) for i in layers for s in built.slots[i]}
     shards = {files[n] for n in names}
     return collections.Counter(
         [("tensor", n) for n in names]

@@ -11,14 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipelang.backends.models import (
-    LLAMA_SIZES,
-    LlamaBlock,
-    ModelSpec,
-    RMSNorm,
-    plan_stages,
-    rotary,
-)
+from pipelang.backends.builtin_models import LLAMA_SIZES, LlamaBlock, RMSNorm, rotary
+from pipelang.backends.models import ModelSpec, plan_stages
 from tests.helpers import run, stdlib
 
 

@@ -511,7 +511,8 @@ def test_profile_command_measures_every_layer(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     profile = load_profile(out)
-    from pipelang.backends.models import GPT_SIZES, ModelSpec
+    from pipelang.backends.builtin_models import GPT_SIZES
+    from pipelang.backends.models import ModelSpec
 
     model = ModelSpec("gpt:tiny").build()
     assert [c.name for c in profile.layers] == [type(m).__name__ for m in model.layers]
