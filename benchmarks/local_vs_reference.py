@@ -99,7 +99,7 @@ def pipelined(program: Program, config: RunConfig) -> tuple[list[float], list[in
     seconds: list[float] = []
     cpu: list[float] = []
 
-    def done(_step: int, _loss: float, took: float) -> None:
+    def done(_step: int, _loss: float, took: float, *_: object) -> None:
         seconds.append(took)
         cpu.append(time.process_time())
 
