@@ -303,7 +303,8 @@ def test_keep_last_keeps_another_runs_checkpoints_and_its_own_newest(
     argv = ["run", "1f1b", "-p", "D=2", "-p", "N=2", *options, "--save-every", "1"]
     assert main([*argv, "--keep-last", "1"]) == 0
     err = capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-400", "step-496"]
+    kept = sorted(p.name for p in tmp_path.iterdir())  # and the run's options (--config)
+    assert kept == ["config.toml", "step-4", "step-400", "step-496"]
     for step in (3, 4):
         assert f"checkpoint {tmp_path}/step-{step} complete (step {step})" in err
 
