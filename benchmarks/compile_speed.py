@@ -26,7 +26,7 @@ import timeit
 
 from pipelang.api import load_file
 from pipelang.bulk import bulk
-from pipelang.compiler import PASS_NAMES, PASSES, Compilation, Options, run_passes
+from pipelang.compiler import PASS_NAMES, Compilation, Options, passes, run_passes
 
 SIZES = [(4, 8), (8, 16), (16, 64), (32, 128), (32, 256), (64, 256), (64, 512)]
 
@@ -85,7 +85,7 @@ def main() -> None:
     @bulk  # as `run_passes` runs them: with the cycle collector paused
     def each_pass() -> None:
         c = Compilation(file, options)
-        for module, name in zip(PASSES, PASS_NAMES, strict=True):
+        for module, name in zip(passes(), PASS_NAMES, strict=True):
             run = importlib.import_module(f"pipelang.passes.{module}").run
             start = time.process_time()
             c = run(c)

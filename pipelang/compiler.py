@@ -1,13 +1,14 @@
 """The pass pipeline: source text in, a checked Program with comms and sync out.
 
 Every pass is a pure function from one `Compilation` to the next, `run` in a module of
-its own under `pipelang/passes/`, and they run in the order of `PASSES`. The first two passes
+its own under `pipelang/passes/`, and they run in the order of `passes()`. The first two passes
 work on the AST (binding parameters, expanding the orders into per-rank ops); from
 `build-dag` on, every pass reads and writes the IR `Program`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,17 +17,6 @@ from typing import TYPE_CHECKING
 from pipelang.bulk import bulk
 from pipelang.diagnostics import InternalError
 from pipelang.evaluate import MAX_OPS
-from pipelang.passes import (
-    build_dag,
-    check_streams,
-    expand_orders,
-    insert_comms,
-    insert_holds,
-    insert_sync,
-    resolve_params,
-    streams,
-    validate,
-)
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -108,21 +98,52 @@ class Compilation:
         return self.graph
 
 
-PASSES: tuple[Pass, ...] = (
-    resolve_params.run,
-    expand_orders.run,
-    build_dag.run,
-    validate.run,
-    insert_holds.run,
-    insert_comms.run,
-    insert_sync.run,
-    streams.run,
-    check_streams.run,
+PASS_NAMES = (
+    "resolve-params",
+    "expand-orders",
+    "build-dag",
+    "validate",
+    "insert-holds",
+    "insert-comms",
+    "insert-sync",
+    "streams",
+    "check-streams",
 )
-"""The passes in order: each the `run(Compilation) -> Compilation` of a module of
-`pipelang/passes/`, named on the command line as its module with `-` for `_`
+"""The passes in order, named on the command line as their modules with `-` for `_`
 (`--dump-after build-dag`)."""
-PASS_NAMES = tuple(p.__module__.rsplit(".", 1)[1].replace("_", "-") for p in PASSES)
+
+
+@functools.cache
+def passes() -> tuple[Pass, ...]:
+    """The passes in order (`PASS_NAMES`): each the `run(Compilation) -> Compilation` of
+    a module of `pipelang/passes/`. Imported the first time a compilation runs, so that a
+    command that runs none (`--help`) imports none (benchmarks/RESULTS.md, "Lazy
+    imports")."""
+    from pipelang.passes import (
+        build_dag,
+        check_streams,
+        expand_orders,
+        insert_comms,
+        insert_holds,
+        insert_sync,
+        resolve_params,
+        streams,
+        validate,
+    )
+
+    return (
+        resolve_params.run,
+        expand_orders.run,
+        build_dag.run,
+        validate.run,
+        insert_holds.run,
+        insert_comms.run,
+        insert_sync.run,
+        streams.run,
+        check_streams.run,
+    )
+
+
 SCHEDULE_DONE = "insert-holds"
 """The last pass that decides what each rank computes and when: the ops, the op graph
 and memory are final. What follows only lowers transfers and sync (it cannot fail on a
@@ -166,7 +187,7 @@ def stream_program(program: Program, dp: int = 1) -> StreamProgram:
 
 def _run(c: Compilation, first: str, stop_after: str) -> Compilation:
     start = PASS_NAMES.index(first)
-    for run_pass, name in zip(PASSES[start:], PASS_NAMES[start:], strict=True):
+    for run_pass, name in zip(passes()[start:], PASS_NAMES[start:], strict=True):
         c = run_pass(c)
         if name == stop_after:
             break

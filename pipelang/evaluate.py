@@ -29,6 +29,11 @@ MAX_OPS = 150_000
 """Most ops a schedule may have (micro-batches x stages x kinds), and so most ranks and
 placed stages, unless `--max-ops` says otherwise (E0106): every command handles a
 schedule this large within about 10 s on a 2-core VM (docs/language.md, "Limits")."""
+SYNTHESIS_MAX_OPS = 8192
+"""The most ops `synthesize` orders (E0605; `--max-ops` may lower it): D = 16, N = 128
+with B and W split (6144 ops) solves in about 35 s within 650 MB here, and the solver's
+memory grows with the ops. Here, not in the synthesizer, so that reading it (the CLI's
+help) does not import the synthesizer."""
 ITERATIONS_PER_OP = 4
 """Loop iterations of an order, and elements of one range, allowed per allowed op."""
 _max_ops: ContextVar[int] = ContextVar("max_ops", default=MAX_OPS)

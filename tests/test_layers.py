@@ -5,6 +5,8 @@ of the package's public modules."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Collection
 from pathlib import Path
 
@@ -139,3 +141,22 @@ def test_no_module_over_600_lines_and_no_function_over_80() -> None:
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
     assert not too_long, "over the size limits:\n" + "\n".join(too_long)
+
+
+def test_the_pass_names_are_the_passes_modules() -> None:
+    from pipelang.compiler import PASS_NAMES, passes
+
+    names = tuple(p.__module__.rsplit(".", 1)[1].replace("_", "-") for p in passes())
+    assert names == PASS_NAMES
+
+
+def test_the_command_line_imports_no_pass_and_no_synthesizer_until_one_runs() -> None:
+    """`pipelang --help` imported every pass (compiler.py's top) and the synthesizer
+    (cli/synthesize.py read its op limit there): 1.31x the start-up (benchmarks/
+    RESULTS.md, "Lazy imports")."""
+    code = (
+        "import sys, pipelang.cli.app; "
+        "print([m for m in sys.modules if m.startswith(('pipelang.passes', 'pipelang.synthesis'))])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -22,11 +22,11 @@ from pipelang.cli.args import (
     schedule_name,
     write_output,
 )
+from pipelang.evaluate import SYNTHESIS_MAX_OPS as MAX_OPS
 from pipelang.parser import keywords
 from pipelang.progress import console
 from pipelang.readers import ReadError, whole_number
 from pipelang.sim.timeline import as_number
-from pipelang.synthesis.problem import MOST_OPS as MAX_OPS
 
 HELP = "search the fastest order for a schedule's placement under costs and a memory cap"
 

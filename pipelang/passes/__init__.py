@@ -1,1 +1,1 @@
-"""The compiler passes, one module each; `pipelang.compiler.PASSES` lists them in order."""
+"""The compiler passes, one module each; `pipelang.compiler.passes()` lists them in order."""

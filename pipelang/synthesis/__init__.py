@@ -47,13 +47,13 @@ from dataclasses import dataclass, field
 
 from pipelang.compiler import Compilation
 from pipelang.diagnostics import InternalError, PipelangError, clip, fail
+from pipelang.evaluate import SYNTHESIS_MAX_OPS
 from pipelang.ir import CostModel, Program
 from pipelang.parser import keywords
 from pipelang.planner.topology import Topology
 from pipelang.profile import Profile
 from pipelang.sim.timeline import as_number
 from pipelang.synthesis.problem import (
-    MOST_OPS,
     Known,
     Problem,
     amount,
@@ -76,7 +76,7 @@ __all__ = [
     "synthesize",
 ]
 
-MAX_OPS = MOST_OPS
+MAX_OPS = SYNTHESIS_MAX_OPS
 
 
 @dataclass(frozen=True)

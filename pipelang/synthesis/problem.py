@@ -13,7 +13,7 @@ from fractions import Fraction
 from pipelang import api, ast
 from pipelang.compiler import Compilation, Options, run_passes
 from pipelang.diagnostics import InternalError, fail
-from pipelang.evaluate import Value, nesting_limit, op_limit
+from pipelang.evaluate import SYNTHESIS_MAX_OPS, Value, nesting_limit, op_limit
 from pipelang.features import refuse
 from pipelang.ir import Action, CostModel, Kind, deps
 from pipelang.ir.placement import crossing, owners
@@ -59,12 +59,6 @@ def decimal(value: float) -> Fraction:
     return Fraction(repr(float(value)))
 
 
-MOST_OPS = 8192
-"""The most ops `synthesize` orders (E0605; `--max-ops` may lower it): D = 16, N = 128
-with B and W split (6144 ops) solves in about 35 s within 650 MB here, and the solver's
-memory grows with the ops."""
-
-
 def _placement(
     sched: str,
     params: Mapping[str, str] | None,
@@ -83,12 +77,16 @@ def _placement(
         raise fail(
             "E0605",
             f"{file.schedule.name} has {size:,} ops to order here, more than {most:,}: "
-            + (limit if most >= MOST_OPS else f"`--max-ops` (at most {MOST_OPS:,}: {limit})"),
+            + (
+                limit
+                if most >= SYNTHESIS_MAX_OPS
+                else f"`--max-ops` (at most {SYNTHESIS_MAX_OPS:,}: {limit})"
+            ),
             help="synthesize for fewer micro-batches (N) or stages",
         )
     orders = (ast.OrderRank, ast.OrderGreedy, ast.OrderRepeat)
     if not any(isinstance(d, orders) for d in file.schedule.body):
-        with nesting_limit(file.schedule.span), op_limit(max(most, MOST_OPS)):
+        with nesting_limit(file.schedule.span), op_limit(max(most, SYNTHESIS_MAX_OPS)):
             after = read_after(file.schedule, layout)
         return layout.declaring(after=after), None, file, bindings
     compiled = api.compile_schedule(sched, params, costs=costs, stop_after="insert-holds")
@@ -118,7 +116,7 @@ def problem_of(
     split: bool | None = None,
     stage_bytes: Sequence[tuple[float, float]] | None = None,
     partition: Sequence[int] | None = None,
-    most: int = MOST_OPS,
+    most: int = SYNTHESIS_MAX_OPS,
 ) -> tuple[Problem, Compilation | None]:
     """The ops to order for the placement of `sched` (see `synthesize`; at most `most`,
     E0605), and the schedule's compilation when it has an order of its own."""
