@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
 Key = tuple[int, int, str, int | None]
@@ -235,7 +236,7 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
     """The attributes of an autograd node type that give its saved values (`_saved_*`,
     and a custom `autograd.Function`'s `saved_tensors`); asked once per type."""
     names = tuple(n for n in dir(node_type) if n.startswith("_saved_"))
-    if node_type.__name__ == "BackwardCFunction":
+    if issubclass(node_type, BackwardCFunction):  # each Function's node type: `<Name>Backward`
         names += ("saved_tensors",)
     return names
 

@@ -203,3 +203,41 @@ def test_a_module_s_own_storages_are_its_parameters_and_buffers() -> None:
     module.register_buffer("nothing", None)
     module.register_parameter("part", nn.Parameter(torch.zeros(8)[2:]))
     assert stash_module._own_storages(module) == _storages(module)
+
+
+class Mix(torch.autograd.Function):
+    """A custom op with a matrix weight and two outputs: (x w, x w^T), saving x and w."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x, w)
+        return x @ w, x @ w.t()
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors  # type: ignore[attr-defined]
+        return a @ w.t() + b @ w, x.t() @ a + b.t() @ x
+
+
+def test_a_custom_function_with_a_matrix_weight_keeps_its_saved_input_for_w() -> None:
+    """A user's `autograd.Function` whose weight is a matrix is a weight op W runs: the
+    probe reads its `ctx.saved_tensors` (its node's type is `MixBackward`, a subclass of
+    `BackwardCFunction`; matched by name, it was never read, its input was released
+    after B and W raised ReleasedError), and W's gradients are one backward's."""
+    torch.manual_seed(0)
+
+    def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        a, b = Mix.apply(x, module.w)
+        return torch.tanh(a) * b
+
+    stage = nn.Module()
+    stage.w = nn.Parameter(torch.randn(8, 8))
+    twin = copy.deepcopy(stage)
+    x = torch.randn(4, 8)
+    work, found, grad = split_then_w(stage, x, run)
+    assert work is not None and len(work.groups) == 1  # type: ignore[attr-defined]
+    assert_whole(stage, twin, x, grad, found, run)
