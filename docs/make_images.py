@@ -5,11 +5,14 @@
 Schedules missing from the standard library are skipped with a note (DualPipeV is not
 in it yet). The measured example is drawn from a trace recorded with
 `pipelang run chimera -p D=4 -p N=4 --backend gloo --steps 3 --trace ...` (kept in
-tests/data/ for the tests too).
+tests/data/ for the tests too). The metrics picture is drawn from the `--log` of
+`pipelang run chimera -p D=4 -p N=8 --backend gloo --steps 24 --optimizer adamw
+--lr-schedule cosine --warmup-steps 4 --clip-grad 1.0 --log ...` (also in tests/data/).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -46,6 +49,44 @@ MEASURED = {
 }
 
 
+METRICS = Path("tests/data/metrics_chimera_D4_N8.jsonl")
+
+
+def draw_metrics(log: Path, out: Path) -> None:
+    """A `--log` file's per-step metrics, one panel each (docs/runtime.md, "Output")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [line["step"] for line in lines]
+    panels = [
+        ("loss", ["loss"]),
+        ("learning rate", ["lr"]),
+        ("gradient norm (before clipping)", ["grad_norm"]),
+        ("bubble: measured, predicted", ["bubble", "predicted_bubble"]),
+        ("tokens/s", ["tokens_per_s"]),
+        ("peak memory per rank (MiB)", ["peak_memory"]),
+    ]
+    figure, axes = pyplot.subplots(2, 3, figsize=(11, 5.5), constrained_layout=True)
+    for axis, (title, keys) in zip(axes.flat, panels, strict=True):
+        for key in keys:
+            values = [line[key] for line in lines]
+            if key == "peak_memory":
+                for rank in range(len(values[0])):
+                    axis.plot(steps, [v[rank] / 2**20 for v in values], label=f"rank {rank}")
+            else:
+                axis.plot(steps, values, label=key)
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("step", fontsize=8)
+        axis.tick_params(labelsize=8)
+        if len(keys) > 1 or keys == ["peak_memory"]:
+            axis.legend(fontsize=7)
+    figure.savefig(out, dpi=90)
+    pyplot.close(figure)
+
+
 def draw_all() -> int:
     os.chdir(ROOT)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -56,6 +97,7 @@ def draw_all() -> int:
             continue
         for suffix in (".svg", ".png"):
             status |= main(["viz", *args, "-o", str(OUT / f"{name}{suffix}")])
+    draw_metrics(METRICS, OUT / "metrics.png")
     return status
 
 
