@@ -50,6 +50,17 @@ def test_the_written_config_reads_back_to_the_same_options(tmp_path: Path) -> No
     assert _options(again) == _options(given)
 
 
+def test_parameters_that_are_no_toml_integer_are_written_as_strings(tmp_path: Path) -> None:
+    """`-p N=007` (a leading zero) and `-p X=1e3` are not TOML integers: written bare,
+    the file would not read back."""
+    given = _parsed(["run", "1f1b", "-p", "N=007", "-p", "X=1e3", "-p", "D=-2"])
+    text = effective_config(given, app.COMMAND_PARSERS["run"])
+    assert '[params]\nN = "007"\nX = "1e3"\nD = -2\n' in text
+    file = tmp_path / "run.toml"
+    file.write_text(text)
+    assert _parsed(["run", "--config", str(file)]).params == ["N=007", "X=1e3", "D=-2"]
+
+
 def test_the_command_line_overrides_the_file(tmp_path: Path) -> None:
     file = tmp_path / "run.toml"
     file.write_text('schedule = "1f1b"\nsteps = 9\nlr = 0.5\ncheck = true\n[params]\nD = 4\n')

@@ -77,10 +77,9 @@ def effective_config(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         lines.append(f"{name} = {_toml(value)}")
     if params:
         lines += ["", f"[{PARAMS}]"]
-        for key, value in params.items():
-            lines.append(
-                f"{_key(key)} = {value if re.fullmatch('-?[0-9]+', value) else _toml(value)}"
-            )
+        for key, value in params.items():  # a TOML integer where it is one, else a string
+            bare = re.fullmatch("-?(0|[1-9][0-9]{0,17})", value)
+            lines.append(f"{_key(key)} = {value if bare else _toml(value)}")
     return "\n".join(lines) + "\n"
 
 
