@@ -100,6 +100,12 @@ def test_a_bad_config_is_one_usage_error_with_its_line(
     assert err.count("\n") == 1 and said in err, err
 
 
+def test_a_byte_order_mark_is_read_past(tmp_path: Path) -> None:
+    file = tmp_path / "bom.toml"
+    file.write_bytes('schedule = "1f1b"\nsteps = 7\n'.encode("utf-8-sig"))
+    assert _parsed(["run", "--config", str(file)]).steps == 7
+
+
 def test_a_config_that_is_not_text_or_not_there(tmp_path: Path) -> None:
     binary = tmp_path / "bin.toml"
     binary.write_bytes(b"\xff\xfe")

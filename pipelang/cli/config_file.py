@@ -107,7 +107,7 @@ def _text(path: Path) -> str:
             raise UsageError(
                 f"--config {path}: {size:,} bytes; a config is at most {MAX_CONFIG_BYTES:,}"
             )
-        return path.read_bytes().decode("utf-8")
+        return path.read_bytes().decode("utf-8-sig")  # a byte-order mark, as some editors write
     except OSError as err:
         raise UsageError(f"--config {path}: cannot read it: {err.strerror}") from None
     except UnicodeDecodeError:
