@@ -270,24 +270,30 @@ def test_without_weights_each_layer_has_its_own_seed(name: str, configs: dict[st
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("schedule", "name", "bitwise"),
+    ("schedule", "name", "bitwise", "backend"),
     [
-        ("1f1b", "llama", True),
-        ("zb-h1", "qwen2", True),
-        ("chimera", "llama", True),  # 4 stages of its 6 layers, two copies of each
-        ("1f1b", "gpt2", False),  # tied: the reference sums the uses' gradients its way
+        ("1f1b", "llama", True, "local"),
+        ("zb-h1", "qwen2", True, "gloo"),
+        ("chimera", "llama", True, "gloo"),  # 4 stages of its 6 layers, two copies of each
+        ("1f1b", "gpt2", False, "local"),  # tied: the reference sums the uses' gradients
     ],
 )
 def test_a_run_checks_against_one_process(
-    schedule: str, name: str, bitwise: bool, checkpoints: dict[str, Path], tmp_path: Path
+    schedule: str,
+    name: str,
+    bitwise: bool,
+    backend: str,
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
 ) -> None:
-    """`pipelang run hf:DIR --check` over gloo, 2 steps: bitwise equal to the
-    one-process reference (within its tolerance where weights are tied, as for a
-    model of the user's own); the first step's loss is transformers' own."""
+    """`pipelang run hf:DIR --check`, 2 steps: bitwise equal to the one-process
+    reference (within its tolerance where weights are tied, as for a model of the
+    user's own); the first step's loss is transformers' own. Over gloo where ranks
+    cross processes, the rest on `local` (one process: one import of transformers)."""
     ranks = "4" if schedule == "chimera" else "2"
     argv = ["run", schedule, "-p", f"D={ranks}", "-p", "N=4", "--model", f"hf:{checkpoints[name]}"]
     proc = pipelang_cmd(
-        *argv, *SEQ, "--backend", "gloo", "--steps", "2", "--check", cwd=tmp_path, timeout=300
+        *argv, *SEQ, "--backend", backend, "--steps", "2", "--check", cwd=tmp_path, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     assert "check OK" in proc.stdout
