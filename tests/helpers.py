@@ -20,6 +20,7 @@ import dataclasses
 import io
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -246,6 +247,14 @@ def pipelang_here(*args: str, cwd: Path, timeout: float = 60) -> subprocess.Comp
         else:
             os.environ["COLUMNS"] = columns
     return subprocess.CompletedProcess(list(args), status, out, err)
+
+
+def free_port() -> str:
+    """A TCP port free now, for a rendezvous a test starts itself (a fixed one would
+    clash with another test running at the same time: `pytest -n 2`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 def run_in_process(args: list[str]) -> tuple[int, str, str]:

@@ -31,7 +31,7 @@ from pipelang.backends.optim import SGD, Adam
 from pipelang.backends.runtime import RankRuntime
 from pipelang.cli import main
 from pipelang.ir import Action, Kind, Program
-from tests.helpers import host_op, lowered_by_hand, run, stdlib
+from tests.helpers import free_port, host_op, lowered_by_hand, run, stdlib
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "codegen" / "1f1b_D2_N2_rank0.expected"
@@ -295,7 +295,7 @@ def test_a_hand_edited_schedule_json_is_refused_before_any_rank_runs(
     codegen.write_rank_programs(program, tmp_path)
     schedule = tmp_path / "schedule.json"
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = "29531"
+    env["MASTER_PORT"] = free_port()
     command = (
         [sys.executable, "-m", "pipelang.backends", str(schedule)]
         if entry.startswith("python")
@@ -526,7 +526,7 @@ def test_generated_programs_run_standalone(tmp_path: Path) -> None:
     one_f_one_b2 = stdlib("1f1b", D=2, N=4)
     (tmp_path / "schedule.json").write_text(one_f_one_b2.to_json())
     paths = codegen.write_rank_programs(one_f_one_b2, tmp_path)
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
     env.pop("RANK", None)
     procs = [
         subprocess.Popen(

@@ -25,7 +25,7 @@ from pipelang.backends.local import run_local
 from pipelang.backends.models import plan_stages
 from pipelang.backends.runtime import RankRuntime
 from pipelang.ir import placement
-from tests.helpers import host_op, run, stdlib
+from tests.helpers import free_port, host_op, run, stdlib
 
 SCHEDULES = {
     "1f1b-D2-N2": ("1f1b", {"D": 2, "N": 2}),
@@ -184,7 +184,7 @@ def test_dp_zero_is_a_usage_error() -> None:
 @pytest.mark.slow
 def test_torchrun_world_must_be_dp_times_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = "29531"
+    env["MASTER_PORT"] = free_port()
     done = _pipelang("run", "1f1b", "-p", "D=2", "-p", "N=2", "--dp", "2", env=env)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
@@ -212,7 +212,7 @@ def test_generated_programs_run_standalone_with_dp(tmp_path: Path) -> None:
     program = stdlib("1f1b", D=2, N=2)
     (tmp_path / "schedule.json").write_text(program.to_json())
     paths = codegen.write_rank_programs(program, tmp_path)
-    base = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+    base = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
     wrong = subprocess.run(
         [sys.executable, str(paths[0]), "--dp", "2"],
         env={**base, "RANK": "3"},
