@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,18 @@ def test_refusals_before_anything_runs() -> None:
         PipelineSchedule(pipelang.load("1f1b", D=2, N=2), build, lambda y, t: y)  # type: ignore[arg-type]
 
 
+@pytest.fixture
+def one_process(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of this process alone, for the test's duration."""
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 APART = """
 schedule apart(N: int = 4) {
     ops F, B, W
@@ -80,7 +93,7 @@ schedule apart(N: int = 4) {
 
 
 def test_a_split_schedule_keeps_after_b_only_what_w_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_process: None
 ) -> None:
     """A split schedule in the user's own loop (one process, D = 1, N = 4, every W after
     every B): after each B, the micro-batch's saved tensors that W does not read are
@@ -89,7 +102,6 @@ def test_a_split_schedule_keeps_after_b_only_what_w_reads(
     micro-batch by micro-batch as the schedule sums them, bit for bit. zb-h1 at D = 1
     runs each W right after its B: one whole backward each, nothing split."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     def build(stage: int) -> nn.Module:
@@ -104,49 +116,44 @@ def test_a_split_schedule_keeps_after_b_only_what_w_reads(
 
     torch.manual_seed(1)
     x, target = torch.randn(8, 16), torch.randn(8, 8)
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        splits: list[int] = []
-        split_backward = stage_module.split_backward
-        monkeypatch.setattr(
-            stage_module, "split_backward", lambda *a: splits.append(1) or split_backward(*a)
-        )
-        PipelineSchedule(pipelang.load("zb-h1", D=1, N=4), build, loss_fn).step(x, target)
-        assert splits == []
-        apart = tmp_path / "apart.pipe"
-        apart.write_text(APART)
-        sched = PipelineSchedule(pipelang.load(str(apart), N=4), build, loss_fn)
-        stash = sched.copies[(0, "main")].settings.stash
-        assert stash is not None
-        whole: dict[int, int] = {}
-        kept: dict[int, int] = {}
-        handlers = pipelang.torch._HANDLERS
-        forward, weight = handlers[Kind.F], handlers[Kind.W]
+    splits: list[int] = []
+    split_backward = stage_module.split_backward
+    monkeypatch.setattr(
+        stage_module, "split_backward", lambda *a: splits.append(1) or split_backward(*a)
+    )
+    PipelineSchedule(pipelang.load("zb-h1", D=1, N=4), build, loss_fn).step(x, target)
+    assert splits == []
+    apart = tmp_path / "apart.pipe"
+    apart.write_text(APART)
+    sched = PipelineSchedule(pipelang.load(str(apart), N=4), build, loss_fn)
+    stash = sched.copies[(0, "main")].settings.stash
+    assert stash is not None
+    whole: dict[int, int] = {}
+    kept: dict[int, int] = {}
+    handlers = pipelang.torch._HANDLERS
+    forward, weight = handlers[Kind.F], handlers[Kind.W]
 
-        def spy_forward(self: PipelineSchedule, a: Action) -> None:
-            forward(self, a)
-            whole[a.mb] = stash.resident_bytes({(a.mb, 0, "main", None)})  # type: ignore[index]
+    def spy_forward(self: PipelineSchedule, a: Action) -> None:
+        forward(self, a)
+        whole[a.mb] = stash.resident_bytes({(a.mb, 0, "main", None)})  # type: ignore[index]
 
-        def spy_weight(self: PipelineSchedule, a: Action) -> None:
-            kept[a.mb] = stash.resident_bytes({(a.mb, 0, "main", None)})  # type: ignore[index]
-            weight(self, a)
+    def spy_weight(self: PipelineSchedule, a: Action) -> None:
+        kept[a.mb] = stash.resident_bytes({(a.mb, 0, "main", None)})  # type: ignore[index]
+        weight(self, a)
 
-        monkeypatch.setitem(handlers, Kind.F, spy_forward)
-        monkeypatch.setitem(handlers, Kind.W, spy_weight)
-        sched.step(x, target)
-        assert sorted(whole) == sorted(kept) == [0, 1, 2, 3]
-        assert all(0 < kept[mb] < whole[mb] for mb in whole)  # the GELU's, the norm's went
-        assert len(splits) == 4
-        assert not stash.entries
-        alone = build(0)
-        for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):  # as the schedule sums
-            (loss_fn(alone(xs), ts) * 0.25).backward()
-        for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
-            assert mine.grad is not None and theirs.grad is not None
-            assert torch.equal(mine.grad, theirs.grad)
-    finally:
-        dist.destroy_process_group()
+    monkeypatch.setitem(handlers, Kind.F, spy_forward)
+    monkeypatch.setitem(handlers, Kind.W, spy_weight)
+    sched.step(x, target)
+    assert sorted(whole) == sorted(kept) == [0, 1, 2, 3]
+    assert all(0 < kept[mb] < whole[mb] for mb in whole)  # the GELU's, the norm's went
+    assert len(splits) == 4
+    assert not stash.entries
+    alone = build(0)
+    for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):  # as the schedule sums
+        (loss_fn(alone(xs), ts) * 0.25).backward()
+    for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
+        assert mine.grad is not None and theirs.grad is not None
+        assert torch.equal(mine.grad, theirs.grad)
 
 
 class _Tied(torch.nn.Module):
@@ -172,7 +179,7 @@ class _Summed:
 
 
 def test_a_split_schedule_whose_graph_does_not_split_trains_its_parameters(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch, one_process: None
 ) -> None:
     """A stage whose weight is used twice keeps its whole graph for W, which then
     differentiates it toward the parameters that take gradients (a frozen one takes
@@ -182,24 +189,18 @@ def test_a_split_schedule_whose_graph_does_not_split_trains_its_parameters(
     monkeypatch.setattr(pipelang.torch, "reduce_ranks", lambda *_: [0, 1])
     torch.manual_seed(1)
     x, target = torch.randn(8, 16), torch.randn(8, 8)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+    sched = PipelineSchedule(
+        pipelang.load("zb-h1", D=1, N=4), lambda s: _Tied(), torch.nn.functional.mse_loss
     )
-    try:
-        sched = PipelineSchedule(
-            pipelang.load("zb-h1", D=1, N=4), lambda s: _Tied(), torch.nn.functional.mse_loss
-        )
-        monkeypatch.setattr(sched.transport, "allreduce", lambda stage, flat: _Summed())
-        sched.step(x, target)
-        assert sched.reducing  # the stand-in replica's sum ran
-        alone = _Tied()
-        for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):
-            (torch.nn.functional.mse_loss(alone(xs), ts) * 0.25).backward()
-        for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
-            assert (mine.grad is None) == (theirs.grad is None) == (not mine.requires_grad)
-            assert mine.grad is None or torch.equal(mine.grad, theirs.grad)
-    finally:
-        dist.destroy_process_group()
+    monkeypatch.setattr(sched.transport, "allreduce", lambda stage, flat: _Summed())
+    sched.step(x, target)
+    assert sched.reducing  # the stand-in replica's sum ran
+    alone = _Tied()
+    for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):
+        (torch.nn.functional.mse_loss(alone(xs), ts) * 0.25).backward()
+    for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
+        assert (mine.grad is None) == (theirs.grad is None) == (not mine.requires_grad)
+        assert mine.grad is None or torch.equal(mine.grad, theirs.grad)
 
 
 # ---- several tensors between stages (issue 44) ------------------------------------------------
@@ -248,7 +249,7 @@ def _one_process_grads(x: torch.Tensor, target: torch.Tensor, n: int) -> list[to
     ("name", "params"), [("interleaved-1f1b", {"D": 1, "N": 4, "v": 2}), ("zbv", {"D": 1, "N": 4})]
 )
 def test_a_dict_between_stages_trains_as_one_process(
-    name: str, params: dict[str, int], tmp_path: Path
+    name: str, params: dict[str, int], one_process: None
 ) -> None:
     """A stage that hands the next a dict (a tuple and an integer tensor in it) trains,
     packed as `pipelang run` packs it, with one process's gradients bit for bit (it was
@@ -256,19 +257,12 @@ def test_a_dict_between_stages_trains_as_one_process(
     rank, with a split backward too (zbv); over a channel in the slow test below."""
     torch.manual_seed(2)
     x, target = torch.randn(8, 16), torch.randn(8, 8)
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        sched = PipelineSchedule(
-            pipelang.load(name, **params), _stage, torch.nn.functional.mse_loss
-        )
-        loss = sched.step(x, target)
-        assert loss is not None and sched.boundaries[0].leaves[-1][1] == torch.int64
-        theirs = _one_process_grads(x, target, 4)
-        mine = [p.grad for s in (0, 1) for p in sched.stages[(s, "main")].parameters()]
-        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))  # type: ignore[arg-type]
-    finally:
-        dist.destroy_process_group()
+    sched = PipelineSchedule(pipelang.load(name, **params), _stage, torch.nn.functional.mse_loss)
+    loss = sched.step(x, target)
+    assert loss is not None and sched.boundaries[0].leaves[-1][1] == torch.int64
+    theirs = _one_process_grads(x, target, 4)
+    mine = [p.grad for s in (0, 1) for p in sched.stages[(s, "main")].parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))  # type: ignore[arg-type]
 
 
 _TWO_RANKS = """\
@@ -317,87 +311,70 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
 
 
-def test_clip_grad_norm_is_torchs_over_the_whole_model(tmp_path: Path) -> None:
+def test_clip_grad_norm_is_torchs_over_the_whole_model(one_process: None) -> None:
     """`clip_grad_norm_` after `step`: the norm and the clipped gradients of one process
     that accumulates the same micro-batches (torch.nn.utils.clip_grad_norm_)."""
     torch.manual_seed(1)
     x, target = torch.randn(8, 16), torch.randn(8, 8)
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        sched = PipelineSchedule(
-            pipelang.load("zb-h1", D=1, N=4), lambda s: _mlp(), torch.nn.functional.mse_loss
-        )
-        sched.step(x, target)
-        norm = sched.clip_grad_norm_(0.05)
-        alone = _mlp()
-        for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):
-            (torch.nn.functional.mse_loss(alone(xs), ts) * 0.25).backward()
-        expected = torch.nn.utils.clip_grad_norm_(alone.parameters(), 0.05)
-        assert float(norm) > 0.05 and torch.allclose(norm, expected, rtol=1e-6)
-        for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
-            assert torch.allclose(mine.grad, theirs.grad, rtol=1e-5, atol=1e-9)  # type: ignore[arg-type]
-    finally:
-        dist.destroy_process_group()
+    sched = PipelineSchedule(
+        pipelang.load("zb-h1", D=1, N=4), lambda s: _mlp(), torch.nn.functional.mse_loss
+    )
+    sched.step(x, target)
+    norm = sched.clip_grad_norm_(0.05)
+    alone = _mlp()
+    for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):
+        (torch.nn.functional.mse_loss(alone(xs), ts) * 0.25).backward()
+    expected = torch.nn.utils.clip_grad_norm_(alone.parameters(), 0.05)
+    assert float(norm) > 0.05 and torch.allclose(norm, expected, rtol=1e-6)
+    for mine, theirs in zip(sched.parameters(), alone.parameters(), strict=True):
+        assert torch.allclose(mine.grad, theirs.grad, rtol=1e-5, atol=1e-9)  # type: ignore[arg-type]
 
 
-def test_mixed_precision_computes_in_bf16_and_sums_into_fp32_masters(tmp_path: Path) -> None:
+def test_mixed_precision_computes_in_bf16_and_sums_into_fp32_masters(one_process: None) -> None:
     """`mixed_precision="bfloat16"`: the stages compute in bf16 (the batch cast), the
     loss in fp32, each micro-batch's gradient added in fp32 to the master the optimizer
     gets from `parameters()`; the next `step` rounds the masters into the bf16 weights.
     Against a hand-written one-process loop of the same arithmetic, bit for bit."""
     torch.manual_seed(1)
     x, target = torch.randn(8, 16), torch.randn(8, 8)
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        sched = PipelineSchedule(
-            pipelang.load("1f1b", D=1, N=4),
-            lambda s: _mlp(),
-            torch.nn.functional.mse_loss,
-            mixed_precision="bfloat16",
-        )
-        masters = list(sched.parameters())
-        assert all(m.dtype == torch.float32 for m in masters)
-        assert all(p.dtype == torch.bfloat16 for p in sched.stages[(0, "main")].parameters())
-        opt = torch.optim.SGD(masters, lr=0.5)
-        sched.step(x, target)
-        opt.step()
-        opt.zero_grad()
-        sched.step(x, target)
-        alone = _mlp().to(torch.bfloat16)
-        fp32 = [p.detach().float().clone() for p in alone.parameters()]
-        for _ in range(2):
-            with torch.no_grad():
-                for p, m in zip(alone.parameters(), fp32, strict=True):
-                    p.copy_(m)
-            sums = [torch.zeros_like(m) for m in fp32]
-            for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):
-                y = alone(xs.to(torch.bfloat16)).float()
-                (torch.nn.functional.mse_loss(y, ts) * 0.25).backward()
-                for total, p in zip(sums, alone.parameters(), strict=True):
-                    total.add_(p.grad.float())  # type: ignore[union-attr]
-                    p.grad = None
-            grads = sums
-            with torch.no_grad():
-                fp32 = [m - 0.5 * g for m, g in zip(fp32, grads, strict=True)]
-        assert all(torch.equal(m.grad, g) for m, g in zip(masters, grads, strict=True))  # type: ignore[arg-type]
-        first = [p.detach() for p in sched.stages[(0, "main")].parameters()]
-        assert all(
-            torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(first, masters, strict=True)
-        )
-    finally:
-        dist.destroy_process_group()
+    sched = PipelineSchedule(
+        pipelang.load("1f1b", D=1, N=4),
+        lambda s: _mlp(),
+        torch.nn.functional.mse_loss,
+        mixed_precision="bfloat16",
+    )
+    masters = list(sched.parameters())
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert all(p.dtype == torch.bfloat16 for p in sched.stages[(0, "main")].parameters())
+    opt = torch.optim.SGD(masters, lr=0.5)
+    sched.step(x, target)
+    opt.step()
+    opt.zero_grad()
+    sched.step(x, target)
+    alone = _mlp().to(torch.bfloat16)
+    fp32 = [p.detach().float().clone() for p in alone.parameters()]
+    for _ in range(2):
+        with torch.no_grad():
+            for p, m in zip(alone.parameters(), fp32, strict=True):
+                p.copy_(m)
+        sums = [torch.zeros_like(m) for m in fp32]
+        for xs, ts in zip(x.chunk(4), target.chunk(4), strict=True):
+            y = alone(xs.to(torch.bfloat16)).float()
+            (torch.nn.functional.mse_loss(y, ts) * 0.25).backward()
+            for total, p in zip(sums, alone.parameters(), strict=True):
+                total.add_(p.grad.float())  # type: ignore[union-attr]
+                p.grad = None
+        grads = sums
+        with torch.no_grad():
+            fp32 = [m - 0.5 * g for m, g in zip(fp32, grads, strict=True)]
+    assert all(torch.equal(m.grad, g) for m, g in zip(masters, grads, strict=True))  # type: ignore[arg-type]
+    first = [p.detach() for p in sched.stages[(0, "main")].parameters()]
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(first, masters, strict=True))
 
 
-def test_mixed_precision_takes_bfloat16_only(tmp_path: Path) -> None:
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        with pytest.raises(pipelang.PipelangError, match="give 'bfloat16'"):
-            PipelineSchedule(
-                pipelang.load("1f1b", D=1, N=4), lambda s: _mlp(), torch.nn.functional.mse_loss,
-                mixed_precision="fp8",
-            )  # fmt: skip
-    finally:
-        dist.destroy_process_group()
+def test_mixed_precision_takes_bfloat16_only(one_process: None) -> None:
+    with pytest.raises(pipelang.PipelangError, match="give 'bfloat16'"):
+        PipelineSchedule(
+            pipelang.load("1f1b", D=1, N=4), lambda s: _mlp(), torch.nn.functional.mse_loss,
+            mixed_precision="fp8",
+        )  # fmt: skip
