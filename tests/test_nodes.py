@@ -121,7 +121,9 @@ def test_a_rank_that_dies_under_torchrun_is_named_by_the_others() -> None:
     errors = [line for line in out.splitlines() if line.startswith("error: rank")]
     assert sorted(e.split()[2] for e in errors) == ["0", "2"], out
     assert all("went away" in e and "step" in e for e in errors), errors
-    assert "rank 1 went away" in out  # a transfer names its peer
+    # A survivor stopped in a transfer names rank 1; one stopped in the step's loss sum
+    # (a collective: which one depends on when the kill lands) names the peer's address.
+    assert all("rank 1 went away" in e or "the peer at " in e for e in errors), errors
     assert "internal error" not in out and "this is a bug" not in out
 
 
