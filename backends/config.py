@@ -219,6 +219,16 @@ class RunConfig:
         "path",
         metavar="DIR",
     )
+    save_hf: str | None = option(
+        None,
+        "with --model hf:DIR: after the last step, write the trained model to OUT_DIR "
+        "(new or empty) as a Hugging Face checkpoint: DIR's config.json, one safetensors "
+        "shard per stage and model.safetensors.index.json, which "
+        "AutoModelForCausalLM.from_pretrained(OUT_DIR) loads (--mixed-precision: the "
+        "fp32 masters)",
+        "path",
+        metavar="OUT_DIR",
+    )
     save_every: int | None = option(
         None, "with --save: also checkpoint after every K steps", "positive", metavar="K"
     )

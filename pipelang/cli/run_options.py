@@ -93,6 +93,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         **given | {"mixed_precision": _mixed_precision(args)} | _checkpoint_options(args),
     )
     _check_optimizer(config)
+    if config.save_hf is not None:
+        from pipelang.backends.hf_save import out_dir_problem
+
+        problem = out_dir_problem(config.model, config.save_hf)
+        if problem is not None:
+            raise UsageError(problem)
     return config
 
 
