@@ -152,6 +152,10 @@ def _run_program(
         return 1
     stage[0] = "report"
     status = report(program, config, outcome, predicted)
+    if config.save_hf is not None:
+        from pipelang.backends.hf_save import after_run
+
+        status = after_run(program, config, outcome.results, status, err)
     stage[0] = "stopped"
     return status
 

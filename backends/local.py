@@ -176,6 +176,10 @@ class LocalRun:
                 if self.stopping.is_set():
                     raise Aborted
                 self._step_done(rank, step, run_step(built, step))
+            if self.config.save_hf is not None:  # every step ran: this rank's shards
+                from pipelang.backends.hf_save import write_rank
+
+                write_rank(runtime)
             if transport.stream is not None:
                 transport.stream.synchronize()
             self.results[rank] = runtime.result(self.config.check)

@@ -200,6 +200,11 @@ class StreamExecutor:
             losses.append(loss)
             metrics.append(measured)
             on_step(step, loss, seconds, measured)
+        if self.config.save_hf is not None:  # every step ran: each rank's shards
+            from pipelang.backends.hf_save import write_rank
+
+            for p in self.processes:
+                write_rank(p.runtime)
         results = [p.runtime.result(self.config.check) for p in self.processes]
         for result, nbytes in zip(results, self.allocated_bytes, strict=True):
             result.slot_bytes = nbytes

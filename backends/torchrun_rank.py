@@ -74,7 +74,12 @@ def run_as_torchrun_rank(
         return 1
     if results is None:
         return 0
-    return report(program, config, Outcome(results, losses, measured), predicted)
+    status = report(program, config, Outcome(results, losses, measured), predicted)
+    if config.save_hf is not None:  # every rank reported: its shards are written
+        from pipelang.backends.hf_save import after_run
+
+        status = after_run(program, config, results, status, err)
+    return status
 
 
 def torchrun_failure(
