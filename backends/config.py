@@ -167,6 +167,16 @@ class RunConfig:
         "positive",
         metavar="K",
     )
+    init: str | None = option(
+        None,
+        "how a model of your own (--model FILE.py:FUNC) gets its weights: factory, "
+        "built whole by FUNC on every rank, its own initialization kept (default); "
+        "layers, FUNC called on the meta device and each rank materializing only its "
+        "stages' layers, each set by its modules' reset_parameters() from a seed of "
+        "its own (--seed and the layer's index), so a rank holds only its share "
+        "(docs/runtime.md)",
+        choices=("factory", "layers"),
+    )
     timeout: float = option(
         60.0,
         "stop every rank if one fails or none moves for this long (default 60)",
@@ -277,7 +287,15 @@ class RunConfig:
         frozen = self.frozen_layers or 0
         shapes = self.batch_shapes
         return ModelSpec(
-            self.model, self.seq_len, size, dtype, self.seed, self.data, frozen, shapes
+            self.model,
+            self.seq_len,
+            size,
+            dtype,
+            self.seed,
+            self.data,
+            frozen,
+            shapes,
+            self.init or "factory",
         )
 
     def for_program(self, program: Program) -> RunConfig:

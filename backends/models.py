@@ -3,7 +3,8 @@
 A model is an ordered list of layers (`LayeredModel.layers`); stage `s` is a contiguous
 slice of them (`partition`). A rank materializes only its stages' layers of a built-in or
 Hugging Face model (`hf:DIR`, backends/hf_models.py), each from its seed (layer_init.py) or
-checkpoint, and a user's model whole from the seed: replicas of a stage start identical.
+checkpoint, and a user's model whole from the seed (or, with `--init layers`, its layers
+alone, backends/user_init.py): replicas of a stage start identical.
 
     gpt:SIZE, llama:SIZE                 the built-in models (backends/builtin_models.py)
     hf:DIR                               a Hugging Face checkpoint (backends/hf_models.py)
@@ -40,6 +41,7 @@ from pipelang.backends.data import DataError, check_tokens, sample_batch, synthe
 from pipelang.backends.layer_init import Materializer, SeededLayers
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.model_import import trust
+from pipelang.backends.user_init import user_layers
 from pipelang.backends.user_models import Tie, said, user_model
 from pipelang.diagnostics import clip
 from pipelang.ir.program import even_split
@@ -73,6 +75,10 @@ class ModelSpec:
     """(samples, length) of each micro-batch of a step when they differ (a schedule's
     `lengths`, DynaPipe); micro-batch m of a step with more (`--dp`) has shape m mod
     their count. None: every one is `micro_batch_size` x `seq_len`."""
+    init: str = "factory"
+    """How a user's model gets its weights (`--init`, backends/user_init.py): "factory",
+    built whole by its function; "layers", made on the meta device and each layer
+    materialized alone by its modules' `reset_parameters()`."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -84,7 +90,8 @@ class ModelSpec:
         """The model on the current default device: a built-in one or a Hugging Face
         checkpoint's (backends/hf_models.py) made on the meta device with only `layers`
         (None: all) materialized (`LayeredModel.materialize`), the rest left on meta; a
-        user's whole, whatever `layers` says, in fp32 from the seed, then cast."""
+        user's whole, whatever `layers` says, in fp32 from the seed, then cast (with
+        `--init layers`, made on meta too and only `layers` materialized)."""
         kind, sep, rest = self.name.partition(":")
         if not sep or not rest:
             raise ModelError(
@@ -102,18 +109,37 @@ class ModelSpec:
                 self, built.layers, built.vocab, built.seq_len, ties=built.ties, materializer=built
             )
         else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed)
-                built = user_model(self)
-            model = LayeredModel(
-                self, built.layers, built.vocab, built.seq_len, built.stages, built.loss, built.ties
-            )
+            model = self._user()
         for layer in model.layers:
             layer.to(self.torch_dtype)
         for layer in model.layers[: self.frozen_layers]:
             layer.requires_grad_(False)
         model.materialize(range(len(model.layers)) if layers is None else layers)
         return model
+
+    def _user(self) -> LayeredModel:
+        """A user's model: built whole from the seed by its function (`--init factory`),
+        or made on the meta device with each layer left to materialize alone
+        (`--init layers`, backends/user_init.py)."""
+        rule = None
+        if self.init == "layers":
+            with torch.device("meta"):
+                built = user_model(self)
+            rule = user_layers(self.name, built.layers, self.seed, self.torch_dtype, built.ties)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                built = user_model(self)
+        return LayeredModel(
+            self,
+            built.layers,
+            built.vocab,
+            built.seq_len,
+            built.stages,
+            built.loss,
+            built.ties,
+            materializer=rule,
+        )
 
     def _built_in(self, kind: str, size: str) -> LayeredModel:
         """`gpt:SIZE` or `llama:SIZE` (on the meta device: nothing drawn, nothing made)."""
@@ -145,6 +171,7 @@ class LayeredModel:
     materializer: Materializer | None = None
     """What gives the layers left on the meta device their weights: a built-in model's
     seeded rule (`layer_init.SeededLayers`), a checkpoint's files (`hf_models.HFLayers`);
+    a user's model's `reset_parameters()` under `--init layers` (`user_init.UserLayers`);
     None: a user's model, built whole."""
 
     def materialize(self, indices: Iterable[int]) -> None:

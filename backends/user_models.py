@@ -242,7 +242,9 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
     except SystemExit as exit_:
         raise ModelError(f"`--model {name}`: `{attr}()` {said(exit_)}") from None
     except BaseException as err:
-        raise ModelError(clip(f"`--model {name}`: `{attr}()` failed: {said(err)}")) from None
+        raise ModelError(
+            clip(f"`--model {name}`: `{attr}()` failed: {said(err)}{_on_meta(err)}")
+        ) from None
     extras: dict[str, Any] = {}
     if isinstance(returned, dict):
         unknown = sorted(set(returned) - KEYS)
@@ -303,6 +305,16 @@ def _build(spec: ModelSpec, factory: Callable[..., object]) -> _Built:
             "`vocab_size`, set `vocab_size` on the module, or give it an nn.Embedding"
         )
     return _Built(layers, stages, whole, int(vocab), seq_len, loss)
+
+
+def _on_meta(err: BaseException) -> str:
+    """What to add to a model function's failure on the meta device that says so."""
+    if torch.get_default_device().type != "meta" or "meta" not in str(err):
+        return ""
+    return (
+        " (pipelang calls it on the meta device, where tensors hold no values, to find the "
+        "stages' boundaries and to build it under --init layers: it may not read a value)"
+    )
 
 
 def _first_embedding(layers: list[nn.Module]) -> int | None:
