@@ -93,6 +93,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         **given | {"mixed_precision": _mixed_precision(args)} | _checkpoint_options(args),
     )
     _check_optimizer(config)
+    kind = config.model.partition(":")[0]
+    if config.init is not None and kind in ("gpt", "llama", "hf"):
+        raise UsageError(
+            f"--init is for a model of your own (--model FILE.py:FUNC); {kind} models are "
+            "always made on the meta device, each rank materializing only its layers"
+        )
     if config.save_hf is not None:
         from pipelang.backends.hf_save import out_dir_problem
 
