@@ -8,14 +8,18 @@ incomplete and is never resumed. Which checkpoints under DIR are this run's, whi
 checkpoint's files, none of them trusted, is `checkpoint_read.py`'s.
 
 Every entry is named as in the whole model, never by rank or stage: `model.{layer}.{name}`
-for a parameter (the layer counted over the whole model, as `--check` names it) and
+for a parameter (the layer counted over the whole model, as `--check` names it; a user
+model's list of stage modules has a layer per stage, each named as the user's module names
+its parameters, however pipelang wraps it to pack what crosses its boundaries) and
 `optim.{layer}.{name}.{field}` for its optimizer state (`exp_avg`, `exp_avg_sq` and
 `step` for Adam, `momentum` for SGD). So the replicas of a stage (Chimera's two pipelines,
 `--dp` copies) write one entry between them (DCP keeps one of equal keys), and a checkpoint
-loads into any schedule, rank count or partition over the same model: each rank reads the
-entries of the layers it holds. Every entry the run's optimizer keeps must be there, in
-its shape and dtype (a checkpoint without Adam's moments is refused, naming the first
-missing one, before any rank starts: `verify`, and again by each rank: `load`).
+loads into any schedule, rank count or partition over the same model, and into a
+`pipelang.torch.PipelineSchedule` over the same stage modules (pipelang/torch_state.py,
+which writes them the same way): each rank reads the entries of the layers it holds.
+Every entry the run's optimizer keeps must be there, in its shape and dtype (a checkpoint
+without Adam's moments is refused, naming the first missing one, before any rank starts:
+`verify`, and again by each rank: `load`).
 """
 
 from __future__ import annotations
@@ -43,11 +47,12 @@ from pipelang.backends.checkpoint_read import (
     reader,
     tensor_entries,
 )
+from pipelang.backends.user_models import PackedStage
 from pipelang.diagnostics import clip
 
 if TYPE_CHECKING:
     from pipelang.backends.config import RunConfig
-    from pipelang.backends.optim import Optimizer
+    from pipelang.backends.optim import LrSchedule, Optimizer
 
 __all__ = [
     "INFO",
@@ -84,19 +89,21 @@ class Held:
 
     names: list[str]
     params: list[nn.Parameter]
-    optimizer: Optimizer
+    optimizer: Optimizer | None
+    """None: the parameters alone (a user's loop with an optimizer of its own)."""
 
     def entries(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint key, tensor) of every parameter and optimizer state."""
         for i, (name, param) in enumerate(zip(self.names, self.params, strict=True)):
             yield f"model.{name}", param
-            for field, value in self.optimizer.state(i).items():
-                yield f"optim.{name}.{field}", value
+            if self.optimizer is not None:
+                for field, value in self.optimizer.state(i).items():
+                    yield f"optim.{name}.{field}", value
 
 
 def held_by_model(
-    module: nn.Module,
-    optimizer: Optimizer,
+    module: nn.Sequential,
+    optimizer: Optimizer | None,
     first_layer: int = 0,
     masters: list[nn.Parameter] | None = None,
 ) -> Held:
@@ -104,12 +111,25 @@ def held_by_model(
     ...) under their whole-model names, in the optimizer's order; with `masters`
     (`--mixed-precision`), those in their place."""
     names, params = [], []
-    for name, param in module.named_parameters():
+    for name, param in named_parameters(module, first_layer):
         if param.requires_grad:
-            local, _, rest = name.partition(".")
-            names.append(f"{first_layer + int(local)}.{rest}")
+            names.append(name)
             params.append(param)
     return Held(names, masters if masters is not None else params, optimizer)
+
+
+def named_parameters(
+    layers: nn.Sequential, first_layer: int = 0
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters of `layers` (layers `first_layer`, ...) by their whole-model names,
+    `{layer}.{name}`: `name` as the layer's own module names it, inside the wrapper that
+    packs a user's stage (`user_models.PackedStage`), so that a checkpoint's names do not
+    depend on what its boundaries carry."""
+    for name, param in layers.named_parameters():
+        local, _, rest = name.partition(".")
+        if isinstance(layers[int(local)], PackedStage):
+            rest = rest.removeprefix("stage.")
+        yield f"{first_layer + int(local)}.{rest}", param
 
 
 def step_dir(root: str, step: int) -> Path:
@@ -132,9 +152,6 @@ def write(held: Iterable[Held], step: int, config: RunConfig, schedule: str) -> 
     process marks the directory as this run's, writes `pipelang.json` once every process
     is done, says so (`announce`) and applies `--keep-last`. A `step-K` of another run
     is never written over (CheckpointError)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
     assert config.save is not None
     path = step_dir(config.save, step)
     info: dict[str, object] = {"step": step, "model": config.model}
@@ -142,15 +159,34 @@ def write(held: Iterable[Held], step: int, config: RunConfig, schedule: str) -> 
     info |= {"schedule": schedule, "lr_schedule": lr_text(config)}
     if config.run_id is not None:
         info |= {"run": config.run_id, "lineage": [list(x) for x in config.lineage]}
+    if commit(held, path, info, config.run_id, config.lineage):
+        announce(f"checkpoint {path} complete (step {step})")
+        if config.keep_last is not None:
+            prune(config.save, config.keep_last, config.run_id, config.lineage)
+
+
+def commit(
+    held: Iterable[Held],
+    path: Path,
+    info: dict[str, object],
+    run_id: str | None = None,
+    lineage: tuple[tuple[str, int], ...] = (),
+) -> bool:
+    """Save this process's entries into checkpoint `path` and, once every process is
+    done, `info` as its `pipelang.json` (the first process; a collective over the
+    default process group when there is one); whether this is the first process. A
+    checkpoint of another run is never written over (CheckpointError)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
     state = {key: value.detach() for h in held for key, value in h.entries()}
     distributed = dist.is_initialized()
     first = not distributed or dist.get_rank() == 0
     if first:  # before the collective save: an overwritten step is incomplete until done
-        if not may_overwrite(path, config.run_id, config.lineage):
+        if not may_overwrite(path, run_id, lineage):
             raise CheckpointError(f"`{path}` holds another run's checkpoint: not written over")
         (path / INFO).unlink(missing_ok=True)
-        mark(path, config.run_id)
+        mark(path, run_id)
     with _one_process_quiet():
         dcp.save(state, checkpoint_id=path, no_dist=not distributed)
     if distributed:
@@ -159,48 +195,65 @@ def write(held: Iterable[Held], step: int, config: RunConfig, schedule: str) -> 
         temporary = path / f".{INFO}.{os.getpid()}"  # complete at once, never half written
         temporary.write_text(json.dumps(info, indent=1) + "\n")
         temporary.replace(path / INFO)
-        announce(f"checkpoint {path} complete (step {step})")
-        if config.keep_last is not None:
-            prune(config.save, config.keep_last, config.run_id, config.lineage)
+    return first
 
 
-@torch.no_grad()
 def load(held: Iterable[Held], path: str) -> None:
     """Load this process's entries from checkpoint `path` into its parameters and
     optimizer states, in place; a collective when there is a process group. Every entry
     the optimizer keeps must be there (`_fit`); a shard DCP cannot read is a
     CheckpointError naming the checkpoint."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     held = list(held)
+    read(held, path, wanted(held, path))
+
+
+def wanted(held: list[Held], path: str, where: str | None = None) -> dict[str, torch.Tensor]:
+    """The entries of checkpoint `path` that `held` loads, as tensors to read them into
+    (no collective); CheckpointError, its message naming the checkpoint as `where`
+    (default: `--resume PATH`), unless the checkpoint holds every one the optimizer
+    keeps, in its shape and dtype."""
     required: dict[str, torch.Tensor] = {}
     optional: dict[str, torch.Tensor] = {}
     for h in held:
         required.update((key, value.detach().clone()) for key, value in h.entries())
+        if h.optimizer is None:
+            continue
         for name, param in zip(h.names, h.params, strict=True):  # SGD's, made at its
             optional[f"optim.{name}.momentum"] = torch.zeros_like(param)  # first step
     saved = tensor_entries(Path(path))
     shapes = {key: (tuple(v.shape), v.dtype) for key, v in required.items()}
-    _fit(path, saved, shapes, {k: (tuple(v.shape), v.dtype) for k, v in optional.items()})
-    state = required | {k: v for k, v in optional.items() if k in saved and k not in required}
+    where = where if where is not None else f"`--resume {path}`"
+    _fit(where, saved, shapes, {k: (tuple(v.shape), v.dtype) for k, v in optional.items()})
+    return required | {k: v for k, v in optional.items() if k in saved and k not in required}
+
+
+@torch.no_grad()
+def read(held: list[Held], path: str, state: dict[str, torch.Tensor]) -> None:
+    """Read `state` (`wanted`) from checkpoint `path` and set `held`'s parameters and
+    optimizer states from it; a collective when there is a process group."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with _one_process_quiet():
             dcp.load(state, storage_reader=reader(Path(path)), no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP's gathers every rank's
-        raise CheckpointError(f"`{path}`: its tensors cannot be read: {_first(err)}") from None
+        raise CheckpointError(
+            f"`{path}`: its tensors cannot be read: {first_failure(err)}"
+        ) from None
     for h in held:
         for i, (name, param) in enumerate(zip(h.names, h.params, strict=True)):
             param.copy_(state[f"model.{name}"])
             prefix = f"optim.{name}."
             fields = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            h.optimizer.load_state(i, fields)
+            if h.optimizer is not None:
+                h.optimizer.load_state(i, fields)
 
 
-def _first(err: BaseException) -> str:
+def first_failure(err: BaseException) -> str:
     """The first failure inside DCP's CheckpointException (one per rank, each an
     (exception, traceback) pair), in one line; an unpickling error without torch's
     advice to load the file with `weights_only=False`."""
@@ -216,28 +269,28 @@ def _first(err: BaseException) -> str:
 
 
 def _fit(
-    path: str, saved: dict[str, Entry], required: dict[str, Entry], optional: dict[str, Entry]
+    where: str, saved: dict[str, Entry], required: dict[str, Entry], optional: dict[str, Entry]
 ) -> None:
-    """CheckpointError unless checkpoint `path` (`saved`: its tensor entries) holds every
-    entry of `required`, and those of `optional` it holds, in their shape and dtype."""
+    """CheckpointError unless the checkpoint `where` names (`saved`: its tensor entries)
+    holds every entry of `required`, and those of `optional` it holds, in their shape
+    and dtype."""
     for key, want in [*required.items(), *optional.items()]:
         if key not in saved:
             if key in required:
-                raise CheckpointError(_missing(path, key))
+                raise CheckpointError(_missing(where, key))
             continue
         if saved[key] != want:
             raise CheckpointError(
-                f"`--resume {path}`: `{key}` is {_text(saved[key])} there and {_text(want)} "
-                "in this run"
+                f"{where}: `{key}` is {_text(saved[key])} there and {_text(want)} in this run"
             )
 
 
-def _missing(path: str, key: str) -> str:
+def _missing(where: str, key: str) -> str:
     if not key.startswith("optim."):
-        return f"`--resume {path}` has no tensor `{key}`"
+        return f"{where} has no tensor `{key}`"
     field = key.rsplit(".", 1)[1]
     return (
-        f"`--resume {path}` has no optimizer state `{key}`: this run's optimizer keeps "
+        f"{where} has no optimizer state `{key}`: this run's optimizer keeps "
         f"`{field}` for every parameter, and a checkpoint without it cannot resume it "
         "(a fresh optimizer state is not made up)"
     )
@@ -271,7 +324,7 @@ def verify(config: RunConfig) -> None:
     with torch.device("meta"):
         model = config.spec.build()
     trained: list[tuple[str, nn.Parameter]] = []
-    for name, param in nn.Sequential(*model.layers).named_parameters():
+    for name, param in named_parameters(nn.Sequential(*model.layers)):
         key = f"model.{name}"
         if key not in saved:
             raise CheckpointError(
@@ -294,12 +347,16 @@ def verify(config: RunConfig) -> None:
         for field, value in optimizer.state(i).items():
             required[f"optim.{name}.{field}"] = (tuple(value.shape), value.dtype)
         optional[f"optim.{name}.momentum"] = (tuple(param.shape), param.dtype)
-    _fit(str(path), saved, required, optional)
+    _fit(f"`--resume {path}`", saved, required, optional)
 
 
 def lr_text(config: RunConfig) -> str:
     """The learning rate over the run, in words (`pipelang.json` keeps it)."""
-    lr = config.lr_schedule_at()
+    return lr_words(config.lr_schedule_at())
+
+
+def lr_words(lr: LrSchedule) -> str:
+    """A learning-rate schedule in words, as `pipelang.json` keeps it."""
     warmup = f", {lr.warmup} steps of warm-up" if lr.warmup else ""
     if lr.kind == "constant":
         return f"constant {lr.peak:g}{warmup}"

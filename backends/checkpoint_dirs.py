@@ -65,31 +65,31 @@ def _step_entries(root: Path) -> list[str]:
     return [name for _, name in sorted(steps)]
 
 
-def find(path: str) -> tuple[Path, int]:
+def find(path: str, named: str | None = None) -> tuple[Path, int]:
     """The checkpoint `--resume path` names and its step: `path` itself when it is one,
     else the latest complete `step-K` under it. CheckpointError (status 2) when there is
-    none; status 1 when the one found is not a good checkpoint."""
+    none, naming the path as `named` (default `--resume path`); status 1 when the one
+    found is not a good checkpoint."""
+    named = named if named is not None else f"`--resume {path}`"
     root = Path(path)
     if is_complete(root):
         return root, read_info(root).step
     try:
         root.stat()
     except OSError as err:  # missing, a name too long, a loop of links
-        raise CheckpointError(f"`--resume {path}`: {_no_such(err)}", 2) from None
+        raise CheckpointError(f"{named}: {_no_such(err)}", 2) from None
     if not root.is_dir():
-        raise CheckpointError(f"`--resume {path}`: not a directory", 2)
+        raise CheckpointError(f"{named}: not a directory", 2)
     found = latest(root)
     if found is not None:
         return found
     if STEP_DIR.fullmatch(root.name):
         raise CheckpointError(
-            f"`--resume {path}`: that checkpoint was cut short (it has no {INFO}, which "
-            "is written last)",
+            f"{named}: that checkpoint was cut short (it has no {INFO}, which is written last)",
             2,
         )
     raise CheckpointError(
-        f"`--resume {path}`: no checkpoint there (a `step-K` directory with {INFO}, "
-        "as `--save` writes)",
+        f"{named}: no checkpoint there (a `step-K` directory with {INFO}, as `--save` writes)",
         2,
     )
 

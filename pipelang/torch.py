@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from pipelang.backends.config import SGD_MOMENTUM
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.optim import LrSchedule
 from pipelang.backends.precision import master_weights
@@ -55,8 +58,9 @@ from pipelang.ir import Action, Kind, deps
 from pipelang.ir.placement import reduce_ranks
 from pipelang.ir.program import whole_backwards
 from pipelang.schedule import Schedule
+from pipelang.torch_state import PipelineOptimizer, load, make_optimizer, save
 
-__all__ = ["LrSchedule", "PipelineSchedule"]
+__all__ = ["LrSchedule", "PipelineOptimizer", "PipelineSchedule"]
 """`LrSchedule` is `pipelang run`'s learning rate per step (warm-up, then constant, cosine
 or linear to a floor), for a loop of your own: `lr = LrSchedule(3e-3, "cosine", warmup=10,
 floor=3e-4, steps=1000).lr(step)`."""
@@ -108,6 +112,8 @@ class PipelineSchedule:
         self.copies_count = world // program.num_ranks
         self.replica, self.rank = divmod(dist.get_rank(), program.num_ranks)
         self.loss_fn = loss_fn
+        self.model_name = "PipelineSchedule of " + _named(build_stage)
+        """What a checkpoint's `pipelang.json` says it was saved from."""
         self.boundaries: dict[int, Boundary] = {}
         """What stage s hands on where it is more than one tensor: how it is packed."""
         split, recomputes = Kind.W in program.kinds, Kind.R in program.kinds
@@ -155,6 +161,40 @@ class PipelineSchedule:
         for (stage, pipeline), module in self.stages.items():
             masters = self.copies[(stage, pipeline)].masters
             yield from module.parameters() if masters is None else masters
+
+    def optimizer(
+        self,
+        kind: str = "adamw",
+        lr: float | LrSchedule = 3e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        decay_all: bool = False,
+        momentum: float = SGD_MOMENTUM,
+    ) -> PipelineOptimizer:
+        """`pipelang run --optimizer KIND`'s optimizer on every stage copy of this rank
+        (`sgd` with `momentum`, `adam`, or `adamw` with `weight_decay`, default 0.1, on
+        matrices and embeddings unless `decay_all`), its rate of each step from `lr` (a
+        number, or an `LrSchedule`); the updates are `run`'s bit for bit, and `save` and
+        `load` keep its state (pipelang/torch_state.py)."""
+        return make_optimizer(self, kind, lr, betas, eps, weight_decay, decay_all, momentum)
+
+    def save(
+        self,
+        directory: str | os.PathLike[str],
+        step: int | None = None,
+        optimizer: PipelineOptimizer | None = None,
+    ) -> Path:
+        """Write `directory/step-K` (K: `step`, or the steps `optimizer` has taken) as
+        `pipelang run --save directory` does: the parameters, and the optimizer's state
+        when given; a collective, so every process calls it. Returns the path."""
+        return save(self, directory, step, optimizer)
+
+    def load(self, path: str | os.PathLike[str], optimizer: PipelineOptimizer | None = None) -> int:
+        """Set the parameters (and `optimizer`'s state and step count, when given) from
+        checkpoint `path`, a `step-K` directory or the latest complete one under `path`,
+        written by `save` or by `pipelang run --save`; a collective. Returns its step."""
+        return load(self, path, optimizer)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """After `step`: scale every gradient of every process so that their global norm
@@ -381,6 +421,13 @@ class _Packing(nn.Module):
                 f"{_described(known)}: every micro-batch's must have one structure and shape",
             )
         return known.pack(y)
+
+
+def _named(function: object) -> str:
+    """`module:qualname` of a function, as far as it tells."""
+    module = getattr(function, "__module__", None) or "?"
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    return clip(f"{module}:{name}")
 
 
 def _bf16(value: object) -> object:
