@@ -59,19 +59,21 @@ def compile_schedule(
     max_ops: int = MAX_OPS,
     shapes: tuple[tuple[int, int], ...] | None = None,
     costs: CostModel | None = None,
+    shard: int = 1,
 ) -> Compilation:
     """Run the passes on a schedule (path or stdlib name) with `-p`-style string params;
     `dp` is the data-parallel copies a stream program is lowered for; a schedule of more
     than `max_ops` ops is refused (E0106); `shapes` are the micro-batches' (samples,
     length), instead of the schedule's `lengths` and `sizes` lines (and N, the
     micro-batch count, is their number unless `params` give it); `costs` come after its
-    `cost` lines, and orders that depend on the costs are expanded under them."""
+    `cost` lines, and orders that depend on the costs are expanded under them; `shard`
+    K > 1 shards every stage copy over K data-parallel copies (`insert-shard`)."""
     file = load_file(sched)
     params = dict(params or {})
     declared = {p.name for p in file.schedule.params}
     if shapes is not None and "N" in declared and "N" not in params:
         params["N"] = str(len(shapes))
-    options = Options(params, max_activations, dp, max_ops, shapes, costs)
+    options = Options(params, max_activations, dp, max_ops, shapes, costs, shard)
     return run_passes(file, options, stop_after)
 
 

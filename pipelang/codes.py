@@ -375,6 +375,17 @@ CODES: dict[str, Code] = {
             "in chunk order (0, 1, ...) and its backwards in reverse (last chunk first), "
             "as Seq1F1B does. List them in that order.",
         ),
+        Code(
+            "E0321",
+            "schedule cannot be sharded",
+            "`--dp K --shard` shards each stage copy over its K data-parallel copies: the "
+            "compiler adds an all-gather (`gather@s/p`) before the copy's first op of the "
+            "step and one reduce-scatter (`reduce_scatter@s/p`) after its last backward. "
+            "It does not shard yet a schedule with replicas of a stage (several "
+            "pipelines), asynchronous weights, recompute (`R`), a frozen part, sequence "
+            "chunks, evictions or a split backward (`W`); the message names which. Run "
+            "such a schedule without --shard.",
+        ),
         # 04xx: the planner's inputs (`pipelang profile`, `pipelang plan`)
         Code(
             "E0401",

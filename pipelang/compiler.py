@@ -49,6 +49,9 @@ class Options:
     costs: CostModel | None = None
     """Cost entries after the schedule's own `cost` lines (`--cost`): an order that
     depends on the costs (`order greedy`, `squeeze`) is expanded under them."""
+    shard: int = 1
+    """The data-parallel copies each stage copy is sharded over (`--dp K --shard`: K);
+    1: not sharded (`insert-shard` adds nothing)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ PASS_NAMES = (
     "build-dag",
     "validate",
     "insert-holds",
+    "insert-shard",
     "insert-comms",
     "insert-sync",
     "streams",
@@ -125,6 +129,7 @@ def passes() -> tuple[Pass, ...]:
         expand_orders,
         insert_comms,
         insert_holds,
+        insert_shard,
         insert_sync,
         resolve_params,
         streams,
@@ -137,6 +142,7 @@ def passes() -> tuple[Pass, ...]:
         build_dag.run,
         validate.run,
         insert_holds.run,
+        insert_shard.run,
         insert_comms.run,
         insert_sync.run,
         streams.run,
@@ -144,11 +150,12 @@ def passes() -> tuple[Pass, ...]:
     )
 
 
-SCHEDULE_DONE = "insert-holds"
-"""The last pass that decides what each rank computes and when: the ops, the op graph
-and memory are final. What follows only lowers transfers and sync (it cannot fail on a
-validated program), so `check`, `simulate` and `viz` stop here: on a schedule of 10^6
-ops the lowering passes would take as long again as everything before them."""
+SCHEDULE_DONE = "insert-shard"
+"""The last pass that decides what each rank computes and when: the ops (a sharded
+stage's gathers and reduce-scatters included), the op graph and memory are final. What
+follows only lowers transfers and sync (it cannot fail on a validated program), so
+`check`, `simulate` and `viz` stop here: on a schedule of 10^6 ops the lowering passes
+would take as long again as everything before them."""
 PROGRAM_DONE = "insert-sync"
 """The last pass a run by default: the Program every backend's eager path reads. The
 stream program's passes cost time in ranks x ops and serve graph mode and its checks, so

@@ -4,11 +4,12 @@ comes.
 
 A *feature* is something a schedule may declare that not every consumer handles:
 replicas (several pipelines), recompute, asynchronous weights, a frozen part, sequence
-chunks, micro-batch shapes, evicted activations. A *consumer* is what reads a compiled
+chunks, micro-batch shapes, evicted activations, a split backward (`W`), sharded stages
+(`--shard`: the compiler's `gather` and `reduce_scatter`). A *consumer* is what reads a compiled
 Program: torch's CSV format (`export --format torch-csv`), `PipelineSchedule` (the
 training-loop API), `synthesize` (which reads a placement's declarations), the stream
 programs (the `streams` pass, and so `--graphs`, gloo and nccl), and the runtime's
-options and paths that cannot take a feature yet (`--dp`, `--mixed-precision`,
+options and paths that cannot take a feature yet (`--dp`, `--shard`, `--mixed-precision`,
 `--clip-grad`, checkpoints, a GPU, and the runtime's own chunks and evictions, which
 cannot take recompute). `refusal(program, consumer)` says why a consumer cannot run a
 program, or None; `refuse` raises it as a diagnostic:
@@ -31,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipelang.diagnostics import fail
-from pipelang.ir import Kind, Program
+from pipelang.ir import SHARD_KINDS, Kind, Program
 from pipelang.source import Span
 
 
@@ -59,6 +60,12 @@ def _evictions(p: Program) -> str | None:
     return None if evicts is None else f"evicts activations to partner ranks (`{evicts}`)"
 
 
+def _sharded(p: Program) -> str | None:
+    if not any(a.kind in SHARD_KINDS for actions in p.ranks for a in actions):
+        return None
+    return "shards its stages over their --dp copies (`--shard`)"
+
+
 USES: dict[str, Callable[[Program], str | None]] = {
     "pipelines": _pipelines,
     "recompute": lambda p: "recomputes forwards (`R`)" if Kind.R in p.kinds else None,
@@ -71,6 +78,8 @@ USES: dict[str, Callable[[Program], str | None]] = {
         else "gives each micro-batch its own shape (`lengths`, `sizes` or --lengths)"
     ),
     "evictions": _evictions,
+    "split": lambda p: "splits W off its backward (`W`)" if Kind.W in p.kinds else None,
+    "sharded": _sharded,
 }
 """Each feature: how a program uses it, in words, or None when it does not."""
 
@@ -104,6 +113,19 @@ REFUSED: dict[str, dict[str, str]] = {
     },
     "stream programs": {
         "evictions": "evictions are not lowered to stream programs yet; run it without --graphs",
+        "sharded": "sharded stages are not lowered to stream programs yet; run it without --graphs",
+    },
+    "--shard": {
+        "pipelines": "--shard shards each stage over its --dp copies only; a stage with "
+        "replicas in the schedule is not sharded yet; use a schedule of one pipeline",
+        "weights": "--shard sums the gradients once per step, and an asynchronous schedule "
+        "updates its stages at each `U` instead; use a synchronous schedule",
+        "recompute": "--shard does not recompute a sharded stage's forward yet",
+        "frozen": "--shard does not run a frozen part yet",
+        "chunks": "--shard does not run sequence chunks yet",
+        "evictions": "--shard does not evict a sharded stage's activations yet",
+        "split": "--shard does not split a sharded stage's backward yet (its W would read "
+        "the gathered weights after B); use a schedule without W, such as 1f1b",
     },
     "--dp": {
         "weights": "the runtime cannot run an asynchronous schedule with --dp yet: each "
@@ -113,14 +135,20 @@ REFUSED: dict[str, dict[str, str]] = {
     "--mixed-precision": {
         "weights": "its weight versions are not kept as fp32 masters yet; run it with "
         "--dtype instead of --mixed-precision",
+        "sharded": "sharded stages keep no fp32 masters yet; run it with --dtype instead "
+        "of --mixed-precision",
     },
     "--clip-grad": {
         "weights": "each stage updates on its own at its `U`, so there is no one step at "
         "which to take the global gradient norm; run it without --clip-grad",
+        "sharded": "the global gradient norm of sharded gradients is not taken yet; run it "
+        "without --clip-grad",
     },
     "checkpoints": {
         "weights": "its ranks hold several versions of their weights, which checkpoints do "
         "not save yet; run it without --save and --resume",
+        "sharded": "checkpoints do not save sharded (DTensor) parameters and optimizer "
+        "state yet; run it without --save and --resume",
     },
     "a GPU": {
         "evictions": "evictions have run only on the CPU so far (gloo, or local without a "

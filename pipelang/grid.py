@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 
 from pipelang.ir import Action, Program, placement
+from pipelang.ir.costs import SHARD_COSTS
 
 
 def op_labeler(program: Program) -> Callable[[int, Action], str]:
@@ -23,15 +24,18 @@ def op_labeler(program: Program) -> Callable[[int, Action], str]:
     When the program has more than one pipeline, the pipeline's first letter is appended
     (`F3d`; first letter and index for families such as `down0`, `down1`: `F3d1`), and
     `.s<stage>` when the rank holds more than one stage of that pipeline (`F3d.s1`).
-    Actions other than compute ops keep their full token.
+    A sharded stage's collectives are `AG` (`gather`) and `RS` (`reduce_scatter`),
+    marked the same way. Other actions keep their full token.
     """
     short = _short_names([p.name for p in program.pipelines])
     held = placement.local_stages(program.pipelines)
 
     def label(rank: int, action: Action) -> str:
-        if not action.kind.is_compute:
+        shard = SHARD_COSTS.get(action.kind)
+        if not action.kind.is_compute and shard is None:
             return action.text()
-        text = f"{action.kind.value}{action.unit()}{short.get(action.pipeline or '', '')}"
+        name = shard or f"{action.kind.value}{action.unit()}"
+        text = f"{name}{short.get(action.pipeline or '', '')}"
         if len(held.get((action.pipeline or "", rank), ())) > 1:
             text += f".s{action.stage}"
         return text

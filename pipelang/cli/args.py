@@ -200,6 +200,27 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, optional: bool = Fal
     add_lengths_argument(parser)
 
 
+SHARD_HELP = (
+    "with --dp K: shard each stage copy's parameters, gradients and optimizer state over "
+    "its K data-parallel copies (FSDP2); the compiler adds `gather@S/P` before the copy's "
+    "first op of the step and `reduce_scatter@S/P` after its last backward (timed by the "
+    "cost entries AG and RS; docs/runtime.md, Larger than one device)"
+)
+
+
+def add_shard_arguments(parser: argparse.ArgumentParser, dp: bool = True) -> None:
+    """`--shard`, and `--dp K` where the command has no --dp of its own (`dp`)."""
+    if dp:
+        parser.add_argument(
+            "--dp",
+            type=positive,
+            default=1,
+            metavar="K",
+            help="data-parallel copies of the pipeline, for --shard (default 1)",
+        )
+    parser.add_argument("--shard", action="store_true", help=SHARD_HELP)
+
+
 def add_lengths_argument(parser: argparse.ArgumentParser) -> None:
     """`--lengths FILE`: the micro-batches' shapes."""
     parser.add_argument(
@@ -231,18 +252,24 @@ def compile_args(
     args: argparse.Namespace, stop_after: str | None = None, sched: str | None = None
 ) -> Compilation:
     """Compile the schedule the parsed options name (SCHED or `sched`, -p, and where the
-    command has them --max-activations, --dp, --lengths and --cost, under which orders
+    command has them --max-activations, --dp, --shard, --lengths and --cost, under which orders
     that depend on the costs are expanded), through pass `stop_after` (default: all)."""
     lengths = getattr(args, "lengths", None)
+    dp = getattr(args, "dp", 1)
+    if getattr(args, "shard", False) and dp < 2:
+        raise UsageError(
+            "--shard shards each stage over its --dp copies: give --dp 2 or more with it"
+        )
     return api.compile_schedule(
         sched or args.sched,
         parse_params(args.params),
         max_activations=getattr(args, "max_activations", None),
         stop_after=stop_after,
-        dp=getattr(args, "dp", 1),
+        dp=dp,
         max_ops=args.max_ops,
         shapes=None if lengths is None else read_lengths(lengths),
         costs=parse_cost(args.cost) if getattr(args, "cost", "") else None,
+        shard=dp if getattr(args, "shard", False) else 1,
     )
 
 

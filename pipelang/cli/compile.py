@@ -10,6 +10,7 @@ from pipelang.cli.args import (
     UsageError,
     add_max_activations,
     add_schedule_arguments,
+    add_shard_arguments,
     add_slot_model_arguments,
     compile_args,
     data_slot_bytes,
@@ -50,6 +51,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="with --dump-after streams: lower for K data-parallel copies (default 1)",
     )
+    add_shard_arguments(parser, dp=False)
     add_slot_model_arguments(parser)
 
 

@@ -12,6 +12,7 @@ from pipelang.cli.args import (
     activation_bytes,
     add_cost_argument,
     add_schedule_arguments,
+    add_shard_arguments,
     add_slot_model_arguments,
     compile_args,
     data_slot_bytes,
@@ -27,6 +28,7 @@ HELP = "replay a schedule with a cost model: makespan, bubbles, memory"
 def setup(parser: argparse.ArgumentParser) -> None:
     add_schedule_arguments(parser)
     add_cost_argument(parser)
+    add_shard_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     parser.add_argument("--grid", action="store_true", help="also print the rank x time grid")
     parser.add_argument(

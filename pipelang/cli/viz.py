@@ -17,6 +17,7 @@ from pipelang.cli.args import (
     add_cost_argument,
     add_lengths_argument,
     add_param_options,
+    add_shard_arguments,
     at_least_zero,
     compile_args,
     parse_cost,
@@ -50,6 +51,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "; with --trace, only with --overlay: the model's, in milliseconds, over the "
         "times fitted to the trace",
     )
+    add_shard_arguments(parser)
     parser.add_argument(
         "-o",
         dest="out",

@@ -55,6 +55,15 @@ class Kind(enum.StrEnum):
     H = "H"
     """Hold, on the partner: receive activations another rank evicts and keep them until
     that rank loads them back. Inserted by the compiler (`insert-holds`), never written."""
+    GATHER = "gather"
+    """All-gather one stage copy's parameters from its shards over its `--dp` copies
+    (`--shard`), before the copy's first op of the step: FSDP2's `unshard()`. Inserted by
+    the compiler (`insert-shard`), never written. Written `gather@1/main`."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """Sum one stage copy's gradients over its `--dp` copies, each keeping the sum of its
+    own shard, and drop the gathered parameters (`--shard`), after the copy's last
+    backward of the step: FSDP2's post-backward, once per step. Inserted by the compiler
+    (`insert-shard`). Written `reduce_scatter@1/main`."""
 
     # Members are singletons compared by identity, so hash them by identity too, in C:
     # Enum's own __hash__ is a Python call, and every Action hash goes through it.
@@ -71,9 +80,13 @@ STASH_KINDS = frozenset({Kind.E, Kind.L, Kind.H})
 """Evicting activations to a partner rank and loading them back (BPipe). These are ops
 of the dependency graph like the compute kinds, but no (micro-batch, stage) must run
 them and they take no compute time."""
+SHARD_KINDS = frozenset({Kind.GATHER, Kind.REDUCE_SCATTER})
+"""A sharded stage copy's collectives over its data-parallel copies (`--shard`). Ops of
+the dependency graph, so that the simulator times them (the cost entries `AG`, `RS`),
+but no (micro-batch, stage) must run them; they name a stage copy, not a micro-batch."""
 _TOKENS = {kind: kind.value for kind in Kind}
 _ARROWS = {Kind.SEND: ">", Kind.SIGNAL: ">"}
-GRAPH_KINDS = COMPUTE_KINDS | STASH_KINDS
+GRAPH_KINDS = COMPUTE_KINDS | STASH_KINDS | SHARD_KINDS
 """The kinds of the actions that are nodes of the dependency graph (`build-dag`)."""
 
 
@@ -83,8 +96,8 @@ class Action(NamedTuple):
     Compute actions use `kind`, `mb`, `stage`, `pipeline`, and `chunk` in a schedule
     that splits micro-batches into sequence chunks (None otherwise). Communication
     actions name the compute op whose result they move (`of`) and the other rank
-    (`peer`). `allreduce` names a stage and pipeline; `step` names nothing; `U` uses `mb`
-    for its number.
+    (`peer`). `allreduce`, `gather` and `reduce_scatter` name a stage and pipeline;
+    `step` names nothing; `U` uses `mb` for its number.
     `span` is where the action came from; it takes no part in equality or hashing.
 
     `fused` marks a compute action that starts together with the one before it on its
@@ -126,15 +139,19 @@ class Action(NamedTuple):
         return f"Action({self.text()})"
 
     def op(self) -> Action:
-        """The compute op this action is about (itself for compute and stash actions)."""
-        if self.kind.is_compute or self.kind in STASH_KINDS:
+        """The compute op this action is about (itself for compute, stash and shard
+        actions)."""
+        if self.kind.is_compute or self.kind in STASH_KINDS or self.kind in SHARD_KINDS:
             return self
         if self.of is None:
             raise InternalError(f"{self} names no compute op")
         return Action(self.of, self.mb, self.stage, self.pipeline, chunk=self.chunk, span=self.span)
 
     def unit(self) -> str:
-        """The micro-batch, with its chunk if it names one: `3`, or `3.1` for chunk 1."""
+        """The micro-batch, with its chunk if it names one: `3`, or `3.1` for chunk 1; ""
+        for an action that names no micro-batch (a sharded stage's `gather`)."""
+        if self.mb is None:
+            return ""
         return str(self.mb) if self.chunk is None else f"{self.mb}.{self.chunk}"
 
     def unfused(self) -> Action:
@@ -155,8 +172,8 @@ class Action(NamedTuple):
             return f"{kind.value}{mb}@{self.stage}/{self.pipeline}{to}"
         if kind is Kind.U:
             return f"U{self.mb}@{self.stage}/{self.pipeline}"
-        if kind is Kind.ALLREDUCE:
-            return f"allreduce@{self.stage}/{self.pipeline}"
+        if kind is Kind.ALLREDUCE or kind in SHARD_KINDS:
+            return f"{kind.value}@{self.stage}/{self.pipeline}"
         assert self.of is not None
         return (
             f"{_TOKENS[kind]}:{_TOKENS[self.of]}{mb}@{self.stage}/{self.pipeline}"
@@ -176,7 +193,7 @@ class Action(NamedTuple):
         if g["step"]:
             return Action(Kind.STEP, span=span)
         if g["ar_stage"] is not None:
-            return Action(Kind.ALLREDUCE, None, int(g["ar_stage"]), g["ar_pipe"], span=span)
+            return Action(Kind(g["ar"]), None, int(g["ar_stage"]), g["ar_pipe"], span=span)
         if g["u_mb"] is not None:
             return Action(Kind.U, int(g["u_mb"]), int(g["u_stage"]), g["u_pipe"], span=span)
         op_kind, mb, stage, pipe = Kind(g["op"]), int(g["mb"]), int(g["stage"]), g["pipe"]
@@ -212,7 +229,7 @@ def _stash_action(
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _TOKEN = re.compile(
     rf"(?P<step>step)"
-    rf"|allreduce@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
+    rf"|(?P<ar>allreduce|gather|reduce_scatter)@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
     rf"|U(?P<u_mb>\d+)@(?P<u_stage>\d+)/(?P<u_pipe>{_NAME})"
     rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWRPEHL])(?P<mb>\d+)(?:\.(?P<chunk>\d+))?@(?P<stage>\d+)/(?P<pipe>{_NAME})"
     rf"(?:(?P<arrow>[<>])(?P<peer>\d+))?"

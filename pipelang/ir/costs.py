@@ -12,6 +12,9 @@ from pipelang.ir import deps
 from pipelang.ir.action import STASH_KINDS, Action, Kind
 from pipelang.source import Span
 
+SHARD_COSTS = {Kind.GATHER: "AG", Kind.REDUCE_SCATTER: "RS"}
+"""The cost entry that times each of a sharded stage's collectives (`--shard`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Chunks:
@@ -126,9 +129,10 @@ MAX_TIME = 1e15
 """The largest time a cost model takes: sums over 10^6 ops stay finite (and JSON)."""
 
 
-COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "A", "S", "O", "KV", "MW")
+COST_KINDS = ("F", "B", "W", "R", "P", "C", "FB", "E", "L", "AG", "RS", "A", "S", "O", "KV", "MW")
 """Every cost entry's name: the times of op kinds, a transfer (`C`), an overlapped pair
-(`FB`), an eviction's trips (`E`, `L`), and the shares and sizes `A`, `S`, `O`, `KV`,
+(`FB`), an eviction's trips (`E`, `L`), a sharded stage's all-gather (`AG`) and
+reduce-scatter (`RS`), and the shares and sizes `A`, `S`, `O`, `KV`,
 `MW`. The one list: a `cost` line's names, `--cost` and the API's costs are checked
 against it (`cost_name_problem`)."""
 
@@ -186,7 +190,9 @@ class CostModel:
     and values, which a sequence chunk's forward past the first saves again, concatenated
     with the chunks' before it (`KV_SHARE` by default, `memory.shares`). `MW` is memory
     too: the share of a stage's activations that a split backward's W still reads after
-    its B (`MW_SHARE` by default, `memory.w_share`).
+    its B (`MW_SHARE` by default, `memory.w_share`). `AG` and `RS` time a sharded
+    stage copy's all-gather (`gather`) and reduce-scatter (`reduce_scatter`), on its
+    rank, between its other ops (`--shard`; 0 unless given).
 
     Entries are (kind, stage or None, time); a later entry overrides an earlier one, and a
     per-stage entry overrides a per-kind one. Unit costs by default, transfers free.
@@ -226,9 +232,12 @@ class CostModel:
     def time(self, op: Action) -> float:
         """How long one op runs: its kind's time on its stage. Stash ops (E, L, H) take
         none here: moving evicted activations is timed on the transfers, like `C`. (A
-        compound's time, `FB` or the sum of its ops, is the simulator's.)"""
+        compound's time, `FB` or the sum of its ops, is the simulator's.) A sharded
+        copy's `gather` takes `AG`, its `reduce_scatter` `RS`."""
         kind = op.kind
-        return 0.0 if kind in STASH_KINDS else self.of(kind.value, op.stage)
+        if kind in STASH_KINDS:
+            return 0.0
+        return self.of(SHARD_COSTS.get(kind) or kind.value, op.stage)
 
     def timer(
         self, chunks: Chunks | None, shapes: BatchShapes | None = None

@@ -76,7 +76,7 @@ def _compute(lines: list[str], timeline: Timeline, base: int, scale: float) -> N
         pid = base + rank
         kind = a.kind
         args = (
-            f',"args":{{"kind":{kind_names[kind]},"mb":{a.mb},"stage":{a.stage},'
+            f',"args":{{"kind":{kind_names[kind]},"mb":{json.dumps(a.mb)},"stage":{a.stage},'
             f'"pipeline":"{a.pipeline}"' + ("" if a.chunk is None else f',"chunk":{a.chunk}') + "}"
         )
         name = f"{kind.value}{a.unit()}@{a.stage}/{a.pipeline}"

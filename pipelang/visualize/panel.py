@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipelang.ir import Action, Kind, deps
+from pipelang.ir import SHARD_KINDS, Action, Kind, deps
 from pipelang.sim.timeline import Event, Timeline
 from pipelang.visualize.style import ALL_KINDS
 
@@ -79,6 +79,8 @@ class Panel:
         """The compute kinds of the program, in F, B, W, R, P order."""
         program = self.timeline.program
         present = {*program.kinds, *((Kind.P,) if program.frozen is not None else ())}
+        if any(e.action.kind in SHARD_KINDS for e in self.timeline.events):
+            present |= SHARD_KINDS
         return tuple(k for k in ALL_KINDS if k in present)
 
 
@@ -97,6 +99,8 @@ def cost_note(timeline: Timeline) -> str:
     kinds.append("C")
     if timeline.program.chunks is not None:
         kinds.append("A")
+    if any(e.action.kind in SHARD_KINDS for e in timeline.events):
+        kinds += ["AG", "RS"]
     text = " ".join(f"{k}={number(costs.of(k))}" for k in kinds)
     if any(stage is not None for _, stage, _ in costs.entries):
         text += " (some per stage)"

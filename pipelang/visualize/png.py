@@ -156,7 +156,7 @@ def _boxes(
     ):
         look = pal.of(action)
         groups[(rank, look, band, of)].append((start, end - start))
-        label = action.unit()
+        label = style.box_label(action)
         # A band of a compound is 1/of of the lane: its number gets at most that share.
         size = min(7.5, 11 / of, ((end - start) * points_per_unit - 3) / (0.62 * len(label)))
         if size >= 5:

@@ -15,12 +15,22 @@ import colorsys
 from dataclasses import dataclass
 
 from pipelang.ir import Action, Kind, Program, placement
+from pipelang.ir.costs import SHARD_COSTS
 
-KIND_HUE = {Kind.F: 212, Kind.B: 25, Kind.W: 128, Kind.R: 280, Kind.P: 180}
-"""Hue in degrees of each compute kind."""
+KIND_HUE = {
+    Kind.F: 212,
+    Kind.B: 25,
+    Kind.W: 128,
+    Kind.R: 280,
+    Kind.P: 180,
+    Kind.GATHER: 50,
+    Kind.REDUCE_SCATTER: 340,
+}
+"""Hue in degrees of each compute kind (and a sharded stage's collectives)."""
 
-ALL_KINDS = (Kind.F, Kind.B, Kind.W, Kind.R, Kind.P)
-"""The compute kinds in the order legends list them."""
+ALL_KINDS = (Kind.F, Kind.B, Kind.W, Kind.R, Kind.P, Kind.GATHER, Kind.REDUCE_SCATTER)
+"""The kinds drawn as boxes, in the order legends list them: the compute kinds, then a
+sharded stage's all-gather and reduce-scatter (`--shard`)."""
 
 KIND_NAME = {
     Kind.F: "forward",
@@ -28,7 +38,16 @@ KIND_NAME = {
     Kind.W: "weight grad",
     Kind.R: "recompute",
     Kind.P: "frozen forward",
+    Kind.GATHER: "all-gather of a sharded stage",
+    Kind.REDUCE_SCATTER: "reduce-scatter of a sharded stage",
 }
+
+
+def box_label(action: Action) -> str:
+    """What a box says: its micro-batch (`3`, `3.1`), or `AG`, `RS` for a sharded
+    stage's all-gather and reduce-scatter."""
+    return SHARD_COSTS.get(action.kind) or action.unit()
+
 
 IDLE = "#e9ecf1"
 IDLE_STROKE = "#c9ced8"

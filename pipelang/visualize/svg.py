@@ -244,7 +244,7 @@ def _boxes(
             f"{a.pipeline}\nstart {number(start)}{unit}, end {number(end)}{unit}"
             "</title></rect>"
         )
-        label = a.unit()
+        label = style.box_label(a)
         size = min(font, (w - 3) / (0.62 * len(label)), h * 0.8)
         if size < 6.5:
             continue

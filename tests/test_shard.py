@@ -1,0 +1,133 @@
+"""Sharded stages (`--dp K --shard`, issue 41): the `insert-shard` pass and its dump, the
+simulator's `AG` and `RS` costs, `viz`, the refusals, and (slow) a gloo run checked
+against one process, each rank holding half the parameter bytes of `--dp 2`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelang import PipelangError, api
+from pipelang.ir import Action, Kind
+from tests.helpers import pipelang_here
+
+ONE_F_ONE_B = ("1f1b", "-p", "D=2", "-p", "N=4")
+
+
+def test_insert_shard_dump(tmp_path: Path) -> None:
+    proc = pipelang_here(
+        "compile", *ONE_F_ONE_B, "--dp", "2", "--shard", "--dump-after", "insert-shard",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[2:] == [
+        "rank 0: gather@0/main F0@0/main F1@0/main B0@0/main F2@0/main B1@0/main F3@0/main "
+        "B2@0/main B3@0/main reduce_scatter@0/main",
+        "rank 1: gather@1/main F0@1/main B0@1/main F1@1/main B1@1/main F2@1/main B2@1/main "
+        "F3@1/main B3@1/main reduce_scatter@1/main",
+    ]
+
+
+def test_insert_shard_lowered_program_keeps_the_reduce_after_the_sends() -> None:
+    program = api.compile_schedule("1f1b", {"D": "2", "N": "2"}, dp=2, shard=2).need_program()
+    assert [a.text() for a in program.ranks[1][-3:]] == [
+        "send:B1@1/main>0",
+        "reduce_scatter@1/main",
+        "step",
+    ]
+
+
+def test_interleaved_gathers_each_copy_before_its_first_op() -> None:
+    program = api.compile_schedule(
+        "interleaved-1f1b", {"D": "2", "N": "4", "v": "2"}, dp=2, shard=2, stop_after="insert-shard"
+    ).need_program()
+    for rank, actions in enumerate(program.ranks):
+        for stage in (rank, rank + 2):
+            gather = actions.index(Action(Kind.GATHER, None, stage, "main"))
+            first = min(i for i, a in enumerate(actions) if a.kind.is_compute and a.stage == stage)
+            assert gather == first - 1
+            reduce = actions.index(Action(Kind.REDUCE_SCATTER, None, stage, "main"))
+            last = max(i for i, a in enumerate(actions) if a.kind is Kind.B and a.stage == stage)
+            assert reduce == last + 1
+
+
+@pytest.mark.parametrize("sched", ["1f1b", "gpipe", "zb-h1", "chimera", "bpipe"])
+def test_without_shard_no_op_is_added(sched: str) -> None:
+    holds = api.compile_schedule(sched, stop_after="insert-holds").need_program()
+    shard = api.compile_schedule(sched, dp=2, stop_after="insert-shard").need_program()
+    assert shard.dump() == holds.dump()
+
+
+def test_shard_tokens_read_back() -> None:
+    for token in ("gather@1/main", "reduce_scatter@0/up"):
+        assert Action.parse(token).text() == token
+
+
+def test_simulate_times_the_gather_and_the_reduce_scatter(tmp_path: Path) -> None:
+    def makespan(*more: str) -> float:
+        proc = pipelang_here(
+            "simulate", *ONE_F_ONE_B, "--cost", "AG=1,RS=2", "--json", *more, cwd=tmp_path
+        )
+        assert proc.returncode == 0, proc.stderr
+        return float(json.loads(proc.stdout)["makespan"])
+
+    assert makespan() == 10  # F = B = 1: 1F1B at D = 2, N = 4
+    assert makespan("--dp", "2") == 10
+    # AG before rank 0's first F delays everything by 1; RS after rank 0's last B by 2
+    assert makespan("--dp", "2", "--shard") == 13
+
+
+def test_viz_draws_the_shard_ops(tmp_path: Path) -> None:
+    proc = pipelang_here(
+        "viz", *ONE_F_ONE_B, "--dp", "2", "--shard", "--cost", "AG=1,RS=2", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "one_f_one_b(D=2, N=4): simulated · makespan 13 · bubble ratio 0.154 · costs F=1 B=1 "
+        "C=0 AG=1 RS=2",
+        "rank 0 | AG F0 F1 .  B0 F2 B1 F3 B2 .  B3 RS -",
+        "rank 1 | AG .  F0 B0 F1 B1 F2 B2 F3 B3 RS -  .",
+    ]
+    out = tmp_path / "v.json"
+    assert pipelang_here("viz", *ONE_F_ONE_B, "--dp", "2", "--shard", "-o", str(out),
+                         cwd=tmp_path).returncode == 0  # fmt: skip
+    names = {e.get("name") for e in json.loads(out.read_text())["traceEvents"]}
+    assert {"gather@0/main", "reduce_scatter@1/main"} <= names
+
+
+# ---- refusals ---------------------------------------------------------------------------
+
+
+def test_shard_without_dp_is_a_usage_error(tmp_path: Path) -> None:
+    for command in (["simulate"], ["compile", "--dump-after", "insert-shard"], ["viz"]):
+        proc = pipelang_here(*command, *ONE_F_ONE_B, "--shard", cwd=tmp_path)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().endswith(
+            "--shard shards each stage over its --dp copies: give --dp 2 or more with it"
+        ), proc.stderr
+
+
+REFUSED = {
+    "zb-h1": "`zb_h1` splits W off its backward (`W`): --shard does not split a sharded "
+    "stage's backward yet (its W would read the gathered weights after B); use a schedule "
+    "without W, such as 1f1b",
+    "chimera": "`chimera` has 2 pipelines (`down`, `up`): --shard shards each stage over its "
+    "--dp copies only; a stage with replicas in the schedule is not sharded yet; use a "
+    "schedule of one pipeline",
+    "pipedream": "`pipedream` is asynchronous (`weights stash`) and updates its stages with "
+    "`U`: --shard sums the gradients once per step, and an asynchronous schedule updates "
+    "its stages at each `U` instead; use a synchronous schedule",
+    "bpipe": "`bpipe` evicts activations to partner ranks (`E2@0/main>3`): --shard does not "
+    "evict a sharded stage's activations yet",
+}
+
+
+@pytest.mark.parametrize("sched", sorted(REFUSED))
+def test_schedules_the_runtime_cannot_shard_are_refused(sched: str) -> None:
+    with pytest.raises(PipelangError) as caught:
+        api.compile_schedule(sched, dp=2, shard=2, stop_after="insert-shard")
+    (diagnostic,) = caught.value.diagnostics
+    assert diagnostic.code == "E0321"
+    assert diagnostic.message == REFUSED[sched]
