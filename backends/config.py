@@ -69,6 +69,14 @@ class RunConfig:
         "positive",
         metavar="K",
     )
+    shard: bool = option(
+        False,
+        "with --dp K: shard each stage copy's parameters, gradients and optimizer state "
+        "over its K data-parallel copies (FSDP2; gloo or nccl): an all-gather before the "
+        "copy's first op of the step, one reduce-scatter after its last backward "
+        "(docs/runtime.md, Larger than one device); --check compares bit for bit at K = 2 "
+        "(a sum of two adds in either order alike), within 1e-5 relative above",
+    )
     check: bool = option(
         False,
         "compare weights and losses with single-process training that computes and adds "
