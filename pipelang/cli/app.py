@@ -25,6 +25,7 @@ from pipelang.cli import (
     profile,
     simulate,
     synthesize,
+    tokenize,
     viz,
 )
 from pipelang.cli import compile as compile_command
@@ -49,6 +50,7 @@ COMMANDS = {
     "plan": plan,
     "pack": pack,
     "synthesize": synthesize,
+    "tokenize": tokenize,
 }
 
 EXAMPLES = """\
