@@ -286,7 +286,7 @@ def _agree(problem: str | None, device: torch.device) -> None:
     teller = int(who.item())
     if teller == world:
         return
-    data = clip(problem).encode()[:4096] if problem is not None and me == teller else b""
+    data = problem.encode()[:4096] if problem is not None and me == teller else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, src=teller)
     text = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
