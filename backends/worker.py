@@ -192,6 +192,10 @@ def train(
             if config.save is not None and not saved:
                 checkpoint.write(runtime.held(), step + 1, config, runtime.program.name)
             return step + 1
+    if config.save_hf is not None:  # every step ran: this rank's shards of the model
+        from pipelang.backends.hf_save import write_rank
+
+        write_rank(runtime)
     return None
 
 
