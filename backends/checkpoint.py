@@ -207,11 +207,14 @@ def load(held: Iterable[Held], path: str) -> None:
     read(held, path, wanted(held, path))
 
 
-def wanted(held: list[Held], path: str, where: str | None = None) -> dict[str, torch.Tensor]:
+def wanted(
+    held: list[Held], path: str, where: str | None = None, hint: str = ""
+) -> dict[str, torch.Tensor]:
     """The entries of checkpoint `path` that `held` loads, as tensors to read them into
     (no collective); CheckpointError, its message naming the checkpoint as `where`
-    (default: `--resume PATH`), unless the checkpoint holds every one the optimizer
-    keeps, in its shape and dtype."""
+    (default: `--resume PATH`) and ending in `hint` where an entry is missing or of
+    another shape, unless the checkpoint holds every one the optimizer keeps, in its
+    shape and dtype."""
     required: dict[str, torch.Tensor] = {}
     optional: dict[str, torch.Tensor] = {}
     for h in held:
@@ -223,7 +226,10 @@ def wanted(held: list[Held], path: str, where: str | None = None) -> dict[str, t
     saved = tensor_entries(Path(path))
     shapes = {key: (tuple(v.shape), v.dtype) for key, v in required.items()}
     where = where if where is not None else f"`--resume {path}`"
-    _fit(where, saved, shapes, {k: (tuple(v.shape), v.dtype) for k, v in optional.items()})
+    try:
+        _fit(where, saved, shapes, {k: (tuple(v.shape), v.dtype) for k, v in optional.items()})
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}{hint}") from None
     return required | {k: v for k, v in optional.items() if k in saved and k not in required}
 
 
@@ -299,9 +305,11 @@ def _missing(where: str, key: str) -> str:
 @contextlib.contextmanager
 def _one_process_quiet() -> Iterator[None]:
     """DCP warns that it assumes one process when there is no process group, which is
-    what `--check`'s reference means."""
+    what `--check`'s reference means, and that it writes over a checkpoint, which
+    `may_overwrite` has allowed."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        warnings.filterwarnings("ignore", "Detected an existing checkpoint", UserWarning)
         yield
 
 

@@ -52,7 +52,7 @@ from pipelang.backends.stage import Settings, Stage
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import DistTransport, Handle
 from pipelang.backends.user_models import Boundary
-from pipelang.diagnostics import clip, fail
+from pipelang.diagnostics import clip, fail, quote
 from pipelang.features import refusal
 from pipelang.ir import Action, Kind, deps
 from pipelang.ir.placement import reduce_ranks
@@ -88,7 +88,7 @@ class PipelineSchedule:
         if mixed_precision not in (None, "bfloat16"):
             raise fail(
                 "usage",
-                f"mixed_precision={clip(repr(mixed_precision))}: give 'bfloat16' (bf16 compute, "
+                f"mixed_precision={quote(repr(mixed_precision))}: give 'bfloat16' (bf16 compute, "
                 "fp32 master weights) or None",
             )
         self.mixed_precision = mixed_precision

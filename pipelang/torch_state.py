@@ -34,7 +34,7 @@ from pipelang.backends.checkpoint_dirs import find, mark, may_overwrite
 from pipelang.backends.checkpoint_read import INFO, CheckpointError, read_info
 from pipelang.backends.config import DEFAULT_WEIGHT_DECAY
 from pipelang.backends.optim import SGD, Adam, LrSchedule, decays
-from pipelang.diagnostics import clip, fail
+from pipelang.diagnostics import fail, quote
 
 if TYPE_CHECKING:
     from pipelang.backends.optim import Optimizer
@@ -97,13 +97,13 @@ def make_optimizer(
     """`PipelineSchedule.optimizer`: each argument checked, PipelangError naming the
     first one that is wrong."""
     if kind not in KINDS:
-        raise fail("usage", f"optimizer {clip(repr(kind))}: give one of {', '.join(KINDS)}")
+        raise fail("usage", f"optimizer {quote(repr(kind))}: give one of {', '.join(KINDS)}")
     schedule = lr if isinstance(lr, LrSchedule) else LrSchedule(_number("lr", lr, above=0))
     _number("lr", schedule.peak, above=0)
     pair = tuple(betas) if isinstance(betas, tuple | list) else None
     if pair is None or len(pair) != 2:
-        raise fail("usage", f"betas={clip(repr(betas))}: give two numbers in [0, 1)")
-    beta1, beta2 = (_number("betas", b, least=0, below=1) for b in pair)
+        raise fail("usage", f"betas={quote(repr(betas))}: give two numbers in [0, 1)")
+    beta1, beta2 = (_number(f"betas[{i}]", b, least=0, below=1) for i, b in enumerate(pair))
     eps_ = _number("eps", eps, above=0)
     decay = (
         DEFAULT_WEIGHT_DECAY
@@ -112,7 +112,7 @@ def make_optimizer(
     )
     momentum_ = _number("momentum", momentum, least=0, below=1)
     if not isinstance(decay_all, bool):
-        raise fail("usage", f"decay_all={clip(repr(decay_all))}: give True or False")
+        raise fail("usage", f"decay_all={quote(repr(decay_all))}: give True or False")
     parts: dict[tuple[int, str], Optimizer] = {}
     for key, copy in sched.copies.items():
         params = copy.trained
@@ -150,7 +150,7 @@ def _number(
             f"below {below:g}" if below is not None else "",
         ]
         words = " and ".join(b for b in bounds if b)
-        raise fail("usage", f"{name}={clip(repr(value))}: give a finite number {words}")
+        raise fail("usage", f"{name}={quote(repr(value))}: give a finite number {words}")
     return number
 
 
@@ -186,7 +186,7 @@ def save(
             raise fail("usage", "save: give the step (no optimizer of pipelang's counts them)")
         step = optimizer.steps
     if type(step) is not int or step < 1:
-        raise fail("usage", f"save: step={clip(repr(step))}: give a positive whole number")
+        raise fail("usage", f"save: step={quote(repr(step))}: give a positive whole number")
     held = _held(sched, optimizer)
     path = checkpoint.step_dir(str(root), step)
     problem = None
@@ -213,6 +213,8 @@ def save(
 def _writable(path: Path) -> str | None:
     """What keeps checkpoint `path` from being written (the first process asks, before
     the collective save), or None."""
+    if os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
+        return f"`{path}` is there and is not a directory: not written over"
     if not may_overwrite(path, None, ()):
         return f"`{path}` holds another run's checkpoint: not written over"
     try:
@@ -241,10 +243,9 @@ def load(sched: PipelineSchedule, source: object, optimizer: PipelineOptimizer |
                 f"`{found}` was saved with the optimizer {saved}: it cannot resume "
                 f"{optimizer.kind}'s state (load it with optimizer=None for the parameters alone)"
             )
-        try:
-            state = checkpoint.wanted(held, str(found), f"`{found}`")
-        except CheckpointError as err:
-            raise CheckpointError(f"{err} (saved from {info.get('model')})") from None
+        model = info.get("model")
+        hint = f" (saved from {quote(model)})" if model is not None else ""
+        state = checkpoint.wanted(held, str(found), f"`{found}`", hint)
     except CheckpointError as err:
         problem = str(err)
     _agree(problem, sched.device)
@@ -261,7 +262,7 @@ def load(sched: PipelineSchedule, source: object, optimizer: PipelineOptimizer |
 
 def _path(name: str, value: object) -> Path:
     if not isinstance(value, str | os.PathLike) or not str(value):
-        raise fail("usage", f"{name}={clip(repr(value))}: give a directory's path")
+        raise fail("usage", f"{name}={quote(repr(value))}: give a directory's path")
     return Path(value)
 
 

@@ -159,7 +159,7 @@ def test_the_users_loop_and_run_resume_each_other_bit_for_bit(tmp_path: Path) ->
     said = {line for line in out.splitlines() if line.startswith("rank ")}
     message = (
         "`loop/step-2`: `model.0.embed.weight` is [64, 32] float32 there and [64, 48] "
-        "float32 in this run (saved from PipelineSchedule of __main__:build)"
+        "float32 in this run (saved from `PipelineSchedule of __main__:build`)"
     )
     assert said == {f"rank 0: {message}", f"rank 1: {message}"}
 
@@ -257,13 +257,14 @@ def test_loading_what_is_no_fitting_checkpoint_is_one_error(
     said = _error(lambda: _sched(width=6).load(path))
     assert said.startswith(
         f"`{path}`: `model.0.lin.weight` is [8, 8] float32 there and [6, 6] float32 in this "
-        "run (saved from PipelineSchedule of "
-    ) and said.endswith("test_user_loop_resume:_sched.<locals>.build)")
+        "run (saved from `PipelineSchedule of "
+    ) and said.endswith("test_user_loop_resume:_sched.<locals>.build`)")
     other = tmp_path / "other"
     shutil.copytree(path, other)
     shard = next(other.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    assert "is cut short: it has 100 bytes" in _error(lambda: _sched().load(other))
+    said = _error(lambda: _sched().load(other))
+    assert "is cut short: it has 100 bytes" in said and "saved from" not in said
     sgd = _sched()
     assert _error(lambda: sgd.load(path, sgd.optimizer("sgd", lr=0.1))) == (
         f"`{path}` was saved with the optimizer adamw: it cannot resume sgd's state (load "
@@ -274,4 +275,23 @@ def test_loading_what_is_no_fitting_checkpoint_is_one_error(
     adam = _sched()
     assert "saved with the optimizer none (parameters only)" in _error(
         lambda: adam.load(tmp_path / "plain", adam.optimizer("adamw"))
+    )
+
+
+def test_bad_optimizer_and_save_arguments_are_one_error(tmp_path: Path, one_process: None) -> None:
+    sched = _sched()
+    assert _error(lambda: sched.optimizer("x" * 10_000)).startswith("optimizer `'xxx")
+    assert len(_error(lambda: sched.optimizer("x" * 10_000))) < 200
+    assert _error(lambda: sched.optimizer("adamw", lr=float("nan"))) == (
+        "lr=`nan`: give a finite number above 0"
+    )
+    assert _error(lambda: sched.optimizer("adam", betas=(0.9, 1.0))) == (
+        "betas[1]=`1.0`: give a finite number at least 0 and below 1"
+    )
+    assert _error(lambda: sched.save(tmp_path, step=True)) == (
+        "save: step=`True`: give a positive whole number"
+    )
+    (tmp_path / "step-1").write_text("not a checkpoint")
+    assert _error(lambda: sched.save(tmp_path, step=1)) == (
+        f"`{tmp_path / 'step-1'}` is there and is not a directory: not written over"
     )
