@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from pipelang.backends.backend import BACKENDS
 from pipelang.features import refusal
-from pipelang.ir import Kind, Program
+from pipelang.ir import SHARD_KINDS, Kind, Program
 
 if TYPE_CHECKING:  # they import torch: only once a run starts
     from pipelang.backends.config import RunConfig
@@ -50,7 +50,11 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
             f"--seq-len {config.seq_len}: `{program.name}` has micro-batches of "
             f"{max(shapes.lengths)} tokens; give at least that, or leave --seq-len out"
         )
-    refused = eviction_refusal(program, config) or chunks_refusal(program, config)
+    refused = (
+        eviction_refusal(program, config)
+        or chunks_refusal(program, config)
+        or shard_refusal(program, config)
+    )
     for consumer, used in (
         ("--dp", config.dp > 1),
         ("--mixed-precision", config.mixed_precision),
@@ -78,6 +82,12 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
 
     _check_world(program, config)
     plan = plan_stages(config.spec, program.num_stages, config.partition)
+    if plan.ties and config.shard:
+        raise RunError(
+            f"--shard: {config.model} ties weights across stages, whose copies are kept "
+            "equal by a sum over whole gradients that sharded stages do not hold yet; "
+            "untie them or run without --shard"
+        )
     if plan.ties and program.weights is not None:
         raise RunError(
             f"`{program.name}` is asynchronous (`weights {program.weights.text()}`) and "
@@ -147,6 +157,29 @@ def _check_rank(program: Program, rank: int) -> None:
                 f"rank {rank} never runs `allreduce@{stage}/{pipe}`; the replicas "
                 "would drift apart"
             )
+
+
+def shard_refusal(program: Program, config: RunConfig) -> str | None:
+    """Why `--shard` cannot run as asked (`config.shard` against a program compiled with
+    or without it, and a backend without a process per rank), or None."""
+    sharded = any(a.kind in SHARD_KINDS for actions in program.ranks for a in actions)
+    if sharded and not config.shard:
+        return (
+            f"`{program.name}` was compiled with --shard (its stages' `gather` and "
+            "`reduce_scatter` ops): run it with --dp K --shard as it was compiled"
+        )
+    if config.shard and not sharded:
+        return (
+            f"--shard: `{program.name}` was compiled without it (it has no `gather` or "
+            "`reduce_scatter` ops): compile it with --dp K --shard"
+        )
+    if config.shard and not BACKENDS[config.backend].processes:
+        return (
+            f"--shard needs a process per rank (FSDP2 shards over process groups): use "
+            f"--backend {' or '.join(n for n, b in BACKENDS.items() if b.processes)}, not "
+            f"{config.backend}"
+        )
+    return None
 
 
 def eviction_refusal(program: Program, config: RunConfig) -> str | None:

@@ -107,8 +107,10 @@ class SyncActions:
     def counts(self: RankRuntime, copy: Stage) -> bool:
         """Whether `copy` stands for its stage in a sum over the whole run: the copy on
         the lowest rank that holds the stage, in data-parallel copy 0 (the others hold
-        the same gradients once the stage's allreduce is done)."""
-        return self.replica == 0 and min(self.program.replicas(copy.stage)) == self.rank
+        the same gradients once the stage's allreduce is done); a sharded copy
+        (`--shard`) in every data-parallel copy, each holding its own shard's sums."""
+        first = min(self.program.replicas(copy.stage)) == self.rank
+        return first and (self.replica == 0 or self.config.shard)
 
     @torch.no_grad()
     def scale_grads(self: RankRuntime, coefficient: torch.Tensor) -> None:

@@ -57,6 +57,7 @@ from pipelang.backends.rank_sync import (
     SyncActions,
     TiedGrads,
 )
+from pipelang.backends.shard import ShardActions, full_params, full_state, shard_copies
 from pipelang.backends.stage import Settings, Stage
 from pipelang.backends.stash import Stash
 from pipelang.backends.transport import Handle, Transport, peer_failures
@@ -67,10 +68,10 @@ from pipelang.ir.program import whole_backwards
 from pipelang.weights import weight_versions
 
 
-class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
+class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions, ShardActions):
     """The `rt` of one rank: its stage copies, their saved activations, and the actions
     (one method per action, by concern: backends/rank_compute.py, rank_comms.py,
-    rank_stash.py, rank_sync.py)."""
+    rank_stash.py, rank_sync.py, and a sharded copy's collectives, shard.py)."""
 
     def __init__(
         self,
@@ -103,6 +104,8 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
         self.first_mb = replica * program.num_microbatches
         """This replica's micro-batch `mb` is micro-batch `first_mb + mb` of the step."""
         self._build_stages(shapes)
+        if config.shard:  # each copy FSDP2-sharded over its --dp copies (backends/shard.py)
+            shard_copies(self)
         self.versions = _versions(program, config, self.copies)
         self.peak_versions = len(self.versions)
         self.reduced_at_step = [
@@ -268,7 +271,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions):
             what = ", ".join(left) if left else "no `step` action ran"
             raise InternalError(f"rank {self.rank} ended step {self.step_index} unfinished: {what}")
         if self.config.check:
-            self.fingerprints.append([fingerprint(c.params) for c in self.copies.values()])
+            self.fingerprints.append([fingerprint(full_params(c)) for c in self.copies.values()])
         losses: dict[int, float] = {}
         for mb, loss in self.losses:  # a chunked micro-batch's loss is its chunks' sum
             losses[mb] = losses.get(mb, 0.0) + float(loss)
@@ -332,7 +335,7 @@ def _versions(
 def copy_names(copy: Stage) -> dict[str, torch.Tensor]:
     """A stage copy's parameters named as in the whole model (`{layer}.{name}`)."""
     out = {}
-    for name, tensor in copy.module.state_dict().items():
+    for name, tensor in full_state(copy).items():
         local, _, rest = name.partition(".")
         out[f"{copy.layers.start + int(local)}.{rest}"] = tensor.detach().cpu().clone()
     return out

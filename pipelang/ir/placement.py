@@ -91,8 +91,10 @@ def reduce_ranks(program: Program, stage: int, dp: int) -> list[int]:
 
 def reduced_at_step(program: Program, rank: int, dp: int) -> list[tuple[int, str]]:
     """The stage copies of `rank` whose gradients `step` itself sums over the `--dp`
-    copies: those with no `allreduce` action of their own (none without copies)."""
+    copies: those with no `allreduce` or `reduce_scatter` (`--shard`) action of their
+    own (none without copies)."""
     if dp < 2:
         return []
-    reduced = {(a.stage, a.pipeline) for a in program.ranks[rank] if a.kind is Kind.ALLREDUCE}
+    sums = (Kind.ALLREDUCE, Kind.REDUCE_SCATTER)
+    reduced = {(a.stage, a.pipeline) for a in program.ranks[rank] if a.kind in sums}
     return [copy for copy in program.stage_copies(rank) if copy not in reduced]

@@ -1,0 +1,143 @@
+"""Sharded stage copies (`--dp K --shard`): each copy's module is sharded with FSDP2
+(`torch.distributed.fsdp.fully_shard`) over the K data-parallel copies of its stage, the
+processes that would otherwise allreduce its gradients (the transport's reduce group of
+the stage, as a DeviceMesh).
+
+A stage copy (backends/stage.py) keeps its module, now an `FSDPModule` whose parameters
+are DTensors, each process holding one shard of each (dim 0, padded where it does not
+divide). What the copy trains are those shards' local tensors: `Stage.params` are set to
+them and its optimizer (backends/optim.py, unchanged) is built over them, so parameters,
+gradients and optimizer state all take 1/K of the bytes on each process.
+
+The program says when the collectives run (`insert-shard`), and the executor calls:
+
+- `gather` (`gather@s/p`): FSDP2's `unshard()`, before the copy's first op of the step;
+  the parameters stay gathered through every micro-batch (no reshard after a forward or
+  a backward, no reduce per micro-batch: `set_reshard_after_backward(False)`,
+  `set_requires_gradient_sync(False)`, `set_is_last_backward(False)`, as
+  torch.distributed.pipelining drives an FSDP2 stage);
+- `reduce_scatter` (`reduce_scatter@s/p`): after the copy's last backward of the step,
+  the three back on and FSDP2's post-backward (pipelining's REDUCE_GRAD): one
+  reduce-scatter of the gradients the micro-batches accumulated, a plain sum (the loss
+  is scaled by 1/(N K) already), then the gathered parameters are dropped. Each shard's
+  summed gradient becomes its local tensor's `.grad`, which `step` applies.
+
+At K = 2 the sum of two gradients is the same in either order, so `--check` holds bit
+for bit against one process (which sums a copy's micro-batches first, then the copies:
+backends/summation.py); above 2 the order of gloo's reduce-scatter is not replayed and
+`--check` allows its tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pipelang.backends.rank_base import _comm, make_optimizer
+from pipelang.diagnostics import InternalError
+
+if TYPE_CHECKING:
+    from pipelang.backends.runtime import RankRuntime
+    from pipelang.backends.stage import Stage
+
+
+def shard_copies(runtime: RankRuntime) -> None:
+    """Shard every stage copy of `runtime` over its stage's reduce group (FSDP2), and
+    give each copy its local shards as the parameters it trains, with an optimizer over
+    them. Every process of a group calls it, in the same order of copies."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    groups = getattr(runtime.transport, "reduce_groups", None)
+    if groups is None:
+        raise InternalError("--shard needs a process per rank (a DistTransport)")
+    for copy in runtime.copies.values():
+        group, _ = groups[copy.stage]
+        mesh = DeviceMesh.from_group(group, runtime.device.type)
+        module: Any = fully_shard(copy.module, mesh=mesh, reshard_after_forward=False)
+        module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled already
+        module.set_force_sum_reduction_for_comms(True)  # SUM, which gloo has
+        copy.params = [_local(p) for p in module.parameters() if p.requires_grad]
+        copy.optimizer = make_optimizer(copy.params, runtime.config)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a sharded (DTensor) parameter: its storage, updated in place."""
+    from torch.distributed.tensor import DTensor
+
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _sharded(copy: Stage) -> list[nn.Parameter]:
+    """A sharded copy's DTensor parameters, in `copy.params`' order."""
+    return [p for p in copy.module.parameters() if p.requires_grad]
+
+
+def _syncing(module: Any, on: bool) -> None:
+    module.set_is_last_backward(on)
+    module.set_reshard_after_backward(on)
+    module.set_requires_gradient_sync(on)
+
+
+class ShardActions:
+    """A rank's sharded stage copies' collectives: `gather` and `reduce_scatter`."""
+
+    @_comm
+    def gather(self: RankRuntime, stage: int, pipeline: str) -> None:
+        """gather: all-gather the copy's parameters and keep them through the step, its
+        micro-batches' gradients accumulating unreduced."""
+        copy = self.copies[(stage, pipeline)]
+        for param in _sharded(copy):  # the last step's sums, applied: FSDP2 would add to them
+            param.grad = None
+        module: Any = copy.module
+        _syncing(module, False)
+        module.unshard()
+
+    @_comm
+    def reduce_scatter(self: RankRuntime, stage: int, pipeline: str) -> None:
+        """reduce_scatter: sum the copy's gradients over its data-parallel copies, each
+        keeping its shard's sum (as its local shard's `.grad`); drop the gathered
+        parameters."""
+        from torch.distributed.fsdp import fully_shard
+
+        copy = self.copies[(stage, pipeline)]
+        module: Any = copy.module
+        _syncing(module, True)
+        state = fully_shard.state(module)  # type: ignore[attr-defined]
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        # FSDP2 may have replaced a local tensor at its lazy init (padding): take them anew
+        sharded = _sharded(copy)
+        copy.params = [_local(p) for p in sharded]
+        assert copy.optimizer is not None
+        copy.optimizer.params = copy.params
+        for param, local in zip(sharded, copy.params, strict=True):
+            grad = param.grad  # the DTensor keeps it too, until the next `gather`
+            local.grad = None if grad is None else _local(grad)
+
+
+def full_params(copy: Stage) -> list[torch.Tensor]:
+    """A copy's whole parameters: gathered from the shards where it is sharded (a
+    collective: every process of its group calls it, in the same order), else its own."""
+    from torch.distributed.tensor import DTensor
+
+    params: Iterable[torch.Tensor] = copy.module.parameters()
+    if not any(isinstance(p, DTensor) for p in params):
+        return list(copy.params)
+    return [_full(p) for p in _sharded(copy)]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_state(copy: Stage) -> dict[str, torch.Tensor]:
+    """A copy's state dict with whole tensors (gathered where sharded; a collective)."""
+    return {name: _full(t.detach()) for name, t in copy.module.state_dict().items()}
