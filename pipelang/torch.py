@@ -27,6 +27,10 @@ mean of the micro-batch losses over the whole batch of every copy, as torch's sc
 give with `scale_grads=True`: after `opt.step()` the parameters equal single-process training on
 the whole batch. What it cannot run yet (asynchronous schedules, frozen work, chunks,
 shapes, evictions) it refuses by `features.refusal`.
+
+`sched.optimizer("adamw", lr=...)` is `pipelang run`'s optimizer on every stage copy, and
+`sched.save(DIR, optimizer=opt)` / `sched.load(DIR, optimizer=opt)` write and read `run`'s
+checkpoints, so that each resumes the other bit for bit (pipelang/torch_state.py).
 """
 
 from __future__ import annotations
