@@ -200,8 +200,10 @@ class RunConfig:
     log: str | None = option(
         None,
         "write one JSON line per step: step, loss, seconds, tokens, tokens_per_s, lr, "
-        "grad_norm (before clipping), peak_memory (bytes, per rank), bubble (measured) and "
-        "predicted_bubble (the simulator's, with the schedule's costs)",
+        "grad_norm (before clipping), peak_memory (bytes, per rank), bubble (measured), "
+        "predicted_bubble (the simulator's, with the schedule's costs) and per rank the "
+        "bytes of its parameters, gradients and optimizer state (param_bytes, grad_bytes, "
+        "optimizer_bytes)",
         "path",
         metavar="FILE.jsonl",
     )

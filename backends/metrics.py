@@ -8,6 +8,11 @@ the launcher combines the losses), the simulator's bubble for the schedule
                       (`rank_sync.grad_square_sum`); taken with --clip-grad, or where
                       --log or --tensorboard asks (one collective per step), else None
     peak_memory       per rank, bytes (`runtime.peak_memory`: resident on the CPU)
+    param_bytes       per rank, the bytes of its parameters (its stage copies' and frozen
+                      part's; `runtime.held_bytes`)
+    grad_bytes        per rank, the most bytes of gradients it held at an optimizer step
+    optimizer_bytes   per rank, the bytes of its optimizer state (momentum, Adam's two
+                      moments) and, with --mixed-precision, its fp32 master weights
     bubble            1 - the ranks' busy compute time / (ranks x the step's time)
     predicted_bubble  `pipelang simulate`'s bubble ratio, with the schedule's costs
 """
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,10 @@ class StepReport:
     peak_memory: int
     grad_norm: float | None
     """The global norm before clipping where the step took it; None otherwise."""
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    """The bytes of the rank's tensors (see the module docstring; `runtime.held_bytes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +62,10 @@ class StepMetrics:
     peak_memory: tuple[int, ...]
     """Per process, in rank order (`--dp`: `replica * R + rank`)."""
     bubble: float | None
+    param_bytes: tuple[int, ...] = ()
+    grad_bytes: tuple[int, ...] = ()
+    optimizer_bytes: tuple[int, ...] = ()
+    """Per process, in rank order, as `peak_memory`."""
 
 
 def combine(reports: Sequence[StepReport], n: int) -> tuple[float, float, StepMetrics]:
@@ -64,12 +77,38 @@ def combine(reports: Sequence[StepReport], n: int) -> tuple[float, float, StepMe
     seconds = max(report.seconds for report in reports)
     norms = [r.grad_norm for r in reports if r.grad_norm is not None]
     peaks = tuple(report.peak_memory for report in reports)
-    metrics = StepMetrics(reports[0].lr, norms[0] if norms else None, peaks, None)
     busy = [report.busy_ns for report in reports]
+    bubble = None
     if seconds > 0 and all(b is not None for b in busy):
         idle = 1.0 - sum(b or 0 for b in busy) / 1e9 / (len(reports) * seconds)
-        metrics = StepMetrics(metrics.lr, metrics.grad_norm, peaks, min(1.0, max(0.0, idle)))
+        bubble = min(1.0, max(0.0, idle))
+    metrics = StepMetrics(
+        reports[0].lr,
+        norms[0] if norms else None,
+        peaks,
+        bubble,
+        tuple(r.param_bytes for r in reports),
+        tuple(r.grad_bytes for r in reports),
+        tuple(r.optimizer_bytes for r in reports),
+    )
     return loss, seconds, metrics
+
+
+BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+"""The per-rank byte counts of a `--log` line besides `peak_memory` (`StepMetrics`)."""
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """The bytes of `tensors` (torch tensors; None skipped), each storage once: two
+    views of one tensor, or one tensor under two names, count once."""
+    seen: dict[tuple[int, str], int] = {}
+    for tensor in tensors:
+        if tensor is None or tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), str(tensor.device))
+        seen[key] = max(seen.get(key, 0), storage.nbytes())
+    return sum(seen.values())
 
 
 _predicted: list[tuple[Program, float | None]] = []
@@ -132,7 +171,8 @@ def tensorboard_refusal(directory: str | None) -> str | None:
 
 SCALARS = ("loss", "lr", "grad_norm", "seconds", "tokens_per_s", "bubble", "predicted_bubble")
 """The keys of a `--log` line that TensorBoard gets as scalars, under the same names
-(and `peak_memory/rankR` per rank)."""
+(and `peak_memory/rankR`, `param_bytes/rankR`, `grad_bytes/rankR`,
+`optimizer_bytes/rankR` per rank)."""
 
 
 class TensorBoardLog:
@@ -150,8 +190,9 @@ class TensorBoardLog:
         for key in SCALARS:
             if line.get(key) is not None:
                 self.writer.add_scalar(key, line[key], step)
-        for rank, nbytes in enumerate(line.get("peak_memory") or ()):
-            self.writer.add_scalar(f"peak_memory/rank{rank}", nbytes, step)
+        for key in ("peak_memory", *BYTE_KEYS):
+            for rank, nbytes in enumerate(line.get(key) or ()):
+                self.writer.add_scalar(f"{key}/rank{rank}", nbytes, step)
 
     def close(self) -> None:
         self.writer.close()

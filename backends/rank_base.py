@@ -94,6 +94,11 @@ class RankResult:
     span_ns: tuple[int, int] = (0, 0)
     """(start of the first step, end of the last), relative to the run's common start."""
     peak_memory: int = 0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    """The bytes of its parameters, gradients (the most at an optimizer step) and
+    optimizer state (`RankRuntime.held_bytes`, backends/metrics.py)."""
     peak_activation_bytes: int = 0
     """The most bytes of saved activations resident at once, held-for-partner buffers
     included (backends/stash.py); counted with evictions or `count_activations`."""
@@ -111,6 +116,11 @@ class RankResult:
     slot_bytes: int = 0
     """The bytes of this rank's data slots: a stream program's static buffers (what
     `pipelang simulate --model` plans); 0 for an action list."""
+
+    @property
+    def held_bytes(self) -> tuple[int, int, int]:
+        """(parameter, gradient, optimizer) bytes, the summary's columns."""
+        return self.param_bytes, self.grad_bytes, self.optimizer_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,7 @@ class ComputeActions:
     def update(self: RankRuntime, stage: int, pipeline: str, version: int) -> None:
         """U: apply the mean of the gradients this copy gathered since its last update
         and make `version` (counted from 1 in each iteration); see backends/versions.py."""
+        self.note_grad_bytes()
         self.copies[(stage, pipeline)].update(version)
         # only an update adds a version: the peak is right after one
         live = sum(v.live() for v in self.versions.values())

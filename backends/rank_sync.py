@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipelang.backends.checkpoint import Held, held_by_model, load
+from pipelang.backends.metrics import tensor_bytes
 from pipelang.backends.models import (
     LayeredModel,
 )
@@ -91,6 +92,16 @@ class SyncActions:
                 self.scale_grads(clip_coefficient(total, self.config.clip_grad))
         self.apply_updates()
 
+    def note_grad_bytes(self: RankRuntime) -> None:
+        """Count the bytes of the gradients this rank holds now, before an optimizer step
+        or update clears them, into `grad_bytes` (the most so far)."""
+        grads = [
+            p.grad
+            for c in self.copies.values()
+            for p in (*c.module.parameters(), *(c.masters or ()))
+        ]
+        self.grad_bytes = max(self.grad_bytes, tensor_bytes(grads))
+
     def grad_square_sum(self: RankRuntime) -> torch.Tensor:
         """The squared norm of the gradients this rank counts towards the global norm,
         in float32: each stage is counted once in the whole run, by its copy on the
@@ -123,6 +134,7 @@ class SyncActions:
 
     def apply_updates(self: RankRuntime) -> None:
         """The optimizer step of every copy; then clear the gradients."""
+        self.note_grad_bytes()
         for copy in self.copies.values():
             copy.step()
         self.stepped = True

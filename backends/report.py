@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from pipelang.backends.metrics import StepMetrics, TensorBoardLog, finite
+from pipelang.backends.metrics import BYTE_KEYS, StepMetrics, TensorBoardLog, finite
 from pipelang.backends.rank_base import RankResult
 from pipelang.ir import Program
 from pipelang.trace import complete, document, metadata, rank_name
@@ -108,12 +108,15 @@ class StepProgress:
             "peak_memory": None,
             "bubble": None,
             "predicted_bubble": finite(self.predicted),
+            **dict.fromkeys(BYTE_KEYS),
         }
         if metrics is not None:
             line["lr"] = finite(metrics.lr)
             line["grad_norm"] = finite(metrics.grad_norm)
             line["peak_memory"] = list(metrics.peak_memory)
             line["bubble"] = finite(metrics.bubble)
+            for key in BYTE_KEYS:
+                line[key] = list(getattr(metrics, key)) or None
         if self.tensorboard is not None:
             self.tensorboard.write(line)
         if self.log is not None:
@@ -189,6 +192,7 @@ def summary(
     )
     slots = any(r.slot_bytes for r in results)
     columns = ["rank", "stage copies", "actions/step", "busy", "peak memory"]
+    columns += ["parameters", "gradients", "optimizer"]
     for column in columns + ["data slots"] * slots:
         table.add_column(column, justify="left" if column == "stage copies" else "right")
     for result in sorted(results, key=lambda r: r.rank):
@@ -199,9 +203,17 @@ def summary(
             str(len(actions)),
             f"{100 * result.busy_ns / 1e9 / seconds:.0f}%" if seconds else "-",
             f"{result.peak_memory / 2**20:,.1f} MiB",
+            *(_size(n) for n in result.held_bytes),
         ]
         table.add_row(*cells, *[f"{result.slot_bytes:,} B"] * slots)
     return table
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in MiB, or KiB below one MiB (a small model's tensors)."""
+    if nbytes < 2**20:
+        return f"{nbytes / 2**10:,.1f} KiB"
+    return f"{nbytes / 2**20:,.1f} MiB"
 
 
 def metrics_table(metrics: list[StepMetrics], predicted: float | None) -> Table:

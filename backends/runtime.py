@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from pipelang.backends.config import RunConfig
+from pipelang.backends.metrics import tensor_bytes
 from pipelang.backends.models import (
     LayeredModel,
     Shapes,
@@ -119,6 +120,9 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions, ShardA
         self.losses: list[tuple[int, torch.Tensor]] = []
         self.lr = config.lr_schedule_at()
         """The learning rate of each step (`--lr-schedule`)."""
+        self.grad_bytes = 0
+        """The most bytes of gradients this rank held at an optimizer step or update
+        (`note_grad_bytes`)."""
         self.fingerprints: list[list[int]] = []
         """Per step, each copy's parameters' `fingerprint` (with `--check`)."""
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -283,6 +287,21 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions, ShardA
     def close(self) -> None:
         """Release what must go before the process groups (a captured graph)."""
 
+    def held_bytes(self) -> tuple[int, int]:
+        """The bytes of this rank's (parameters, optimizer state) now: its stage copies'
+        and frozen part's parameters; its optimizers' state tensors and, with
+        `--mixed-precision`, their fp32 masters (each storage once, `tensor_bytes`)."""
+        frozen = list(self.frozen.parameters()) if self.frozen is not None else []
+        params = [p for c in self.copies.values() for p in c.module.parameters()]
+        state: list[torch.Tensor] = []
+        for copy in self.copies.values():
+            state.extend(copy.masters or ())
+            optimizer = copy.optimizer
+            if optimizer is not None:
+                for i in range(len(optimizer.params)):
+                    state.extend(t for t in optimizer.state(i).values() if t.dim())
+        return tensor_bytes([*params, *frozen]), tensor_bytes(state)
+
     def result(self, with_weights: bool) -> RankResult:
         """The report of this rank after the last step."""
         if self.gpu_events is not None and self.t0_event is not None:
@@ -296,11 +315,15 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions, ShardA
             self.busy_ns = sum(e - b for _, i, b, e in self.events if actions[i].kind.is_compute)
             if self.events:
                 self.span_ns = (self.events[0][2], self.events[-1][3])
+        params, state = self.held_bytes()
         result = RankResult(
             self.world_rank,
             [(c.stage, c.pipeline, c.layers.start) for c in self.copies.values()],
             events=self.events,
             peak_memory=peak_memory(self.device),
+            param_bytes=params,
+            grad_bytes=self.grad_bytes,
+            optimizer_bytes=state,
             busy_ns=self.busy_ns,
             span_ns=self.span_ns or (0, 0),
             peak_weight_versions=self.peak_versions,

@@ -145,7 +145,18 @@ def step_report(
     lr = runtime.lr.lr(step)
     busy_ns = step_busy_ns(runtime, busy, events)
     peak = peak_memory(runtime.device)
-    return StepReport(losses, seconds, lr, busy_ns, peak, None if norm is None else float(norm))
+    params, state = runtime.held_bytes()
+    return StepReport(
+        losses,
+        seconds,
+        lr,
+        busy_ns,
+        peak,
+        None if norm is None else float(norm),
+        params,
+        runtime.grad_bytes,
+        state,
+    )
 
 
 def step_busy_ns(runtime: RankRuntime, busy: int, events: int) -> int | None:
@@ -342,13 +353,15 @@ def _step_reports(
     def done(i: int, report: StepReport) -> None:
         # one slot per micro-batch, filled by the one rank that computed its loss: the
         # sum is exact, and the mean adds them in micro-batch order, as --check does;
-        # then per rank (seconds, busy ns or -1, peak memory), filled by that rank alone
-        each = torch.zeros(n + 3 * world, dtype=torch.float64, device=device)
+        # then per rank (seconds, busy ns or -1, peak memory, parameter, gradient and
+        # optimizer bytes), filled by that rank alone (float64: bytes exact below 2**53)
+        each = torch.zeros(n + 6 * world, dtype=torch.float64, device=device)
         for mb, loss in report.losses.items():
             each[mb] = loss
         busy = -1 if report.busy_ns is None else report.busy_ns
-        mine = torch.tensor([report.seconds, busy, report.peak_memory], dtype=torch.float64)
-        each[n + 3 * rank : n + 3 * rank + 3] = mine
+        sizes = [report.peak_memory, report.param_bytes, report.grad_bytes, report.optimizer_bytes]
+        mine = torch.tensor([report.seconds, busy, *sizes], dtype=torch.float64)
+        each[n + 6 * rank : n + 6 * rank + 6] = mine
         with peer_failures():
             dist.all_reduce(each)
         if on_step is None:
@@ -356,11 +369,16 @@ def _step_reports(
         values = each.tolist()
         reports = []
         for r in range(world):
-            seconds, busy_ns, peak = values[n + 3 * r : n + 3 * r + 3]
+            seconds, busy_ns, *held = values[n + 6 * r : n + 6 * r + 6]
+            peak, params, grads, state = (int(v) for v in held)
             losses = dict(enumerate(values[:n])) if r == 0 else {}
             norm = report.grad_norm if r == 0 else None  # every rank took the same norm
             busy_or_none = None if busy_ns < 0 else int(busy_ns)
-            reports.append(StepReport(losses, seconds, report.lr, busy_or_none, int(peak), norm))
+            reports.append(
+                StepReport(
+                    losses, seconds, report.lr, busy_or_none, peak, norm, params, grads, state
+                )
+            )
         on_step(i, *combine(reports, n))
 
     return done
