@@ -100,11 +100,13 @@ BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
     """The bytes of `tensors` (torch tensors; None skipped), each storage once: two
-    views of one tensor, or one tensor under two names, count once."""
+    views of one tensor, or one tensor under two names, count once. A sharded (DTensor)
+    tensor counts its local shard, what this process holds (`--shard`)."""
     seen: dict[tuple[int, str], int] = {}
     for tensor in tensors:
         if tensor is None or tensor.is_meta:
             continue
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor: its local shard
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), str(tensor.device))
         seen[key] = max(seen.get(key, 0), storage.nbytes())
