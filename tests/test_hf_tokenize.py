@@ -118,8 +118,12 @@ def test_pieces_give_the_whole_texts_ids(
 
 
 @pytest.mark.slow
-def test_the_tokens_train_the_model(models_dir: dict[str, Path], tmp_path: Path) -> None:
-    """`pipelang tokenize` then `pipelang run --model hf:DIR --data TOKENS`: a step."""
+def test_the_tokens_train_the_model(
+    models_dir: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pipelang tokenize` then `pipelang run --model hf:DIR --data TOKENS`: a step (the
+    relative `t.npy` in a folder of the test's own, not the checkout)."""
+    monkeypatch.chdir(tmp_path)
     text = tmp_path / "corpus.txt"
     text.write_text(_text(200))
     model = f"hf:{models_dir['word']}"
