@@ -39,6 +39,9 @@ KEYS = [
     "peak_memory",
     "bubble",
     "predicted_bubble",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
 ]
 
 
@@ -174,6 +177,7 @@ def test_tensorboard_holds_the_same_scalars_per_step(tmp_path: Path) -> None:
     tags = accumulator.Tags()
     scalars = ["loss", "lr", "grad_norm", "seconds", "tokens_per_s", "bubble"]
     scalars += ["predicted_bubble", "peak_memory/rank0", "peak_memory/rank1"]
+    scalars += [f"{k}_bytes/rank{r}" for k in ("param", "grad", "optimizer") for r in (0, 1)]
     assert sorted(tags["scalars"]) == sorted(scalars)
     for tag in scalars:
         key, _, rank = tag.partition("/rank")
