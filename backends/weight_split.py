@@ -152,11 +152,62 @@ def weight_pass(
 
 def weight_backward(work: WeightWork) -> None:
     """W: each weight op's parameter gradients from the gradient B left it, added into
-    `.grad` by their gradient accumulators, as one `backward` adds them. One backward
-    per weight op: from all of them at once, an op's input gradient would run on down
-    into the ops below (their parameters are wanted too) and add to their gradients."""
-    for edges, grads, params in work.groups:
-        _backward(edges, grads, params)
+    `.grad` by their gradient accumulators, as one `backward` adds them. A linear
+    layer's (`_linear_grads`) are computed here, as autograd's formulas compute them,
+    and added by one call into the engine for all; any other op runs its own backward
+    (one per op: from all of them at once, an op's input gradient would run on down
+    into the ops below, whose parameters are wanted too, and add to their gradients)."""
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor | None] = []
+    for group in work.groups:
+        found = _linear_grads(group)
+        if found is None:
+            _backward(*group)
+        else:
+            params += group[2]
+            grads += found
+    _accumulate(params, grads)
+
+
+def _linear_grads(group: Group) -> list[torch.Tensor | None] | None:
+    """The gradients of a linear layer's parameters (those of `group`, in its order)
+    from the gradient of its output, computed as autograd's `addmm`/`mm` backward and
+    the weight's transpose compute them, so bitwise the same; None where the op is not
+    a linear layer's folded product in a real floating type (the engine runs it)."""
+    edges, grads, params = group
+    kinds = _product_types()
+    if len(edges) != 1 or type(edges[0].node) not in kinds[:2]:
+        return None
+    op, grad = edges[0].node, grads[0]
+    if not grad.dtype.is_floating_point:
+        return None
+    below = op.next_functions
+    addmm = type(op) is kinds[0]
+    if addmm and (op._saved_alpha != 1 or op._saved_beta != 1):  # type: ignore[attr-defined]
+        return None
+    transpose = below[-1][0]
+    if transpose is None or type(transpose) is not kinds[2]:
+        return None
+    leaf = transpose.next_functions[0][0]
+    bias = below[0][0] if addmm else None
+    found: dict[int, torch.Tensor] = {}
+    if leaf is not None and type(leaf) is _accumulator_type():
+        x = op._saved_mat1 if addmm else op._saved_self  # type: ignore[attr-defined]
+        sizes = op._saved_mat2_sym_sizes  # type: ignore[attr-defined]
+        strides = op._saved_mat2_sym_strides  # type: ignore[attr-defined]
+        # mm_mat2_backward: a column-major right factor (a weight's transpose) gets its
+        # gradient as the transpose of grad^T x; the transpose node turns it back.
+        if strides[0] == 1 and strides[1] == sizes[0]:
+            found[_leaf(leaf)] = grad.t().mm(x)
+        else:
+            found[_leaf(leaf)] = x.t().mm(grad).t()
+    if bias is not None and type(bias) is _accumulator_type():
+        shape = bias.variable.shape  # type: ignore[attr-defined]
+        # the engine sums a broadcast input's gradient to its shape (`at::sum_to`)
+        found[_leaf(bias)] = grad.sum([0], keepdim=True).view(shape)
+    if len(found) != len(params) or any(id(p) not in found for p in params):
+        return None
+    return [found[id(p)] for p in params]
 
 
 _run_backward: Callable[..., object] | None = getattr(
@@ -330,6 +381,19 @@ def _leaf(accumulator: Node) -> int:
     """The id of the leaf a gradient accumulator adds into."""
     leaf: torch.Tensor = accumulator.variable  # type: ignore[attr-defined]
     return id(leaf)
+
+
+@functools.cache
+def _product_types() -> tuple[type, type, type]:
+    """The node types of a linear layer's product, folded to two dimensions: `addmm`
+    (with a bias), `mm` (without), and the weight's transpose below either."""
+    weight = torch.zeros(2, 2, requires_grad=True)
+    x = torch.zeros(1, 2)
+    addmm = torch.addmm(torch.zeros(2), x, weight.t()).grad_fn
+    mm = torch.mm(x, weight.t()).grad_fn
+    assert addmm is not None and mm is not None
+    transpose = mm.next_functions[1][0]
+    return type(addmm), type(mm), type(transpose)
 
 
 @functools.cache

@@ -355,3 +355,63 @@ def test_a_split_run_frees_every_step_s_graph(name: str, one_torch_thread: None)
     assert live_tensors() == before
     activation_peaks(config.spec, program, program.costs)
     assert live_tensors() == before
+
+
+class Products(nn.Module):
+    """Linear layers in each form autograd folds to a 2-D product: with a bias (`addmm`),
+    without (`mm`), and a weight stored column-major (its transpose, the product's right
+    factor, row-major: the other branch of autograd's formula)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16, bias=False)
+        self.c = nn.Parameter(torch.randn(16, 8).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.relu(self.a(x))))
+        return nn.functional.linear(h, self.c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_linear_layers_w_is_computed_as_autograd_computes_it(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W computes a linear layer's weight and bias gradients itself (no engine call per
+    layer), bit for bit those of one backward and of the engine's own W, in every form
+    of the product; two micro-batches, so the second adds into the first's."""
+    from pipelang.backends import weight_split
+
+    torch.manual_seed(0)
+    stage = Products().to(dtype)
+    engine, whole_twin = copy.deepcopy(stage), copy.deepcopy(stage)
+    computed: list[bool] = []
+    direct = weight_split._linear_grads
+
+    def counted(group: weight_split.Group) -> list[torch.Tensor | None] | None:
+        found = direct(group)
+        computed.append(found is not None)
+        return found
+
+    def run(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+        return module(inp)
+
+    for mb in range(2):
+        x = torch.randn(3, 5, 8, dtype=dtype)
+        monkeypatch.setattr(weight_split, "_linear_grads", counted)
+        torch.manual_seed(mb)  # the same output gradient for both splits
+        _, _, work, _, grad = split(stage, run, x)
+        weight_backward(work)  # type: ignore[arg-type]
+        monkeypatch.setattr(weight_split, "_linear_grads", lambda group: None)
+        torch.manual_seed(mb)
+        _, _, work, _, _ = split(engine, run, x)
+        weight_backward(work)  # type: ignore[arg-type]
+        whole(whole_twin, run, x, grad)
+    assert computed == [True] * 6, computed
+    assert stage.c.stride() == (1, 8)  # still column-major
+    for ours, theirs, one in zip(
+        stage.parameters(), engine.parameters(), whole_twin.parameters(), strict=True
+    ):
+        assert ours.grad is not None and ours.grad.dtype == dtype
+        assert torch.equal(ours.grad, theirs.grad)  # type: ignore[arg-type]
+        assert torch.equal(ours.grad, one.grad)  # type: ignore[arg-type]
