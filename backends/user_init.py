@@ -66,6 +66,14 @@ def check(model: str, layers: list[nn.Module]) -> None:
     for index, layer in enumerate(layers):
         inner, _ = _inner(layer)
         for name, module in inner.named_modules():
+            if _owns(module) and type(module).__module__.startswith("torch.export"):
+                raise ModelError(
+                    f"`--model {model}`: --init layers calls the modules' "
+                    "reset_parameters(), which the stages torch's pipeline() splits off "
+                    "do not keep (their modules become torch.export's InterpreterModule); "
+                    "return a list of stage modules or an nn.Sequential, or use --init "
+                    "factory"
+                )
             if _owns(module) and not callable(getattr(module, "reset_parameters", None)):
                 kind = type(module).__name__
                 raise ModelError(
@@ -129,7 +137,7 @@ class UserLayers:
                 try:
                     with torch.no_grad():
                         reset()
-                except Exception as err:
+                except BaseException as err:  # the user's code: sys.exit() too
                     raise ModelError(
                         clip(
                             f"`--model {self.model}`: --init layers: "

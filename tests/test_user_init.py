@@ -55,6 +55,33 @@ class Half(Scale):  # a reset_parameters() that leaves its buffer unset
         nn.init.ones_(self.gain)
 
 
+class Exits(Scale):  # its reset_parameters() ends the process, off the meta device
+    def reset_parameters(self):
+        if not self.gain.is_meta:
+            raise SystemExit(3)
+
+
+def exits():
+    return nn.Sequential(nn.Embedding(64, 16), Exits(16), nn.Linear(16, 64))
+
+
+class Split(nn.Module):  # torch's pipeline() splits it: its modules lose their class
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+
+    def forward(self, ids):
+        from torch.distributed.pipelining import pipe_split
+
+        x = self.emb(ids)
+        pipe_split()
+        return self.head(x)
+
+
+def split():
+    return Split()
+
+
 def layers():
     return nn.Sequential(
         nn.Embedding(64, 16),
@@ -152,6 +179,18 @@ def test_init_layers_trains_bitwise_like_its_check_reference(
             "--init layers: no reset_parameters() sets "
             "`1.shift` (of Half) in full; make its module's reset_parameters() set it, or "
             "use --init factory",
+        ),
+        (
+            "exits",
+            "error: rank 0 failed during setup: ModelError: `--model models.py:exits`: "
+            "--init layers: `1` (Exits) reset_parameters() failed: called sys.exit(3)",
+        ),
+        (
+            "split",
+            "error: `--model models.py:split`: --init layers calls the modules' "
+            "reset_parameters(), which the stages torch's pipeline() splits off do not keep "
+            "(their modules become torch.export's InterpreterModule); return a list of stage "
+            "modules or an nn.Sequential, or use --init factory",
         ),
         (
             "reads",
