@@ -289,7 +289,8 @@ def test_each_rank_holds_a_quarter_of_a_model_no_rank_could_build_whole(tmp_path
     total = 8 * 4096 * 8192 * 4
     log = tmp_path / "m.jsonl"
     # one micro-batch: with more, the second's weight gradient is a new tensor before it
-    # is added into .grad, one layer (128 MiB) more at the peak (1,172 MiB measured)
+    # is added into .grad, one layer (128 MiB) more at the peak; --log's gradient norm
+    # squares one into a new tensor too: 1,172 MiB measured against 1,245 MiB whole
     argv = ["run", "1f1b", "-p", "D=4", "-p", "N=1", "--model", "big.py:big", "--init", "layers"]
     small = ["--micro-batch-size", "1", "--seq-len", "4", "--optimizer", "sgd", "--steps", "2"]
     proc = pipelang_cmd(*argv, *small, "--backend", "gloo", "--log", str(log), cwd=tmp_path)
