@@ -193,9 +193,19 @@ class RunConfig:
     )
     trace: str | None = option(
         None,
-        "write every action's real start and end as a Chrome trace",
+        "write every action's real start and end as a Chrome trace (with --trace-every, "
+        "of every K-th step only)",
         "path",
         metavar="OUT.json",
+    )
+    trace_every: int | None = option(
+        None,
+        "with --trace OUT.json: trace only steps K, 2K, ..., each written as it ends to "
+        "its own file OUT-stepK.json (which `pipelang viz --trace` draws), so a long run "
+        "keeps no more than one step's actions; with --tensorboard, each such step's "
+        "measured timeline is the image `timeline` at step K",
+        "positive",
+        metavar="K",
     )
     log: str | None = option(
         None,
@@ -210,8 +220,8 @@ class RunConfig:
     tensorboard: str | None = option(
         None,
         "write the --log metrics per step as TensorBoard scalars to DIR, and with --trace "
-        "the measured timeline's figure at the end (needs the tensorboard extra: pip "
-        "install pipelang[tensorboard])",
+        "the measured timeline's figure at the end (with --trace-every K, at steps K, 2K, "
+        "...) (needs the tensorboard extra: pip install pipelang[tensorboard])",
         "path",
         metavar="DIR",
     )

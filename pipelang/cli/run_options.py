@@ -80,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     given = {name: getattr(args, name) for name, _, _ in _run_options()}
     if args.log is not None:
         writable(args.log)
+    _check_trace_every(args)
     for name, _, option in _run_options():  # a path is kept as its text
         if option.parse == "path" and given[name] is not None:
             given[name] = str(given[name])
@@ -106,6 +107,20 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if problem is not None:
             raise UsageError(problem)
     return config
+
+
+def _check_trace_every(args: argparse.Namespace) -> None:
+    """`--trace-every K` has a trace to write and a step to trace; UsageError if not."""
+    every = args.trace_every
+    if every is None:
+        return
+    if args.trace is None:
+        raise UsageError("--trace-every needs --trace OUT.json (the name of the step files)")
+    if every > args.steps:
+        raise UsageError(
+            f"--trace-every {every} traces no step of a {args.steps}-step run (--steps): "
+            f"give K of at most {args.steps}"
+        )
 
 
 def _check_optimizer(config: RunConfig) -> None:
