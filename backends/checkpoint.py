@@ -20,6 +20,12 @@ which writes them the same way): each rank reads the entries of the layers it ho
 Every entry the run's optimizer keeps must be there, in its shape and dtype (a checkpoint
 without Adam's moments is refused, naming the first missing one, before any rank starts:
 `verify`, and again by each rank: `load`).
+
+A sharded stage copy (`--dp K --shard`, backends/shard.py) writes its parameters and
+their optimizer state as DTensors laid out as FSDP2 shards them (`Held.sharded`): each
+process writes its own shard of each entry, under the same names, so the checkpoint
+holds the same whole tensors as one of the unsharded run, and either loads into the
+other (DCP reads each process's part of whatever layout it was written in).
 """
 
 from __future__ import annotations
@@ -30,10 +36,10 @@ import os
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -91,14 +97,38 @@ class Held:
     params: list[nn.Parameter]
     optimizer: Optimizer | None
     """None: the parameters alone (a user's loop with an optimizer of its own)."""
+    sharded: Sequence[torch.Tensor] | None = None
+    """`--shard`: the DTensor parameter each of `params` is the local shard of (which
+    says where the shard lies in the whole tensor); None: `params` are whole."""
 
     def entries(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint key, tensor) of every parameter and optimizer state."""
+        """(checkpoint key, tensor) of every parameter and optimizer state; a shard as a
+        DTensor laid out as its parameter (DCP writes each process's shards, and reads
+        into them whatever layout the checkpoint was written in)."""
         for i, (name, param) in enumerate(zip(self.names, self.params, strict=True)):
-            yield f"model.{name}", param
+            yield f"model.{name}", self.whole(i, param)
             if self.optimizer is not None:
                 for field, value in self.optimizer.state(i).items():
-                    yield f"optim.{name}.{field}", value
+                    yield f"optim.{name}.{field}", self.whole(i, value)
+
+    def whole(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """`local`, a tensor of parameter `i`'s shape on this process, as an entry of the
+        checkpoint: laid out as the parameter's DTensor where it is sharded (a 0-d
+        tensor, such as Adam's step count, is whole on every process)."""
+        if self.sharded is None or local.dim() == 0:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        layout = self.sharded[i]
+        assert isinstance(layout, DTensor)
+        return DTensor.from_local(
+            local,
+            layout.device_mesh,
+            layout.placements,
+            run_check=False,
+            shape=layout.shape,
+            stride=layout.stride(),
+        )
 
 
 def held_by_model(
@@ -115,7 +145,21 @@ def held_by_model(
         if param.requires_grad:
             names.append(name)
             params.append(param)
-    return Held(names, masters if masters is not None else params, optimizer)
+    if not any(_is_dtensor(p) for p in params):
+        return Held(names, masters if masters is not None else params, optimizer)
+    shards: list[Any] = [_local(p) for p in params]  # what the optimizer trains
+    return Held(names, masters if masters is not None else shards, optimizer, sharded=params)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a checkpoint's tensor: a DTensor's local shard."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def named_parameters(
@@ -221,8 +265,9 @@ def wanted(
         required.update((key, value.detach().clone()) for key, value in h.entries())
         if h.optimizer is None:
             continue
-        for name, param in zip(h.names, h.params, strict=True):  # SGD's, made at its
-            optional[f"optim.{name}.momentum"] = torch.zeros_like(param)  # first step
+        for i, (name, param) in enumerate(zip(h.names, h.params, strict=True)):
+            momentum = h.whole(i, torch.zeros_like(param))  # SGD's, made at its first step
+            optional[f"optim.{name}.momentum"] = momentum
     saved = tensor_entries(Path(path))
     shapes = {key: (tuple(v.shape), v.dtype) for key, v in required.items()}
     where = where if where is not None else f"`--resume {path}`"
@@ -252,9 +297,9 @@ def read(held: list[Held], path: str, state: dict[str, torch.Tensor]) -> None:
         ) from None
     for h in held:
         for i, (name, param) in enumerate(zip(h.names, h.params, strict=True)):
-            param.copy_(state[f"model.{name}"])
+            param.copy_(_local(state[f"model.{name}"]))
             prefix = f"optim.{name}."
-            fields = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            fields = {k[len(prefix) :]: _local(v) for k, v in state.items() if k.startswith(prefix)}
             if h.optimizer is not None:
                 h.optimizer.load_state(i, fields)
 
