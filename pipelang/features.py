@@ -147,8 +147,6 @@ REFUSED: dict[str, dict[str, str]] = {
     "checkpoints": {
         "weights": "its ranks hold several versions of their weights, which checkpoints do "
         "not save yet; run it without --save and --resume",
-        "sharded": "checkpoints do not save sharded (DTensor) parameters and optimizer "
-        "state yet; run it without --save and --resume",
     },
     "a GPU": {
         "evictions": "evictions have run only on the CPU so far (gloo, or local without a "
