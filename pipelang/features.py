@@ -9,7 +9,7 @@ chunks, micro-batch shapes, evicted activations, a split backward (`W`), sharded
 Program: torch's CSV format (`export --format torch-csv`), `PipelineSchedule` (the
 training-loop API), `synthesize` (which reads a placement's declarations), the stream
 programs (the `streams` pass, and so `--graphs`, gloo and nccl), and the runtime's
-options and paths that cannot take a feature yet (`--dp`, `--shard`, `--mixed-precision`,
+options and paths that cannot take a feature yet (`--dp`, `--shard`, `--tp`, `--mixed-precision`,
 `--clip-grad`, checkpoints, a GPU, and the runtime's own chunks and evictions, which
 cannot take recompute). `refusal(program, consumer)` says why a consumer cannot run a
 program, or None; `refuse` raises it as a diagnostic:
@@ -126,6 +126,16 @@ REFUSED: dict[str, dict[str, str]] = {
         "evictions": "--shard does not evict a sharded stage's activations yet",
         "split": "--shard does not split a sharded stage's backward yet (its W would read "
         "the gathered weights after B); use a schedule without W, such as 1f1b",
+    },
+    "--tp": {
+        "weights": "--tp splits each stage's blocks over its tensor ranks, and an "
+        "asynchronous schedule's weight versions are not split yet; use a synchronous schedule",
+        "split": "--tp does not split a tensor-parallel stage's backward yet (W would "
+        "differentiate the local shards, not the DTensor parameters); use a schedule "
+        "without W, such as 1f1b",
+        "sharded": "FSDP2 over tensor-parallel stages is not built yet; run --tp without --shard",
+        "evictions": "--tp does not evict a tensor-parallel stage's activations yet",
+        "frozen": "--tp does not split a frozen part yet",
     },
     "--dp": {
         "weights": "the runtime cannot run an asynchronous schedule with --dp yet: each "
