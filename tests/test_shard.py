@@ -1,6 +1,8 @@
 """Sharded stages (`--dp K --shard`, issue 41): the `insert-shard` pass and its dump, the
 simulator's `AG` and `RS` costs, `viz`, the refusals, and (slow) a gloo run checked
-against one process, each rank holding half the parameter bytes of `--dp 2`."""
+against one process, each rank holding half the parameter bytes of `--dp 2`; checkpoints
+of sharded stages, resumed in the same layout, unsharded, on one copy and by another
+schedule, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipelang import PipelangError, api
 from pipelang.ir import Action, Kind
-from tests.helpers import pipelang_cmd, pipelang_here
+from tests.helpers import pipelang_cmd, pipelang_here, read_checkpoint
 
 ONE_F_ONE_B = ("1f1b", "-p", "D=2", "-p", "N=4")
 
@@ -154,16 +157,6 @@ def test_run_refuses_what_sharding_does_not_take_yet(tmp_path: Path, options: st
     assert proc.stderr.strip().splitlines()[-1] == RUN_REFUSED[options]
 
 
-def test_run_refuses_checkpoints_of_sharded_stages(tmp_path: Path) -> None:
-    proc = pipelang_here(*RUN, "--backend", "gloo", "--save", str(tmp_path / "ck"), cwd=tmp_path)
-    assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: `one_f_one_b` shards its stages over their --dp copies (`--shard`): checkpoints "
-        "do not save sharded (DTensor) parameters and optimizer state yet; run it without "
-        "--save and --resume"
-    )
-
-
 def test_run_shard_without_dp_is_a_usage_error(tmp_path: Path) -> None:
     proc = pipelang_here("run", *ONE_F_ONE_B, "--shard", "--backend", "gloo", cwd=tmp_path)
     assert proc.returncode == 2
@@ -190,3 +183,77 @@ def test_sharded_1f1b_over_gloo_checks_bit_for_bit_holding_half_the_bytes(tmp_pa
     for key, each in whole.items():
         # the shards of gpt:tiny's stages: half, but for the padding of odd first dimensions
         assert [2 * b for b in sharded[key]] == pytest.approx(each, rel=0.01), key
+
+
+# ---- checkpoints ------------------------------------------------------------------------
+
+
+def gloo(*args: str, cwd: Path) -> str:
+    """`pipelang run ARGS --backend gloo` in a process of its own; its standard output."""
+    proc = pipelang_cmd("run", *args, "--backend", "gloo", cwd=cwd, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def same_state(one: Path, two: Path) -> None:
+    """Checkpoints `one` and `two` hold the same entries, bit for bit."""
+    first, second = read_checkpoint(one), read_checkpoint(two)
+    assert sorted(first) == sorted(second)
+    assert any(key.endswith(".exp_avg_sq") for key in first)  # Adam's state is there
+    assert [k for k in first if not torch.equal(first[k], second[k])] == []
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 steps of 1F1B with --dp 2 --shard, saved after steps 2 and 4."""
+    path = tmp_path_factory.mktemp("sharded")
+    run = (*ONE_F_ONE_B, "--dp", "2", "--shard", "--steps", "4", "--save-every", "2")
+    gloo(*run, "--save", str(path / "ckpt"), cwd=path)
+    return path / "ckpt"
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_bit_for_bit_sharded_or_not(
+    sharded: Path, tmp_path: Path
+) -> None:
+    """Each process writes its shards of every entry, named as in the whole model; the
+    run resumed from step 2, sharded or not (the same sums at K = 2), ends at step 4
+    with the parameters and optimizer state of the run that did not stop."""
+    from pipelang.backends.checkpoint_read import read_metadata
+
+    entries = read_metadata(sharded / "step-2").state_dict_metadata
+    qkv = entries["optim.1.qkv.weight.exp_avg"]
+    assert [(list(c.offsets), list(c.sizes)) for c in qkv.chunks] == [  # type: ignore[union-attr]
+        ([0, 0], [96, 64]),
+        ([96, 0], [96, 64]),
+    ]
+    assert len(list((sharded / "step-2").glob("*.distcp"))) == 4  # one file per process
+    plain = tmp_path / "plain"
+    gloo(*ONE_F_ONE_B, "--dp", "2", "--steps", "2", "--save", str(plain), cwd=tmp_path)
+    same_state(sharded / "step-2", plain / "step-2")
+    for name, source, more in [
+        ("same", sharded / "step-2", ["--shard"]),
+        ("unsharded", sharded / "step-2", []),
+        ("sharded", plain / "step-2", ["--shard"]),
+    ]:
+        resumed = ("--steps", "4", "--resume", str(source), "--save", str(tmp_path / name))
+        gloo(*ONE_F_ONE_B, "--dp", "2", *more, *resumed, cwd=tmp_path)
+        same_state(sharded / "step-4", tmp_path / name / "step-4")
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_on_one_copy_and_another_schedule(
+    sharded: Path, tmp_path: Path
+) -> None:
+    """--dp 2 --shard resumed with --dp 1, and --dp 1 resumed by GPipe and interleaved
+    1F1B with --dp 2 --shard: each rank reads its part, and --check's reference, which
+    resumes the same checkpoint in one process, agrees bit for bit."""
+    one = tmp_path / "one"
+    resumed = ("--steps", "3", "--resume", str(sharded / "step-2"), "--check")
+    out = gloo(*ONE_F_ONE_B, *resumed, "--save", str(one), cwd=tmp_path)
+    assert "check OK" in out and "(bitwise equal)" in out, out
+    for schedule in (("gpipe",), ("interleaved-1f1b", "-p", "v=2")):
+        resumed = ("--steps", "4", "--resume", str(one / "step-3"), "--check")
+        sizes = ("-p", "D=2", "-p", "N=4", "--dp", "2", "--shard")
+        out = gloo(*schedule, *sizes, *resumed, cwd=tmp_path)
+        assert "check OK" in out and "(bitwise equal)" in out, out
