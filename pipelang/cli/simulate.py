@@ -8,6 +8,7 @@ from typing import cast
 
 from rich.table import Table
 
+from pipelang.cli import memory_table
 from pipelang.cli.args import (
     activation_bytes,
     add_cost_argument,
@@ -39,6 +40,7 @@ def setup(parser: argparse.ArgumentParser) -> None:
         "grows with ranks x ops",
     )
     add_slot_model_arguments(parser, activations=True)
+    memory_table.add_state_arguments(parser)
 
 
 TABLE_RANKS = 64
@@ -47,7 +49,9 @@ TABLE_RANKS = 64
 
 def run(args: argparse.Namespace) -> int:
     costs = parse_cost(args.cost)
-    slots = args.slots or args.model is not None
+    memory_table.check_state_arguments(args)
+    # sharded stages have no stream program yet (E0506): their data slots only on --slots
+    slots = args.slots or (args.model is not None and not args.shard)
     compiled = compile_args(args, "check-streams" if slots else SCHEDULE_DONE)
     program = compiled.need_program()
     timeline = compiled.timeline(costs)
@@ -62,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     held = activation_bytes(args, program, timeline.costs)
     for row, peak in zip(rows, held or (), strict=False):
         row["peak_activation_bytes"] = round(peak)
+    memory = memory_table.memory_rows(args, program, held)
+    if memory is not None:
+        metrics["memory"] = memory
     if args.json:
         print(json.dumps(metrics, allow_nan=False))  # strict JSON: costs are bounded
         return 0
@@ -78,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
         keys.append("slots")
         table.add_column("slots (data, saved, grads)", justify="right")
     if args.model is not None:
-        keys += ["data_slot_bytes", "peak_activation_bytes"]
-        table.add_column(f"data slot bytes ({args.model})", justify="right")
+        if compiled.streams is not None:
+            keys.append("data_slot_bytes")
+            table.add_column(f"data slot bytes ({args.model})", justify="right")
+        keys.append("peak_activation_bytes")
         table.add_column("peak activation bytes", justify="right")
     rows = cast(list[dict[str, object]], metrics["ranks"])
     for row in rows[:TABLE_RANKS]:
@@ -95,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     out.print(table)
     if len(rows) > TABLE_RANKS:
         out.print(f"... and {len(rows) - TABLE_RANKS} more ranks (--json lists every rank)")
+    if memory is not None:
+        out.print(memory_table.memory_table(args, memory, TABLE_RANKS))
+        if len(memory) > TABLE_RANKS:
+            out.print(f"... and {len(memory) - TABLE_RANKS} more processes (--json lists each)")
     if args.grid:
         print(timeline.text_grid())
     return 0

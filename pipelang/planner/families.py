@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pipelang.sim.state import state_factor
+
 Params = tuple[tuple[str, int], ...]
 
 FAMILIES: dict[str, Callable[[int], list[tuple[Params, int]]]] = {
@@ -30,6 +32,7 @@ FAMILIES: dict[str, Callable[[int], list[tuple[Params, int]]]] = {
 """Each synchronous stdlib schedule the planner tries: for D ranks, the other parameter
 values to try and, for each, the stages per rank (S = D x that)."""
 
-STATE_FACTOR = {"adam": 4.0, "sgd": 3.0}
+STATE_FACTOR = {kind: state_factor(kind) for kind in ("adam", "sgd")}
 """Bytes of weight state per byte of weights: weights, gradients, and the optimizer's
-moments (Adam two, SGD with momentum one)."""
+moments (Adam two, SGD with momentum one: `sim.state.OPTIMIZER_STATES`, the rule
+`simulate --model` counts each process's bytes by), 4 and 3."""
