@@ -22,6 +22,7 @@ from pipelang.backends.processes import RunFailure, action_labels, where
 from pipelang.backends.rank_base import RankResult
 from pipelang.backends.report import Outcome
 from pipelang.backends.termination import STRANDED
+from pipelang.backends.trace_steps import step_events
 from pipelang.backends.transport import Aborted, LocalHub, LocalTransport, PeerFailure
 from pipelang.backends.worker import (
     PHASE_DONE,
@@ -205,7 +206,8 @@ class LocalRun:
                 loss, seconds, metrics = combine([reports[r] for r in range(self.world)], n)
                 self.losses.append(loss)
                 self.metrics.append(metrics)
-                self.on_step(done, loss, seconds, metrics)
+                events = step_events([reports[r] for r in range(self.world)])
+                self.on_step(done, loss, seconds, metrics, events)
 
 
 def run_local(program: Program, config: RunConfig, shapes: Shapes, on_step: OnStep) -> Outcome:

@@ -51,6 +51,9 @@ class StepReport:
     grad_bytes: int = 0
     optimizer_bytes: int = 0
     """The bytes of the rank's tensors (see the module docstring; `runtime.held_bytes`)."""
+    events: tuple[tuple[int, int, int, int], ...] | None = None
+    """The step's actions (step, action index, start ns, end ns) where `--trace-every`
+    traces it (backends/trace_steps.py); None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +198,25 @@ class TensorBoardLog:
         for key in ("peak_memory", *BYTE_KEYS):
             for rank, nbytes in enumerate(line.get(key) or ()):
                 self.writer.add_scalar(f"{key}/rank{rank}", nbytes, step)
+
+    def timeline(self, trace: Path, step: int) -> str | None:
+        """Step `step`'s measured timeline, read from its trace file (`--trace-every`) as
+        `pipelang viz --trace` reads it, as the image `timeline` at that step (without
+        matplotlib, a text `timeline` naming the file); the warning to print where the
+        file does not read."""
+        from pipelang.trace import TraceError
+        from pipelang.visualize.measured import read_trace
+
+        try:
+            panel = read_trace(trace).panel()
+        except TraceError as err:
+            return f"warning: no timeline for --tensorboard at step {step}: {err}"
+        image = _png(panel)
+        if image is None:
+            self.writer.add_text("timeline", f"`pipelang viz --trace {trace}` draws it", step)
+        else:
+            self.writer.add_image("timeline", image, step, dataformats="HWC")
+        return None
 
     def close(self) -> None:
         self.writer.close()

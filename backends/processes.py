@@ -34,6 +34,7 @@ from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
 from pipelang.backends.report import Outcome
 from pipelang.backends.termination import passing_sigterm
+from pipelang.backends.trace_steps import step_events
 from pipelang.backends.worker import (
     PHASE_DONE,
     PHASE_FAILED,
@@ -247,7 +248,8 @@ class Launcher:
             loss, seconds, metrics = combine([reports[r] for r in range(self.world)], n)
             self.losses.append(loss)
             self.metrics.append(metrics)
-            self.on_step(done, loss, seconds, metrics)
+            events = step_events([reports[r] for r in range(self.world)])
+            self.on_step(done, loss, seconds, metrics, events)
 
     def _check_exits(self) -> None:
         reported = {f.rank for f in self.failures}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -22,8 +23,8 @@ from rich.table import Table
 
 from pipelang.backends.metrics import BYTE_KEYS, StepMetrics, TensorBoardLog, finite
 from pipelang.backends.rank_base import RankResult
+from pipelang.backends.trace_steps import Events, StepTraces, chrome_trace_of
 from pipelang.ir import Program
-from pipelang.trace import complete, document, metadata, rank_name
 
 
 class StepProgress:
@@ -43,8 +44,10 @@ class StepProgress:
         first: int = 0,
         tensorboard: str | None = None,
         predicted: float | None = None,
+        traces: StepTraces | None = None,
     ) -> None:
         self.steps = steps
+        self.traces = traces
         self.tensorboard_dir = tensorboard
         self.tensorboard: TensorBoardLog | None = None
         self.predicted = predicted
@@ -86,10 +89,20 @@ class StepProgress:
         if self.tensorboard is not None:
             self.tensorboard.close()
 
-    def step(self, i: int, loss: float, seconds: float, metrics: StepMetrics | None = None) -> None:
+    def step(
+        self,
+        i: int,
+        loss: float,
+        seconds: float,
+        metrics: StepMetrics | None = None,
+        events: Sequence[Events] | None = None,
+    ) -> None:
         """The `i`-th step of this run (from 0) is done; `metrics`, its numbers over every
-        rank (None: not measured, their keys `null`)."""
+        rank (None: not measured, their keys `null`); `events`, every process's actions
+        in it where `--trace-every` traces it (`trace_steps.py`)."""
         step = self.first + i
+        if events is not None and self.traces is not None:
+            self._trace(step + 1, events)
         rate = self.tokens_per_step / seconds if seconds > 0 else 0.0
         self.progress.console.print(
             f"step {step + 1}/{self.steps}  loss {loss:.4f}  {seconds * 1e3:.1f} ms"
@@ -132,6 +145,17 @@ class StepProgress:
                 with contextlib.suppress(OSError):
                     self.log.close()
                 self.log = None
+
+    def _trace(self, step: int, events: Sequence[Events]) -> None:
+        """Write step `step`'s trace file, and with `--tensorboard` its timeline."""
+        assert self.traces is not None
+        written = self.traces.write(step, events)
+        if isinstance(written, str):
+            self.console.print(written, markup=False)
+        elif self.tensorboard is not None:
+            problem = self.tensorboard.timeline(written, step)
+            if problem is not None:
+                self.console.print(problem, markup=False)
 
 
 def _steps_up_to(path: Path, step: int) -> list[str]:
@@ -251,19 +275,7 @@ def chrome_trace(program: Program, results: list[RankResult]) -> str:
     """Every action of every rank in every step as a Chrome trace complete event (pid =
     tid = rank; with `--dp K`, the process's rank, `replica * R + rank`), in the one
     format of pipelang/trace.py, which `viz --trace` and `profile --calibrate` read."""
-    events: list[str] = []
-    for result in results:
-        rank = result.rank
-        events.append(metadata("process_name", rank, rank, name=rank_name(rank)))
-        actions = program.ranks[rank % program.num_ranks]
-        for step, index, start, end in result.events:
-            action = actions[index]
-            more = f',"args":{{"step":{step},"action":{index}}}'
-            kind = action.kind.value
-            events.append(
-                complete(action.text(), kind, rank, rank, start / 1e3, (end - start) / 1e3, more)
-            )
-    return document(events)
+    return chrome_trace_of(program, [(result.rank, result.events) for result in results])
 
 
 def write_trace(path: Path, program: Program, results: list[RankResult]) -> None:

@@ -67,7 +67,11 @@ def report(
     planned = plan_line(config, outcome, predicted)
     if planned:
         out.print(planned, markup=False)
-    if config.trace:
+    if config.trace and config.trace_every is not None:
+        from pipelang.backends.trace_steps import written_line
+
+        out.print(written_line(config, done), markup=False)
+    elif config.trace:
         write_trace(Path(config.trace), program, outcome.results)
         out.print(f"wrote the trace of every action to {config.trace}", markup=False)
         if config.tensorboard is not None and done:
@@ -137,7 +141,14 @@ def step_progress(program: Program, config: RunConfig, title: str, err: Console)
     tokens = tokens_per_step(program, config)
     first, board = config.first_step, config.tensorboard
     predicted = predicted_bubble(program) if config.logs_metrics else None
-    return StepProgress(config.steps, title, err, tokens, config.log, first, board, predicted)
+    traces = None
+    if config.trace is not None and config.trace_every is not None:
+        from pipelang.backends.trace_steps import StepTraces
+
+        traces = StepTraces(program, config.trace, config.trace_every)
+    return StepProgress(
+        config.steps, title, err, tokens, config.log, first, board, predicted, traces
+    )
 
 
 def tokens_per_step(program: Program, config: RunConfig) -> int:

@@ -20,8 +20,11 @@ from pipelang.backends.run_report import Predicted, report, step_progress
 from pipelang.diagnostics import clip
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from pipelang.backends.config import RunConfig
     from pipelang.backends.metrics import StepMetrics
+    from pipelang.backends.trace_steps import Events
     from pipelang.backends.worker import RankStopped
     from pipelang.ir import Program
     from pipelang.ir.streams import StreamProgram
@@ -52,11 +55,17 @@ def run_as_torchrun_rank(
         title = f"{program.name} on {config.model} (torchrun)"
         progress = step_progress(program, config, title, err)
 
-    def on_step(step: int, loss: float, seconds: float, metrics: StepMetrics) -> None:
+    def on_step(
+        step: int,
+        loss: float,
+        seconds: float,
+        metrics: StepMetrics,
+        events: Sequence[Events] | None = None,
+    ) -> None:
         losses.append(loss)
         measured.append(metrics)
         if progress is not None:
-            progress.step(step, loss, seconds, metrics)
+            progress.step(step, loss, seconds, metrics, events)
 
     try:
         with progress or contextlib.nullcontext():

@@ -15,15 +15,16 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, MutableSequence
-from dataclasses import dataclass
+from collections.abc import Callable, MutableSequence, Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from pipelang.backends import trace_steps
 from pipelang.backends.backend import BACKENDS
 from pipelang.backends.config import RunConfig
 from pipelang.backends.executor import (
@@ -39,6 +40,7 @@ from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
 from pipelang.backends.runtime import RankRuntime, peak_memory
 from pipelang.backends.termination import Termination
+from pipelang.backends.trace_steps import Events
 from pipelang.backends.transport import DistTransport, PeerFailure, Transport, peer_failures
 from pipelang.diagnostics import InternalError
 from pipelang.ir import Program
@@ -46,8 +48,21 @@ from pipelang.ir.streams import StreamProgram
 
 PHASE_STARTING, PHASE_SETUP, PHASE_RUNNING, PHASE_DONE, PHASE_FAILED = range(5)
 """The first entry of a rank's (phase, step, action) status."""
-OnStep = Callable[[int, float, float, StepMetrics], None]
-"""What the reporting process is told after each step: (i, mean loss, seconds, metrics)."""
+
+
+class OnStep(Protocol):
+    """What the reporting process is told after each step: (i, mean loss, seconds,
+    metrics) and, where `--trace-every` traces the step, every process's events in it
+    (`trace_steps.step_events`)."""
+
+    def __call__(
+        self,
+        i: int,
+        loss: float,
+        seconds: float,
+        metrics: StepMetrics,
+        events: Sequence[Events] | None = None,
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +135,16 @@ def run_step(rank: RankProgram, step: int) -> StepReport:
     """One training iteration; returns this rank's report of it (`step_report`)."""
     runtime = rank.runtime
     busy, events = runtime.busy_ns, len(runtime.gpu_events or ())
+    traced = runtime.config.trace_every is not None and trace_steps.begin(runtime, step)
     runtime.grad_norm = None
     start = time.perf_counter()
     runtime.begin_step(step)
     rank.run(step)
     losses = runtime.end_step()
-    return step_report(runtime, step, losses, time.perf_counter() - start, busy, events)
+    report = step_report(runtime, step, losses, time.perf_counter() - start, busy, events)
+    if traced:
+        report = replace(report, events=trace_steps.take(runtime, events))
+    return report
 
 
 def step_report(
@@ -364,6 +383,7 @@ def _step_reports(
         each[n + 6 * rank : n + 6 * rank + 6] = mine
         with peer_failures():
             dist.all_reduce(each)
+        traced = _gather_events(report, rank, world)
         if on_step is None:
             return
         values = each.tolist()
@@ -379,9 +399,23 @@ def _step_reports(
                     losses, seconds, report.lr, busy_or_none, peak, norm, params, grads, state
                 )
             )
-        on_step(i, *combine(reports, n))
+        loss, seconds, metrics = combine(reports, n)
+        on_step(i, loss, seconds, metrics, traced)
 
     return done
+
+
+def _gather_events(report: StepReport, rank: int, world: int) -> list[Events] | None:
+    """Under torchrun, every rank's events of a step that `--trace-every` traces (every
+    rank knows which), gathered to rank 0 (`trace_steps.step_events`); None elsewhere."""
+    if report.events is None:
+        return None
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    with peer_failures():
+        dist.gather_object(report.events, gathered, dst=0)
+    if gathered is None:
+        return None
+    return [tuple(events or ()) for events in gathered]
 
 
 def _check_hosts(path: str, world: int) -> None:
