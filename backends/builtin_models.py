@@ -114,11 +114,13 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
-        q, k, v = self.qkv(self.ln_attn(x)).split(width, dim=-1)
-        shape = (batch, seq, self.heads, width // self.heads)
+        # chunks and -1 (not `width`, `self.heads`): under --tp a process computes 1/T
+        # of the heads (backends/tensor_parallel.py)
+        q, k, v = self.qkv(self.ln_attn(x)).chunk(3, dim=-1)
+        shape = (batch, seq, -1, width // self.heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         attn = causal_attention(self, q, k, v)
-        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, width))
+        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.out(functional.gelu(self.fc(self.ln_mlp(x))))
 
 
@@ -239,9 +241,10 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         h = self.norm_attn(x)
-        q = self.q(h).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under --tp a process computes 1/T of them (backends/tensor_parallel.py)
+        q = self.q(h).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k, v = (
-            t.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+            t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for t in self.kv(h).chunk(2, dim=-1)
         )
         chunk = _CHUNK.get()

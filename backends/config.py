@@ -77,6 +77,17 @@ class RunConfig:
         "(docs/runtime.md, Larger than one device); --check compares bit for bit at K = 2 "
         "(a sum of two adds in either order alike), within 1e-5 relative above",
     )
+    tp: int = option(
+        1,
+        "tensor parallelism for the built-in models (gpt, llama): each stage copy split "
+        "over T processes (DTensor: attention heads and MLP features column-, their output "
+        "projections row-parallel; embedding, norms and head whole on each), K x ranks x T "
+        "processes (gloo or nccl); T must divide the heads (and llama's key/value heads); "
+        "--check holds within its tolerance, not bit for bit: the row-parallel products add "
+        "in another order (docs/runtime.md, Larger than one device) (default 1)",
+        "positive",
+        metavar="T",
+    )
     check: bool = option(
         False,
         "compare weights and losses with single-process training that computes and adds "

@@ -12,6 +12,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pipelang.backends.backend import BACKENDS
+from pipelang.backends.mesh import Grid
+from pipelang.diagnostics import clip
 from pipelang.features import refusal
 from pipelang.ir import SHARD_KINDS, Kind, Program
 
@@ -54,9 +56,11 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
         eviction_refusal(program, config)
         or chunks_refusal(program, config)
         or shard_refusal(program, config)
+        or tp_refusal(config)
     )
     for consumer, used in (
         ("--dp", config.dp > 1),
+        ("--tp", config.tp > 1),
         ("--mixed-precision", config.mixed_precision),
         ("--clip-grad", config.clip_grad is not None),
         ("checkpoints", config.save or config.resume),
@@ -106,17 +110,20 @@ def _check_world(program: Program, config: RunConfig) -> None:
 
     from pipelang.backends.torchrun_env import MAX_PROCESSES, torchrun_env, under_torchrun
 
-    world = program.num_ranks * config.dp
+    grid = Grid(config.dp, program.num_ranks, config.tp)
+    world = grid.world
     ranks = f"{program.num_ranks} ranks"
-    if config.dp > 1:
-        ranks = f"{world:,} ranks (--dp {config.dp:,} x {ranks})"
+    if config.dp > 1 or config.tp > 1:
+        factors = [f"--dp {config.dp:,}"] * (config.dp > 1) + [ranks]
+        factors += [f"--tp {config.tp:,}"] * (config.tp > 1)
+        ranks = f"{world:,} processes ({' x '.join(factors)})"
     if world > MAX_PROCESSES:
         raise WorldError(f"the run needs {ranks}, more than the {MAX_PROCESSES:,} a job may have")
     torchrun = torchrun_env() if under_torchrun() else None
     if torchrun is not None and torchrun.world != world:
         raise WorldError(
             f"torchrun started {torchrun.world} processes but the run needs "
-            f"{ranks}; WORLD_SIZE must be --dp x the program's ranks"
+            f"{ranks}; WORLD_SIZE must be --dp x the program's ranks x --tp"
         )
     problem = BACKENDS[config.backend].world_problem(world, ranks, torchrun)
     if problem is not None:
@@ -128,6 +135,9 @@ def _check_world(program: Program, config: RunConfig) -> None:
             hosts = read_hosts(config.rank_hosts)
         except HostsError as error:
             raise WorldError(str(error)) from error
+        split = grid.hosts_problem(hosts, config.rank_hosts)
+        if split is not None:
+            raise WorldError(split)
         problem = mismatch(config.rank_hosts, hosts, [this_host()] * world)
         if problem is not None:
             raise WorldError(problem.split(". Launch")[0] + " (every process runs here)")
@@ -217,4 +227,59 @@ def chunks_refusal(program: Program, config: RunConfig) -> str | None:
             f"`{program.name}` splits each sequence into {count} chunks, more than its "
             f"{seq_len} tokens: raise --seq-len or lower the chunks"
         )
+    return None
+
+
+def tp_refusal(config: RunConfig) -> str | None:
+    """Why `--tp T` cannot run with `config` (the model, the backend, the options not
+    built with it yet), or None; what it cannot run of a program is features.REFUSED's
+    "--tp"."""
+    tp = config.tp
+    if tp < 2:
+        return None
+    from pipelang.backends.builtin_models import MODEL_FAMILIES
+
+    family, _, size = config.model.partition(":")
+    if family not in MODEL_FAMILIES or size not in MODEL_FAMILIES[family]:
+        whose = "a Hugging Face model" if family == "hf" else "a model of your own"
+        return (
+            f"--tp splits the attention heads and MLPs of the built-in models (--model "
+            f"gpt:SIZE or llama:SIZE); --model {clip(f'`{config.model}`')} is {whose}, which "
+            "it cannot split yet"
+        )
+    cfg = MODEL_FAMILIES[family][size]
+    heads = [("attention heads", cfg.heads)]
+    heads += [("key/value heads", cfg.kv_heads)] if hasattr(cfg, "kv_heads") else []
+    hidden = getattr(cfg, "hidden", 4 * cfg.width)
+    for what, count in [*heads, ("MLP hidden features", hidden)]:
+        if count % tp:
+            return (
+                f"--tp {tp}: {config.model} has {count} {what}, which {tp} tensor ranks "
+                f"cannot split evenly; give a --tp that divides {count}"
+            )
+    if not BACKENDS[config.backend].processes:
+        return (
+            f"--tp needs a process per tensor rank (DTensor over process groups): use "
+            f"--backend {' or '.join(n for n, b in BACKENDS.items() if b.processes)}, not "
+            f"{config.backend}"
+        )
+    options = (
+        ("--shard", config.shard, "FSDP2 over tensor-parallel stages is not built yet"),
+        (
+            "--graphs",
+            config.graphs,
+            "a tensor-parallel stage is not captured in a stream program yet",
+        ),
+        (
+            "--mixed-precision",
+            config.mixed_precision,
+            "tensor-parallel stages keep no fp32 masters yet",
+        ),
+        ("--save", config.save, "checkpoints do not save tensor-parallel (DTensor) stages yet"),
+        ("--resume", config.resume, "checkpoints do not load tensor-parallel (DTensor) stages yet"),
+        ("--save-hf", config.save_hf, "--save-hf does not gather tensor-parallel stages yet"),
+    )
+    for flag, given, why in options:
+        if given:
+            return f"--tp with {flag}: {why}; run it without one of them"
     return None

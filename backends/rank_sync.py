@@ -95,10 +95,10 @@ class SyncActions:
     def note_grad_bytes(self: RankRuntime) -> None:
         """Count the bytes of the gradients this rank holds now, before an optimizer step
         or update clears them, into `grad_bytes` (the most so far)."""
-        grads = [
+        grads = [  # `params`: a --tp copy's local tensors, which hold its gradients
             p.grad
             for c in self.copies.values()
-            for p in (*c.module.parameters(), *(c.masters or ()))
+            for p in (*c.module.parameters(), *(c.masters or ()), *c.params)
         ]
         self.grad_bytes = max(self.grad_bytes, tensor_bytes(grads))
 
@@ -106,12 +106,16 @@ class SyncActions:
         """The squared norm of the gradients this rank counts towards the global norm,
         in float32: each stage is counted once in the whole run, by its copy on the
         lowest rank that holds it, in data-parallel copy 0 (replicas hold equal
-        gradients once their allreduce is done)."""
+        gradients once their allreduce is done); with --tp each tensor rank counts its
+        parts, and the tensors every tensor rank holds whole (`repeated`) count on
+        tensor rank 0."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for copy in self.copies.values():
             if self.counts(copy):
                 for index, param in enumerate(copy.trained):
-                    if param.grad is not None and not self.tied.repeats(copy, index):
+                    if param.grad is None or self.tied.repeats(copy, index):
+                        continue
+                    if self.tensor == 0 or id(param) not in self.repeated:  # --tp: once
                         total += param.grad.detach().float().square().sum()
         return total
 

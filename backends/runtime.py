@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from pipelang.backends.config import RunConfig
+from pipelang.backends.mesh import Grid
 from pipelang.backends.metrics import tensor_bytes
 from pipelang.backends.models import (
     LayeredModel,
@@ -88,8 +89,16 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions, ShardA
         self.program = program
         self.rank = rank
         self.replica = replica
-        self.world_rank = replica * program.num_ranks + rank
-        """This process's rank in the whole run: replica-major, `replica * R + rank`."""
+        self.tensor: int = getattr(transport, "tensor", 0)
+        """This process's tensor rank (`--tp`; 0 without)."""
+        grid = Grid(config.dp, program.num_ranks, config.tp)
+        self.world_rank = grid.process(replica, rank, self.tensor)
+        """This process's rank in the whole run: `replica * R * T + rank * T + tensor`
+        (backends/mesh.py; `replica * R + rank` without --tp)."""
+        self.repeated: set[int] = set()
+        """The ids of the trained tensors that every process of a tensor group holds
+        whole (`--tp`: the norms, embeddings, head): a sum over the run counts them on
+        tensor rank 0 only."""
         self.config = config
         self.transport = transport
         self.device = device
@@ -105,6 +114,13 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions, ShardA
         self.first_mb = replica * program.num_microbatches
         """This replica's micro-batch `mb` is micro-batch `first_mb + mb` of the step."""
         self._build_stages(shapes)
+        if config.tp > 1:  # each copy's blocks split over its tensor group
+            from pipelang.backends.tensor_parallel import parallelize_copies
+
+            mesh = getattr(transport, "mesh", None)
+            if mesh is None:
+                raise InternalError("--tp needs a process per tensor rank (a DistTransport)")
+            parallelize_copies(self, mesh["tp"])
         if config.shard:  # each copy FSDP2-sharded over its --dp copies (backends/shard.py)
             shard_copies(self)
         self.versions = _versions(program, config, self.copies)

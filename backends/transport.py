@@ -7,9 +7,12 @@ waited at the end of the step; receives block; allreduces start at `allreduce` a
 waited at `step`. Every sum over processes adds in `summation.tree_sum`'s order.
 
 With `--dp K` the run has K copies of the pipeline, K x R processes, replica-major: the
-process of rank r in copy k is `k * R + r`. A transport speaks program ranks (0..R-1) and
-maps them into its own copy; channels stay inside a copy, and a stage's reduce group
-holds its replicas in every copy (K x the schedule's replicas).
+process of rank r in copy k is `k * R + r`; with `--tp T` each rank is T processes, rank r
+of copy k on tensor rank t being `k * R * T + r * T + t` (backends/mesh.py numbers them).
+A transport speaks program ranks (0..R-1) and maps them into its own copy and tensor rank;
+channels stay inside a copy and a tensor rank (tensor rank t of a stage sends to tensor
+rank t of the next: the activations are whole on each), and a stage's reduce group holds
+its replicas in every copy (K x the schedule's replicas), on one tensor rank.
 
 `LocalHub` runs every rank of a program in one process, each rank a thread; only one
 thread runs at a time and the baton passes, in rank order, when a rank must wait for a
@@ -30,6 +33,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from pipelang.backends.mesh import Grid, device_mesh
 from pipelang.backends.summation import exchange_sum, tree_sum
 from pipelang.ir import COMM_KINDS, Program
 from pipelang.ir.placement import reduce_ranks
@@ -98,7 +102,9 @@ def channels(program: Program) -> list[tuple[int, int]]:
 class DistTransport:
     """torch.distributed channels; every rank must construct it (groups are collective).
 
-    `rank` is the program rank; `replica` the data-parallel copy (of `dp`) it belongs to.
+    `rank` is the program rank; `replica` the data-parallel copy (of `dp`) it belongs to,
+    `tensor` its tensor rank (of `tp`); with `tp` > 1 it builds the run's DeviceMesh
+    (`mesh`, backends/mesh.py), whose "tp" dimension a rank's stages are split over.
     """
 
     def __init__(
@@ -109,37 +115,45 @@ class DistTransport:
         timeout: float,
         replica: int = 0,
         dp: int = 1,
+        tp: int = 1,
+        tensor: int = 0,
     ) -> None:
         self.rank = rank
+        self.tensor = tensor
         self.device = device
         self.cuda = device.type == "cuda"
         wait = timedelta(seconds=timeout)
-        me = replica * program.num_ranks + rank
+        grid = Grid(dp, program.num_ranks, tp)
+        me = grid.process(replica, rank, tensor)
         # peer -> (group, the peer's rank in it): sends and receives call the group
         # directly, skipping torch.distributed's per-call argument checks and lookups.
         self.out: dict[int, tuple[dist.ProcessGroup, int]] = {}
         self.into: dict[int, tuple[dist.ProcessGroup, int]] = {}
         self.streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-        for k in range(dp):  # every process creates every group, in the same order
-            base = k * program.num_ranks
+        # every process creates every group, in the same order
+        for k, t in ((k, t) for k in range(dp) for t in range(tp)):
             for src, dst in channels(program):
-                group = dist.new_group([base + src, base + dst], timeout=wait)
-                if k != replica or rank not in (src, dst):
+                ends = [grid.process(k, src, t), grid.process(k, dst, t)]
+                group = dist.new_group(ends, timeout=wait)
+                if (k, t) != (replica, tensor) or rank not in (src, dst):
                     continue
                 peer = dst if src == rank else src
                 table = self.out if src == rank else self.into
-                table[peer] = (group, dist.get_group_rank(group, base + peer))
+                table[peer] = (group, dist.get_group_rank(group, grid.process(k, peer, t)))
                 if self.cuda:
                     self.streams[(src, dst)] = torch.cuda.Stream(device)
         self.reduce_groups: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
-        for stage in range(program.num_stages):
-            ranks = reduce_ranks(program, stage, dp)
+        for stage, t in ((s, t) for s in range(program.num_stages) for t in range(tp)):
+            copies = (divmod(p, program.num_ranks) for p in reduce_ranks(program, stage, dp))
+            ranks = [grid.process(k, r, t) for k, r in copies]
             if len(ranks) > 1:
                 group = dist.new_group(ranks, timeout=wait)
                 if me in ranks:
                     self.reduce_groups[stage] = (group, ranks)
+        self.mesh = device_mesh(grid, device.type) if tp > 1 else None
+        """The run's DeviceMesh ("dp", "pp", "tp"), with `--tp`; None without."""
         self.me = me
-        self.world = program.num_ranks * dp
+        self.world = grid.world
         self.sends: list[tuple[dist.Work, torch.Tensor, int]] = []
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:

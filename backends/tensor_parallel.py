@@ -1,0 +1,154 @@
+"""Tensor-parallel stage copies (`--tp T`): each block of a built-in model (gpt, llama)
+split over the T processes of its tensor group with DTensor
+(`torch.distributed.tensor.parallel.parallelize_module`), as Megatron and torchtitan cut
+a transformer block:
+
+- column-parallel (`ColwiseParallel`: each process holds 1/T of the output features):
+  the attention's query, key and value projections and the MLP's first projection
+  (gpt: `qkv`, `fc`; llama: `q`, `kv`, `gate_up`), so each process computes 1/T of the
+  attention heads (and of the key/value heads) and of the MLP's hidden features;
+- row-parallel (`RowwiseParallel`: 1/T of the input features, the partial products
+  summed over the group, an all-reduce): the attention's output projection and the
+  MLP's second (gpt: `proj`, `out`; llama: `o`, `down`), whose outputs are whole again,
+  the same on every process of the group.
+
+A fused projection (gpt's `qkv`, llama's `kv` = [k; v] and `gate_up` = [gate; up]) is
+cut per part (`fused_colwise`): process t holds rows t of each part, [q_t; k_t; v_t],
+placed `_StridedShard(0, split_factor=parts)` so that its whole tensor (`full_tensor`,
+what `--check` compares) is the model's own layout.
+
+The embedding, the norms and the head stay whole (replicated) on every process of the
+group: they compute the same values from the same inputs. So activations between stages
+are whole, and tensor rank t of a stage sends to tensor rank t of the next.
+
+What a copy trains are the local tensors (`Stage.params`, its optimizer over them): a
+parameter's gradient lands on the DTensor, and a hook moves it onto the local tensor
+(`_move_grad`) as soon as autograd has accumulated it, so the data-parallel allreduce, the
+norm and the optimizer read plain tensors. The gradient norm counts a replicated
+parameter on tensor rank 0 only (`RankRuntime.repeated`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as functional
+from torch import nn
+
+from pipelang.backends.builtin_models import Block, LlamaBlock
+from pipelang.backends.rank_base import make_optimizer
+from pipelang.diagnostics import InternalError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipelang.backends.runtime import RankRuntime
+
+PLANS: dict[type[nn.Module], dict[str, str | int]] = {
+    Block: {"qkv": 3, "proj": "row", "fc": "col", "out": "row"},
+    LlamaBlock: {"q": "col", "kv": 2, "o": "row", "gate_up": 2, "down": "row"},
+}
+"""Per block class, how each projection is cut: "col", "row", or the number of parts of
+a fused column-parallel projection."""
+
+
+def parallel_styles(module: nn.Module) -> dict[str, Any]:
+    """The `parallelize_module` plan of one block: its projections' styles."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles: dict[str, Any] = {}
+    for name, how in PLANS[type(module)].items():
+        if how == "col":
+            styles[name] = ColwiseParallel()
+        elif how == "row":
+            styles[name] = RowwiseParallel()
+        else:
+            styles[name] = fused_colwise(int(how))
+    return styles
+
+
+def _fused_colwise() -> type:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    class _FusedColwise(ColwiseParallel):  # type: ignore[misc]
+        """Column-parallel for a projection that fuses `parts` outputs (see the module
+        docstring): process t computes part i's rows t of each part, side by side."""
+
+        def __init__(self, parts: int) -> None:
+            super().__init__()
+            self.parts = parts
+
+        def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+            placement = [_StridedShard(0, split_factor=self.parts)]
+            for key, param in list(module.named_parameters(recurse=False)):
+                shard = nn.Parameter(distribute_tensor(param, mesh, placement))
+                module.register_parameter(key, shard)
+
+        def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+            if not isinstance(module, nn.Linear):
+                raise InternalError(f"a fused column-parallel cut of {type(module).__name__}")
+            self._partition_linear_fn("", module, mesh)
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                # Megatron's f: the identity forward, an all-reduce of the input's
+                # gradient backward (each process computed a part of it)
+                whole = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                local = whole.to_local(grad_placements=[Partial()])
+                weight: Any = module.weight
+                bias: Any = module.bias
+                return functional.linear(
+                    local, weight.to_local(), None if bias is None else bias.to_local()
+                )
+
+            module.forward = forward  # type: ignore[method-assign, assignment]
+            return module
+
+    return _FusedColwise
+
+
+def fused_colwise(parts: int) -> Any:
+    """A `_FusedColwise` style for a projection of `parts` fused outputs."""
+    return _fused_colwise()(parts)
+
+
+def parallelize_copies(runtime: RankRuntime, mesh: DeviceMesh) -> None:
+    """Split every block of every stage copy of `runtime` over `mesh` (the tensor group),
+    and give each copy its local tensors to train, with an optimizer over them. Every
+    process of the group calls it, in the same order of copies."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for copy in runtime.copies.values():
+        for block in copy.module.modules():
+            if type(block) in PLANS:
+                parallelize_module(block, mesh, parallel_styles(block))
+        trained = [p for p in copy.module.parameters() if p.requires_grad]
+        copy.params = [_local(p) for p in trained]
+        for param, local in zip(trained, copy.params, strict=True):
+            if isinstance(param, DTensor):
+                param.register_post_accumulate_grad_hook(_move_grad(local))
+            if not isinstance(param, DTensor) or param.placements == (Replicate(),):
+                runtime.repeated.add(id(local))
+        copy.optimizer = make_optimizer(copy.params, runtime.config)
+
+
+def _local(param: torch.Tensor) -> Any:
+    """A DTensor parameter's local tensor (what this process holds), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _move_grad(local: torch.Tensor) -> Any:
+    """The hook that adds a DTensor parameter's new gradient to `local`'s `.grad` (as
+    autograd accumulates) and clears the DTensor's."""
+
+    def hook(param: Any) -> None:
+        grad = param.grad._local_tensor
+        local.grad = grad if local.grad is None else local.grad + grad
+        param.grad = None
+
+    return hook

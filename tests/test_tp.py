@@ -1,0 +1,148 @@
+"""Tensor parallelism (`--tp T`, issue 41): the process numbering of backends/mesh.py, the
+refusals, and (slow) gloo runs of gpt:tiny and llama:tiny with --tp 2 checked against one
+process, each rank holding about half of its stage's parameter bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelang.backends.config import RunConfig
+from pipelang.backends.mesh import Grid
+from pipelang.backends.preflight import tp_refusal
+from tests.helpers import pipelang_cmd, pipelang_here
+
+ONE_F_ONE_B = ("1f1b", "-p", "D=2", "-p", "N=4")
+
+
+# ---- the numbering ----------------------------------------------------------------------
+
+
+def test_process_numbering_is_copy_major_with_tensor_ranks_adjacent() -> None:
+    grid = Grid(dp=2, pp=3, tp=2)
+    assert grid.world == 12
+    order = [grid.coords(p) for p in range(grid.world)]
+    assert order == [(k, r, t) for k in range(2) for r in range(3) for t in range(2)]
+    assert [grid.process(*c) for c in order] == list(range(12))
+    assert grid.process(1, 2, 1) == 1 * 3 * 2 + 2 * 2 + 1
+    assert grid.program_rank(9) == 1 and grid.tensor_group(9) == range(8, 10)
+
+
+def test_without_tp_the_numbering_is_dp_s() -> None:
+    grid = Grid(dp=3, pp=4)
+    assert [grid.process(k, r) for k in range(3) for r in range(4)] == list(range(12))
+    assert grid.coords(7) == (1, 3, 0)
+
+
+def test_a_tensor_group_split_over_two_hosts_is_refused() -> None:
+    grid = Grid(dp=1, pp=2, tp=2)
+    assert grid.hosts_problem(["a", "a.x", "b", "b"], "h.txt") is None
+    assert grid.hosts_problem(["a", "b", "b", "b"], "h.txt") == (
+        "--rank-hosts h.txt: the tensor-parallel group of processes 0-1 (--tp 2) spans two "
+        "hosts (0 on a, 1 on b); a tensor group must sit on one host (its processes are "
+        "numbered adjacent: copy x R x T + rank x T + tensor rank)"
+    )
+
+
+def test_rank_hosts_splitting_a_tensor_group_stops_the_run(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("here\nelsewhere\nhere\nhere\n")
+    proc = pipelang_here(
+        "run", *ONE_F_ONE_B, "--tp", "2", "--backend", "gloo", "--rank-hosts", str(hosts),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "the tensor-parallel group of processes 0-1 (--tp 2) spans two hosts" in proc.stderr
+
+
+# ---- refusals ---------------------------------------------------------------------------
+
+REFUSED = {
+    "--tp 3": "error: --tp 3: gpt:tiny has 4 attention heads, which 3 tensor ranks cannot "
+    "split evenly; give a --tp that divides 4",
+    "--tp 4 --model llama:tiny --backend gloo": "error: --tp 4: llama:tiny has 2 key/value "
+    "heads, which 4 tensor ranks cannot split evenly; give a --tp that divides 2",
+    "--tp 2 --backend local": "error: --tp needs a process per tensor rank (DTensor over "
+    "process groups): use --backend gloo or nccl, not local",
+    "--tp 2 --backend gloo --dp 2 --shard": "error: --tp with --shard: FSDP2 over "
+    "tensor-parallel stages is not built yet; run it without one of them",
+    "--tp 2 --backend gloo --graphs": "error: --tp with --graphs: a tensor-parallel stage "
+    "is not captured in a stream program yet; run it without one of them",
+    "--tp 2 --backend gloo --mixed-precision bfloat16": "error: --tp with --mixed-precision: "
+    "tensor-parallel stages keep no fp32 masters yet; run it without one of them",
+    "--tp 2 --backend gloo --save ck": "error: --tp with --save: checkpoints do not save "
+    "tensor-parallel (DTensor) stages yet; run it without one of them",
+}
+
+
+@pytest.mark.parametrize("options", sorted(REFUSED))
+def test_run_refuses_what_tp_does_not_take(tmp_path: Path, options: str) -> None:
+    proc = pipelang_here("run", *ONE_F_ONE_B, *options.split(), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == REFUSED[options]
+
+
+def test_run_refuses_a_split_backward_with_tp(tmp_path: Path) -> None:
+    proc = pipelang_here("run", "zb-h1", "--tp", "2", "--backend", "gloo", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: `zb_h1` splits W off its backward (`W`): --tp does not split a "
+        "tensor-parallel stage's backward yet (W would differentiate the local shards, not "
+        "the DTensor parameters); use a schedule without W, such as 1f1b"
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "whose"),
+    [("hf:/models/llama", "a Hugging Face model"), ("m.py:build", "a model of your own")],
+)
+def test_tp_refuses_models_other_than_the_built_in_ones(model: str, whose: str) -> None:
+    assert tp_refusal(RunConfig(model=model, backend="gloo", tp=2)) == (
+        "--tp splits the attention heads and MLPs of the built-in models (--model gpt:SIZE "
+        f"or llama:SIZE); --model `{model}` is {whose}, which it cannot split yet"
+    )
+    assert tp_refusal(RunConfig(model=model, backend="gloo")) is None
+
+
+# ---- runs -------------------------------------------------------------------------------
+
+
+def tp_run(tmp_path: Path, model: str, *more: str) -> tuple[str, dict[str, list[int]]]:
+    """1F1B at D = 2, N = 4 on `model` over gloo with --check and --log; its standard
+    output and the last log line's per-rank bytes."""
+    log = tmp_path / f"{model.replace(':', '-')}{len(more)}.jsonl"
+    proc = pipelang_cmd(
+        "run", *ONE_F_ONE_B, "--model", model, "--backend", "gloo", "--steps", "2", "--check",
+        "--log", str(log), *more, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    last = json.loads(log.read_text().splitlines()[-1])
+    return proc.stdout, {key: last[key] for key in ("param_bytes", "grad_bytes", "grad_norm")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt:tiny", "llama:tiny"])
+def test_tp2_trains_within_the_tolerance_holding_about_half(tmp_path: Path, model: str) -> None:
+    _, whole = tp_run(tmp_path, model)
+    out, split = tp_run(tmp_path, model, "--tp", "2")
+    assert "check OK" in out and "(bitwise equal)" not in out, out
+    assert "2 x 2 processes (--tp 2)" in out, out
+    # ranks 0, 1 split stage 0; 2, 3 stage 1: the blocks' bytes halve, the embedding,
+    # norms and head stay whole on each (about 55% of gpt:tiny's and llama:tiny's stages)
+    for key in ("param_bytes", "grad_bytes"):
+        stages = whole[key]
+        assert split[key][0] == split[key][1] and split[key][2] == split[key][3]
+        for rank, held in enumerate(split[key]):
+            assert 0.5 * stages[rank // 2] < held < 0.6 * stages[rank // 2], (key, rank)
+    # the norm counts what every tensor rank holds whole once
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_tp2_with_dp2_trains_within_the_tolerance(tmp_path: Path) -> None:
+    out, split = tp_run(tmp_path, "gpt:tiny", "--tp", "2", "--dp", "2", "--clip-grad", "0.5")
+    assert "check OK" in out, out
+    assert "8 processes (--dp 2 x 2 ranks x --tp 2)" in out, out
+    assert len(split["param_bytes"]) == 8
