@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from pipelang.backends.backend import BACKENDS, runs_streams
 from pipelang.backends.config import RunConfig
+from pipelang.backends.mesh import Grid
 from pipelang.backends.metrics import StepMetrics, StepReport, combine
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
@@ -78,14 +79,17 @@ class RunFailure(Exception):
         self.details = details
 
 
-def where(labels: Sequence[Sequence[str]], rank: int, phase: int, step: int, action: int) -> str:
+def where(
+    labels: Sequence[Sequence[str]], rank: int, phase: int, step: int, action: int, tp: int = 1
+) -> str:
     """`at step 1, action 7 (recv:B0@2/main<3)`, or `during setup`.
 
     `labels[r]` names the ops program rank r runs (`action_labels`); `rank` is
-    the process's rank, and with `--dp` it runs program rank `rank % R`."""
+    the process's rank, and with `--dp` and `--tp T` it runs program rank
+    `rank // T % R` (backends/mesh.py)."""
     if phase in (PHASE_STARTING, PHASE_SETUP) or step < 0:
         return "during setup"
-    lines = labels[rank % len(labels)]
+    lines = labels[rank // tp % len(labels)]
     if phase == PHASE_DONE or action >= len(lines):
         return f"after step {step}"
     return f"at step {step}, action {action} `{lines[action]}`"
@@ -123,7 +127,7 @@ class Launcher:
         self.config = config
         self.shapes = shapes
         self.on_step = on_step
-        self.world = program.num_ranks * config.dp
+        self.world = Grid(config.dp, program.num_ranks, config.tp).world
         if (streams is not None) != runs_streams(program, config):
             raise InternalError("the launcher takes the stream program exactly where it runs")
         self.streams = streams
@@ -280,20 +284,24 @@ class Launcher:
                 return failure
         return None
 
+    def _where(self, rank: int, phase: int, step: int, action: int) -> str:
+        """`where` process `rank` was (its program rank's action)."""
+        return where(self.labels, rank, phase, step, action, self.config.tp)
+
     def _failure_report(self) -> RunFailure:
         primary = self._primary()
         if primary is None:
             return self._silent_rank_report()
         if all(f.what.startswith("no progress") for f in self.failures):
             lines = [
-                f"rank {f.rank} {where(self.labels, f.rank, f.phase, f.step, f.action)}"
+                f"rank {f.rank} {self._where(f.rank, f.phase, f.step, f.action)}"
                 for f in self.failures
             ]
             return RunFailure(
                 "the run hung: no rank made progress for "
                 f"{self.config.timeout:g} s (--timeout); waiting:\n  " + "\n  ".join(lines)
             )
-        place = where(self.labels, primary.rank, primary.phase, primary.step, primary.action)
+        place = self._where(primary.rank, primary.phase, primary.step, primary.action)
         others = [r for r in range(self.world) if r != primary.rank]
         message = f"rank {primary.rank} failed {place}: {primary.what}"
         if others:
@@ -310,13 +318,12 @@ class Launcher:
             phase, step, action = self._status(rank)
             if rank not in failed and phase not in (PHASE_DONE, PHASE_FAILED):
                 quiet.append(
-                    f"rank {rank} stopped responding "
-                    f"{where(self.labels, rank, phase, step, action)}"
+                    f"rank {rank} stopped responding {self._where(rank, phase, step, action)}"
                 )
         first = self.failures[0]
         if not quiet:
             lines = [
-                f"rank {f.rank} {where(self.labels, f.rank, f.phase, f.step, f.action)}: {f.what}"
+                f"rank {f.rank} {self._where(f.rank, f.phase, f.step, f.action)}: {f.what}"
                 for f in sorted(self.failures, key=lambda f: f.rank)
             ]
             return RunFailure(

@@ -35,6 +35,7 @@ from pipelang.backends.executor import (
     stream_rank,
 )
 from pipelang.backends.hosts import HostsError, mismatch, read_hosts, this_host
+from pipelang.backends.mesh import Grid
 from pipelang.backends.metrics import StepMetrics, StepReport, combine
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
@@ -283,13 +284,16 @@ def _set_up(job: Job, status: MutableSequence[int]) -> RankProgram:
     wait = timedelta(seconds=config.timeout)
     store = dist.TCPStore(job.store_host, job.store_port, None, False, timeout=wait)
     backend = BACKENDS[config.backend].dist
-    world = program.num_ranks * config.dp
+    grid = Grid(config.dp, program.num_ranks, config.tp)
+    world = grid.world
     dist.init_process_group(backend, store=store, rank=job.rank, world_size=world, timeout=wait)
     device = device_for(config, job.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    replica, rank = divmod(job.rank, program.num_ranks)
-    transport = DistTransport(program, rank, device, config.timeout, replica, config.dp)
+    replica, rank, tensor = grid.coords(job.rank)
+    transport = DistTransport(
+        program, rank, device, config.timeout, replica, config.dp, config.tp, tensor
+    )
     streams = None if job.streams is None else StreamProgram.parse(job.streams)
     shapes = job.shapes
     built = build_rank(program, rank, config, transport, device, status, shapes, replica, streams)
@@ -328,13 +332,16 @@ def run_torchrun_rank(
     except PeerFailure as err:
         raise RankStopped(err, (PHASE_SETUP, -1, 0)) from err
     try:
+        grid = Grid(config.dp, program.num_ranks, config.tp)
         if config.rank_hosts is not None:
-            _check_hosts(config.rank_hosts, world)
+            _check_hosts(config.rank_hosts, grid)
         device = device_for(config, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        replica, program_rank = divmod(rank, program.num_ranks)
-        transport = DistTransport(program, program_rank, device, config.timeout, replica, config.dp)
+        replica, program_rank, tensor = grid.coords(rank)
+        transport = DistTransport(
+            program, program_rank, device, config.timeout, replica, config.dp, config.tp, tensor
+        )
         built = build_rank(
             program, program_rank, config, transport, device, status, None, replica, streams
         )
@@ -418,14 +425,15 @@ def _gather_events(report: StepReport, rank: int, world: int) -> list[Events] | 
     return [tuple(events or ()) for events in gathered]
 
 
-def _check_hosts(path: str, world: int) -> None:
-    """Every process's host against the `--rank-hosts` file; raises HostsError on every
-    process alike when one is elsewhere."""
+def _check_hosts(path: str, grid: Grid) -> None:
+    """Every process's host against the `--rank-hosts` file, and each tensor group on
+    one host (`Grid.hosts_problem`); raises HostsError on every process alike when one
+    is elsewhere."""
     hosts = read_hosts(path)
-    actual: list[Any] = [None] * world
+    actual: list[Any] = [None] * grid.world
     with peer_failures():
         dist.all_gather_object(actual, this_host())
-    problem = mismatch(path, hosts, actual)
+    problem = grid.hosts_problem(hosts, path) or mismatch(path, hosts, actual)
     if problem is not None:
         raise HostsError(problem)
 
