@@ -151,8 +151,6 @@ REFUSED: dict[str, dict[str, str]] = {
     "--clip-grad": {
         "weights": "each stage updates on its own at its `U`, so there is no one step at "
         "which to take the global gradient norm; run it without --clip-grad",
-        "sharded": "the global gradient norm of sharded gradients is not taken yet; run it "
-        "without --clip-grad",
     },
     "checkpoints": {
         "weights": "its ranks hold several versions of their weights, which checkpoints do "
