@@ -38,7 +38,7 @@ from pipelang.backends.precision import copy_back
 from pipelang.backends.rank_base import RankResult, fingerprint
 from pipelang.backends.rank_sync import clip_coefficient
 from pipelang.backends.reference_runs import ChunkedModel, WholeModel, added_by_backward
-from pipelang.backends.summation import SumPlan, Unit, tree_sum
+from pipelang.backends.summation import SumPlan, Unit, shard_piece, tree_sum
 from pipelang.ir import Program
 
 TOLERANCE = {
@@ -214,7 +214,8 @@ class _Grouping:
                     )
         if clip is not None:
             device = trained[0].device
-            total = tree_sum([self._norm_part(stages, device) for stages in self.sums.norms])
+            norms = enumerate(self.sums.norms)
+            total = tree_sum([self._norm_part(stages, device, p) for p, stages in norms])
             coefficient = clip_coefficient(total, clip)
             for param in trained:
                 if param.grad is not None:
@@ -259,13 +260,19 @@ class _Grouping:
             if unit in wanted
         }
 
-    def _norm_part(self, stages: list[int], device: torch.device) -> torch.Tensor:
-        """One process's part of the squared norm (`RankRuntime.grad_square_sum`)."""
+    def _norm_part(self, stages: list[int], device: torch.device, process: int) -> torch.Tensor:
+        """One process's part of the squared norm (`RankRuntime.grad_square_sum`): under
+        `--shard`, of its shard of each gradient."""
         total = torch.zeros((), dtype=torch.float32, device=device)
+        shards = self.sums.shards
+        copy = process // (len(self.sums.norms) // shards)  # its data-parallel copy
         for stage in stages:
             for param in self.params[stage]:
                 if param.grad is not None:
-                    total += param.grad.detach().float().square().sum()
+                    grad = param.grad.detach()
+                    if shards > 1:
+                        grad = shard_piece(grad, copy, shards)
+                    total += grad.float().square().sum()
         return total
 
 

@@ -106,7 +106,7 @@ def report(
         from pipelang.backends.summation import accumulation
 
         n = program.num_microbatches * config.dp
-        sums = accumulation(program, config.dp)
+        sums = accumulation(program, config.dp, config.shard)
         reference = train_reference(config, n, device, threads, sums, program)
     comparison = compare(reference, outcome.results, outcome.losses, config)
     out.print(comparison.render(), markup=False)

@@ -129,11 +129,21 @@ class SumPlan:
     norms: list[list[int]]
     """Per process, the stages whose gradients its part of `--clip-grad`'s norm counts,
     in the order it adds them (`RankRuntime.grad_square_sum`)."""
+    shards: int = 1
+    """`--dp K --shard`: K, each data-parallel copy's part of the norm counting its shard
+    of each gradient (`shard_piece`); 1: whole gradients, in copy 0."""
 
 
-def accumulation(program: Program, dp: int) -> SumPlan | None:
-    """The gradient sums of a run of `program` with `--dp dp`. None where they cannot be
-    repeated exactly: a rank with two copies of one stage."""
+def shard_piece(tensor: torch.Tensor, k: int, shards: int) -> torch.Tensor:
+    """The part of `tensor` that data-parallel copy `k` of `shards` holds under `--shard`:
+    its dim-0 piece as FSDP2 cuts it (`torch.chunk`, empty past the last piece)."""
+    pieces = torch.chunk(tensor, shards, dim=0)
+    return pieces[k] if k < len(pieces) else tensor[:0]
+
+
+def accumulation(program: Program, dp: int, shard: bool = False) -> SumPlan | None:
+    """The gradient sums of a run of `program` with `--dp dp` (and `--shard`). None where
+    they cannot be repeated exactly: a rank with two copies of one stage."""
     stages: dict[int, list[Member]] = {}
     norms: list[list[int]] = [[] for _ in range(program.num_ranks * dp)]
     n = program.num_microbatches
@@ -162,7 +172,8 @@ def accumulation(program: Program, dp: int) -> SumPlan | None:
                 member = Member(k * program.num_ranks + rank, units, later)
                 stages.setdefault(stage, []).append(member)
             if min(program.replicas(stage)) == rank:
-                norms[rank].append(stage)
+                for k in range(dp if shard else 1):  # sharded: each copy its shard
+                    norms[k * program.num_ranks + rank].append(stage)
     for members in stages.values():
         members.sort(key=lambda m: m.process)
-    return SumPlan(stages, norms)
+    return SumPlan(stages, norms, dp if shard else 1)
