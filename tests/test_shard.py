@@ -141,9 +141,6 @@ RUN = ("run", *ONE_F_ONE_B, "--dp", "2", "--shard", "--steps", "1")
 RUN_REFUSED = {
     "--backend local": "error: --shard needs a process per rank (FSDP2 shards over process "
     "groups): use --backend gloo or nccl, not local",
-    "--backend gloo --clip-grad 1": "error: `one_f_one_b` shards its stages over their --dp "
-    "copies (`--shard`): the global gradient norm of sharded gradients is not taken yet; "
-    "run it without --clip-grad",
     "--backend gloo --mixed-precision bfloat16": "error: `one_f_one_b` shards its stages over "
     "their --dp copies (`--shard`): sharded stages keep no fp32 masters yet; run it with "
     "--dtype instead of --mixed-precision",
@@ -185,7 +182,7 @@ def test_sharded_1f1b_over_gloo_checks_bit_for_bit_holding_half_the_bytes(tmp_pa
         assert [2 * b for b in sharded[key]] == pytest.approx(each, rel=0.01), key
 
 
-# ---- checkpoints ------------------------------------------------------------------------
+# ---- --clip-grad ------------------------------------------------------------------------
 
 
 def gloo(*args: str, cwd: Path) -> str:
@@ -193,6 +190,40 @@ def gloo(*args: str, cwd: Path) -> str:
     proc = pipelang_cmd("run", *args, "--backend", "gloo", cwd=cwd, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+def test_the_norm_of_sharded_gradients_counts_each_copys_shard() -> None:
+    """--check repeats the norm as the sharded run takes it: each data-parallel copy of a
+    stage's first rank counts its dim-0 piece of each gradient (FSDP2's cut)."""
+    from pipelang.backends.summation import accumulation, shard_piece
+
+    program = api.compile_schedule("1f1b", {"D": "2", "N": "2"}, dp=2, shard=2).need_program()
+    whole, sharded = accumulation(program, 2), accumulation(program, 2, shard=True)
+    assert whole is not None and sharded is not None
+    assert (whole.norms, whole.shards) == ([[0], [1], [], []], 1)
+    assert (sharded.norms, sharded.shards) == ([[0], [1], [0], [1]], 2)
+    grad = torch.arange(15.0).reshape(3, 5)
+    assert [shard_piece(grad, k, 2).tolist() for k in (0, 1)] == [
+        grad[:2].tolist(),
+        grad[2:].tolist(),
+    ]
+    assert shard_piece(torch.ones(1), 1, 2).shape == (0,)  # FSDP2 leaves copy 1 empty
+
+
+@pytest.mark.slow
+def test_clip_grad_on_sharded_stages_checks_bit_for_bit(tmp_path: Path) -> None:
+    """The global norm is the sum of every copy's shards' squares (each stage counted
+    once), and --check's reference, which clips by the same sum, agrees bit for bit; the
+    norm is far above 0.05, so every step clips."""
+    log = tmp_path / "log.jsonl"
+    clip = ("--clip-grad", "0.05", "--log", str(log), "--check")
+    out = gloo(*ONE_F_ONE_B, "--dp", "2", "--shard", "--steps", "2", *clip, cwd=tmp_path)
+    assert "check OK" in out and "(bitwise equal)" in out, out
+    norms = [json.loads(line)["grad_norm"] for line in log.read_text().splitlines()]
+    assert len(norms) == 2 and min(norms) > 1
+
+
+# ---- checkpoints ------------------------------------------------------------------------
 
 
 def same_state(one: Path, two: Path) -> None:
