@@ -116,6 +116,9 @@ class RankResult:
     slot_bytes: int = 0
     """The bytes of this rank's data slots: a stream program's static buffers (what
     `pipelang simulate --model` plans); 0 for an action list."""
+    tp: int = 1
+    """The run's tensor ranks per program rank (`--tp`): `rank` runs program rank
+    `rank // tp % R` (backends/mesh.py)."""
 
     @property
     def held_bytes(self) -> tuple[int, int, int]:

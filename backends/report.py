@@ -220,7 +220,7 @@ def summary(
     for column in columns + ["data slots"] * slots:
         table.add_column(column, justify="left" if column == "stage copies" else "right")
     for result in sorted(results, key=lambda r: r.rank):
-        actions = program.ranks[result.rank % program.num_ranks]
+        actions = program.ranks[result.rank // result.tp % program.num_ranks]
         cells = [
             str(result.rank),
             ", ".join(f"{s}/{p}" for s, p, _ in result.copies),
@@ -264,8 +264,13 @@ def metrics_table(metrics: list[StepMetrics], predicted: float | None) -> Table:
 
 
 def world_text(program: Program, results: list[RankResult]) -> str:
-    """`4 ranks`, or with `--dp 2`: `2 x 4 ranks (--dp 2)`."""
-    dp = max(1, len(results) // program.num_ranks)
+    """`4 ranks`, or with `--dp 2`: `2 x 4 ranks (--dp 2)`; with `--tp`, the processes
+    (`16 processes (--dp 2 x 4 ranks x --tp 2)`)."""
+    tp = results[0].tp if results else 1
+    dp = max(1, len(results) // (program.num_ranks * tp))
+    if tp > 1:
+        factors = [f"--dp {dp}"] * (dp > 1) + [f"{program.num_ranks} ranks", f"--tp {tp}"]
+        return f"{dp * program.num_ranks * tp} processes ({' x '.join(factors)})"
     if dp == 1:
         return f"{program.num_ranks} ranks"
     return f"{dp} x {program.num_ranks} ranks (--dp {dp})"

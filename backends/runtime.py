@@ -345,6 +345,7 @@ class RankRuntime(ComputeActions, CommActions, StashActions, SyncActions, ShardA
             peak_weight_versions=self.peak_versions,
             peak_activation_bytes=self.stash.peak_bytes if self.stash is not None else 0,
             fingerprints=self.fingerprints,
+            tp=self.config.tp,
         )
         if with_weights:
             for c in self.copies.values():

@@ -72,6 +72,8 @@ REFUSED = {
     "is not captured in a stream program yet; run it without one of them",
     "--tp 2 --backend gloo --mixed-precision bfloat16": "error: --tp with --mixed-precision: "
     "tensor-parallel stages keep no fp32 masters yet; run it without one of them",
+    "--tp 2 --backend gloo --trace t.json": "error: --tp with --trace: the trace does not "
+    "name a tensor rank's actions yet; run it without one of them",
     "--tp 2 --backend gloo --save ck": "error: --tp with --save: checkpoints do not save "
     "tensor-parallel (DTensor) stages yet; run it without one of them",
 }
@@ -128,7 +130,7 @@ def test_tp2_trains_within_the_tolerance_holding_about_half(tmp_path: Path, mode
     _, whole = tp_run(tmp_path, model)
     out, split = tp_run(tmp_path, model, "--tp", "2")
     assert "check OK" in out and "(bitwise equal)" not in out, out
-    assert "2 x 2 processes (--tp 2)" in out, out
+    assert "4 processes (2 ranks x --tp 2)" in out, out
     # ranks 0, 1 split stage 0; 2, 3 stage 1: the blocks' bytes halve, the embedding,
     # norms and head stay whole on each (about 55% of gpt:tiny's and llama:tiny's stages)
     for key in ("param_bytes", "grad_bytes"):
