@@ -98,6 +98,7 @@ def torchrun_failure(
     away is named as such (rank K when the transfer names it, else its address); this
     rank's own error is the cause."""
     from pipelang.backends.backend import BACKENDS
+    from pipelang.backends.mesh import Grid
     from pipelang.backends.processes import action_labels, where
     from pipelang.backends.torchrun_env import torchrun_env
     from pipelang.backends.transport import PeerFailure
@@ -105,12 +106,16 @@ def torchrun_failure(
 
     rank = torchrun_env().rank
     labels = action_labels(program, streams, BACKENDS[config.backend].cuda)
-    place = where(labels, rank, *stopped.place)
+    place = where(labels, rank, *stopped.place, tp=config.tp)
     cause = stopped.cause
     if isinstance(cause, PeerFailure):
-        base = rank - rank % program.num_ranks
+        grid = Grid(config.dp, program.num_ranks, config.tp)
+        copy, _, tensor = grid.coords(rank)
+        who = cause.who()  # a peer is a program rank of the same copy and tensor rank
+        if cause.peer is not None:
+            who = f"rank {grid.process(copy, cause.peer, tensor)}"
         return (
-            f"rank {rank} stopped {place}: {cause.who(base)} went away (it stopped or lost "
+            f"rank {rank} stopped {place}: {who} went away (it stopped or lost "
             f"its connection; its own output says why)"
         )
     return f"rank {rank} failed {place}: {describe(cause)}"

@@ -351,7 +351,7 @@ def run_torchrun_rank(
         runtime.start_clock()
         status[slot] = PHASE_RUNNING
         n = program.num_microbatches * config.dp
-        done = _step_reports(n, rank, world, device, on_step if rank == 0 else None)
+        done = _step_reports(n, rank, world, device, on_step if rank == 0 else None, tensor)
         stopped = train(built, config, done, termination)
         status[slot] = PHASE_DONE
         result = runtime.result(config.check)
@@ -369,12 +369,18 @@ def run_torchrun_rank(
 
 
 def _step_reports(
-    n: int, rank: int, world: int, device: torch.device, on_step: OnStep | None
+    n: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+    on_step: OnStep | None,
+    tensor: int = 0,
 ) -> Callable[[int, StepReport], None]:
     """What a rank under torchrun does after each step: its report to rank 0 in the
     step's one all-reduce, where the ranks' reports are combined (`metrics.combine`: the
     mean loss over the `n` micro-batches, the time, the metrics) for `on_step` (rank
-    0's; None elsewhere)."""
+    0's; None elsewhere). Under --tp every tensor rank computes the same losses: tensor
+    rank 0's (`tensor`) count."""
 
     def done(i: int, report: StepReport) -> None:
         # one slot per micro-batch, filled by the one rank that computed its loss: the
@@ -382,7 +388,7 @@ def _step_reports(
         # then per rank (seconds, busy ns or -1, peak memory, parameter, gradient and
         # optimizer bytes), filled by that rank alone (float64: bytes exact below 2**53)
         each = torch.zeros(n + 6 * world, dtype=torch.float64, device=device)
-        for mb, loss in report.losses.items():
+        for mb, loss in report.losses.items() if tensor == 0 else ():
             each[mb] = loss
         busy = -1 if report.busy_ns is None else report.busy_ns
         sizes = [report.peak_memory, report.param_bytes, report.grad_bytes, report.optimizer_bytes]

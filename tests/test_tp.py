@@ -5,6 +5,8 @@ process, each rank holding about half of its stage's parameter bytes."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from pipelang.backends.config import RunConfig
 from pipelang.backends.mesh import Grid
 from pipelang.backends.preflight import tp_refusal
-from tests.helpers import pipelang_cmd, pipelang_here
+from tests.helpers import free_port, pipelang_cmd, pipelang_here
 
 ONE_F_ONE_B = ("1f1b", "-p", "D=2", "-p", "N=4")
 
@@ -148,3 +150,17 @@ def test_tp2_with_dp2_trains_within_the_tolerance(tmp_path: Path) -> None:
     assert "check OK" in out, out
     assert "8 processes (--dp 2 x 2 ranks x --tp 2)" in out, out
     assert len(split["param_bytes"]) == 8
+
+
+@pytest.mark.slow
+def test_tp2_under_torchrun_counts_each_loss_once(tmp_path: Path) -> None:
+    """Every tensor rank of the last stage computes the same losses; rank 0's sum of the
+    ranks' reports takes tensor rank 0's."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    command += ["--master-port", free_port(), "--no-python", "--", "pipelang", "run"]
+    command += [*ONE_F_ONE_B, "--tp", "2", "--backend", "gloo", "--steps", "2", "--check"]
+    proc = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "largest loss difference 0;" in proc.stdout, proc.stdout
