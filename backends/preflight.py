@@ -113,17 +113,18 @@ def _check_world(program: Program, config: RunConfig) -> None:
     grid = Grid(config.dp, program.num_ranks, config.tp)
     world = grid.world
     ranks = f"{program.num_ranks} ranks"
-    if config.dp > 1 or config.tp > 1:
-        factors = [f"--dp {config.dp:,}"] * (config.dp > 1) + [ranks]
-        factors += [f"--tp {config.tp:,}"] * (config.tp > 1)
+    if config.tp > 1:
+        factors = [f"--dp {config.dp:,}"] * (config.dp > 1) + [ranks, f"--tp {config.tp:,}"]
         ranks = f"{world:,} processes ({' x '.join(factors)})"
+    elif config.dp > 1:
+        ranks = f"{world:,} ranks (--dp {config.dp:,} x {ranks})"
     if world > MAX_PROCESSES:
         raise WorldError(f"the run needs {ranks}, more than the {MAX_PROCESSES:,} a job may have")
     torchrun = torchrun_env() if under_torchrun() else None
     if torchrun is not None and torchrun.world != world:
         raise WorldError(
             f"torchrun started {torchrun.world} processes but the run needs "
-            f"{ranks}; WORLD_SIZE must be --dp x the program's ranks x --tp"
+            f"{ranks}; WORLD_SIZE must be --dp x the program's ranks" + " x --tp" * (config.tp > 1)
         )
     problem = BACKENDS[config.backend].world_problem(world, ranks, torchrun)
     if problem is not None:
