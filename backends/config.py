@@ -83,8 +83,9 @@ class RunConfig:
         "over T processes (DTensor: attention heads and MLP features column-, their output "
         "projections row-parallel; embedding, norms and head whole on each), K x ranks x T "
         "processes (gloo or nccl); T must divide the heads (and llama's key/value heads); "
-        "--check holds within its tolerance, not bit for bit: the row-parallel products add "
-        "in another order (docs/runtime.md, Larger than one device) (default 1)",
+        "--check holds within its tolerance (fp32: 1e-5 + 1e-4 x |reference|, Adam adding "
+        "lr/20), not bit for bit: the row-parallel products add in another order "
+        "(docs/runtime.md, Tensor parallelism) (default 1)",
         "positive",
         metavar="T",
     )
