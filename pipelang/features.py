@@ -145,8 +145,6 @@ REFUSED: dict[str, dict[str, str]] = {
     "--mixed-precision": {
         "weights": "its weight versions are not kept as fp32 masters yet; run it with "
         "--dtype instead of --mixed-precision",
-        "sharded": "sharded stages keep no fp32 masters yet; run it with --dtype instead "
-        "of --mixed-precision",
     },
     "--clip-grad": {
         "weights": "each stage updates on its own at its `U`, so there is no one step at "
