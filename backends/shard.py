@@ -22,6 +22,14 @@ The program says when the collectives run (`insert-shard`), and the executor cal
   is scaled by 1/(N K) already), then the gathered parameters are dropped. Each shard's
   summed gradient becomes its local tensor's `.grad`, which `step` applies.
 
+With `--mixed-precision` the sharded parameters are the copy's fp32 masters, and FSDP2's
+`MixedPrecisionPolicy` does what backends/precision.py does for a whole copy: the
+gather rounds them to bf16 for the step, micro-batch gradients accumulate in fp32 and
+reduce in fp32, and the optimizer steps the fp32 shards (`_masters_sharded`); the same
+bits as an unsharded run's masters at K = 2. Checkpoints (backends/checkpoint.py) save
+the shards as DTensors, and `--clip-grad`'s norm adds each copy's shards' squares
+(`RankRuntime.grad_square_sum`; `--check` repeats it: `summation.shard_piece`).
+
 At K = 2 the sum of two gradients is the same in either order, so `--check` holds bit
 for bit against one process (which sums a copy's micro-batches first, then the copies:
 backends/summation.py); above 2 the order of gloo's reduce-scatter is not replayed and
@@ -57,11 +65,44 @@ def shard_copies(runtime: RankRuntime) -> None:
     for copy in runtime.copies.values():
         group, _ = groups[copy.stage]
         mesh = DeviceMesh.from_group(group, runtime.device.type)
-        module: Any = fully_shard(copy.module, mesh=mesh, reshard_after_forward=False)
+        policy = _masters_sharded(copy)
+        module: Any = fully_shard(
+            copy.module, mesh=mesh, reshard_after_forward=False, mp_policy=policy
+        )
         module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled already
         module.set_force_sum_reduction_for_comms(True)  # SUM, which gloo has
         copy.params = [_local(p) for p in module.parameters() if p.requires_grad]
         copy.optimizer = make_optimizer(copy.params, runtime.config)
+
+
+def _masters_sharded(copy: Stage) -> Any:
+    """`--mixed-precision`: FSDP2's policy for a copy whose sharded parameters are its
+    fp32 masters (set here, exactly, from the bf16 parameters they were made from):
+    gathered, they are rounded to the compute dtype, as `copy_back` rounds them, and
+    micro-batch gradients accumulate and reduce in fp32, as the masters' hooks add them
+    (backends/precision.py). The copy keeps no masters of its own then. None: no mixed
+    precision, no policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if copy.masters is None:
+        return MixedPrecisionPolicy()
+    compute = copy.params[0].dtype if copy.params else torch.float32
+    with torch.no_grad():
+        for param, master in zip(copy.params, copy.masters, strict=True):
+            param.data = master.detach()  # the master's fp32 values, exactly
+    copy.masters = None
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def compute_dtype(copy: Stage) -> torch.dtype | None:
+    """The dtype a sharded copy with fp32 masters computes in (`--mixed-precision`);
+    None for any other copy."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(copy.module, FSDPModule):
+        return None
+    policy = fully_shard.state(copy.module)._mp_policy  # type: ignore[attr-defined]
+    return policy.param_dtype  # type: ignore[no-any-return]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -129,15 +170,21 @@ def full_params(copy: Stage) -> list[torch.Tensor]:
     params: Iterable[torch.Tensor] = copy.module.parameters()
     if not any(isinstance(p, DTensor) for p in params):
         return list(copy.params)
-    return [_full(p) for p in _sharded(copy)]
+    dtype = compute_dtype(copy)
+    return [_full(p, dtype) for p in _sharded(copy)]
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
+def _full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A DTensor's whole tensor (a collective), in `dtype` where given: fp32 masters as
+    the copy computes with them (`compute_dtype`)."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return whole if dtype is None or not whole.is_floating_point() else whole.to(dtype)
 
 
 def full_state(copy: Stage) -> dict[str, torch.Tensor]:
-    """A copy's state dict with whole tensors (gathered where sharded; a collective)."""
-    return {name: _full(t.detach()) for name, t in copy.module.state_dict().items()}
+    """A copy's state dict with whole tensors (gathered where sharded; a collective), as
+    the copy computes with them."""
+    dtype = compute_dtype(copy)
+    return {name: _full(t.detach(), dtype) for name, t in copy.module.state_dict().items()}
