@@ -129,6 +129,10 @@ class Stage:
     delays: Mapping[int, int] = field(default_factory=dict)
     """`--predict-weights`: per micro-batch, the updates its gradient will meet."""
     saved: dict[Key, Saved] = field(default_factory=dict)
+    graph_free: bool = False
+    """Whether this copy's last split B kept no graph for W (every weight op W runs is
+    a linear layer's product, `weight_split.Product`): then its forwards need not file
+    their saved tensors in the stash, unless someone counts their bytes."""
 
     @property
     def trained(self) -> list[nn.Parameter]:
@@ -240,15 +244,18 @@ class Stage:
         needed: set[int] = set()
         stash = settings.stash
         probe = None if stash is None else stash.prober(key, needed)
-        found, saved.work = split_backward(outputs, grads, own + earlier, params, probe)
+        unfiled = self.graph_free and not settings.recomputes
+        found, saved.work = split_backward(outputs, grads, own + earlier, params, probe, unfiled)
         for leaf, grad in zip(earlier, found[len(own) :], strict=True):
             if grad is not None:
                 leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        self.graph_free = saved.work is not None and not saved.work.groups
         if saved.work is None:
             saved.dy = dy  # W differentiates the whole graph again
-        else:  # W reads only what the stash kept: drop the stage's own references
-            assert stash is not None
-            stash.keep(key, needed, saved.work.gradients())
+        else:  # W reads only what B kept for it: drop the stage's own references
+            if probe is not None:
+                assert stash is not None
+                stash.keep(key, needed, saved.work.gradients())
             saved.y = saved.x = None
             self._measure()  # the gradients kept for W can outweigh what was released
         return _or_zeros(found[0], x) if own else None
@@ -275,9 +282,11 @@ class Stage:
     def _saving(self, mb: int, chunk: int | None = None) -> AbstractContextManager[None]:
         """File the tensors a forward saves in the rank's stash under its key: for
         evictions, the byte count, and a split backward's release after B; nowhere when
-        its backward runs whole (nothing to release after B) and no one counts bytes."""
+        no one counts bytes and nothing is to be released after B: its backward runs
+        whole, or B lets the whole graph go (`graph_free`)."""
         settings, key = self.settings, self.key(mb, chunk)
-        if settings.stash is None or (not settings.counting and key in settings.whole):
+        unread = key in settings.whole or self.graph_free
+        if settings.stash is None or (not settings.counting and unread):
             return contextlib.nullcontext()
         name = Action(Kind.F, mb, self.stage, self.pipeline, chunk=chunk).text()
         return settings.stash.recording(key, name, self.module)

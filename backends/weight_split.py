@@ -22,10 +22,19 @@ gradient. So:
   values, so the gradients are bitwise those of one `backward`. A weight op whose
   parameters are all vectors (a layer norm, a bias alone) is cheap: B runs it at once,
   as zero-bubble implementations do, instead of keeping its input and gradient.
-- What W reads is known before it runs: the saved tensors of the weight ops and of
-  their chains, found by reading each node's saved values while the stash records
-  which it hands out (`Stash.probe`). Everything else the forward saved is released
-  right after B (`Stash.keep`); a W that read a released tensor would raise.
+- A linear layer's product (`addmm` with a bias, `mm` without, over the weight's
+  transpose: `Product`) is most weight ops of a transformer. B takes its input from
+  the graph before it runs, and W computes the weight's and bias's gradients with the
+  formulas autograd's backward of that product uses (`product_grads`), as Megatron's
+  deferred weight gradients do, and adds them all with one call into the engine. Where
+  every weight op is such a product, W needs no graph: B lets it go as it runs (no
+  `retain_graph`), and the stage's later forwards need not file their saved tensors
+  (`Stage.graph_free`).
+- Any other weight op W runs on the graph B kept. What it reads is known before it
+  runs: the saved tensors of the weight ops and of their chains, found by reading each
+  node's saved values while the stash records which it hands out (`Stash.probe`).
+  Everything else the forward saved is released right after B (`Stash.keep`); a W
+  that read a released tensor would raise.
 
 Every micro-batch of a stage makes a graph of one shape, so which nodes are weight ops
 is found once per shape (`_plan`): each B walks its graph (about 40 us for two of
@@ -37,9 +46,9 @@ a graph gets the plan it would have got alone. W calls autograd's engine as
 
 A graph where a parameter is used twice (weights tied inside a stage), whose
 output is itself a chain to a parameter (a stage that is one embedding: all its backward
-is W), with a node whose saved values cannot be read, or a forward that saved nothing
-through the stash (a recomputed one) is not split: it keeps its whole graph until W.
-A graph that reaches no parameter keeps nothing for W.
+is W), with a node whose saved values cannot be read, or with a weight op W must run on
+the graph while its forward filed nothing in the stash (a recomputed one) is not split:
+it keeps its whole graph until W. A graph that reaches no parameter keeps nothing for W.
 """
 
 from __future__ import annotations
@@ -59,15 +68,36 @@ parameters its chains reach."""
 
 
 @dataclass(slots=True)
-class WeightWork:
-    """What W does once B has run: per weight op, its gradient edges, the gradients B
-    left there, and the parameters its chains reach."""
+class Product:
+    """A linear layer's product (`addmm` with a bias, `mm` without; `_product`), kept for
+    W without its graph: its left factor (the layer's input, folded to two dimensions),
+    the gradient of its output, and its parameters."""
 
+    x: torch.Tensor
+    grad: torch.Tensor | None
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    column_major: bool
+    """Whether the product's right factor (the weight's transpose) is column-major, as
+    a linear layer's is: autograd's formula then takes its other branch."""
+    params: tuple[torch.Tensor, ...]
+    """The op's parameters in the plan's order (`weight` and `bias` among them)."""
+
+
+@dataclass(slots=True)
+class WeightWork:
+    """What W does once B has run: the linear layers' products (`Product`), computed
+    without the graph, and for any other weight op its gradient edges, the gradients B
+    left there, and the parameters its chains reach (`Group`: the engine runs it, on the
+    graph B kept)."""
+
+    products: list[Product]
     groups: list[Group]
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradients kept for W (counted with the activations W keeps)."""
-        return [g for _, grads, _ in self.groups for g in grads]
+        kept = [p.grad for p in self.products if p.grad is not None]
+        return kept + [g for _, grads, _ in self.groups for g in grads]
 
 
 Probe = Callable[[Iterable[Node]], bool]
@@ -81,15 +111,23 @@ def split_backward(
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
     probe: Probe | None,
+    unfiled: bool = False,
 ) -> tuple[list[torch.Tensor | None], WeightWork | None]:
     """B: the gradients of `inputs`, and what W needs (see the module docstring); None
     for the latter when the graph is not split, and then the whole graph is kept for a
-    plain `backward(outputs, grads, inputs=params)`."""
-    found_plan = None if probe is None else _plan(outputs, params)
+    plain `backward(outputs, grads, inputs=params)`. Where every weight op W runs is a
+    linear layer's product, W needs no graph and B lets it go. Without `probe` (the
+    forward filed nothing in the stash) the graph is split only then, and only where
+    `unfiled` says its owner left it unfiled for that reason (`Stage.graph_free`): a
+    recomputed forward is never split (all its weight gradients come at W, which the
+    one-process reference replays)."""
+    found_plan = _plan(outputs, params)
+    products: list[Product | None] = []
     if found_plan is not None:
-        assert probe is not None
         nodes, plan = found_plan
-        if not probe([nodes[i] for i in plan.read]):
+        products = [_product(nodes[i], [params[p] for p in mine]) for i, mine in plan.later]
+        graph_kept = None in products
+        if not (probe([nodes[i] for i in plan.read]) if probe else unfiled and not graph_kept):
             found_plan = None
     if found_plan is None:  # not split: the input gradients alone, the whole graph kept for W
         if not inputs:
@@ -106,18 +144,22 @@ def split_backward(
     wrt: list[Any] = [*inputs, *edges, *cheap]
     found: Sequence[torch.Tensor | None] = ()
     if wrt:
-        found = torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+        found = torch.autograd.grad(outputs, wrt, grads, retain_graph=graph_kept, allow_unused=True)
     _accumulate(cheap, found[len(inputs) + len(edges) :])
-    groups = []
+    work = WeightWork([], [])
     at = len(inputs)
-    for op, count, (_, owned) in zip(later, counts, plan.later, strict=True):
+    for op, count, product, (_, owned) in zip(later, counts, products, plan.later, strict=True):
         given = found[at : at + count]
         at += count
+        if product is not None:
+            product.grad = given[0]
+            work.products.append(product)
+            continue
         kept = [(GradientEdge(op, i), g) for i, g in enumerate(given) if g is not None]
         if kept:
             mine = tuple(params[p] for p in owned)
-            groups.append((tuple(e for e, _ in kept), tuple(g for _, g in kept), mine))
-    return list(found[: len(inputs)]), WeightWork(groups)
+            work.groups.append((tuple(e for e, _ in kept), tuple(g for _, g in kept), mine))
+    return list(found[: len(inputs)]), work
 
 
 def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -153,61 +195,70 @@ def weight_pass(
 def weight_backward(work: WeightWork) -> None:
     """W: each weight op's parameter gradients from the gradient B left it, added into
     `.grad` by their gradient accumulators, as one `backward` adds them. A linear
-    layer's (`_linear_grads`) are computed here, as autograd's formulas compute them,
-    and added by one call into the engine for all; any other op runs its own backward
-    (one per op: from all of them at once, an op's input gradient would run on down
-    into the ops below, whose parameters are wanted too, and add to their gradients)."""
+    layer's are computed here (`product_grads`) and added by one call into the engine
+    for all; any other op runs its own backward (one per op: from all of them at once,
+    an op's input gradient would run on down into the ops below, whose parameters are
+    wanted too, and add to their gradients)."""
     params: list[torch.Tensor] = []
     grads: list[torch.Tensor | None] = []
-    for group in work.groups:
-        found = _linear_grads(group)
-        if found is None:
-            _backward(*group)
-        else:
-            params += group[2]
-            grads += found
+    for product in work.products:
+        params += product.params
+        grads += product_grads(product)
     _accumulate(params, grads)
+    for group in work.groups:
+        _backward(*group)
 
 
-def _linear_grads(group: Group) -> list[torch.Tensor | None] | None:
-    """The gradients of a linear layer's parameters (those of `group`, in its order)
-    from the gradient of its output, computed as autograd's `addmm`/`mm` backward and
-    the weight's transpose compute them, so bitwise the same; None where the op is not
-    a linear layer's folded product in a real floating type (the engine runs it)."""
-    edges, grads, params = group
+def _product(op: Node, params: list[torch.Tensor]) -> Product | None:
+    """`op` as a linear layer's product, read while its graph holds its saved values:
+    an `addmm` (bias, input, weight's transpose; alpha and beta 1) or `mm` (input,
+    weight's transpose) whose parameters are `params` exactly, in a real floating type,
+    plain tensors; else None (the engine runs it in W)."""
     kinds = _product_types()
-    if len(edges) != 1 or type(edges[0].node) not in kinds[:2]:
-        return None
-    op, grad = edges[0].node, grads[0]
-    if not grad.dtype.is_floating_point:
-        return None
-    below = op.next_functions
     addmm = type(op) is kinds[0]
+    if not addmm and type(op) is not kinds[1]:
+        return None
     if addmm and (op._saved_alpha != 1 or op._saved_beta != 1):  # type: ignore[attr-defined]
         return None
+    below = op.next_functions
     transpose = below[-1][0]
     if transpose is None or type(transpose) is not kinds[2]:
         return None
     leaf = transpose.next_functions[0][0]
-    bias = below[0][0] if addmm else None
-    found: dict[int, torch.Tensor] = {}
-    if leaf is not None and type(leaf) is _accumulator_type():
-        x = op._saved_mat1 if addmm else op._saved_self  # type: ignore[attr-defined]
-        sizes = op._saved_mat2_sym_sizes  # type: ignore[attr-defined]
-        strides = op._saved_mat2_sym_strides  # type: ignore[attr-defined]
-        # mm_mat2_backward: a column-major right factor (a weight's transpose) gets its
-        # gradient as the transpose of grad^T x; the transpose node turns it back.
-        if strides[0] == 1 and strides[1] == sizes[0]:
-            found[_leaf(leaf)] = grad.t().mm(x)
-        else:
-            found[_leaf(leaf)] = x.t().mm(grad).t()
-    if bias is not None and type(bias) is _accumulator_type():
-        shape = bias.variable.shape  # type: ignore[attr-defined]
-        # the engine sums a broadcast input's gradient to its shape (`at::sum_to`)
-        found[_leaf(bias)] = grad.sum([0], keepdim=True).view(shape)
-    if len(found) != len(params) or any(id(p) not in found for p in params):
+    if leaf is None or type(leaf) is not _accumulator_type():
         return None
-    return [found[id(p)] for p in params]
+    weight: torch.Tensor = leaf.variable  # type: ignore[attr-defined]
+    bias_node = below[0][0] if addmm else None
+    bias = None
+    if bias_node is not None:
+        if type(bias_node) is not _accumulator_type():
+            return None
+        bias = bias_node.variable  # type: ignore[attr-defined]
+    mine = [weight] if bias is None else [weight, bias]
+    if len(params) != len(mine) or {id(p) for p in params} != {id(p) for p in mine}:
+        return None
+    if not weight.dtype.is_floating_point or has_torch_function(mine):
+        return None
+    x = op._saved_mat1 if addmm else op._saved_self  # type: ignore[attr-defined]
+    sizes = op._saved_mat2_sym_sizes  # type: ignore[attr-defined]
+    strides = op._saved_mat2_sym_strides  # type: ignore[attr-defined]
+    column_major = strides[0] == 1 and strides[1] == sizes[0]
+    return Product(x, None, weight, bias, column_major, tuple(params))
+
+
+def product_grads(product: Product) -> list[torch.Tensor | None]:
+    """The gradients of a linear layer's parameters (in `product.params`' order), as
+    autograd's `addmm`/`mm` backward and the weight's transpose compute them, so bitwise
+    the same: mm_mat2_backward gives a column-major right factor the transpose of
+    grad^T x, which the transpose node turns back; the engine sums a broadcast bias's
+    gradient to its shape (`at::sum_to`)."""
+    grad, x = product.grad, product.x
+    if grad is None:
+        return [None] * len(product.params)
+    found = {id(product.weight): grad.t().mm(x) if product.column_major else x.t().mm(grad).t()}
+    if product.bias is not None:
+        found[id(product.bias)] = grad.sum([0], keepdim=True).view(product.bias.shape)
+    return [found[id(p)] for p in product.params]
 
 
 _run_backward: Callable[..., object] | None = getattr(

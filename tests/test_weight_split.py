@@ -67,6 +67,12 @@ def whole(
     return inp.grad
 
 
+def _where(t: torch.Tensor | None) -> tuple[int, int, tuple[int, ...]]:
+    """Where a tensor's values are (the same tensor may come back as another object)."""
+    assert t is not None
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)
+
+
 @pytest.mark.parametrize("model", ["gpt:tiny", "llama:tiny"])
 def test_w_reads_every_tensor_b_kept_and_gets_the_whole_backwards_gradients(model: str) -> None:
     """For every stage of a built-in model: the saved tensors that survive B are exactly
@@ -92,7 +98,13 @@ def test_w_reads_every_tensor_b_kept_and_gets_the_whole_backwards_gradients(mode
         assert 0 < len(kept) < len(entry.tensors)
         entry.reads = set()
         weight_backward(work)  # type: ignore[arg-type]
-        assert entry.reads == kept, f"stage {index} keeps tensors its W does not read"
+        # W reads a linear layer's input from what B kept (`Product.x`), any other
+        # op's saved values through the stash
+        read = {_where(t) for t in [entry.tensors[i] for i in entry.reads]}
+        read |= {_where(p.x) for p in work.products}  # type: ignore[attr-defined]
+        assert {_where(entry.tensors[i]) for i in kept} == read, (
+            f"stage {index} keeps tensors its W does not read"
+        )
         reference = whole(twin, run, x, grad)
         for ours, theirs in zip(stage.parameters(), twin.parameters(), strict=True):
             assert torch.equal(ours.grad, theirs.grad)  # type: ignore[arg-type]
@@ -164,10 +176,21 @@ def test_a_stage_without_weights_keeps_nothing_for_w() -> None:
     assert found[0] is not None
 
 
+class Elementwise(nn.Module):
+    """y = tanh(x * w) with a matrix w: a weight op that is no linear layer's product, so
+    W runs it on the graph B kept (reading its saved input through the stash)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.tanh(x) * self.w)
+
+
 def test_reading_a_released_tensor_is_an_error() -> None:
-    stash, _, work, _, _ = split(
-        nn.Sequential(nn.Linear(8, 8), nn.Tanh()), lambda m, x: m(x), torch.randn(4, 8)
-    )
+    stash, _, work, _, _ = split(Elementwise(), lambda m, x: m(x), torch.randn(4, 8))
+    assert work is not None and len(work.groups) == 1  # type: ignore[attr-defined]
     entry = stash.entries[KEY]
     released = [i for i, t in enumerate(entry.tensors) if t is None]
     assert released
@@ -295,7 +318,9 @@ def test_a_w_right_after_its_b_runs_nothing(
 ) -> None:
     """zb-h1 at D = 4, N = 8 splits 24 backwards a step, not 32: rank 0's B runs one whole
     backward, its forward files nothing in the stash (no one counts the bytes), and
-    its W does nothing."""
+    its W does nothing. The other ranks' forwards file theirs only until their first B
+    finds that W needs no graph (every weight op of gpt:tiny's later stages is a linear
+    layer's product): rank 1's three forwards before it, rank 2's two, rank 3's one."""
     calls = {"split": 0, "weight": 0, "recorded": 0}
 
     def counted(name: str, function: Callable[..., object]) -> Callable[..., object]:
@@ -311,7 +336,7 @@ def test_a_w_right_after_its_b_runs_nothing(
     program = stdlib("zb-h1", D=4, N=8)
     config = RunConfig(backend="local", steps=1)
     run_local(program, config, plan_stages(config.spec, 4, None).shapes, lambda *_: None)
-    assert calls == {"split": 24, "weight": 24, "recorded": 24}
+    assert calls == {"split": 24, "weight": 24, "recorded": 6}
 
 
 def test_a_whole_backward_keeps_nothing_for_w(one_torch_thread: None) -> None:
@@ -374,40 +399,54 @@ class Products(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("filed", [True, False])
 def test_a_linear_layers_w_is_computed_as_autograd_computes_it(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, filed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """W computes a linear layer's weight and bias gradients itself (no engine call per
-    layer), bit for bit those of one backward and of the engine's own W, in every form
-    of the product; two micro-batches, so the second adds into the first's."""
+    """W computes a linear layer's weight and bias gradients itself from what B kept (no
+    graph, no engine call per layer), bit for bit those of one backward and of the
+    engine's own W, in every form of the product; two micro-batches, so the second adds
+    into the first's. With the forward's saved tensors filed in the stash, B keeps only
+    the inputs W reads; without (`filed` False), B lets the whole graph go."""
     from pipelang.backends import weight_split
 
     torch.manual_seed(0)
     stage = Products().to(dtype)
     engine, whole_twin = copy.deepcopy(stage), copy.deepcopy(stage)
-    computed: list[bool] = []
-    direct = weight_split._linear_grads
-
-    def counted(group: weight_split.Group) -> list[torch.Tensor | None] | None:
-        found = direct(group)
-        computed.append(found is not None)
-        return found
+    product = weight_split._product
 
     def run(module: nn.Module, inp: torch.Tensor) -> torch.Tensor:
         return module(inp)
 
     for mb in range(2):
         x = torch.randn(3, 5, 8, dtype=dtype)
-        monkeypatch.setattr(weight_split, "_linear_grads", counted)
-        torch.manual_seed(mb)  # the same output gradient for both splits
-        _, _, work, _, grad = split(stage, run, x)
+        torch.manual_seed(mb)  # the same output gradient for every split
+        if filed:
+            stash, _, work, _, grad = split(stage, run, x)
+            kept = [t for t in stash.entries[KEY].tensors if t is not None]
+            read = [p.x for p in work.products]  # type: ignore[attr-defined]
+            assert sorted(map(_where, kept)) == sorted(map(_where, read))
+        else:
+            inp = x.detach().requires_grad_(True)
+            y = stage(inp)
+            grad = torch.randn_like(y)
+            params = list(stage.parameters())
+            recomputed = stage(inp)  # unfiled as a recompute leaves it: never split
+            assert split_backward([recomputed], [grad], [inp], params, None)[1] is None
+            _, work = split_backward([y], [grad], [inp], params, None, unfiled=True)
+            assert y.grad_fn is not None
+            last = y.grad_fn.next_functions[0][0]  # the last layer's mm, under its view
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                last._saved_self  # type: ignore[union-attr]  # noqa: B018 (the graph is gone)
+        assert work is not None and len(work.products) == 3 and not work.groups  # type: ignore[attr-defined]
         weight_backward(work)  # type: ignore[arg-type]
-        monkeypatch.setattr(weight_split, "_linear_grads", lambda group: None)
+        monkeypatch.setattr(weight_split, "_product", lambda op, params: None)
         torch.manual_seed(mb)
         _, _, work, _, _ = split(engine, run, x)
+        assert work is not None and len(work.groups) == 3  # type: ignore[attr-defined]
         weight_backward(work)  # type: ignore[arg-type]
+        monkeypatch.setattr(weight_split, "_product", product)
         whole(whole_twin, run, x, grad)
-    assert computed == [True] * 6, computed
     assert stage.c.stride() == (1, 8)  # still column-major
     for ours, theirs, one in zip(
         stage.parameters(), engine.parameters(), whole_twin.parameters(), strict=True

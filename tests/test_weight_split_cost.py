@@ -1,11 +1,13 @@
 """What a split backward costs beyond one backward (backends/weight_split.py): the walk
-of the graph finds each shape's weight ops once (`_PLANS`), and W goes straight to
-autograd's engine, one call per weight op; each stays bitwise one backward's."""
+of the graph finds each shape's weight ops once (`_PLANS`), and W computes the linear
+layers' gradients itself and goes straight to autograd's engine, once for those and once
+per other weight op; each stays bitwise one backward's."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -99,24 +101,34 @@ def test_a_stage_s_graph_is_analysed_once_for_all_its_micro_batches(
 
 
 def test_w_goes_straight_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One engine call per weight op, without `torch.autograd.backward`'s checks of its
-    arguments (about 20 us a call; gpt:tiny's middle stage has eight)."""
+    """W computes the linear layers' gradients itself and adds them all with one engine
+    call (gpt:tiny's middle stage has eight such layers: one call, not eight), without
+    `torch.autograd.backward`'s checks of its arguments (about 20 us a call)."""
+    from pipelang.backends import weight_split
+
     torch.manual_seed(0)
     stage = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 8))
     twin = copy.deepcopy(stage)
     x = torch.randn(4, 8)
     public: list[object] = []
-    backward = torch.autograd.backward
+    engine: list[object] = []
+    backward, direct = torch.autograd.backward, weight_split._backward
 
     def counted(*args: object, **kwargs: object) -> None:
         public.append(args)
         backward(*args, **kwargs)  # type: ignore[arg-type]
 
+    def counted_direct(*args: Any) -> None:
+        engine.append(args)
+        direct(*args)
+
     monkeypatch.setattr(torch.autograd, "backward", counted)
+    monkeypatch.setattr(weight_split, "_backward", counted_direct)
     work, found, grad = split_then_w(stage, x, plain)
     monkeypatch.setattr(torch.autograd, "backward", backward)
-    assert work is not None and len(work.groups) == 2  # type: ignore[attr-defined]
+    assert work is not None and len(work.products) == 2 and not work.groups  # type: ignore[attr-defined]
     assert public == []
+    assert len(engine) == 2  # B adds the norm's (cheap) gradients, W the two layers'
     assert_whole(stage, twin, x, grad, found, plain)
 
 
