@@ -92,9 +92,9 @@ class RunConfig:
     check: bool = option(
         False,
         "compare weights and losses with single-process training that computes and adds "
-        "the gradients as the run does: bit for bit equal on a CPU, except with weights "
-        "tied across stages, an asynchronous schedule whose W's run in another order "
-        "than its B's, or on a GPU (kernels that add in varying order), where a "
+        "the gradients as the run does: bit for bit equal on a CPU (tied weights too), "
+        "except for an asynchronous schedule whose W's run in another order than its "
+        "B's, or on a GPU (kernels that add in varying order), where a "
         "tolerance holds (docs/runtime.md); a failure names the first step that differs "
         "and prints the per-step losses",
     )

@@ -4,10 +4,12 @@ The reference runs in one process: the whole model, the same seed, data, micro-b
 and optimizer; per step it runs every micro-batch's backward, sums the gradients in the
 order the run sums them (`backends/summation.py`: each copy's micro-batches in its order,
 each parameter in the order of the ops that add it where W's run in another order than
-B's, then the copies by `tree_sum`; the clipping norm likewise), takes one optimizer step, and
-records the mean loss. A schedule with sequence chunks has each chunk's gradient computed
-as a stage computes it (`reference_runs.ChunkedModel`). On a CPU that makes a run bit for
-bit equal to it. Where the run's sums cannot be repeated (weights tied across stages)
+B's, then the copies by `tree_sum`; a weight tied across stages a tensor per stage, its
+uses summed as `step` sums them, `reference_ties.py`; the clipping norm likewise), takes
+one optimizer step, and records the mean loss. A schedule with sequence chunks has each
+chunk's gradient computed as a stage computes it (`reference_runs.ChunkedModel`). On a
+CPU that makes a run bit for bit equal to it. Where the run's sums cannot be repeated
+(a rank with two copies of one stage; ties with sequence chunks or `--shard`)
 micro-batch gradients add in micro-batch order, and on GPUs kernels may add in another
 order each run, so the verdict is a tolerance, not bitwise equality:
 
@@ -38,6 +40,7 @@ from pipelang.backends.precision import copy_back
 from pipelang.backends.rank_base import RankResult, fingerprint
 from pipelang.backends.rank_sync import clip_coefficient
 from pipelang.backends.reference_runs import ChunkedModel, WholeModel, added_by_backward
+from pipelang.backends.reference_ties import TiedSums
 from pipelang.backends.summation import SumPlan, Unit, shard_piece, tree_sum
 from pipelang.ir import Program
 
@@ -106,10 +109,13 @@ def _train(
     program: Program | None,
 ) -> Reference:
     chunked = program is not None and program.chunks is not None
+    untie = None  # ties replayed where the sums are (`reference_ties`)
+    if program is not None and sums is not None and not config.shard:
+        untie = (program.num_stages, config.partition)
     run = (
         ChunkedModel(config, device, 1.0 / n, program, n)  # type: ignore[arg-type]
         if chunked
-        else WholeModel(config, device, 1.0 / n)
+        else WholeModel(config, device, 1.0 / n, untie)
     )
     trained = run.masters or run.params
     if config.resume is not None:
@@ -118,12 +124,17 @@ def _train(
             copy_back(run.params, run.masters)
     by_stage = run.stage_params(program.num_stages, config.partition) if program else []
     grouped = None
-    if sums is not None and program is not None and by_stage and not run.model.ties:
+    untied = run.stages is not None and run.bounds is not None
+    if sums is not None and program is not None and by_stage and (untied or not run.model.ties):
         trained_of = {id(p): t for p, t in zip(run.params, trained, strict=True)}
         early = None
         if any(m.late is not None for ms in sums.stages.values() for m in ms):
             early = added_by_backward(config, program, device)
-        grouped = _Grouping(sums, [[trained_of[id(p)] for p in ps] for ps in by_stage], early)
+        ties = None
+        if run.stages is not None and run.bounds is not None:
+            ties = TiedSums(run.model, run.bounds, run.stages, program, config.dp)
+        params = [[trained_of[id(p)] for p in ps] for ps in by_stage]
+        grouped = _Grouping(sums, params, early, ties)
     schedule = config.lr_schedule_at()
     losses, seconds, fingerprints = [], [], []
     for step in range(config.first_step, config.steps):
@@ -171,9 +182,12 @@ class _Grouping:
         sums: SumPlan,
         stage_params: list[list[nn.Parameter]],
         early: list[frozenset[int]] | None = None,
+        ties: TiedSums | None = None,
     ) -> None:
         self.sums = sums
         self.params = stage_params
+        self.ties = ties
+        """Weights tied across stages, a tensor per stage, summed as the run sums them."""
         self.lanes: list[tuple[int, int, tuple[Unit, ...], list[nn.Parameter]]] = []
         """(stage, member, the order it adds in, the parameters it adds so)."""
         for stage, members in sums.stages.items():
@@ -212,6 +226,8 @@ class _Grouping:
                     param.grad = tree_sum(
                         [torch.zeros_like(some) if g is None else g for g in found]
                     )
+        if self.ties:
+            self.ties.apply(self.params, trained[0].device)
         if clip is not None:
             device = trained[0].device
             norms = enumerate(self.sums.norms)
@@ -267,7 +283,9 @@ class _Grouping:
         shards = self.sums.shards
         copy = process // (len(self.sums.norms) // shards)  # its data-parallel copy
         for stage in stages:
-            for param in self.params[stage]:
+            for index, param in enumerate(self.params[stage]):
+                if self.ties is not None and self.ties.repeats(stage, index):
+                    continue  # a tied weight counts once (`TiedGrads.repeats`)
                 if param.grad is not None:
                     grad = param.grad.detach()
                     if shards > 1:

@@ -19,6 +19,7 @@ the optimizer, and record each micro-batch's loss.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -27,17 +28,35 @@ from torch import nn
 from pipelang.backends.config import RunConfig
 from pipelang.backends.precision import master_weights
 from pipelang.backends.rank_base import make_optimizer
+from pipelang.backends.reference_ties import untied_stages
 from pipelang.backends.runtime import RankRuntime, copy_names, full_model_names
 from pipelang.backends.summation import Unit
 from pipelang.ir import Kind, Pipeline, Program
 
 
 class WholeModel:
-    """The whole model in one process, a micro-batch's backward at once."""
+    """The whole model in one process, a micro-batch's backward at once; with `untie`,
+    the run's (stages, partition), a weight tied across its stages is a tensor per stage,
+    as in the run (`reference_ties.untied_stages`)."""
 
-    def __init__(self, config: RunConfig, device: torch.device, scale: float) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        device: torch.device,
+        scale: float,
+        untie: tuple[int, Sequence[int] | None] | None = None,
+    ) -> None:
         self.model = config.spec.build()
-        self.full = nn.Sequential(*self.model.layers).to(device)
+        self.bounds = None
+        """The stages' layers where the weights are untied (`untie`, a model with ties)."""
+        self.stages: list[nn.Sequential] | None = None
+        layers = self.model.layers
+        if untie is not None and self.model.ties:
+            self.bounds = self.model.stage_bounds(*untie)
+            self.stages = untied_stages(self.model, self.bounds)
+            first = self.bounds[0].start  # a frozen part before it: one tensor, as in a run
+            layers = [*layers[:first], *(layer for m in self.stages for layer in m)]
+        self.full = nn.Sequential(*layers).to(device)
         self.params = [p for p in self.full.parameters() if p.requires_grad]
         self.masters = master_weights(self.params) if config.mixed_precision else None
         self.optimizer = make_optimizer(self.masters or self.params, config)
@@ -62,13 +81,17 @@ class WholeModel:
         self, stages: int, partition: tuple[int, ...] | None
     ) -> list[list[nn.Parameter]]:
         """Per stage, the parameters its copies hold, in their order (`StageCopy.params`)."""
+        if self.stages is not None:
+            return [[p for p in m.parameters() if p.requires_grad] for m in self.stages]
         return [
             [p for p in self.model.stage_module(bounds).parameters() if p.requires_grad]
             for bounds in self.model.stage_bounds(stages, partition)
         ]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The parameters by whole-model name."""
+        """The parameters by whole-model name (each use of an untied weight its own)."""
+        if self.stages is not None:
+            return {k: v.detach().cpu().clone() for k, v in self.full.state_dict().items()}
         return full_model_names(self.model)
 
 
@@ -107,6 +130,7 @@ class ChunkedModel(WholeModel):
         )
         self.copy = self.runtime.copies[(0, "main")]
         self.model = self.runtime.model
+        self.bounds, self.stages = None, None
         self.full = self.copy.module
         self.params = self.copy.params
         self.masters = self.copy.masters

@@ -275,7 +275,11 @@ def test_without_weights_each_layer_has_its_own_seed(name: str, configs: dict[st
         ("1f1b", "llama", True, "local"),
         ("zb-h1", "qwen2", True, "gloo"),
         ("chimera", "llama", True, "gloo"),  # 4 stages of its 6 layers, two copies of each
-        ("1f1b", "gpt2", False, "local"),  # tied: the reference sums the uses' gradients
+        # tied (the embedding and the head): the reference sums the uses' gradients as
+        # the run does, per stage, then over the processes (reference_ties.py)
+        ("1f1b", "gpt2", True, "local"),
+        ("zb-h1", "gpt2", True, "gloo"),
+        ("chimera", "gpt2", True, "gloo"),  # ranks 0 and 3 each hold the head and the embedding
     ],
 )
 def test_a_run_checks_against_one_process(
@@ -287,8 +291,7 @@ def test_a_run_checks_against_one_process(
     tmp_path: Path,
 ) -> None:
     """`pipelang run hf:DIR --check`, 2 steps: bitwise equal to the one-process
-    reference (within its tolerance where weights are tied, as for a model of the
-    user's own); the first step's loss is transformers' own. Over gloo where ranks
+    reference, tied weights too; the first step's loss is transformers' own. Over gloo where ranks
     cross processes, the rest on `local` (one process: one import of transformers)."""
     ranks = "4" if schedule == "chimera" else "2"
     argv = ["run", schedule, "-p", f"D={ranks}", "-p", "N=4", "--model", f"hf:{checkpoints[name]}"]

@@ -293,8 +293,9 @@ schedule w_reversed_async(D: int = 2, N: int = 4) {
 def test_an_asynchronous_schedule_whose_ws_run_reversed_is_checked_within_the_tolerance(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The one case on a CPU where the check is not bitwise besides tied weights: an
-    asynchronous schedule whose W's run in another order than its B's (a split B adds a
+    """A case on a CPU where the check is not bitwise (as ties with sequence chunks or
+    --shard; other tied weights are, issue 42): an asynchronous schedule whose W's run
+    in another order than its B's (a split B adds a
     norm's gradient into the version's shared weights; the replay adds each micro-batch's
     whole gradient in the W's order). `run --help` and docs/runtime.md name it (they
     said "bit for bit equal on a CPU, except with weights tied across stages")."""

@@ -323,7 +323,9 @@ def test_tied_weights_train_like_one_shared_parameter(
     program = stdlib(schedule, D=ranks, N=4)
     model = ("--model", f"models.py:{func}", "--optimizer", "sgd", "--steps", "3")
     assert run(program, *model, "--check", *options) == 0
-    assert "check OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "check OK" in out
+    assert "(bitwise equal)" in out, out  # the reference sums the uses as the run does
 
 
 def test_the_copies_of_a_tied_weight_stay_bitwise_equal(
