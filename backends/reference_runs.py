@@ -124,7 +124,7 @@ class ChunkedModel(WholeModel):
         self.runtime = RankRuntime(
             one,
             0,
-            replace(config, dp=1, partition=None),
+            replace(config, dp=1, tp=1, partition=None),
             _Silent(),
             device,  # type: ignore[arg-type]
         )
@@ -197,7 +197,7 @@ def added_by_backward(
         chunks=program.chunks,
         shapes=program.shapes,
     )
-    runtime = RankRuntime(one, 0, replace(config, dp=1), _Silent(), device)  # type: ignore[arg-type]
+    runtime = RankRuntime(one, 0, replace(config, dp=1, tp=1), _Silent(), device)  # type: ignore[arg-type]
     runtime.fault = None  # an injected fault is the run's, not this question's
     runtime.begin_step(config.first_step)
     chunks: list[int | None] = [None] if one.chunks is None else [*range(one.chunks.count)]

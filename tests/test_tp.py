@@ -164,3 +164,16 @@ def test_tp2_under_torchrun_counts_each_loss_once(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "largest loss difference 0;" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sched", ["seq1f1b -p D=2 -p N=4 -p C=2", "chimera -p D=2"])
+def test_tp2_runs_chunks_and_replicas(tmp_path: Path, sched: str) -> None:
+    """Sequence chunks (the --check reference runs them on one process, without --tp) and
+    a stage's replicas (summed per tensor rank) under --tp 2."""
+    proc = pipelang_cmd(
+        "run", *sched.split(), "--tp", "2", "--backend", "gloo", "--steps", "2", "--check",
+        cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "check OK" in proc.stdout, proc.stdout
