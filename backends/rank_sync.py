@@ -207,11 +207,17 @@ class TiedGrads:
         return flat
 
     def set(self, total: torch.Tensor) -> None:
-        """Give every use on this rank the summed gradient."""
+        """Give every use on this rank the summed gradient: into the one it holds, in
+        place (a view into its stage's allreduced flat tensor with --dp: a new tensor
+        would keep that tensor's slot alive beside it), else as a new one."""
         for offset, copy, index, _ in self.uses:
             param = copy.trained[index]
             part = total[offset : offset + param.numel()].view(param.shape)
-            param.grad = part.to(param.dtype).clone()
+            grad = param.grad
+            if grad is not None and grad.shape == param.shape and grad.dtype == param.dtype:
+                grad.copy_(part)
+            else:
+                param.grad = part.to(param.dtype).clone()
 
 
 def _trained_index(copy: Stage, layer: int, name: str) -> int:

@@ -135,6 +135,12 @@ def model():  # first dimensions 37, 7, 5: FSDP2 pads each to a multiple of 2
     return nn.Sequential(
         nn.Embedding(37, 10), nn.Linear(10, 7), nn.Tanh(), nn.Linear(7, 5), nn.Linear(5, 37)
     )
+
+
+def tied():  # the embedding and the head share their weight across the two stages
+    embedding, head = nn.Embedding(37, 8), nn.Linear(8, 37, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(8, 8), nn.Tanh(), head)
 """
 
 LAYOUTS = [
@@ -142,6 +148,7 @@ LAYOUTS = [
     "--dp 2 --shard",
     "--model odd.py:model --dp 2 --shard --optimizer sgd",
     "--mixed-precision bfloat16 --optimizer adamw",
+    "--model odd.py:tied --dp 2",  # the tied weight's summed gradient replaces none
 ]
 
 
