@@ -10,13 +10,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import pipelang
 import pipelang.torch
@@ -64,18 +62,6 @@ def test_refusals_before_anything_runs() -> None:
         PipelineSchedule(pipelang.load("bpipe"), build, lambda y, t: y)  # type: ignore[arg-type]
     with pytest.raises(pipelang.PipelangError, match="initialised process group"):
         PipelineSchedule(pipelang.load("1f1b", D=2, N=2), build, lambda y, t: y)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def one_process(tmp_path: Path) -> Iterator[None]:
-    """A gloo process group of this process alone, for the test's duration."""
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 APART = """

@@ -13,12 +13,10 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import pipelang
@@ -177,17 +175,6 @@ def test_a_packed_stage_is_named_as_the_users_module_names_it() -> None:
 
 
 # ---- one process: both stages of an interleaved 1F1B (D = 1, v = 2) ----------------------
-
-
-@pytest.fixture
-def one_process(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _Stage(nn.Module):
