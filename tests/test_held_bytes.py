@@ -51,6 +51,12 @@ def test_mixed_precision_keeps_fp32_masters_gradients_and_states() -> None:
     assert param_bytes(bf16, "sgd", mixed=True) == HeldBytes(30, 60, 2 * 60)
 
 
+def test_sharded_mixed_precision_shards_the_fp32_masters_themselves() -> None:
+    bf16 = Param(key=1, rows=5, numel=15, itemsize=2, trained=True)
+    # fp32 shards (padded), fp32 gradients (padded), Adam's two moments, no master beside
+    assert param_bytes(bf16, "adam", True, shards=2, index=1) == HeldBytes(36, 36, 2 * 24)
+
+
 def test_shards_count_fsdp2_padding_in_parameters_and_gradients_only() -> None:
     # 5 rows over 2: both hold 3 rows of parameters and gradients (padded); the optimizer
     # state is made from the local shard itself, 3 rows and 2
@@ -118,6 +124,17 @@ STATE_USAGE = {
     "--mixed-precision bfloat16 keeps fp32 master weights and --dtype float16 puts everything "
     "in one dtype: give one of them",
 }
+PIPEDREAM = ("pipedream", "-p", "D=2", "-p", "N=4", "--model", "gpt:tiny")
+
+
+def test_simulate_refuses_the_mixed_precision_the_run_refuses(tmp_path: Path) -> None:
+    proc = pipelang_here("simulate", *PIPEDREAM, "--mixed-precision", "bfloat16", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "pipelang simulate: error: `pipedream` is asynchronous (`weights stash`) and updates "
+        "its stages with `U`: its weight versions are not kept as fp32 masters yet; run it "
+        "with --dtype instead of --mixed-precision"
+    )
 
 
 @pytest.mark.parametrize("options", sorted(STATE_USAGE))
@@ -148,6 +165,7 @@ LAYOUTS = [
     "--dp 2 --shard",
     "--model odd.py:model --dp 2 --shard --optimizer sgd",
     "--mixed-precision bfloat16 --optimizer adamw",
+    "--model odd.py:model --dp 2 --shard --mixed-precision bfloat16",  # fp32 shards
     "--model odd.py:tied --dp 2",  # the tied weight's summed gradient replaces none
 ]
 

@@ -74,6 +74,7 @@ def memory_rows(
     except ModelError as err:
         raise UsageError(str(err)) from None
     dp, shard = getattr(args, "dp", 1), getattr(args, "shard", False)
+    _refuse_as_run(args, program)
     held = rank_bytes(
         program, model, args.optimizer or "adam", bool(args.mixed_precision), dp, shard
     )
@@ -93,6 +94,16 @@ def memory_rows(
         row["total_bytes"] = each.params + each.grads + each.optimizer + active
         rows.append(row)
     return rows
+
+
+def _refuse_as_run(args: argparse.Namespace, program: Program) -> None:
+    """UsageError where `pipelang run` refuses `--mixed-precision` with what the schedule
+    uses (asynchronous weights: `features.REFUSED`), in the run's words."""
+    from pipelang.features import refusal
+
+    why = refusal(program, "--mixed-precision") if args.mixed_precision else None
+    if why is not None:
+        raise UsageError(why)
 
 
 def memory_table(args: argparse.Namespace, rows: list[dict[str, int]], most: int) -> Table:

@@ -20,6 +20,9 @@ which the gradients are views of, is padded the same way, so parameters and grad
 count the padding. The optimizer is built over the local shards themselves (each
 process's rows of `torch.chunk`, `shard_rows`: fewer on the last processes where K does
 not divide R), so its state counts no padding and may differ between the K copies.
+Under `--mixed-precision` the shards are the fp32 masters themselves (FSDP2's
+`MixedPrecisionPolicy` gathers them in bf16 for the step, backends/shard.py): fp32
+parameters, gradients and states, and no master beside them.
 
     shard_rows(5, 2) -> 3, 2      padded_rows(5, 2) -> 3
     shard_rows(5, 4) -> 2, 2, 1, 0
@@ -102,13 +105,14 @@ def param_bytes(
     per_row = param.numel // param.rows if param.rows else 0
     padded = padded_rows(param.rows, shards) * per_row
     local = shard_rows(param.rows, shards, index) * per_row
-    params = padded * param.itemsize
     if not param.trained:
-        return HeldBytes(params)
+        return HeldBytes(padded * param.itemsize)
     state_size = MASTER_ITEMSIZE if mixed else param.itemsize
-    grads = padded * state_size
-    states = OPTIMIZER_STATES[optimizer] + (1 if mixed else 0)
-    return HeldBytes(params, grads, local * state_size * states)
+    states = OPTIMIZER_STATES[optimizer]
+    if mixed and shards > 1:  # the shards are the fp32 masters, gathered in bf16 for a step
+        return HeldBytes(padded * state_size, padded * state_size, local * state_size * states)
+    states += 1 if mixed else 0  # the fp32 master beside the bf16 parameter
+    return HeldBytes(padded * param.itemsize, padded * state_size, local * state_size * states)
 
 
 def rank_bytes(
