@@ -16,6 +16,9 @@ The program says when the collectives run (`insert-shard`), and the executor cal
   a backward, no reduce per micro-batch: `set_reshard_after_backward(False)`,
   `set_requires_gradient_sync(False)`, `set_is_last_backward(False)`, as
   torch.distributed.pipelining drives an FSDP2 stage);
+- `reshard` (`reshard@s/p`, where the order writes `reshard()`): FSDP2's `reshard()`,
+  which frees the gathered parameters and keeps the accumulated gradients; the order
+  then gathers the copy again (`gather()`) before its next op;
 - `reduce_scatter` (`reduce_scatter@s/p`): after the copy's last backward of the step,
   the three back on and FSDP2's post-backward (pipelining's REDUCE_GRAD): one
   reduce-scatter of the gradients the micro-batches accumulated, a plain sum (the loss
@@ -136,6 +139,13 @@ class ShardActions:
         module: Any = copy.module
         _syncing(module, False)
         module.unshard()
+
+    def reshard(self: RankRuntime, stage: int, pipeline: str) -> None:
+        """reshard (written `reshard()`): free the copy's gathered parameters, keeping its
+        shard and the gradients its micro-batches accumulated (FSDP2's `reshard()`); the
+        next `gather` all-gathers them again."""
+        module: Any = self.copies[(stage, pipeline)].module
+        module.reshard()
 
     @_comm
     def reduce_scatter(self: RankRuntime, stage: int, pipeline: str) -> None:
