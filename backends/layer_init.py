@@ -2,7 +2,7 @@
 
 A built-in model (`--model gpt:SIZE`, `llama:SIZE`, backends/models.py) is made on the
 meta device, which allocates nothing, and a process materializes only the layers it
-holds (`materialize`): each is given storage on the CPU in fp32 (`Module.to_empty`),
+holds (`materialize`): each is given storage on the CPU in fp32 (`empty_on_cpu`),
 initialized from a `torch.Generator` seeded with `layer_seed(seed, index)`, cast to the
 run's dtype and moved to the default device. Layer i's weights so depend on the run's
 seed and on i alone, not on which other layers the process builds nor on which process
@@ -13,7 +13,7 @@ meta and take no memory.
 
 The rule is GPT-2's for every parameter (`init_layer`): weight matrices normal(0, 0.02),
 the residual projections' (`residual`) scaled by 1/sqrt(2 * blocks), biases zero, a
-norm's scale one. `to_empty` leaves garbage in every parameter and buffer, so a
+norm's scale one. New storage holds garbage in every parameter and buffer, so a
 parameter the rule does not cover, or any buffer, is an internal error, not a silent
 garbage weight: the built-in layers hold neither.
 """
@@ -21,14 +21,44 @@ garbage weight: the built-in layers hold neither.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from pipelang.diagnostics import InternalError
+
+
+class _SkipInit(TorchFunctionMode):
+    """Skips `torch.nn.init`'s functions (a module's constructor calls them from its
+    `reset_parameters`): on the meta device they set nothing, and running them there
+    imports torch's compiler for the meta kernels of `normal_` and `uniform_` (about a
+    second of every process's start-up)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Make modules on the meta device, their initialization skipped (`_SkipInit`): the
+    layers get their weights when materialized (`materialize`, or a user's own
+    `reset_parameters` under `--init layers`)."""
+    with torch.device("meta"), _SkipInit():
+        yield
 
 
 def layer_seed(seed: int, index: int) -> int:
@@ -84,10 +114,23 @@ def materialize(
         layer = layers[i]
         if not any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
             continue  # materialized already
-        layer.to(torch.float32).to_empty(device="cpu")
+        empty_on_cpu(layer)
         generator = torch.Generator(device="cpu").manual_seed(layer_seed(seed, i))
         init_layer(layer, *init, generator)
         layer.to(device=device, dtype=dtype)
+
+
+def empty_on_cpu(layer: nn.Module) -> None:
+    """`layer.to(torch.float32).to_empty(device="cpu")` without the meta decompositions
+    `to_empty` runs (they import torch's symbolic shapes, about half a second): each
+    parameter and buffer gets new, uninitialized storage on the CPU, a floating one in
+    fp32, with its shape and strides."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float32 if t.is_floating_point() else t.dtype
+        return torch.empty_strided(t.size(), t.stride(), dtype=dtype, device="cpu")
+
+    layer._apply(empty)
 
 
 class Materializer(Protocol):

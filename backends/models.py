@@ -38,7 +38,7 @@ from pipelang.backends.builtin_models import (
     llama_layers,
 )
 from pipelang.backends.data import DataError, check_tokens, sample_batch, synthetic_batch
-from pipelang.backends.layer_init import Materializer, SeededLayers
+from pipelang.backends.layer_init import Materializer, SeededLayers, on_meta
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.model_import import trust
 from pipelang.backends.user_init import user_layers
@@ -99,7 +99,7 @@ class ModelSpec:
                 "file.py:FUNC"
             )
         if kind in MODEL_FAMILIES:
-            with torch.device("meta"):
+            with on_meta():
                 model = self._built_in(kind, rest)
         elif kind == "hf":  # a Hugging Face checkpoint: the `hf` extra's transformers
             from pipelang.backends.hf_models import hf_model
@@ -123,7 +123,7 @@ class ModelSpec:
         (`--init layers`, backends/user_init.py)."""
         rule = None
         if self.init == "layers":
-            with torch.device("meta"):
+            with on_meta():
                 built = user_model(self)
             rule = user_layers(self.name, built.layers, self.seed, self.torch_dtype, built.ties)
         else:
@@ -326,7 +326,7 @@ def plan_stages(spec: ModelSpec, num_stages: int, partition: Sequence[int] | Non
         shapes[num_stages - 1] = logits
         _check_data(spec, cfg.vocab, seq_len)
         return StagePlan(bounds, shapes, seq_len)
-    with torch.device("meta"):
+    with on_meta():
         model = spec.build()
     bounds = model.stage_bounds(num_stages, partition)
     _check_data(spec, model.vocab, model.seq_len)
@@ -367,7 +367,7 @@ def load_here(spec: list[object]) -> str:
         Path(f"{sys.argv[2]}.started").touch()  # the model's own code runs from here
         trust(name)
         model = ModelSpec(name, spec[1], spec[2], spec[3])  # type: ignore[arg-type]
-        with torch.device("meta"):
+        with on_meta():
             user_model(model)
     except ModelError as err:
         return str(err) or "ModelError"

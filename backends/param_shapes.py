@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import torch
 from torch import nn
 
+from pipelang.backends.layer_init import on_meta
 from pipelang.backends.models import ModelSpec
 from pipelang.sim.state import ModelParams, Param
 
@@ -24,7 +24,7 @@ def model_params(spec: ModelSpec, num_stages: int, partition: Sequence[int] | No
     """The parameters of each of the `num_stages` stages of `spec`'s model (cut by
     `partition`, or as evenly as the run cuts it) and of its frozen part. Raises
     ModelError where the model cannot be built or cut so."""
-    with torch.device("meta"):
+    with on_meta():
         model = spec.build(layers=())
     bounds = model.stage_bounds(num_stages, partition)
     stages = tuple(_params(model.layers[i] for i in layers) for layers in bounds)

@@ -6,7 +6,7 @@ seed on every rank, with whatever initialization `FUNC` does, and each rank keep
 stages. Under `--init layers` `FUNC` is called with the meta device as the default device
 (`torch.device("meta")`), which allocates nothing, and a process gives storage only to
 the layers it holds (`UserLayers.materialize`): each on the CPU in fp32
-(`Module.to_empty`), then `reset_parameters()` of every submodule that has one, in
+(`layer_init.empty_on_cpu`), then `reset_parameters()` of every submodule that has one, in
 module order, drawing from torch's global generator seeded with
 `layer_init.layer_seed(seed, layer)` (restored after), then cast to the run's dtype and
 moved to the default device. Layer i's weights so depend on the seed and i alone: the
@@ -16,7 +16,7 @@ for bit. What `FUNC` itself set (a `nn.init` call, a copied tensor) is not kept.
 So every module that holds parameters or buffers itself needs a `reset_parameters()`
 that sets all of them (torch's layers have one; `nn.MultiheadAttention` has only a
 private `_reset_parameters`): `check` refuses a model with such a module before any rank
-starts, naming it, and `to_empty`'s storage is filled with NaN first, so a parameter or
+starts, naming it, and that storage is filled with NaN first, so a parameter or
 floating-point buffer that no `reset_parameters()` sets is found and named too, not
 trained as garbage. A parameter tied across layers takes the value of its first use (the
 lowest layer), made aside where this process does not hold that layer; where it holds
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipelang.backends.layer_init import layer_seed
+from pipelang.backends.layer_init import empty_on_cpu, layer_seed
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.user_models import PackedStage, Tie, said
 from pipelang.diagnostics import InternalError, clip
@@ -119,8 +119,8 @@ class UserLayers:
         """Layer `index` given storage on the CPU in fp32 and set by its modules'
         `reset_parameters()` from the layer's seed."""
         shared = _shared_inside(layer)
-        layer.to(torch.float32).to_empty(device="cpu")
-        for names in shared:  # to_empty made a tensor per use: one again
+        empty_on_cpu(layer)
+        for names in shared:  # a tensor was made per use: one again
             param = layer.get_parameter(names[0])
             for name in names[1:]:
                 _set(layer, name, param)

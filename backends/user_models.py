@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from pipelang.backends.layer_init import on_meta
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.model_import import vet
 from pipelang.diagnostics import clip
@@ -222,7 +223,7 @@ def user_model(spec: ModelSpec) -> UserModel:
     if torch.get_default_device().type == "meta":
         boundaries = _boundaries(spec, built)  # already on meta: probe this one
     else:
-        with torch.device("meta"):
+        with on_meta():
             boundaries = _boundaries(spec, _build(spec, factory))
     layers = built.layers
     if any(b is not None and not b.single for b in boundaries):
