@@ -203,8 +203,9 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, optional: bool = Fal
 SHARD_HELP = (
     "with --dp K: shard each stage copy's parameters, gradients and optimizer state over "
     "its K data-parallel copies (FSDP2); the compiler adds `gather@S/P` before the copy's "
-    "first op of the step and `reduce_scatter@S/P` after its last backward (timed by the "
-    "cost entries AG and RS; docs/runtime.md, Larger than one device)"
+    "first op of the step (unless the order writes `gather()` first; after a written "
+    "`reshard()` the order gathers again itself) and `reduce_scatter@S/P` after its last "
+    "backward (timed by the cost entries AG and RS; docs/runtime.md, Larger than one device)"
 )
 
 
