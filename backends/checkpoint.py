@@ -25,7 +25,12 @@ A sharded stage copy (`--dp K --shard`, backends/shard.py) writes its parameters
 their optimizer state as DTensors laid out as FSDP2 shards them (`Held.sharded`): each
 process writes its own shard of each entry, under the same names, so the checkpoint
 holds the same whole tensors as one of the unsharded run, and either loads into the
-other (DCP reads each process's part of whatever layout it was written in).
+other (DCP reads each process's part of whatever layout it was written in). A
+tensor-parallel copy (`--tp T`, backends/tensor_parallel.py) does the same with its
+DTensor parts, the tensors it holds whole written once between its tensor ranks; a
+fused projection's part (rows t of each of its parts, which DCP cannot describe as one
+box of the whole tensor) is redistributed to plain rows to be written and back once
+read (`Held.whole`, `Held.local`).
 """
 
 from __future__ import annotations
@@ -98,8 +103,10 @@ class Held:
     optimizer: Optimizer | None
     """None: the parameters alone (a user's loop with an optimizer of its own)."""
     sharded: Sequence[torch.Tensor] | None = None
-    """`--shard`: the DTensor parameter each of `params` is the local shard of (which
-    says where the shard lies in the whole tensor); None: `params` are whole."""
+    """`--shard` or `--tp`: the DTensor parameter each of `params` is the local part of
+    (which says where the part lies in the whole tensor), or the parameter itself where
+    it is whole on every process (`--tp`'s embedding, norms, head); None: `params` are
+    whole."""
 
     def entries(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint key, tensor) of every parameter and optimizer state; a shard as a
@@ -113,22 +120,53 @@ class Held:
 
     def whole(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """`local`, a tensor of parameter `i`'s shape on this process, as an entry of the
-        checkpoint: laid out as the parameter's DTensor where it is sharded (a 0-d
-        tensor, such as Adam's step count, is whole on every process)."""
+        checkpoint: laid out as the parameter's DTensor where it is split (a 0-d tensor,
+        such as Adam's step count, is whole on every process). A part DCP cannot
+        describe as one box of the whole tensor (`--tp`'s fused projections: rows t of
+        each part, `_StridedShard`) is redistributed to plain rows (`Shard`) first, a
+        collective over its mesh."""
         if self.sharded is None or local.dim() == 0:
             return local
         from torch.distributed.tensor import DTensor
 
         layout = self.sharded[i]
-        assert isinstance(layout, DTensor)
-        return DTensor.from_local(
-            local,
+        if not isinstance(layout, DTensor):
+            return local
+        entry = DTensor.from_local(
+            local.detach(),
             layout.device_mesh,
             layout.placements,
             run_check=False,
             shape=layout.shape,
             stride=layout.stride(),
         )
+        boxes = _boxes(layout.placements)
+        if boxes == tuple(layout.placements):
+            return entry
+        return entry.redistribute(layout.device_mesh, boxes)
+
+    def local(self, i: int, entry: torch.Tensor) -> torch.Tensor:
+        """`entry` (read into `whole`'s layout) as this process's part of parameter
+        `i`: `whole` undone (a collective where `whole` redistributed)."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(entry, DTensor):
+            return entry
+        assert self.sharded is not None
+        layout = self.sharded[i]
+        assert isinstance(layout, DTensor)
+        if entry.placements != layout.placements:
+            entry = entry.redistribute(layout.device_mesh, layout.placements)
+        return entry.to_local()
+
+
+def _boxes(placements: Sequence[Any]) -> tuple[Any, ...]:
+    """`placements` with each `_StridedShard` (a part that is several boxes of the whole
+    tensor) a plain `Shard` of the same dimension (one box)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
 
 
 def held_by_model(
@@ -297,9 +335,10 @@ def read(held: list[Held], path: str, state: dict[str, torch.Tensor]) -> None:
         ) from None
     for h in held:
         for i, (name, param) in enumerate(zip(h.names, h.params, strict=True)):
-            param.copy_(_local(state[f"model.{name}"]))
+            param.copy_(h.local(i, state[f"model.{name}"]))
             prefix = f"optim.{name}."
-            fields = {k[len(prefix) :]: _local(v) for k, v in state.items() if k.startswith(prefix)}
+            fields = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            fields = {field: h.local(i, v) for field, v in fields.items()}
             if h.optimizer is not None:
                 h.optimizer.load_state(i, fields)
 

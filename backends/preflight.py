@@ -276,8 +276,6 @@ def tp_refusal(config: RunConfig) -> str | None:
             config.mixed_precision,
             "tensor-parallel stages keep no fp32 masters yet",
         ),
-        ("--save", config.save, "checkpoints do not save tensor-parallel (DTensor) stages yet"),
-        ("--resume", config.resume, "checkpoints do not load tensor-parallel (DTensor) stages yet"),
         ("--trace", config.trace, "the trace does not name a tensor rank's actions yet"),
         ("--save-hf", config.save_hf, "--save-hf does not gather tensor-parallel stages yet"),
     )
