@@ -10,6 +10,7 @@ of the op's kind makes (`ACTION_CALLS` for an action, `STREAM_CALLS` for a strea
     wait:F2@1/down<1        rt.wait("F", mb=2, stage=1, pipeline="down", src=1)
     allreduce@1/down        rt.allreduce(stage=1, pipeline="down")
     gather@1/down           rt.gather(stage=1, pipeline="down")          (--shard)
+    reshard@1/down          rt.reshard(stage=1, pipeline="down")         (--shard)
     reduce_scatter@1/down   rt.reduce_scatter(stage=1, pipeline="down")  (--shard)
     step                    rt.step()
     E3@0/main>3             rt.evict(mb=3, stage=0, pipeline="main", to=3)
@@ -155,6 +156,7 @@ ACTION_CALLS: Mapping[Kind, Callable[[Action], Call]] = {
     Kind.WAIT: _signal,
     Kind.ALLREDUCE: lambda action: Call("allreduce", (), _where(action)),
     Kind.GATHER: lambda action: Call("gather", (), _where(action)),
+    Kind.RESHARD: lambda action: Call("reshard", (), _where(action)),
     Kind.REDUCE_SCATTER: lambda action: Call("reduce_scatter", (), _where(action)),
     Kind.STEP: lambda action: Call("step"),
     Kind.U: _update,

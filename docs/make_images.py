@@ -34,6 +34,14 @@ PICTURES = {
         "examples/zb-synth-4x8.pipe",
         *("-p", "D=4", "-p", "N=8", "--cost", "F=1,B=1,W=1,C=0.5"),
     ],
+    # docs/runtime.md, Larger than one device: sharded 1F1B, kept gathered through the
+    # step (the compiler's gathers) against resharded after each forward (written)
+    "1f1b-sharded": [
+        "1f1b",
+        "examples/1f1b-reshard.pipe",
+        *("-p", "D=4", "-p", "N=8", "--dp", "2", "--shard"),
+        *("--cost", "F=1,B=2,C=0.1,AG=0.4,RS=0.6"),
+    ],
 }
 MEASURED = {
     "chimera-measured": [

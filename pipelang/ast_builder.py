@@ -204,14 +204,15 @@ class AstBuilder(Transformer[Token, Any]):
     def _op(self, span: Span, name: Token, *rest: Any) -> ast.OpCall:
         *args, slot = rest
         kind = str(name)
-        if kind not in ("F", "B", "W", "R", "BW", "U", "E", "L", "P"):
+        if kind not in ("F", "B", "W", "R", "BW", "U", "E", "L", "P", *_SHARD_OPS):
             raise fail(
                 "E0103",
                 f"`{kind}` is not an op",
                 self._tok(name),
                 help="ops are F (forward), B (backward), W (weight grad), R (recompute), "
                 "BW (full backward in a split schedule), U (weight update), "
-                "E (evict activations), L (load them back), P (frozen forward)",
+                "E (evict activations), L (load them back), P (frozen forward), "
+                "gather and reshard (a sharded stage's parameters)",
             )
         values: dict[str, ast.Expr] = {}
         named = False
@@ -236,6 +237,8 @@ class AstBuilder(Transformer[Token, Any]):
                 values["mb"].span,
                 help="write `U()`, or `U(stage=s)` on a rank that holds several stages",
             )
+        if kind in _SHARD_OPS:
+            _check_shard_op(kind, values)
         return ast.OpCall(
             span, kind, values.get("mb"), values.get("stage"), slot, values.get("chunk")
         )
@@ -259,6 +262,13 @@ class AstBuilder(Transformer[Token, Any]):
                     f"`{call.kind}` moves activations and cannot be part of an overlapped pair",
                     call.span,
                     help=f"write the `{call.kind}` as a statement of its own",
+                )
+            if call.kind in _SHARD_OPS:
+                raise fail(
+                    "E0103",
+                    f"`{call.kind}()` cannot be part of an overlapped pair",
+                    call.span,
+                    help=f"write the `{call.kind}()` as a statement of its own",
                 )
             if call.kind == "U":
                 raise fail(
@@ -338,6 +348,23 @@ class AstBuilder(Transformer[Token, Any]):
 
 
 _OP_ARGUMENTS = ("mb", "stage", "chunk")
+
+_SHARD_OPS = ("gather", "reshard")
+"""A sharded stage copy's ops a schedule may write (`--shard`; docs/language.md)."""
+
+
+def _check_shard_op(kind: str, values: dict[str, ast.Expr]) -> None:
+    """E0103 for a `gather` or `reshard` given a micro-batch or a chunk: it names a stage
+    copy (`gather()`, `gather(stage=s)`)."""
+    for key in ("mb", "chunk"):
+        if key in values:
+            what = "micro-batch" if key == "mb" else "chunk"
+            raise fail(
+                "E0103",
+                f"`{kind}` names a stage copy and takes no {what}",
+                values[key].span,
+                help=f"write `{kind}()`, or `{kind}(stage=s)` on a rank that holds several stages",
+            )
 
 
 def _argument_problem(

@@ -386,6 +386,19 @@ CODES: dict[str, Code] = {
             "chunks, evictions or a split backward (`W`); the message names which. Run "
             "such a schedule without --shard.",
         ),
+        Code(
+            "E0322",
+            "shard ops out of place",
+            "Under `--dp K --shard` a stage copy must be gathered whenever its rank runs "
+            "one of its ops. The compiler gathers it before its first op of the step "
+            "unless the order writes `gather()` first; after a `reshard()` (which drops "
+            "the gathered parameters) the order must write `gather()` again before the "
+            "copy's next op. A `reshard()` needs a gathered copy (the reduce-scatter "
+            "after the copy's last backward reshards it already), a `gather()` a copy "
+            "that is not gathered and an op that uses it before the next reshard. "
+            "`gather()` and `reshard()` need --shard: compile with --dp K --shard, or "
+            "drop them.",
+        ),
         # 04xx: the planner's inputs (`pipelang profile`, `pipelang plan`)
         Code(
             "E0401",

@@ -8,6 +8,7 @@ import json
 from pipelang.cli.args import (
     add_max_activations,
     add_schedule_arguments,
+    add_shard_arguments,
     compile_args,
     describe,
 )
@@ -19,6 +20,7 @@ HELP = "check a schedule: parse, bind parameters, validate the order"
 def setup(parser: argparse.ArgumentParser) -> None:
     add_schedule_arguments(parser)
     add_max_activations(parser)
+    add_shard_arguments(parser)
     parser.add_argument(
         "--format",
         choices=("text", "json"),

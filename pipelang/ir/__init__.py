@@ -11,7 +11,9 @@ form that `Action.parse` reads back; IR dumps, golden files and error grids use 
     signal:F2@1/down>0      tell rank 0 that F2@1/down finished (an `after` dependency)
     wait:F2@1/down<1        wait until rank 1 says F2@1/down finished
     allreduce@1/down        sum stage 1's gradients over every replica of stage 1
-    gather@1/down           all-gather stage 1's sharded parameters (--shard)
+    gather@1/down           all-gather stage 1's sharded parameters (--shard); its
+                            second gather of the step is gather1@1/down, ...
+    reshard@1/down          drop stage 1's gathered parameters, keep its shard (--shard)
     reduce_scatter@1/down   sum stage 1's gradients over its --dp copies, a shard each
     step                    run the optimizer on every stage copy this rank holds
     E3@0/main>3             evict the activations F3@0/main kept to rank 3 (BPipe)

@@ -57,13 +57,21 @@ class Kind(enum.StrEnum):
     that rank loads them back. Inserted by the compiler (`insert-holds`), never written."""
     GATHER = "gather"
     """All-gather one stage copy's parameters from its shards over its `--dp` copies
-    (`--shard`), before the copy's first op of the step: FSDP2's `unshard()`. Inserted by
-    the compiler (`insert-shard`), never written. Written `gather@1/main`."""
+    (`--shard`): FSDP2's `unshard()`; they stay gathered until a `reshard` or the
+    copy's `reduce_scatter`. Written `gather()` in an `order rank`, or inserted by the
+    compiler (`insert-shard`) before the copy's first op of the step where none is
+    written. Its `mb` field numbers the copy's gathers of the step after the first (None
+    for the first): `gather@1/main`, then `gather1@1/main`, ..."""
+    RESHARD = "reshard"
+    """Drop one stage copy's gathered parameters, keeping its shard (`--shard`): FSDP2's
+    `reshard()`; the gradients its micro-batches accumulated so far are kept, and a
+    later use of the copy needs a `gather` again. Written `reshard()` in an `order
+    rank`, never inserted. Numbered like `gather`: `reshard@1/main`, `reshard1@1/main`."""
     REDUCE_SCATTER = "reduce_scatter"
     """Sum one stage copy's gradients over its `--dp` copies, each keeping the sum of its
     own shard, and drop the gathered parameters (`--shard`), after the copy's last
     backward of the step: FSDP2's post-backward, once per step. Inserted by the compiler
-    (`insert-shard`). Written `reduce_scatter@1/main`."""
+    (`insert-shard`), never written. Written `reduce_scatter@1/main`."""
 
     # Members are singletons compared by identity, so hash them by identity too, in C:
     # Enum's own __hash__ is a Python call, and every Action hash goes through it.
@@ -80,10 +88,11 @@ STASH_KINDS = frozenset({Kind.E, Kind.L, Kind.H})
 """Evicting activations to a partner rank and loading them back (BPipe). These are ops
 of the dependency graph like the compute kinds, but no (micro-batch, stage) must run
 them and they take no compute time."""
-SHARD_KINDS = frozenset({Kind.GATHER, Kind.REDUCE_SCATTER})
+SHARD_KINDS = frozenset({Kind.GATHER, Kind.RESHARD, Kind.REDUCE_SCATTER})
 """A sharded stage copy's collectives over its data-parallel copies (`--shard`). Ops of
-the dependency graph, so that the simulator times them (the cost entries `AG`, `RS`),
-but no (micro-batch, stage) must run them; they name a stage copy, not a micro-batch."""
+the dependency graph, so that the simulator times them (the cost entries `AG`, `RS`;
+`reshard` takes no time), but no (micro-batch, stage) must run them; they name a stage
+copy, not a micro-batch."""
 _TOKENS = {kind: kind.value for kind in Kind}
 _ARROWS = {Kind.SEND: ">", Kind.SIGNAL: ">"}
 GRAPH_KINDS = COMPUTE_KINDS | STASH_KINDS | SHARD_KINDS
@@ -173,7 +182,7 @@ class Action(NamedTuple):
         if kind is Kind.U:
             return f"U{self.mb}@{self.stage}/{self.pipeline}"
         if kind is Kind.ALLREDUCE or kind in SHARD_KINDS:
-            return f"{kind.value}@{self.stage}/{self.pipeline}"
+            return f"{kind.value}{mb}@{self.stage}/{self.pipeline}"
         assert self.of is not None
         return (
             f"{_TOKENS[kind]}:{_TOKENS[self.of]}{mb}@{self.stage}/{self.pipeline}"
@@ -193,7 +202,10 @@ class Action(NamedTuple):
         if g["step"]:
             return Action(Kind.STEP, span=span)
         if g["ar_stage"] is not None:
-            return Action(Kind(g["ar"]), None, int(g["ar_stage"]), g["ar_pipe"], span=span)
+            number = None if g["ar_n"] is None else int(g["ar_n"])
+            if number is not None and g["ar"] not in (Kind.GATHER, Kind.RESHARD):
+                raise ValueError(f"only `gather` and `reshard` are numbered: {token!r}")
+            return Action(Kind(g["ar"]), number, int(g["ar_stage"]), g["ar_pipe"], span=span)
         if g["u_mb"] is not None:
             return Action(Kind.U, int(g["u_mb"]), int(g["u_stage"]), g["u_pipe"], span=span)
         op_kind, mb, stage, pipe = Kind(g["op"]), int(g["mb"]), int(g["stage"]), g["pipe"]
@@ -229,7 +241,7 @@ def _stash_action(
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _TOKEN = re.compile(
     rf"(?P<step>step)"
-    rf"|(?P<ar>allreduce|gather|reduce_scatter)@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
+    rf"|(?P<ar>allreduce|gather|reshard|reduce_scatter)(?P<ar_n>\d+)?@(?P<ar_stage>\d+)/(?P<ar_pipe>{_NAME})"
     rf"|U(?P<u_mb>\d+)@(?P<u_stage>\d+)/(?P<u_pipe>{_NAME})"
     rf"|(?P<fused>&)?(?:(?P<comm>send|recv|signal|wait):)?(?P<op>[FBWRPEHL])(?P<mb>\d+)(?:\.(?P<chunk>\d+))?@(?P<stage>\d+)/(?P<pipe>{_NAME})"
     rf"(?:(?P<arrow>[<>])(?P<peer>\d+))?"

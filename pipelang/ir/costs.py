@@ -233,9 +233,10 @@ class CostModel:
         """How long one op runs: its kind's time on its stage. Stash ops (E, L, H) take
         none here: moving evicted activations is timed on the transfers, like `C`. (A
         compound's time, `FB` or the sum of its ops, is the simulator's.) A sharded
-        copy's `gather` takes `AG`, its `reduce_scatter` `RS`."""
+        copy's `gather` takes `AG`, its `reduce_scatter` `RS`, its `reshard` nothing
+        (it frees memory)."""
         kind = op.kind
-        if kind in STASH_KINDS:
+        if kind in STASH_KINDS or kind is Kind.RESHARD:
             return 0.0
         return self.of(SHARD_COSTS.get(kind) or kind.value, op.stage)
 

@@ -144,6 +144,20 @@ class Layout:
     ) -> Action:
         """The `U` action a `U()` / `U(stage=s)` statement names on `rank`, numbered by
         `counts` (the updates of each stage copy on this rank so far, which it advances)."""
+        return self.copy_op(call, Kind.U, stage, rank, counts)
+
+    def copy_op(
+        self,
+        call: ast.OpCall,
+        kind: Kind,
+        stage: int | None,
+        rank: int,
+        counts: dict[tuple[int, str], int],
+    ) -> Action:
+        """The action of a statement that names a stage copy of `rank`, not a
+        micro-batch (`U()`, `gather(stage=s)`, `reshard()`), numbered by `counts` (the
+        actions of each copy so far, which it advances): a `U` from 0, a `gather` or
+        `reshard` None for its first, then 1, 2, ... (Kind.GATHER)."""
         copies = [
             (s, p.name)
             for p in self.program.pipelines
@@ -159,17 +173,21 @@ class Layout:
                 }
             )
             what = "several stage copies" if copies else f"no copy of stage {stage}"
+            name = "U" if kind is Kind.U else f"{kind.value}()"
+            written = "U(stage=s)" if kind is Kind.U else f"{kind.value}(stage=s)"
             raise fail(
                 "E0103",
-                f"`U` on rank {rank} names {what}",
+                f"`{name}` on rank {rank} names {what}",
                 call.span,
                 notes=(f"rank {rank} holds stages {', '.join(map(str, held))}",),
-                help="write `U(stage=s)` with a stage this rank holds",
+                help=f"write `{written}` with a stage this rank holds",
             )
         copy = copies[0]
         number = counts.get(copy, 0)
         counts[copy] = number + 1
-        return Action(Kind.U, number, copy[0], copy[1], span=call.span)
+        if kind is not Kind.U and number == 0:
+            return Action(kind, None, copy[0], copy[1], span=call.span)
+        return Action(kind, number, copy[0], copy[1], span=call.span)
 
     def _bad_op(
         self, call: ast.OpCall, mb: int | None, stage: int | None, rank: int | None

@@ -28,6 +28,7 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
     for rank in range(layout.program.num_ranks):
         actions: list[Action] = []
         updates: dict[tuple[int, str], int] = {}  # stage copy -> its updates so far
+        shard_ops: dict[Kind, dict[tuple[int, str], int]] = {Kind.GATHER: {}, Kind.RESHARD: {}}
 
         def emit(
             call: ast.OpCall,
@@ -48,6 +49,10 @@ def expand_rank_order(order: ast.OrderRank, layout: Layout) -> tuple[tuple[Actio
                 )
             if kind is Kind.U:
                 actions.append(layout.update(call, stage, rank, updates))  # noqa: B023
+                return
+            if kind in shard_ops:  # noqa: B023
+                counts = shard_ops[kind]  # noqa: B023
+                actions.append(layout.copy_op(call, kind, stage, rank, counts))  # noqa: B023
                 return
             action = layout.op(call, kind, mb, stage, rank, fused, chunk)  # noqa: B023
             actions.append(action if peer is None else action._replace(peer=peer))  # noqa: B023

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pipelang import ast
 from pipelang.diagnostics import Label, fail
 from pipelang.evaluate import compile_int
-from pipelang.ir import STASH_KINDS, Action, Kind
+from pipelang.ir import SHARD_KINDS, STASH_KINDS, Action, Kind
 from pipelang.orders import Layout
 from pipelang.orders.squeeze import squeeze
 from pipelang.orders.statements import Budget, compile_block
@@ -79,7 +79,7 @@ def expand_repeat_order(order: ast.OrderRepeat, layout: Layout) -> tuple[tuple[A
 
 def _check_op(call: ast.OpCall, kind: Kind, fused: bool) -> None:
     """E0103 for an op a `repeat` block cannot place: an update, a frozen forward, an
-    eviction or load, a fused pair."""
+    eviction or load, a sharded stage's `gather` or `reshard`, a fused pair."""
     if kind is Kind.U:
         raise fail(
             "E0103",
@@ -94,6 +94,13 @@ def _check_op(call: ast.OpCall, kind: Kind, fused: bool) -> None:
             call.span,
             help="a `repeat` block places ops by stage, and `P` runs on any "
             "rank that holds the frozen part",
+        )
+    if kind in SHARD_KINDS:
+        raise fail(
+            "E0103",
+            f"`{kind.value}()` belongs in an `order rank`",
+            call.span,
+            help="write the schedule's order with `order rank r { ... }`",
         )
     if kind in STASH_KINDS:
         raise fail(

@@ -152,6 +152,13 @@ def _check_after_op(call: ast.OpCall, layout: Layout) -> None:
         raise fail("E0103", "an `after` names F, B, W or R ops, not a weight update", call.span)
     if call.kind == "P" and call.mb is not None and call.slot is None:
         return  # `Layout.op` checks the rest: a frozen part, stage 0
+    if call.kind in ("gather", "reshard"):
+        raise fail(
+            "E0103",
+            f"an `after` names F, B, W or R ops, not `{call.kind}`",
+            call.span,
+            help=f"a `{call.kind}()` runs where its rank's order lists it",
+        )
     if call.kind in ("E", "L"):
         raise fail(
             "E0103",

@@ -45,7 +45,9 @@ KIND_NAME = {
 
 def box_label(action: Action) -> str:
     """What a box says: its micro-batch (`3`, `3.1`), or `AG`, `RS` for a sharded
-    stage's all-gather and reduce-scatter."""
+    stage's all-gather and reduce-scatter (a `reshard`, which takes no time, its kind)."""
+    if action.kind is Kind.RESHARD:
+        return action.kind.value
     return SHARD_COSTS.get(action.kind) or action.unit()
 
 
