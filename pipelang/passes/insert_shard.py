@@ -132,7 +132,6 @@ def _rank(rank: int, actions: tuple[Action, ...], problems: list[Problem]) -> tu
     """One rank's order with its copies' gathers (where none is written) and
     reduce-scatters, every gather and reshard numbered; problems appended."""
     copies: dict[Copy, _Copy] = {}
-    first_problem = len(problems)
     for step, action in enumerate(actions):
         if action.kind in _GRADIENTS:
             end = step
@@ -141,6 +140,8 @@ def _rank(rank: int, actions: tuple[Action, ...], problems: list[Problem]) -> tu
             copies[(action.stage, action.pipeline)] = _Copy(end)
     before: dict[int, list[Action]] = {}
     after: dict[int, list[Action]] = {}
+    numbers: dict[tuple[Kind, Copy], int] = {}
+    out = list(actions)
     head = 0
     for step, action in enumerate(actions):
         head = head if action.fused else step  # the compound's first step
@@ -148,34 +149,30 @@ def _rank(rank: int, actions: tuple[Action, ...], problems: list[Problem]) -> tu
         if copy is None:  # a stage copy without a backward here: a written shard op
             continue
         if action.kind in _USES:
-            _use(rank, action, copy, before.setdefault(head, []), problems)
+            if copy.state is _State.FRESH:
+                gather = _number(Action(Kind.GATHER, None, action.stage, action.pipeline), numbers)
+                before.setdefault(head, []).append(gather)
+            _use(rank, action, copy, problems)
         elif action.kind in SHARD_KINDS:
+            out[step] = action = _number(action, numbers)  # as the dump names it
             _written(rank, action, copy, problems)
         if step == copy.last:
             _unused(rank, copy, problems)
             copy.state, copy.since = _State.REDUCED, None
             reduce = Action(Kind.REDUCE_SCATTER, None, action.stage, action.pipeline)
             after.setdefault(step, []).append(reduce)
-    out: list[Action] = []
-    for step, action in enumerate(actions):
-        out.extend(before.get(step, ()))
-        out.append(action)
-        out.extend(after.get(step, ()))
-    numbered = _numbered(out)
-    renamed = {id(a): b for a, b in zip(out, numbered, strict=True) if a.kind in SHARD_KINDS}
-    for i in range(first_problem, len(problems)):  # named as the dump names them
-        op = renamed.get(id(problems[i].op), problems[i].op)
-        problems[i] = dataclasses.replace(problems[i], op=op)
-    return numbered
+    found: list[Action] = []
+    for step, action in enumerate(out):
+        found.extend(before.get(step, ()))
+        found.append(action)
+        found.extend(after.get(step, ()))
+    return tuple(found)
 
 
-def _use(
-    rank: int, action: Action, copy: _Copy, gathers: list[Action], problems: list[Problem]
-) -> None:
-    """An op of the copy: gathered before it (inserted at the step of the compound's
-    head where the copy is fresh), or a problem."""
+def _use(rank: int, action: Action, copy: _Copy, problems: list[Problem]) -> None:
+    """An op of the copy: gathered before it (where the copy is fresh, the caller
+    inserts the gather), or a problem."""
     if copy.state is _State.FRESH:
-        gathers.append(Action(Kind.GATHER, None, action.stage, action.pipeline))
         copy.state = _State.GATHERED
     elif copy.state is not _State.GATHERED:
         where = f" (line {_line(copy.since)})" if copy.since is not None else ""
@@ -249,19 +246,13 @@ def _line(action: Action) -> int:
     return span.line if span is not None else 0
 
 
-def _numbered(actions: list[Action]) -> tuple[Action, ...]:
-    """Each copy's gathers and reshards numbered in order: None for its first, then 1,
-    2, ..."""
-    counts: dict[tuple[Kind, Copy], int] = {}
-    out = []
-    for action in actions:
-        if action.kind is Kind.GATHER or action.kind is Kind.RESHARD:
-            key = (action.kind, (action.stage, action.pipeline))
-            number = counts.get(key, 0)
-            counts[key] = number + 1
-            action = action._replace(mb=number or None)
-        out.append(action)
-    return tuple(out)
+def _number(action: Action, numbers: dict[tuple[Kind, Copy], int]) -> Action:
+    """A copy's gather or reshard numbered in its rank's order: None for its first,
+    then 1, 2, ... (`numbers` counts them so far, and is advanced)."""
+    key = (action.kind, (action.stage, action.pipeline))
+    number = numbers.get(key, 0)
+    numbers[key] = number + 1
+    return action._replace(mb=number or None)
 
 
 def run(c: Compilation) -> Compilation:
