@@ -127,12 +127,25 @@ class StepTraces:
 
 
 def written_line(config: RunConfig, done: int) -> str:
-    """What the end of a run says of the step files it wrote in its `done` steps."""
+    """What the end of a run says of the step files it wrote in its `done` steps: those
+    that are files now (one that could not be written was warned of as the run went)."""
     every, first, trace = config.trace_every or 1, config.first_step, config.trace or ""
     steps = [s for s in range(first + 1, first + done + 1) if s % every == 0]
     if not steps:
         return f"wrote no trace: no step of this run is a multiple of --trace-every {every}"
-    shown = ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, ..., {steps[-1]}"
+    written = [s for s in steps if step_path(trace, s).is_file()]
     path = Path(trace)
     name = path.with_name(f"{path.stem}-stepK{path.suffix}")
-    return f"wrote the trace of steps {shown} (--trace-every {every}) to {name}, a file each"
+    if not written:
+        return f"wrote no trace: the trace of {_steps(steps)} could not be written"
+    line = f"wrote the trace of {_steps(written)} (--trace-every {every}) to {name}, a file each"
+    missing = [s for s in steps if s not in written]
+    return line + (f"; that of {_steps(missing)} could not be written" if missing else "")
+
+
+def _steps(steps: list[int]) -> str:
+    """`step 4`, `steps 2, 4`, `steps 2, ..., 40`."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    shown = ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, ..., {steps[-1]}"
+    return f"steps {shown}"

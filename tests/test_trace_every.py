@@ -84,7 +84,7 @@ def test_a_resumed_run_goes_on_counting_from_its_checkpoint(tmp_path: Path) -> N
     (tmp_path / "t-step2.json").unlink()
     again = pipelang_cmd(*RUN, "--steps", "5", *save, "--resume", "auto", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    assert "wrote the trace of steps 4 (--trace-every 2) to t-stepK.json" in again.stdout
+    assert "wrote the trace of step 4 (--trace-every 2) to t-stepK.json" in again.stdout
     _traced(tmp_path, [4])
     written = (tmp_path / "ck" / "config.toml").read_text()
     assert "trace-every = 2" in written
@@ -155,3 +155,26 @@ def test_a_bad_k_is_a_usage_error(tmp_path: Path, k: str, message: str) -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert last == f"pipelang run: error: argument --trace-every: {message}"
     assert not list(tmp_path.iterdir())
+
+
+def test_the_end_of_a_run_names_only_the_step_files_written(tmp_path: Path) -> None:
+    """A step whose file could not be written (a folder where it goes; the run warned
+    as it went) is not among those the last line says were written."""
+    from pipelang.backends.config import RunConfig
+    from pipelang.backends.trace_steps import written_line
+
+    trace = tmp_path / "t.json"
+    config = RunConfig(steps=3, trace=str(trace), trace_every=1)
+    (tmp_path / "t-step1.json").write_text("{}")
+    (tmp_path / "t-step2.json").mkdir()
+    (tmp_path / "t-step3.json").write_text("{}")
+    name = tmp_path / "t-stepK.json"
+    assert written_line(config, 3) == (
+        f"wrote the trace of steps 1, 3 (--trace-every 1) to {name}, a file each; "
+        "that of step 2 could not be written"
+    )
+    for step in (1, 3):
+        (tmp_path / f"t-step{step}.json").unlink()
+    assert (
+        written_line(config, 3) == "wrote no trace: the trace of steps 1, 2, 3 could not be written"
+    )
