@@ -133,7 +133,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "split": "--tp does not split a tensor-parallel stage's backward yet (W would "
         "differentiate the local shards, not the DTensor parameters); use a schedule "
         "without W, such as 1f1b",
-        "sharded": "FSDP2 over tensor-parallel stages is not built yet; run --tp without --shard",
         "evictions": "--tp does not evict a tensor-parallel stage's activations yet",
         "frozen": "--tp does not split a frozen part yet",
     },
