@@ -58,6 +58,7 @@ from pipelang.backends.checkpoint_read import (
     reader,
     tensor_entries,
 )
+from pipelang.backends.tensor_parallel import dp_piece, fused_sharded, tp_part
 from pipelang.backends.user_models import PackedStage
 from pipelang.diagnostics import clip
 
@@ -140,10 +141,12 @@ class Held:
             shape=layout.shape,
             stride=layout.stride(),
         )
-        boxes = _boxes(layout.placements)
-        if boxes == tuple(layout.placements):
+        if fused_sharded(layout):  # --shard --tp: its tensor-parallel part, over "tp"
+            entry = tp_part(entry)
+        boxes = _boxes(entry.placements)
+        if boxes == tuple(entry.placements):
             return entry
-        return entry.redistribute(layout.device_mesh, boxes)
+        return entry.redistribute(entry.device_mesh, boxes)
 
     def local(self, i: int, entry: torch.Tensor) -> torch.Tensor:
         """`entry` (read into `whole`'s layout) as this process's part of parameter
@@ -155,18 +158,28 @@ class Held:
         assert self.sharded is not None
         layout = self.sharded[i]
         assert isinstance(layout, DTensor)
+        if fused_sharded(layout):  # whole()'s rows over "tp": this process's FSDP2 shard
+            part = entry.redistribute(entry.device_mesh, [layout.placements[1]])
+            return dp_piece(part.to_local(), layout)
         if entry.placements != layout.placements:
             entry = entry.redistribute(layout.device_mesh, layout.placements)
         return entry.to_local()
 
 
 def _boxes(placements: Sequence[Any]) -> tuple[Any, ...]:
-    """`placements` with each `_StridedShard` (a part that is several boxes of the whole
-    tensor) a plain `Shard` of the same dimension (one box)."""
+    """`placements` with each `_StridedShard` that no later placement cuts further (a
+    fused projection's part, several boxes of the whole tensor) a plain `Shard` of the
+    same dimension (one box); FSDP2's over a tensor-parallel `Shard` is one box already."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
+    def box(m: int, p: Any) -> Any:
+        if not isinstance(p, _StridedShard):
+            return p
+        later = placements[m + 1 :]
+        return p if any(isinstance(q, Shard) and q.dim == p.dim for q in later) else Shard(p.dim)
+
+    return tuple(box(m, p) for m, p in enumerate(placements))
 
 
 def held_by_model(

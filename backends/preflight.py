@@ -265,7 +265,6 @@ def tp_refusal(config: RunConfig) -> str | None:
             f"{config.backend}"
         )
     options = (
-        ("--shard", config.shard, "FSDP2 over tensor-parallel stages is not built yet"),
         (
             "--graphs",
             config.graphs,

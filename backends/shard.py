@@ -48,9 +48,12 @@ import torch
 from torch import nn
 
 from pipelang.backends.rank_base import _comm, make_optimizer
+from pipelang.backends.tensor_parallel import fused_sharded, note_repeated, tp_part
 from pipelang.diagnostics import InternalError
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from pipelang.backends.runtime import RankRuntime
     from pipelang.backends.stage import Stage
 
@@ -66,16 +69,34 @@ def shard_copies(runtime: RankRuntime) -> None:
     if groups is None:
         raise InternalError("--shard needs a process per rank (a DistTransport)")
     for copy in runtime.copies.values():
-        group, _ = groups[copy.stage]
-        mesh = DeviceMesh.from_group(group, runtime.device.type)
+        group, ranks = groups[copy.stage]
+        mesh = _dp_mesh(runtime, ranks) or DeviceMesh.from_group(group, runtime.device.type)
         policy = _masters_sharded(copy)
         module: Any = fully_shard(
             copy.module, mesh=mesh, reshard_after_forward=False, mp_policy=policy
         )
         module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled already
         module.set_force_sum_reduction_for_comms(True)  # SUM, which gloo has
-        copy.params = [_local(p) for p in module.parameters() if p.requires_grad]
+        sharded = _sharded(copy)
+        copy.params = [_local(p) for p in sharded]
+        if runtime.config.tp > 1:
+            note_repeated(runtime, sharded, copy.params)
         copy.optimizer = make_optimizer(copy.params, runtime.config)
+
+
+def _dp_mesh(runtime: RankRuntime, ranks: list[int]) -> DeviceMesh | None:
+    """With `--tp`: the "dp" dimension of the run's mesh through this process, which
+    FSDP2 joins with its tensor-parallel parameters' "tp" dimension (one root mesh: the
+    torchtitan recipe); it must be the stage's reduce group, `ranks`. None without --tp."""
+    if runtime.config.tp < 2:
+        return None
+    whole = getattr(runtime.transport, "mesh", None)
+    if whole is None:
+        raise InternalError("--tp needs a process per tensor rank (a DistTransport)")
+    mesh: DeviceMesh = whole["dp"]
+    if sorted(mesh.mesh.flatten().tolist()) != sorted(ranks):
+        raise InternalError(f"the reduce group {ranks} is not the mesh's dp slice")
+    return mesh
 
 
 def _masters_sharded(copy: Stage) -> Any:
@@ -163,8 +184,10 @@ class ShardActions:
                 group.post_backward()
         state._root_post_backward_final_callback()
         # FSDP2 may have replaced a local tensor at its lazy init (padding): take them anew
-        sharded = _sharded(copy)
+        sharded, before = _sharded(copy), copy.params
         copy.params = [_local(p) for p in sharded]
+        if self.config.tp > 1:
+            note_repeated(self, sharded, copy.params, before)
         assert copy.optimizer is not None
         copy.optimizer.params = copy.params
         for param, local in zip(sharded, copy.params, strict=True):
@@ -189,6 +212,8 @@ def _full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     the copy computes with them (`compute_dtype`)."""
     from torch.distributed.tensor import DTensor
 
+    if fused_sharded(tensor):  # --tp's fused projection: where its rows lie
+        tensor = tp_part(tensor)
     whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     return whole if dtype is None or not whole.is_floating_point() else whole.to(dtype)
 

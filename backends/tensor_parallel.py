@@ -30,6 +30,7 @@ parameter on tensor rank 0 only (`RankRuntime.repeated`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,23 +117,47 @@ def fused_colwise(parts: int) -> Any:
 
 def parallelize_copies(runtime: RankRuntime, mesh: DeviceMesh) -> None:
     """Split every block of every stage copy of `runtime` over `mesh` (the tensor group),
-    and give each copy its local tensors to train, with an optimizer over them. Every
-    process of the group calls it, in the same order of copies."""
-    from torch.distributed.tensor import DTensor, Replicate
+    and give each copy its local tensors to train, with an optimizer over them (with
+    `--shard`, `shard.shard_copies` does that next, over the FSDP2 shards of these
+    DTensors). Every process of the group calls it, in the same order of copies."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     for copy in runtime.copies.values():
         for block in copy.module.modules():
             if type(block) in PLANS:
                 parallelize_module(block, mesh, parallel_styles(block))
+        if runtime.config.shard:
+            continue
         trained = [p for p in copy.module.parameters() if p.requires_grad]
         copy.params = [_local(p) for p in trained]
         for param, local in zip(trained, copy.params, strict=True):
             if isinstance(param, DTensor):
                 param.register_post_accumulate_grad_hook(_move_grad(local))
-            if not isinstance(param, DTensor) or param.placements == (Replicate(),):
-                runtime.repeated.add(id(local))
+        note_repeated(runtime, trained, copy.params)
         copy.optimizer = make_optimizer(copy.params, runtime.config)
+
+
+def note_repeated(
+    runtime: RankRuntime,
+    params: Sequence[torch.Tensor],
+    locals_: Sequence[torch.Tensor],
+    before: Sequence[torch.Tensor] = (),
+) -> None:
+    """Mark in `runtime.repeated` each of `locals_` (the local tensors of `params`) that
+    every tensor rank holds alike: a parameter that is no DTensor, or one replicated
+    over the "tp" dimension of its mesh (or on a mesh without it: `--shard`'s embedding,
+    norms and head, sharded over "dp" alone); `before`, local tensors they replace, are
+    unmarked first."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    runtime.repeated.difference_update(id(t) for t in before)
+    for param, local in zip(params, locals_, strict=True):
+        if isinstance(param, DTensor):
+            names = param.device_mesh.mesh_dim_names or ()
+            if "tp" in names and param.placements[names.index("tp")] != Replicate():
+                continue
+        runtime.repeated.add(id(local))
 
 
 def _local(param: torch.Tensor) -> Any:
@@ -152,3 +177,47 @@ def _move_grad(local: torch.Tensor) -> Any:
         param.grad = None
 
     return hook
+
+
+def fused_sharded(param: torch.Tensor) -> bool:
+    """Whether `param` is a fused projection's (`_StridedShard` over "tp") that FSDP2
+    shards over "dp" too (`--shard --tp`): FSDP2 takes its tensor-parallel part for
+    plain rows, so the placements of its DTensor do not say where its rows lie in the
+    whole tensor (`full_tensor` would put them elsewhere); `tp_part` says it."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names != ("dp", "tp"):
+        return False
+    return isinstance(param.placements[1], _StridedShard)
+
+
+def tp_part(param: Any) -> Any:
+    """A `fused_sharded` DTensor as the tensor-parallel DTensor ("tp" mesh) whose
+    FSDP2 shard it is: its "dp" shards gathered (a collective over "dp"; torch.chunk's
+    cut of dim 0, as FSDP2 cuts)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = param.device_mesh
+    shape = torch.Size((param.shape[0] // mesh["tp"].size(), *param.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    part = DTensor.from_local(
+        param._local_tensor, mesh["dp"], [Shard(0)], run_check=False, shape=shape, stride=stride
+    )
+    return DTensor.from_local(
+        part.full_tensor(),
+        mesh["tp"],
+        [param.placements[1]],
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def dp_piece(part: torch.Tensor, param: Any) -> torch.Tensor:
+    """This process's FSDP2 shard of `part`, the tensor-parallel part of the
+    `fused_sharded` `param`: `tp_part` undone, without a collective."""
+    dp = param.device_mesh["dp"]
+    pieces = torch.chunk(part, dp.size(), dim=0)
+    rank = dp.get_local_rank()
+    return pieces[rank] if rank < len(pieces) else part[:0]
