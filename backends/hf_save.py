@@ -7,7 +7,9 @@ tensor names (those of `DIR/config.json`'s model, `HFLayers.slots`):
 - a piece is a stage (its layers), or the schedule's frozen part; a piece holding no
   parameter of its own writes nothing;
 - its writer is the copy on the lowest rank that holds it (the first pipeline there), in
-  data-parallel copy 0: the replicas of a stage are equal after a step, so one writes;
+  data-parallel copy 0: the replicas of a stage are equal after a step, so one writes
+  (with `--shard`, every copy gathers the stage's whole weights with it, and copy 0
+  writes them);
 - a tied weight (GPT-2's, a small Llama's embedding and head) is one tensor, under its
   first name (the embedding's, as `save_pretrained` writes it), written by the piece
   holding the first layer that uses it;
@@ -145,8 +147,8 @@ def write_rank(runtime: RankRuntime) -> None:
     """Write the shards this rank writes (none outside data-parallel copy 0), after the
     run's last step."""
     config = runtime.config
-    if config.save_hf is None or runtime.replica != 0:
-        return
+    if config.save_hf is None or (runtime.replica != 0 and not config.shard):
+        return  # with --shard, every copy takes part in gathering its stage's weights
     import dataclasses
 
     program = runtime.program
@@ -165,7 +167,8 @@ def write_rank(runtime: RankRuntime) -> None:
             if copy.masters is not None:
                 masters = {id(p): m for p, m in zip(copy.params, copy.masters, strict=True)}
             tensors = _tensors(model, copy.module, copy.layers, piece.layers, masters)
-        _write_shard(Path(config.save_hf) / piece.file, tensors)
+        if runtime.replica == 0:
+            _write_shard(Path(config.save_hf) / piece.file, tensors)
 
 
 def _tensors(
@@ -177,6 +180,8 @@ def _tensors(
 ) -> dict[str, torch.Tensor]:
     """The tensors of `module` (an nn.Sequential of layers `held`) whose first layer is in
     `owned`, by their Hugging Face names, on the CPU."""
+    from torch.distributed.tensor import DTensor
+
     layers = _hf_layers(model)
     names = {i: _names(layers, i) for i in held}
     out: dict[str, torch.Tensor] = {}
@@ -188,7 +193,9 @@ def _tensors(
         if key in written or layers.owner[key] not in owned:
             continue
         written.add(key)
-        value = masters.get(id(param), param) if masters is not None else param
+        value: torch.Tensor = masters.get(id(param), param) if masters is not None else param
+        if isinstance(value, DTensor):  # --shard: the whole weight, gathered from every copy
+            value = value.full_tensor()
         out[hf_name] = value.detach().cpu().contiguous().clone()
     return out
 

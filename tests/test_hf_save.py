@@ -77,18 +77,19 @@ def _reloaded(out: Path, dtype: torch.dtype = torch.float32) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "schedule", "ranks", "mixed"),
+    ("name", "schedule", "ranks", "extra"),
     [
-        ("llama", "1f1b", 2, False),
-        ("gpt2", "chimera", 4, False),  # tied: written once; two copies of each stage
-        ("llama", "1f1b", 2, True),  # the fp32 masters
+        ("llama", "1f1b", 2, ()),
+        ("gpt2", "chimera", 4, ()),  # tied: written once; two copies of each stage
+        ("llama", "1f1b", 2, ("--mixed-precision", "bfloat16")),  # the fp32 masters
+        ("llama", "1f1b", 2, ("--dp", "2", "--shard")),  # gathered from both copies
     ],
 )
 def test_the_written_model_is_the_last_steps(
     name: str,
     schedule: str,
     ranks: int,
-    mixed: bool,
+    extra: tuple[str, ...],
     checkpoints: dict[str, Path],  # noqa: F811
     tmp_path: Path,
 ) -> None:
@@ -96,7 +97,6 @@ def test_the_written_model_is_the_last_steps(
     no key missing or unexpected, and its logits are those of the checkpoint's
     parameters (not the input's); one shard per stage, the index naming each tensor."""
     directory = checkpoints[name]
-    extra = ["--mixed-precision", "bfloat16"] if mixed else []
     argv = [*_argv(directory, schedule, ranks), *extra, "--save", "ck", "--save-hf", "out"]
     proc = pipelang_cmd(*argv, "--backend", "gloo", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
