@@ -86,6 +86,9 @@ def preflight(program: Program, config: RunConfig) -> Shapes:
 
     _check_world(program, config)
     plan = plan_stages(config.spec, program.num_stages, config.partition)
+    hook = tp_hook_refusal(config)
+    if hook is not None:
+        raise RunError(hook)
     if plan.ties and config.shard:
         raise RunError(
             f"--shard: {config.model} ties weights across stages, whose copies are kept "
@@ -241,13 +244,15 @@ def tp_refusal(config: RunConfig) -> str | None:
     from pipelang.backends.builtin_models import MODEL_FAMILIES
 
     family, _, size = config.model.partition(":")
-    if family not in MODEL_FAMILIES or size not in MODEL_FAMILIES[family]:
-        whose = "a Hugging Face model" if family == "hf" else "a model of your own"
+    if family == "hf" or (family in MODEL_FAMILIES and size not in MODEL_FAMILIES[family]):
         return (
             f"--tp splits the attention heads and MLPs of the built-in models (--model "
-            f"gpt:SIZE or llama:SIZE); --model {clip(f'`{config.model}`')} is {whose}, which "
-            "it cannot split yet"
+            f"gpt:SIZE or llama:SIZE) and, by their `tp(module, mesh)`, models of your own; "
+            f"--model {clip(f'`{config.model}`')} is a Hugging Face model, which it cannot "
+            "split yet"
         )
+    if family not in MODEL_FAMILIES:  # a model of your own: its hook (`tp_hook_refusal`)
+        return _backend_refusal(config) or _options_refusal(config)
     cfg = MODEL_FAMILIES[family][size]
     heads = [("attention heads", cfg.heads)]
     heads += [("key/value heads", cfg.kv_heads)] if hasattr(cfg, "kv_heads") else []
@@ -258,12 +263,20 @@ def tp_refusal(config: RunConfig) -> str | None:
                 f"--tp {tp}: {config.model} has {count} {what}, which {tp} tensor ranks "
                 f"cannot split evenly; give a --tp that divides {count}"
             )
+    return _backend_refusal(config) or _options_refusal(config)
+
+
+def _backend_refusal(config: RunConfig) -> str | None:
     if not BACKENDS[config.backend].processes:
         return (
             f"--tp needs a process per tensor rank (DTensor over process groups): use "
             f"--backend {' or '.join(n for n, b in BACKENDS.items() if b.processes)}, not "
             f"{config.backend}"
         )
+    return None
+
+
+def _options_refusal(config: RunConfig) -> str | None:
     options = (
         (
             "--graphs",
@@ -282,3 +295,23 @@ def tp_refusal(config: RunConfig) -> str | None:
         if given:
             return f"--tp with {flag}: {why}; run it without one of them"
     return None
+
+
+def tp_hook_refusal(config: RunConfig) -> str | None:
+    """Why `--tp T` cannot split a model of your own: the module of `--model FILE.py:FUNC`
+    defines no `tp(module, mesh)` beside FUNC; None where it does, or with a built-in
+    model or without --tp. Loads the model's module: after it was vetted (`plan_stages`)."""
+    from pipelang.backends.builtin_models import MODEL_FAMILIES
+    from pipelang.backends.tensor_parallel import HOOK, user_hook
+
+    if config.tp < 2 or config.model.partition(":")[0] in MODEL_FAMILIES:
+        return None
+    if user_hook(config.model) is not None:
+        return None
+    where, _, func = config.model.rpartition(":")
+    return clip(
+        f"--tp {config.tp} with --model `{config.model}`: `{where}` defines no function "
+        f"`{HOOK}(module, mesh)` beside `{func}`, which --tp calls to split each layer of a "
+        "stage over its tensor ranks (docs/runtime.md, Tensor parallelism); define one, or "
+        "run without --tp"
+    )

@@ -30,16 +30,18 @@ parameter on tensor rank 0 only (`RankRuntime.repeated`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as functional
 from torch import nn
 
-from pipelang.backends.builtin_models import Block, LlamaBlock
+from pipelang.backends.builtin_models import MODEL_FAMILIES, Block, LlamaBlock
+from pipelang.backends.model_error import ModelError
 from pipelang.backends.rank_base import make_optimizer
-from pipelang.diagnostics import InternalError
+from pipelang.diagnostics import InternalError, clip
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -123,8 +125,12 @@ def parallelize_copies(runtime: RankRuntime, mesh: DeviceMesh) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
+    family = runtime.config.model.partition(":")[0]
+    hook = None if family in MODEL_FAMILIES else user_hook(runtime.config.model)
     for copy in runtime.copies.values():
-        for block in copy.module.modules():
+        if hook is not None:
+            _split_layers(runtime.config.model, hook, copy.module, copy.layers.start, mesh)
+        for block in copy.module.modules() if hook is None else ():
             if type(block) in PLANS:
                 parallelize_module(block, mesh, parallel_styles(block))
         if runtime.config.shard:
@@ -136,6 +142,65 @@ def parallelize_copies(runtime: RankRuntime, mesh: DeviceMesh) -> None:
                 param.register_post_accumulate_grad_hook(_move_grad(local))
         note_repeated(runtime, trained, copy.params)
         copy.optimizer = make_optimizer(copy.params, runtime.config)
+
+
+HOOK = "tp"
+"""The name of the function beside FUNC, in the module of `--model FILE.py:FUNC`, that
+splits a layer of the user's model over its tensor ranks: `tp(module, mesh)`."""
+
+
+def user_hook(model: str) -> Callable[[nn.Module, DeviceMesh], object] | None:
+    """The `tp(module, mesh)` function (`HOOK`) defined beside FUNC in the module that
+    `--model FILE.py:FUNC` (or `package.module:FUNC`) names, or None where there is none
+    (anything else named `tp` there is a ModelError)."""
+    from pipelang.backends.user_models import load_factory
+
+    factory = load_factory(model)
+    namespace = getattr(factory, "__globals__", None)
+    if namespace is None:  # a class, say: its module's
+        namespace = vars(sys.modules.get(getattr(factory, "__module__", ""), sys))
+    hook = namespace.get(HOOK) if namespace is not vars(sys) else None
+    if hook is not None and not callable(hook):
+        raise ModelError(
+            clip(
+                f"`--model {model}`: `{HOOK}` beside it is {type(hook).__name__}, not a "
+                f"function `{HOOK}(module, mesh)`"
+            )
+        )
+    return hook  # type: ignore[no-any-return]
+
+
+def _split_layers(
+    model: str,
+    hook: Callable[[nn.Module, DeviceMesh], object],
+    stage: nn.Sequential,
+    first: int,
+    mesh: DeviceMesh,
+) -> None:
+    """Call a user's `tp(module, mesh)` on each layer of a stage copy (the module FUNC's
+    model gave, inside pipelang's wrapper where it packs what crosses a boundary), in
+    order; it splits the layer in place."""
+    from pipelang.backends.user_models import PackedStage, said
+
+    for index, layer in enumerate(stage):
+        module = layer.stage if isinstance(layer, PackedStage) else layer
+        try:
+            given = hook(module, mesh)
+        except Exception as err:  # the user's code: its failure, named
+            raise ModelError(
+                clip(
+                    f"`--model {model}`: {HOOK}(module, mesh) failed on layer "
+                    f"{first + index}: {said(err)}"
+                )
+            ) from None
+        if given is not None and given is not module:
+            raise ModelError(
+                clip(
+                    f"`--model {model}`: {HOOK}(module, mesh) returned another module for "
+                    f"layer {first + index}; it must split the layer in place, as "
+                    "parallelize_module does, and return None or the layer"
+                )
+            )
 
 
 def note_repeated(

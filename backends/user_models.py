@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -138,6 +139,12 @@ def _call(stage: nn.Module, value: object, whole: bool) -> object:
 # ---- loading ----------------------------------------------------------------------------------
 
 
+_files: dict[tuple[str, int, int], ModuleType] = {}
+"""The modules of `--model FILE.py:FUNC` files loaded in this process, by path, time and
+size: a file is executed once (a second load, `--tp`'s `tp` hook, finds the classes its
+model was built from)."""
+
+
 def load_factory(name: str) -> Callable[..., object]:
     """The callable `--model` names: `package.module:FUNC`, or `path/to/file.py:FUNC` (a
     file, loaded as a module of its own; relative to the working directory)."""
@@ -147,11 +154,16 @@ def load_factory(name: str) -> Callable[..., object]:
             path = Path(module_name)
             if not path.is_file():
                 raise ImportError(f"no file {module_name}")
-            loader = importlib.util.spec_from_file_location(f"pipelang_model_{path.stem}", path)
-            if loader is None or loader.loader is None:
-                raise ImportError(f"cannot import {module_name}")
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
+            stat = path.stat()
+            key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+            module = _files.get(key)
+            if module is None:  # once per file, as an import is: its classes stay one
+                loader = importlib.util.spec_from_file_location(f"pipelang_model_{path.stem}", path)
+                if loader is None or loader.loader is None:
+                    raise ImportError(f"cannot import {module_name}")
+                module = importlib.util.module_from_spec(loader)
+                loader.loader.exec_module(module)
+                _files[key] = module
         else:
             module = importlib.import_module(module_name)
         factory = getattr(module, attr)

@@ -95,16 +95,70 @@ def test_run_refuses_a_split_backward_with_tp(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize(
-    ("model", "whose"),
-    [("hf:/models/llama", "a Hugging Face model"), ("m.py:build", "a model of your own")],
-)
-def test_tp_refuses_models_other_than_the_built_in_ones(model: str, whose: str) -> None:
-    assert tp_refusal(RunConfig(model=model, backend="gloo", tp=2)) == (
+def test_tp_refuses_hugging_face_models() -> None:
+    assert tp_refusal(RunConfig(model="hf:/models/llama", backend="gloo", tp=2)) == (
         "--tp splits the attention heads and MLPs of the built-in models (--model gpt:SIZE "
-        f"or llama:SIZE); --model `{model}` is {whose}, which it cannot split yet"
+        "or llama:SIZE) and, by their `tp(module, mesh)`, models of your own; --model "
+        "`hf:/models/llama` is a Hugging Face model, which it cannot split yet"
     )
-    assert tp_refusal(RunConfig(model=model, backend="gloo")) is None
+    assert tp_refusal(RunConfig(model="hf:/models/llama", backend="gloo")) is None
+    assert tp_refusal(RunConfig(model="m.py:build", backend="gloo", tp=2)) is None
+    assert tp_refusal(RunConfig(model="m.py:build", backend="local", tp=2)) == (
+        "--tp needs a process per tensor rank (DTensor over process groups): use --backend "
+        "gloo or nccl, not local"
+    )
+
+
+USER_MODEL = """
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def model():
+    return nn.Sequential(
+        nn.Embedding(64, 16), MLP(16), MLP(16), nn.LayerNorm(16), nn.Linear(16, 64)
+    )
+
+
+def tp(module, mesh):  # each MLP's first projection column-, its second row-parallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module,
+    )
+
+    if isinstance(module, MLP):
+        parallelize_module(module, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+"""
+
+
+def test_tp_refuses_a_model_of_your_own_without_its_hook(tmp_path: Path) -> None:
+    (tmp_path / "mine.py").write_text(USER_MODEL.replace("def tp(", "def split("))
+    (tmp_path / "odd.py").write_text(USER_MODEL.replace("def tp(", "tp = 3\ndef split("))
+    for name, said in [
+        (
+            "mine.py:model",
+            "error: --tp 2 with --model `mine.py:model`: `mine.py` defines no function "
+            "`tp(module, mesh)` beside `model`, which --tp calls to split each layer of a "
+            "stage over its tensor ranks (docs/runtime.md, Tensor parallelism); define one, "
+            "or run without --tp",
+        ),
+        ("odd.py:model", "error: `--model odd.py:model`: `tp` beside it is int, not a "
+         "function `tp(module, mesh)`"),
+    ]:  # fmt: skip
+        proc = pipelang_here(
+            "run", *ONE_F_ONE_B, "--model", name, "--tp", "2", "--backend", "gloo", cwd=tmp_path
+        )
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == said
 
 
 # ---- runs -------------------------------------------------------------------------------
@@ -254,3 +308,28 @@ def test_sharded_tp_holds_a_quarter_checks_and_resumes_across_layouts(tmp_path: 
     resumed = ("--steps", "3", "--resume", str(sharded / "step-2"), "--check")
     out = gloo(*ONE_F_ONE_B, "--dp", "2", "--shard", *resumed, cwd=tmp_path)
     assert "check OK" in out and "(bitwise equal)" in out, out
+
+
+@pytest.mark.slow
+def test_tp_splits_a_model_of_your_own_by_its_hook(tmp_path: Path) -> None:
+    """`tp(module, mesh)` beside FUNC splits each layer it knows (the MLPs, on stage 0):
+    --check holds, stage 0's processes hold 60% of its bytes (the embedding whole); a
+    hook that fails is named with the layer it failed on."""
+    (tmp_path / "mine.py").write_text(USER_MODEL)
+    _, whole = tp_run(tmp_path, "mine.py:model")
+    out, split = tp_run(tmp_path, "mine.py:model", "--tp", "2")
+    assert "check OK" in out, out
+    assert split["param_bytes"] == [12672, 12672, 4480, 4480]
+    assert whole["param_bytes"] == [21120, 4480]
+    raising = "def tp(module, mesh):\n    if isinstance(module, nn.LayerNorm):\n"
+    raising += "        raise ValueError('no plan for LayerNorm')\n"
+    (tmp_path / "bad.py").write_text(USER_MODEL.replace("def tp(module, mesh):", raising))
+    proc = pipelang_cmd(
+        "run", *ONE_F_ONE_B, "--model", "bad.py:model", "--tp", "2", "--backend", "gloo",
+        cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert (
+        "failed during setup: ModelError: `--model bad.py:model`: tp(module, mesh) failed on "
+        "layer 3: ValueError: no plan for LayerNorm"
+    ) in proc.stderr, proc.stderr
