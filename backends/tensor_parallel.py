@@ -30,7 +30,6 @@ parameter on tensor rank 0 only (`RankRuntime.repeated`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -153,13 +152,10 @@ def user_hook(model: str) -> Callable[[nn.Module, DeviceMesh], object] | None:
     """The `tp(module, mesh)` function (`HOOK`) defined beside FUNC in the module that
     `--model FILE.py:FUNC` (or `package.module:FUNC`) names, or None where there is none
     (anything else named `tp` there is a ModelError)."""
-    from pipelang.backends.user_models import load_factory
+    from pipelang.backends.user_models import load_factory, loaded_module
 
-    factory = load_factory(model)
-    namespace = getattr(factory, "__globals__", None)
-    if namespace is None:  # a class, say: its module's
-        namespace = vars(sys.modules.get(getattr(factory, "__module__", ""), sys))
-    hook = namespace.get(HOOK) if namespace is not vars(sys) else None
+    load_factory(model)  # FUNC is there (a ModelError if not), and its module loaded
+    hook = getattr(loaded_module(model), HOOK, None)
     if hook is not None and not callable(hook):
         raise ModelError(
             clip(

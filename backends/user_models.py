@@ -143,6 +143,12 @@ _files: dict[tuple[str, int, int], ModuleType] = {}
 """The modules of `--model FILE.py:FUNC` files loaded in this process, by path, time and
 size: a file is executed once (a second load, `--tp`'s `tp` hook, finds the classes its
 model was built from)."""
+_loaded: dict[str, ModuleType] = {}
+
+
+def loaded_module(name: str) -> ModuleType:
+    """The module of `--model name` as `load_factory` last loaded it (call that first)."""
+    return _loaded[name]
 
 
 def load_factory(name: str) -> Callable[..., object]:
@@ -167,6 +173,7 @@ def load_factory(name: str) -> Callable[..., object]:
         else:
             module = importlib.import_module(module_name)
         factory = getattr(module, attr)
+        _loaded[name] = module
     except (ImportError, AttributeError, SyntaxError, ValueError) as err:
         raise ModelError(
             clip(f"`--model {name}`: cannot load `{attr}` from `{module_name}`: {_cut(str(err))}")

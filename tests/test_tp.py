@@ -140,6 +140,25 @@ def tp(module, mesh):  # each MLP's first projection column-, its second row-par
 """
 
 
+def test_the_hook_is_found_beside_a_function_or_a_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tp` is looked up in the module FUNC was loaded from (a class has no globals of
+    its own), and it is that module's: the classes the model was built from."""
+    from pipelang.backends.tensor_parallel import user_hook
+    from pipelang.backends.user_models import load_factory
+
+    klass = "\n\nclass Model(nn.Sequential):\n    def __init__(self):\n"
+    klass += "        super().__init__(*model())\n"
+    (tmp_path / "mine.py").write_text(USER_MODEL + klass)
+    monkeypatch.chdir(tmp_path)
+    for name in ("mine.py:model", "mine.py:Model"):
+        built = load_factory(name)()
+        hook = user_hook(name)
+        assert hook is not None and hook.__name__ == "tp"
+        assert hook.__globals__["MLP"] is type(built[1])  # type: ignore[attr-defined, index]
+
+
 def test_tp_refuses_a_model_of_your_own_without_its_hook(tmp_path: Path) -> None:
     (tmp_path / "mine.py").write_text(USER_MODEL.replace("def tp(", "def split("))
     (tmp_path / "odd.py").write_text(USER_MODEL.replace("def tp(", "tp = 3\ndef split("))
