@@ -1,7 +1,8 @@
 """Sharded stage copies (`--dp K --shard`): each copy's module is sharded with FSDP2
 (`torch.distributed.fsdp.fully_shard`) over the K data-parallel copies of its stage, the
 processes that would otherwise allreduce its gradients (the transport's reduce group of
-the stage, as a DeviceMesh).
+the stage, as a DeviceMesh; with `--tp`, the run mesh's "dp" dimension, which FSDP2 joins
+with the tensor-parallel parameters' "tp": backends/tensor_parallel.py).
 
 A stage copy (backends/stage.py) keeps its module, now an `FSDPModule` whose parameters
 are DTensors, each process holding one shard of each (dim 0, padded where it does not

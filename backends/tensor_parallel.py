@@ -26,6 +26,12 @@ parameter's gradient lands on the DTensor, and a hook moves it onto the local te
 (`_move_grad`) as soon as autograd has accumulated it, so the data-parallel allreduce, the
 norm and the optimizer read plain tensors. The gradient norm counts a replicated
 parameter on tensor rank 0 only (`RankRuntime.repeated`).
+
+With `--shard`, FSDP2 then shards these DTensors over the mesh's "dp" dimension
+(backends/shard.py), which trains their shards instead; a fused projection's shard is
+gathered back to its tensor-parallel part where its whole tensor is needed
+(`fused_sharded`, `tp_part`). A model of your own is split by the `tp(module, mesh)` its
+module defines beside FUNC (`HOOK`), called on each layer of a stage copy.
 """
 
 from __future__ import annotations
