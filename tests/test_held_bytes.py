@@ -161,13 +161,13 @@ def tied():  # the embedding and the head share their weight across the two stag
 """
 
 LAYOUTS = [
-    "--dp 2",
     "--dp 2 --shard",
-    "--model odd.py:model --dp 2 --shard --optimizer sgd",
     "--mixed-precision bfloat16 --optimizer adamw",
-    "--model odd.py:model --dp 2 --shard --mixed-precision bfloat16",  # fp32 shards
+    "--model odd.py:model --dp 2 --shard --mixed-precision bfloat16",  # fp32, padded shards
     "--model odd.py:tied --dp 2",  # the tied weight's summed gradient replaces none
 ]
+"""Each a rule of its own (the suite's time is short: `--dp 2` alone and SGD's one state
+are the fast tests' arithmetic, measured in benchmarks/memory_by_layout.py)."""
 
 
 @pytest.mark.slow
