@@ -79,8 +79,9 @@ class RunConfig:
     )
     tp: int = option(
         1,
-        "tensor parallelism for the built-in models (gpt, llama), and for a model of your "
-        "own by the tp(module, mesh) its module defines: each stage copy split "
+        "tensor parallelism for the built-in models (gpt, llama), Hugging Face models of "
+        "the Llama family (hf:DIR: llama, qwen2, mistral), and a model of your own by the "
+        "tp(module, mesh) its module defines: each stage copy split "
         "over T processes (DTensor: attention heads and MLP features column-, their output "
         "projections row-parallel; embedding, norms and head whole on each), K x ranks x T "
         "processes (gloo or nccl); T must divide the heads (and llama's key/value heads); "

@@ -244,26 +244,48 @@ def tp_refusal(config: RunConfig) -> str | None:
     from pipelang.backends.builtin_models import MODEL_FAMILIES
 
     family, _, size = config.model.partition(":")
-    if family == "hf" or (family in MODEL_FAMILIES and size not in MODEL_FAMILIES[family]):
-        return (
-            f"--tp splits the attention heads and MLPs of the built-in models (--model "
-            f"gpt:SIZE or llama:SIZE) and, by their `tp(module, mesh)`, models of your own; "
-            f"--model {clip(f'`{config.model}`')} is a Hugging Face model, which it cannot "
-            "split yet"
-        )
-    if family not in MODEL_FAMILIES:  # a model of your own: its hook (`tp_hook_refusal`)
+    if family == "hf":
+        counts = _hf_tp_counts(config)
+        if isinstance(counts, str):
+            return counts
+    elif family in MODEL_FAMILIES and size in MODEL_FAMILIES[family]:
+        cfg = MODEL_FAMILIES[family][size]
+        counts = [("attention heads", cfg.heads)]
+        counts += [("key/value heads", cfg.kv_heads)] if hasattr(cfg, "kv_heads") else []
+        counts += [("MLP hidden features", getattr(cfg, "hidden", 4 * cfg.width))]
+    else:  # a model of your own: its hook (`tp_hook_refusal`); a bad size is said elsewhere
         return _backend_refusal(config) or _options_refusal(config)
-    cfg = MODEL_FAMILIES[family][size]
-    heads = [("attention heads", cfg.heads)]
-    heads += [("key/value heads", cfg.kv_heads)] if hasattr(cfg, "kv_heads") else []
-    hidden = getattr(cfg, "hidden", 4 * cfg.width)
-    for what, count in [*heads, ("MLP hidden features", hidden)]:
+    for what, count in counts:
         if count % tp:
             return (
                 f"--tp {tp}: {config.model} has {count} {what}, which {tp} tensor ranks "
                 f"cannot split evenly; give a --tp that divides {count}"
             )
     return _backend_refusal(config) or _options_refusal(config)
+
+
+def _hf_tp_counts(config: RunConfig) -> list[tuple[str, int]] | str:
+    """What `--tp` splits of a Hugging Face model (its config.json's heads, key/value heads
+    and MLP features), or why it cannot: GPT-2's fused `Conv1D` projections are not cut."""
+    from pipelang.backends.hf_config import hf_directory, read_config
+    from pipelang.backends.model_error import ModelError
+
+    try:
+        hf = read_config(hf_directory(config.model))
+    except ModelError as err:
+        return str(err)
+    if hf["model_type"] == "gpt2":
+        return (
+            f"--tp with --model {clip(f'`{config.model}`')}: GPT-2's fused Conv1D "
+            "projections are not split yet; the Llama family's (llama, qwen2, mistral) are"
+        )
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    return [
+        ("attention heads", heads),
+        ("key/value heads", kv_heads),
+        ("MLP hidden features", int(hf["intermediate_size"])),
+    ]
 
 
 def _backend_refusal(config: RunConfig) -> str | None:
@@ -304,7 +326,7 @@ def tp_hook_refusal(config: RunConfig) -> str | None:
     from pipelang.backends.builtin_models import MODEL_FAMILIES
     from pipelang.backends.tensor_parallel import HOOK, user_hook
 
-    if config.tp < 2 or config.model.partition(":")[0] in MODEL_FAMILIES:
+    if config.tp < 2 or config.model.partition(":")[0] in (*MODEL_FAMILIES, "hf"):
         return None
     if user_hook(config.model) is not None:
         return None

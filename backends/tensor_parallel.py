@@ -59,14 +59,26 @@ PLANS: dict[type[nn.Module], dict[str, str | int]] = {
 }
 """Per block class, how each projection is cut: "col", "row", or the number of parts of
 a fused column-parallel projection."""
+HF_PLAN: dict[str, str | int] = {
+    **{f"block.self_attn.{p}_proj": "col" for p in "qkv"},
+    "block.self_attn.o_proj": "row",
+    "block.mlp.gate_proj": "col",
+    "block.mlp.up_proj": "col",
+    "block.mlp.down_proj": "row",
+}
+"""A Hugging Face decoder block of the Llama family (`hf_models.HFBlock` over Llama's,
+Qwen2's or Mistral's layer), cut as the built-in llama's and as the family's own
+`base_model_tp_plan`: its attention reshapes to heads of `head_dim` by `-1`, so it runs
+on the heads a process holds. GPT-2's fused `Conv1D` projections are not cut
+(`preflight.tp_refusal`)."""
 
 
-def parallel_styles(module: nn.Module) -> dict[str, Any]:
+def parallel_styles(plan: dict[str, str | int]) -> dict[str, Any]:
     """The `parallelize_module` plan of one block: its projections' styles."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles: dict[str, Any] = {}
-    for name, how in PLANS[type(module)].items():
+    for name, how in plan.items():
         if how == "col":
             styles[name] = ColwiseParallel()
         elif how == "row":
@@ -131,13 +143,18 @@ def parallelize_copies(runtime: RankRuntime, mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     family = runtime.config.model.partition(":")[0]
-    hook = None if family in MODEL_FAMILIES else user_hook(runtime.config.model)
+    plans = PLANS
+    if family == "hf":
+        from pipelang.backends.hf_models import HFBlock
+
+        plans = {HFBlock: HF_PLAN}
+    hook = None if family in (*MODEL_FAMILIES, "hf") else user_hook(runtime.config.model)
     for copy in runtime.copies.values():
         if hook is not None:
             _split_layers(runtime.config.model, hook, copy.module, copy.layers.start, mesh)
         for block in copy.module.modules() if hook is None else ():
-            if type(block) in PLANS:
-                parallelize_module(block, mesh, parallel_styles(block))
+            if type(block) in plans:
+                parallelize_module(block, mesh, parallel_styles(plans[type(block)]))
         if runtime.config.shard:
             continue
         trained = [p for p in copy.module.parameters() if p.requires_grad]

@@ -31,7 +31,7 @@ import pipelang.backends.hf_models as hf_models
 from pipelang.backends.hf_config import INDEX
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.models import ModelSpec
-from tests.helpers import pipelang_cmd, run_in_process
+from tests.helpers import pipelang_cmd, pipelang_here, run_in_process
 
 COMMON = {"vocab_size": 96, "bos_token_id": 1, "eos_token_id": 2}
 LLAMA_LIKE = {
@@ -502,3 +502,30 @@ def test_sequence_chunks_are_refused(checkpoints: dict[str, Path]) -> None:
         "keys and values of earlier chunks; `--model hf:"
     )
     assert said.endswith(" cannot yet") and "\n" not in said
+
+
+@pytest.mark.slow
+def test_tp_splits_a_llama_family_model_within_the_tolerance(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--tp 2` cuts each decoder block of Qwen2 (the Llama family, with biases on q, k
+    and v) as the built-in llama's: q, k, v, gate, up by columns; o, down by rows.
+    `--check` holds within its tolerance (not bit for bit: the row-parallel sums), and
+    each process holds less than its whole stage (`simulate --model`'s bytes)."""
+    model = ("--model", f"hf:{checkpoints['qwen2']}")
+    log = tmp_path / "tp.jsonl"
+    proc = pipelang_cmd(
+        "run", "1f1b", "-p", "D=2", "-p", "N=4", *model, *SEQ, "--backend", "gloo",
+        "--steps", "2", "--check", "--tp", "2", "--log", str(log), cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "check OK" in proc.stdout and "(bitwise equal)" not in proc.stdout, proc.stdout
+    split = json.loads(log.read_text().splitlines()[-1])["param_bytes"]
+    sim = pipelang_here(
+        "simulate", "1f1b", "-p", "D=2", "-p", "N=4", *model, *SEQ, "--json", cwd=tmp_path
+    )
+    assert sim.returncode == 0, sim.stderr
+    whole = [row["param_bytes"] for row in json.loads(sim.stdout)["memory"]]
+    assert len(split) == 4 and split[0] == split[1] and split[2] == split[3]
+    for rank, part in enumerate(split):  # the blocks halve; embedding, norms, head whole
+        assert part < 0.8 * whole[rank // 2], (rank, part, whole)

@@ -95,13 +95,30 @@ def test_run_refuses_a_split_backward_with_tp(tmp_path: Path) -> None:
     )
 
 
-def test_tp_refuses_hugging_face_models() -> None:
-    assert tp_refusal(RunConfig(model="hf:/models/llama", backend="gloo", tp=2)) == (
-        "--tp splits the attention heads and MLPs of the built-in models (--model gpt:SIZE "
-        "or llama:SIZE) and, by their `tp(module, mesh)`, models of your own; --model "
-        "`hf:/models/llama` is a Hugging Face model, which it cannot split yet"
+def test_tp_splits_the_llama_family_of_hugging_face_models_not_gpt2(tmp_path: Path) -> None:
+    """Its config.json says what --tp splits: the heads, key/value heads and MLP features
+    of a Llama-family model; GPT-2's fused Conv1D projections are refused."""
+    sizes = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 96}
+    llama = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}
+    llama |= {"intermediate_size": 128, **sizes}
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 96}
+    for name, config in (("llama", llama), ("gpt2", gpt2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    model = f"hf:{tmp_path / 'llama'}"
+    assert tp_refusal(RunConfig(model=model, backend="gloo", tp=2)) is None
+    assert tp_refusal(RunConfig(model=model, backend="gloo", tp=4)) == (
+        f"--tp 4: {model} has 2 key/value heads, which 4 tensor ranks cannot split evenly; "
+        "give a --tp that divides 2"
     )
-    assert tp_refusal(RunConfig(model="hf:/models/llama", backend="gloo")) is None
+    gpt2_model = f"hf:{tmp_path / 'gpt2'}"
+    said = tp_refusal(RunConfig(model=gpt2_model, backend="gloo", tp=2))
+    assert said is not None and said.startswith("--tp with --model `hf:")  # the path, cut
+    assert said.endswith(
+        ": GPT-2's fused Conv1D projections are not split yet; the Llama family's (llama, "
+        "qwen2, mistral) are"
+    )
+    assert tp_refusal(RunConfig(model=gpt2_model, backend="gloo")) is None
     assert tp_refusal(RunConfig(model="m.py:build", backend="gloo", tp=2)) is None
     assert tp_refusal(RunConfig(model="m.py:build", backend="local", tp=2)) == (
         "--tp needs a process per tensor rank (DTensor over process groups): use --backend "
