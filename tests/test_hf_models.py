@@ -272,7 +272,6 @@ def test_without_weights_each_layer_has_its_own_seed(name: str, configs: dict[st
 @pytest.mark.parametrize(
     ("schedule", "name", "bitwise", "backend"),
     [
-        ("1f1b", "llama", True, "local"),
         ("zb-h1", "qwen2", True, "gloo"),
         ("chimera", "llama", True, "gloo"),  # 4 stages of its 6 layers, two copies of each
         # tied (the embedding and the head): the reference sums the uses' gradients as

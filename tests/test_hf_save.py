@@ -79,7 +79,6 @@ def _reloaded(out: Path, dtype: torch.dtype = torch.float32) -> Any:
 @pytest.mark.parametrize(
     ("name", "schedule", "ranks", "extra"),
     [
-        ("llama", "1f1b", 2, ()),
         ("gpt2", "chimera", 4, ()),  # tied: written once; two copies of each stage
         ("llama", "1f1b", 2, ("--mixed-precision", "bfloat16")),  # the fp32 masters
         ("llama", "1f1b", 2, ("--dp", "2", "--shard")),  # gathered from both copies

@@ -214,7 +214,7 @@ def tp_run(tmp_path: Path, model: str, *more: str) -> tuple[str, dict[str, list[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt:tiny", "llama:tiny"])
+@pytest.mark.parametrize("model", ["llama:tiny"])  # gpt:tiny's split: the checkpoint tests
 def test_tp2_trains_within_the_tolerance_holding_about_half(tmp_path: Path, model: str) -> None:
     _, whole = tp_run(tmp_path, model)
     out, split = tp_run(tmp_path, model, "--tp", "2")
