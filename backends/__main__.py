@@ -1,8 +1,7 @@
 """`python -m pipelang.backends SCHEDULE.json [run options]`: run a compiled program
 (`pipelang.cli.rank.compiled_main`)."""
 
-import sys
-
+from pipelang.cli.app import leave
 from pipelang.cli.rank import compiled_main
 
-sys.exit(compiled_main())
+leave(compiled_main())

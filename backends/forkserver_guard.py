@@ -1,4 +1,4 @@
-"""Preloaded by the forkserver that starts the ranks (processes.forkserver), and only by
+"""Preloaded by the forkserver that starts the ranks (rank_server.forkserver), and only by
 it: importing this module makes the server die with the `pipelang` process that started
 it. A rank dies with its parent, the server (worker._die_with_parent), so a launcher
 killed outright (SIGKILL, a closed terminal) takes its ranks with it instead of leaving

@@ -114,9 +114,9 @@ def _run_program(
         return 2
     try:
         if BACKENDS[config.backend].processes and torchrun is None:
-            from pipelang.backends.processes import forkserver
+            from pipelang.backends.rank_server import forkserver
 
-            forkserver()  # its imports overlap the checks below
+            forkserver()  # (started already by `pipelang run`) its imports overlap preflight
         shapes = preflight(program, config)
         _resume_note(config, err)
         streams = None

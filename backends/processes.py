@@ -12,7 +12,6 @@ on. Ranks also die with the launcher (PR_SET_PDEATHSIG), so none is left behind.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import queue as queue_module
 import signal
@@ -33,6 +32,7 @@ from pipelang.backends.mesh import Grid
 from pipelang.backends.metrics import StepMetrics, StepReport, combine
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
+from pipelang.backends.rank_server import forkserver
 from pipelang.backends.report import Outcome
 from pipelang.backends.termination import passing_sigterm
 from pipelang.backends.trace_steps import step_events
@@ -381,27 +381,6 @@ def _main_module_hidden() -> Iterator[None]:
         yield
     finally:
         main.__dict__.update(saved)
-
-
-def forkserver() -> Any:
-    """The multiprocessing context ranks start from: a forkserver that imports torch once.
-
-    Call it early: it starts the server, whose imports then overlap the launcher's checks.
-    """
-    ctx = mp.get_context("forkserver")
-    # symbolic_shapes: autograd imports it (and sympy) on the first backward with a
-    # gradient tensor; loading it once here saves every rank most of a second.
-    ctx.set_forkserver_preload(
-        [
-            "pipelang.backends.forkserver_guard",  # the server dies with this process
-            "pipelang.backends.worker",
-            "torch.fx.experimental.symbolic_shapes",
-        ]
-    )
-    from multiprocessing import forkserver as server
-
-    server.ensure_running()
-    return ctx
 
 
 def launch(

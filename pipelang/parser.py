@@ -8,12 +8,14 @@ token. Imports are resolved here, so the rest of the compiler sees one `ast.File
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from lark import Lark, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
+from lark import Lark, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, __version__
 from lark.exceptions import VisitError
 
 from pipelang import ast
@@ -65,13 +67,58 @@ _TOKEN_TEXT = {
 }
 
 
+SAVED_PARSER = "pipe.lark.json"
+"""lark's parser for `pipe.lark`, saved beside it as JSON (`save_parser`): building it
+from the grammar takes 0.3-0.5 s, which every command would pay; loading it, about 10 ms.
+It is used only where it was saved from this grammar's exact text by this lark version
+(its `stamp`); anything else builds from the grammar, and the tests check that the saved
+one is current (tests/test_parser_table.py)."""
+
+
 @functools.cache
 def _lark() -> Lark:
-    grammar = resources.files("pipelang.grammars").joinpath("pipe.lark")
-    with resources.as_file(grammar) as path:
-        return Lark.open(
-            str(path), parser="lalr", propagate_positions=True, maybe_placeholders=True
+    grammar = resources.files("pipelang.grammars")
+    text = grammar.joinpath("pipe.lark").read_text(encoding="utf-8")
+    try:
+        saved = json.loads(
+            grammar.joinpath(SAVED_PARSER).read_text(encoding="utf-8"),
+            object_pairs_hook=_numbered,
         )
+    except (OSError, ValueError):
+        saved = None
+    if saved is not None and saved.get("stamp") == _stamp(text):
+        return Lark._load_from_dict(saved["data"], saved["memo"])
+    return build_parser(text)
+
+
+def build_parser(grammar: str) -> Lark:
+    """lark's LALR parser for the grammar's text."""
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def save_parser(folder: Path) -> Path:
+    """Write FOLDER/pipe.lark.json, the parser built from FOLDER/pipe.lark (the checkout's
+    grammars/ after an edit of the grammar: `python -c "from pathlib import Path; from
+    pipelang.parser import save_parser; save_parser(Path('grammars'))"`)."""
+    from lark.grammar import Rule
+    from lark.lexer import TerminalDef
+
+    text = (folder / "pipe.lark").read_text(encoding="utf-8")
+    data, memo = build_parser(text).memo_serialize([TerminalDef, Rule])
+    out = folder / SAVED_PARSER
+    saved = {"stamp": _stamp(text), "data": data, "memo": memo}
+    out.write_text(json.dumps(saved, sort_keys=True) + "\n", encoding="utf-8")
+    return out
+
+
+def _stamp(grammar: str) -> dict[str, str]:
+    return {"grammar_sha256": hashlib.sha256(grammar.encode()).hexdigest(), "lark": __version__}
+
+
+def _numbered(pairs: list[tuple[str, Any]]) -> dict[Any, Any]:
+    """A JSON object with its integer keys back (lark's parse states and memo are keyed by
+    numbers, which JSON writes as strings; no name in lark's tables is all digits)."""
+    return {int(key) if key.isdigit() else key: value for key, value in pairs}
 
 
 def stdlib_dir() -> Path:

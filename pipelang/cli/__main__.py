@@ -1,7 +1,5 @@
 """`python -m pipelang.cli`: the `pipelang` command."""
 
-import sys
+from pipelang.cli.app import console
 
-from pipelang.cli.app import main
-
-sys.exit(main())
+console()
