@@ -9,7 +9,9 @@ any of it, `vet` has a child process load the model exactly so (on the meta devi
 nothing is computed or allocated) under a deadline (`--timeout` for `pipelang run`,
 `DEADLINE` elsewhere, counted from when Python and torch are loaded), and turns a child
 that hangs, dies or exits into a `ModelError` naming the model and what happened. Once a
-model has passed, this process loads it itself (once per model name and shape).
+model has passed, this process loads it itself (once per model name and shape). The child
+is forked from the forkserver the ranks start from (backends/rank_server.py), which has
+torch imported already: a fresh Python would spend 1.5-2 s of CPU importing it again.
 
 The ranks a `pipelang run` launcher starts do not vet again (`trust`): the launcher did,
 and it watches them (a rank that hangs in set-up is stopped after `--timeout`, one that
@@ -19,21 +21,22 @@ exits is named). A rank under torchrun has no such launcher and vets for itself.
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipelang.backends.model_error import ModelError
+from pipelang.backends.rank_server import start
 from pipelang.diagnostics import clip
 
 if TYPE_CHECKING:
     from pipelang.backends.models import ModelSpec
 
 START_SECONDS = 300.0
-"""How long the child may take to start Python and import torch, before the deadline."""
+"""How long the child may take to start (the forkserver importing torch), before the deadline."""
 DEADLINE = 60.0
 """How long loading a model may take in the child, unless `set_deadline` says (run's
 --timeout, 60 s by default too)."""
@@ -59,23 +62,15 @@ def vet(spec: ModelSpec) -> None:
     if spec.name in _trusted or key in _passed:
         return
     seconds, deadline = _deadline[""]
-    job = {"spec": list(key)}
     with tempfile.TemporaryDirectory(prefix="pipelang-model-") as tmp:
         result, log = Path(tmp) / "result.json", Path(tmp) / "stderr.txt"
-        code = f"import sys\nsys.path[:] = {sys.path!r}\n{_CHILD}"
-        with log.open("wb") as err:
-            child = subprocess.Popen(
-                [sys.executable, "-c", code, json.dumps(job), str(result)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-            try:
-                status = _wait(child, Path(f"{result}.started"), seconds)
-            finally:  # the deadline, or a signal to this process: the child goes too
-                if child.poll() is None:
-                    child.kill()
-                    child.wait()
+        child = start(_child, (list(key), str(result), str(log), dict(os.environ)), "model")
+        try:
+            status = _wait(child, Path(f"{result}.started"), seconds)
+        finally:  # the deadline, or a signal to this process: the child goes too
+            if child.is_alive():
+                child.kill()
+            child.join()
         if status is None:
             raise ModelError(
                 f"`--model {spec.name}`: loading it (importing its module, calling its "
@@ -90,15 +85,15 @@ def vet(spec: ModelSpec) -> None:
     _passed.add(key)
 
 
-def _wait(child: subprocess.Popen[bytes], started: Path, seconds: float) -> int | None:
+def _wait(child: Any, started: Path, seconds: float) -> int | None:
     """The child's exit status, or None when the model's code (from when the child says
-    it `started` it, after Python and torch are loaded) ran past `seconds`."""
+    it `started` it, once torch has loaded its meta kernels) ran past `seconds`."""
     begun = time.monotonic()
     user: float | None = None
     while True:
-        status = child.poll()
-        if status is not None:
-            return status
+        child.join(0.02)
+        if child.exitcode is not None:
+            return int(child.exitcode)
         now = time.monotonic()
         if user is None and started.exists():
             user = now
@@ -106,9 +101,8 @@ def _wait(child: subprocess.Popen[bytes], started: Path, seconds: float) -> int 
             return None
         if user is None and now - begun > START_SECONDS:
             raise ModelError(
-                f"a Python process to load the model in did not start in {START_SECONDS:g} s"
+                f"a process to load the model in did not start in {START_SECONDS:g} s"
             )
-        time.sleep(0.02)
 
 
 def _read(result: Path) -> str | None:
@@ -142,15 +136,18 @@ def _died(name: str, status: int, log: Path) -> str:
     )
 
 
-_CHILD = """
-import json, os
-job, result = json.loads(sys.argv[1]), sys.argv[2]
-from pipelang.backends.models import load_here
-error = load_here(job["spec"])
-with open(result, "w", encoding="utf-8") as file:
-    json.dump({"error": error}, file)
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
-"""
-"""The child: load the model on the meta device and write what went wrong ("" if not)."""
+def _child(spec: list[object], result: str, log: str, env: dict[str, str]) -> None:
+    """The child: load the model on the meta device and write what went wrong ("" if
+    not), in the caller's environment, its stderr to `log` and its stdout nowhere."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    from pipelang.backends.models import load_here
+
+    error = load_here(spec, result)
+    with open(result, "w", encoding="utf-8") as file:
+        json.dump({"error": error}, file)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

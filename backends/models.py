@@ -21,7 +21,6 @@ of (seed, step, micro-batch), so every rank and the `--check` reference see the 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -354,7 +353,7 @@ def _check_data(spec: ModelSpec, vocab: int, seq_len: int) -> None:
             raise ModelError(str(err)) from None
 
 
-def load_here(spec: list[object]) -> str:
+def load_here(spec: list[object], result: str) -> str:
     """The work of `model_import.vet`'s child: `user_model` of the spec on the meta
     device; its error in one line ("" when it loaded). Here, beside `ModelSpec`, so that
     model_import imports neither this module nor user_models."""
@@ -364,7 +363,7 @@ def load_here(spec: list[object]) -> str:
 
         with torch.device("meta"):  # torch's own lazy imports (its meta kernels) first
             torch.nn.Linear(2, 2)(torch.nn.Embedding(2, 2)(torch.zeros(1, dtype=torch.long)))
-        Path(f"{sys.argv[2]}.started").touch()  # the model's own code runs from here
+        Path(f"{result}.started").touch()  # the model's own code runs from here
         trust(name)
         model = ModelSpec(name, spec[1], spec[2], spec[3])  # type: ignore[arg-type]
         with on_meta():

@@ -11,14 +11,13 @@ on. Ranks also die with the launcher (PR_SET_PDEATHSIG), so none is left behind.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue as queue_module
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +31,7 @@ from pipelang.backends.mesh import Grid
 from pipelang.backends.metrics import StepMetrics, StepReport, combine
 from pipelang.backends.models import Shapes
 from pipelang.backends.rank_base import RankResult
-from pipelang.backends.rank_server import forkserver
+from pipelang.backends.rank_server import forkserver, main_module_hidden
 from pipelang.backends.report import Outcome
 from pipelang.backends.termination import passing_sigterm
 from pipelang.backends.trace_steps import step_events
@@ -180,7 +179,7 @@ class Launcher:
                 )
                 self.procs.append(proc)
             try:
-                with _main_module_hidden():
+                with main_module_hidden():
                     for proc in self.procs:
                         proc.start()
                 with passing_sigterm(self.status):
@@ -360,27 +359,6 @@ class Launcher:
             if proc.pid is not None and proc.is_alive():
                 proc.kill()
                 proc.join()
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Start ranks without re-running the caller's `__main__` in them.
-
-    multiprocessing re-imports the parent's main script in every child (as `__mp_main__`);
-    a rank needs nothing from it, and a script without an `if __name__ == "__main__"`
-    guard would launch again from each rank (stdin and notebooks cannot be re-imported
-    at all). So the main module's file and spec are hidden while the ranks start.
-    """
-    main = sys.modules["__main__"]
-    saved: dict[str, Any] = {
-        k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
-    }
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)
 
 
 def launch(
