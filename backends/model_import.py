@@ -100,9 +100,7 @@ def _wait(child: Any, started: Path, seconds: float) -> int | None:
         if user is not None and now - user > seconds:
             return None
         if user is None and now - begun > START_SECONDS:
-            raise ModelError(
-                f"a process to load the model in did not start in {START_SECONDS:g} s"
-            )
+            raise ModelError(f"a process to load the model in did not start in {START_SECONDS:g} s")
 
 
 def _read(result: Path) -> str | None:
