@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import pipelang_cmd, run_in_process
+from helpers import pipelang_here, run_in_process
 
 from pipelang.cli import app
 from pipelang.cli.config_file import effective_config
@@ -122,7 +122,7 @@ def test_the_config_beside_the_checkpoints_runs_the_run_again(tmp_path: Path) ->
 
     def run(*argv: str) -> list[float]:
         log = tmp_path / f"{len(list(tmp_path.glob('*.jsonl')))}.jsonl"
-        done = pipelang_cmd("run", *argv, "--log", str(log), cwd=tmp_path, timeout=300)
+        done = pipelang_here("run", *argv, "--log", str(log), cwd=tmp_path, timeout=300)
         assert done.returncode == 0, done.stderr
         return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 

@@ -31,7 +31,7 @@ import pipelang.backends.hf_models as hf_models
 from pipelang.backends.hf_config import INDEX
 from pipelang.backends.model_error import ModelError
 from pipelang.backends.models import ModelSpec
-from tests.helpers import pipelang_cmd, pipelang_here, run_in_process
+from tests.helpers import pipelang_here, run_in_process
 
 COMMON = {"vocab_size": 96, "bos_token_id": 1, "eos_token_id": 2}
 LLAMA_LIKE = {
@@ -294,7 +294,7 @@ def test_a_run_checks_against_one_process(
     cross processes, the rest on `local` (one process: one import of transformers)."""
     ranks = "4" if schedule == "chimera" else "2"
     argv = ["run", schedule, "-p", f"D={ranks}", "-p", "N=4", "--model", f"hf:{checkpoints[name]}"]
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         *argv, *SEQ, "--backend", backend, "--steps", "2", "--check", cwd=tmp_path, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
@@ -513,7 +513,7 @@ def test_tp_splits_a_llama_family_model_within_the_tolerance(
     each process holds less than its whole stage (`simulate --model`'s bytes)."""
     model = ("--model", f"hf:{checkpoints['qwen2']}")
     log = tmp_path / "tp.jsonl"
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "run", "1f1b", "-p", "D=2", "-p", "N=4", *model, *SEQ, "--backend", "gloo",
         "--steps", "2", "--check", "--tp", "2", "--log", str(log), cwd=tmp_path, timeout=300,
     )  # fmt: skip

@@ -29,7 +29,7 @@ import transformers
 
 from pipelang.backends.hf_config import INDEX
 from pipelang.backends.models import ModelSpec
-from tests.helpers import free_port, pipelang_cmd, run_in_process
+from tests.helpers import free_port, pipelang_here, run_in_process
 from tests.test_hf_models import SEQ, checkpoints  # noqa: F401 (a fixture)
 
 
@@ -97,7 +97,7 @@ def test_the_written_model_is_the_last_steps(
     parameters (not the input's); one shard per stage, the index naming each tensor."""
     directory = checkpoints[name]
     argv = [*_argv(directory, schedule, ranks), *extra, "--save", "ck", "--save-hf", "out"]
-    proc = pipelang_cmd(*argv, "--backend", "gloo", cwd=tmp_path, timeout=300)
+    proc = pipelang_here(*argv, "--backend", "gloo", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out"
     stages = 4 if schedule == "chimera" else 2
@@ -145,7 +145,7 @@ def test_local_and_torchrun_write_what_gloo_writes(
     argv = [*_argv(directory), "--save-hf"]
     status, _, err = run_in_process([*argv, str(tmp_path / "local"), "--backend", "local"])
     assert status == 0, err
-    gloo = pipelang_cmd(*argv, "gloo", "--backend", "gloo", cwd=tmp_path, timeout=300)
+    gloo = pipelang_here(*argv, "gloo", "--backend", "gloo", cwd=tmp_path, timeout=300)
     assert gloo.returncode == 0, gloo.stderr
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
     procs = [

@@ -14,7 +14,7 @@ import torch
 
 from pipelang import PipelangError, api
 from pipelang.ir import Action, Kind
-from tests.helpers import pipelang_cmd, pipelang_here, read_checkpoint
+from tests.helpers import pipelang_here, read_checkpoint
 
 ONE_F_ONE_B = ("1f1b", "-p", "D=2", "-p", "N=4")
 
@@ -164,7 +164,7 @@ def test_run_shard_without_dp_is_a_usage_error(tmp_path: Path) -> None:
 def test_sharded_1f1b_over_gloo_checks_bit_for_bit_holding_half_the_bytes(tmp_path: Path) -> None:
     def run(*more: str) -> dict[str, list[int]]:
         log = tmp_path / f"log{len(more)}.jsonl"
-        proc = pipelang_cmd(
+        proc = pipelang_here(
             "run", *ONE_F_ONE_B, "--dp", "2", "--backend", "gloo", "--steps", "2", "--check",
             "--log", str(log), *more, cwd=tmp_path, timeout=300,
         )  # fmt: skip
@@ -183,8 +183,9 @@ def test_sharded_1f1b_over_gloo_checks_bit_for_bit_holding_half_the_bytes(tmp_pa
 
 
 def gloo(*args: str, cwd: Path) -> str:
-    """`pipelang run ARGS --backend gloo` in a process of its own; its standard output."""
-    proc = pipelang_cmd("run", *args, "--backend", "gloo", cwd=cwd, timeout=300)
+    """`pipelang run ARGS --backend gloo` (its ranks processes; the launcher this one); its
+    standard output."""
+    proc = pipelang_here("run", *args, "--backend", "gloo", cwd=cwd, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

@@ -12,7 +12,7 @@ import pytest
 from pipelang import PipelangError, api
 from pipelang.ir import Action, Kind
 from tests.helpers import costs as cost_model
-from tests.helpers import pipelang_cmd, pipelang_here
+from tests.helpers import pipelang_here
 
 HEAD = """schedule s(D: int = 2, N: int = 2) {
     pipeline main: stage s in 0..D -> rank s
@@ -236,7 +236,7 @@ def test_shard_ops_belong_in_an_order_rank(tmp_path: Path) -> None:
 @pytest.mark.parametrize("text", [AFTER_FORWARD, KEPT], ids=["after_forward", "kept"])
 def test_written_shard_ops_run_bit_for_bit(tmp_path: Path, text: str) -> None:
     path = write(tmp_path, text)
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "run", str(path), *SHARD, "--backend", "gloo", "--steps", "2", "--check",
         cwd=tmp_path, timeout=300,
     )  # fmt: skip

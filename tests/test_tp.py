@@ -15,7 +15,7 @@ import torch
 from pipelang.backends.config import RunConfig
 from pipelang.backends.mesh import Grid
 from pipelang.backends.preflight import tp_refusal
-from tests.helpers import free_port, pipelang_cmd, pipelang_here, read_checkpoint
+from tests.helpers import free_port, pipelang_here, read_checkpoint
 
 ONE_F_ONE_B = ("1f1b", "-p", "D=2", "-p", "N=4")
 
@@ -204,7 +204,7 @@ def tp_run(tmp_path: Path, model: str, *more: str) -> tuple[str, dict[str, list[
     """1F1B at D = 2, N = 4 on `model` over gloo with --check and --log; its standard
     output and the last log line's per-rank bytes."""
     log = tmp_path / f"{model.replace(':', '-')}{len(more)}.jsonl"
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "run", *ONE_F_ONE_B, "--model", model, "--backend", "gloo", "--steps", "2", "--check",
         "--log", str(log), *more, cwd=tmp_path, timeout=300,
     )  # fmt: skip
@@ -258,7 +258,7 @@ def test_tp2_under_torchrun_counts_each_loss_once(tmp_path: Path) -> None:
 def test_tp2_runs_chunks_and_replicas(tmp_path: Path, sched: str) -> None:
     """Sequence chunks (the --check reference runs them on one process, without --tp) and
     a stage's replicas (summed per tensor rank) under --tp 2."""
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "run", *sched.split(), "--tp", "2", "--backend", "gloo", "--steps", "2", "--check",
         cwd=tmp_path, timeout=300,
     )  # fmt: skip
@@ -270,8 +270,9 @@ def test_tp2_runs_chunks_and_replicas(tmp_path: Path, sched: str) -> None:
 
 
 def gloo(*args: str, cwd: Path) -> str:
-    """`pipelang run ARGS --backend gloo` in a process of its own; its standard output."""
-    proc = pipelang_cmd("run", *args, "--backend", "gloo", cwd=cwd, timeout=300)
+    """`pipelang run ARGS --backend gloo` (its ranks processes; the launcher this one); its
+    standard output."""
+    proc = pipelang_here("run", *args, "--backend", "gloo", cwd=cwd, timeout=300)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     return proc.stdout
 
@@ -360,7 +361,7 @@ def test_tp_splits_a_model_of_your_own_by_its_hook(tmp_path: Path) -> None:
     raising = "def tp(module, mesh):\n    if isinstance(module, nn.LayerNorm):\n"
     raising += "        raise ValueError('no plan for LayerNorm')\n"
     (tmp_path / "bad.py").write_text(USER_MODEL.replace("def tp(module, mesh):", raising))
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         "run", *ONE_F_ONE_B, "--model", "bad.py:model", "--tp", "2", "--backend", "gloo",
         cwd=tmp_path, timeout=300,
     )  # fmt: skip

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipelang.trace import load, read_actions
-from tests.helpers import pipelang_cmd, run_in_process
+from tests.helpers import pipelang_here, run_in_process
 
 RUN = ["run", "1f1b", "-p", "D=2", "-p", "N=2"]
 
@@ -34,7 +34,7 @@ def _traced(tmp_path: Path, steps: list[int], ranks: int = 2) -> None:
         assert {a.step for a in actions} == {k - 1}
         assert {a.rank for a in actions} == set(range(ranks))
         assert {a.action.text() for a in actions if a.rank == 0} >= {"F0@0/main", "step"}
-        drawn = pipelang_cmd("viz", "--trace", str(path), cwd=tmp_path)
+        drawn = pipelang_here("viz", "--trace", str(path), cwd=tmp_path)
         assert drawn.returncode == 0, drawn.stderr
         assert drawn.stdout.startswith(f"t-step{k}: measured")
         assert f"step {k - 1} of {k - 1} " in drawn.stdout
@@ -64,7 +64,7 @@ def test_local_writes_steps_2_and_4_and_their_tensorboard_images(tmp_path: Path)
 
 @pytest.mark.slow
 def test_gloo_writes_steps_2_and_4(tmp_path: Path) -> None:
-    proc = pipelang_cmd(
+    proc = pipelang_here(
         *RUN,
         *("--steps", "5", "--backend", "gloo", "--trace", "t.json", "--trace-every", "2"),
         cwd=tmp_path,
@@ -79,10 +79,10 @@ def test_a_resumed_run_goes_on_counting_from_its_checkpoint(tmp_path: Path) -> N
     """Steps count from 1 of the whole run, as checkpoints do: a run resumed at step 3 of
     5 traces step 4 only; the config written beside its checkpoints keeps the key."""
     save = ["--save", "ck", "--backend", "gloo", "--trace", "t.json", "--trace-every", "2"]
-    first = pipelang_cmd(*RUN, "--steps", "3", *save, cwd=tmp_path, timeout=120)
+    first = pipelang_here(*RUN, "--steps", "3", *save, cwd=tmp_path, timeout=120)
     assert first.returncode == 0, first.stderr
     (tmp_path / "t-step2.json").unlink()
-    again = pipelang_cmd(*RUN, "--steps", "5", *save, "--resume", "auto", cwd=tmp_path)
+    again = pipelang_here(*RUN, "--steps", "5", *save, "--resume", "auto", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "wrote the trace of step 4 (--trace-every 2) to t-stepK.json" in again.stdout
     _traced(tmp_path, [4])
@@ -135,7 +135,7 @@ NO_STEP = "--trace-every 4 traces no step of a 3-step run (--steps): give K of a
 def test_trace_every_needs_a_trace_and_a_step(
     tmp_path: Path, options: list[str], message: str
 ) -> None:
-    proc = pipelang_cmd(*RUN, *options, cwd=tmp_path)
+    proc = pipelang_here(*RUN, *options, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"pipelang run: error: {message}"
     assert not list(tmp_path.iterdir())
@@ -150,7 +150,7 @@ def test_trace_every_needs_a_trace_and_a_step(
     ],
 )
 def test_a_bad_k_is_a_usage_error(tmp_path: Path, k: str, message: str) -> None:
-    proc = pipelang_cmd(*RUN, "--trace", "t.json", "--trace-every", k, cwd=tmp_path)
+    proc = pipelang_here(*RUN, "--trace", "t.json", "--trace-every", k, cwd=tmp_path)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last == f"pipelang run: error: argument --trace-every: {message}"
