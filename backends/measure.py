@@ -115,15 +115,17 @@ def measure(
 
 
 def stage_activation_bytes(
-    spec: ModelSpec, num_stages: int, partition: Sequence[int] | None
+    spec: ModelSpec, num_stages: int, partition: Sequence[int] | None, tp: int = 1
 ) -> list[tuple[int, int]]:
     """Per stage of `spec` cut into `num_stages`, the bytes of activations one
     micro-batch's forward saves, and what a split backward keeps of them after B for W,
-    measured on the CPU as the runtime counts them (`saved_bytes`). Sizes past what torch
-    can allocate here are a ModelError naming them."""
+    measured on the CPU as the runtime counts them (`saved_bytes`); under `--tp` (`tp`
+    above 1) one tensor rank's, its split parameters cut to their part
+    (`tensor_parallel.localize`). Sizes past what torch can allocate here are a
+    ModelError naming them."""
     plan = plan_stages(spec, num_stages, partition)
     try:
-        return _stage_activation_bytes(spec, num_stages, plan.bounds)
+        return _stage_activation_bytes(spec, num_stages, plan.bounds, tp)
     except (RuntimeError, MemoryError) as err:  # torch's: a storage size that overflows
         sizes = f"--micro-batch-size {spec.micro_batch_size:,}" + (
             "" if spec.seq_len is None else f" and --seq-len {spec.seq_len:,}"
@@ -136,9 +138,14 @@ def stage_activation_bytes(
 
 
 def _stage_activation_bytes(
-    spec: ModelSpec, num_stages: int, bounds: Sequence[Sequence[int]]
+    spec: ModelSpec, num_stages: int, bounds: Sequence[Sequence[int]], tp: int
 ) -> list[tuple[int, int]]:
+    from pipelang.backends.tensor_parallel import block_plans, localize
+
     model = spec.build()
+    plans = block_plans(spec.name) if tp > 1 else None
+    for layer in model.layers if plans is not None else ():
+        localize(layer, plans, tp)
     x, targets = model.batch(0, 0, torch.device("cpu"))
     with torch.no_grad():
         for i in model.frozen_bounds if spec.frozen_layers else ():

@@ -88,7 +88,7 @@ class Entry:
         for t in (*self.tensors, *self.kept_grads):
             if t is None:
                 continue
-            storage = t.untyped_storage()
+            storage = _storage(t)
             if storage.nbytes() > 0:
                 out.setdefault(storage.data_ptr(), storage)
         return out
@@ -109,7 +109,7 @@ class Stash:
         own = _own_storages(module)
 
         def pack(tensor: torch.Tensor) -> object:
-            if tensor.untyped_storage().data_ptr() in own:
+            if _storage(tensor).data_ptr() in own:
                 return tensor  # weights and buffers stay: not activations
             tensors = entry.tensors  # not held here: `forget` lets the entry's list go
             tensors.append(tensor)
@@ -135,7 +135,7 @@ class Stash:
             raise EvictedError(f"the activations of {entry.name} are evicted twice")
         shared = {p for k, e in self.entries.items() if k != key for p in e.storages()}
         if keep is not None:
-            shared.add(keep.untyped_storage().data_ptr())
+            shared.add(_storage(keep).data_ptr())
         moved = [
             (s, s.nbytes())
             for p, s in entry.storages().items()
@@ -249,8 +249,14 @@ def _own_storages(module: nn.Module) -> set[int]:
         for table in (sub._parameters, sub._buffers):
             for t in table.values():
                 if t is not None:
-                    own.add(t.untyped_storage().data_ptr())
+                    own.add(_storage(t).data_ptr())
     return own
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """`tensor`'s storage; a DTensor's (`--tp`) is its local tensor's, what this process
+    holds (a DTensor has no storage of its own)."""
+    return getattr(tensor, "_local_tensor", tensor).untyped_storage()
 
 
 def _bytes_of(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:

@@ -73,6 +73,68 @@ on the heads a process holds. GPT-2's fused `Conv1D` projections are not cut
 (`preflight.tp_refusal`)."""
 
 
+SPLIT_DIMS: dict[str, dict[str, int]] = {"col": {"weight": 0, "bias": 0}, "row": {"weight": 1}}
+"""The dimension along which each style splits a linear layer's parameters over the T
+tensor ranks (what `ColwiseParallel` and `RowwiseParallel` place as `Shard(dim)`; a
+fused projection's `_StridedShard(0)` is "col"'s): a row-parallel bias stays whole
+(`Replicate`), added once after the partial products' sum."""
+
+
+def block_plans(model: str) -> dict[type[nn.Module], dict[str, str | int]] | None:
+    """How `--tp` cuts the blocks of `--model model`: per block class, its plan (`PLANS`,
+    `HF_PLAN` for `hf:DIR`); None for a model of your own, which its `tp(module, mesh)`
+    hook splits instead. The one place both the run (`parallelize_copies`) and
+    `simulate --model --tp` (`split_dims`) read."""
+    family = model.partition(":")[0]
+    if family == "hf":
+        from pipelang.backends.hf_models import HFBlock
+
+        return {HFBlock: HF_PLAN}
+    return PLANS if family in MODEL_FAMILIES else None
+
+
+def split_blocks(
+    module: nn.Module, plans: dict[type[nn.Module], dict[str, str | int]]
+) -> list[tuple[nn.Module, dict[str, str | int]]]:
+    """The blocks of `module` that `--tp` splits, in order, each with its plan."""
+    return [(block, plans[type(block)]) for block in module.modules() if type(block) in plans]
+
+
+def split_dims(
+    module: nn.Module, plans: dict[type[nn.Module], dict[str, str | int]]
+) -> dict[int, tuple[int, int]]:
+    """Per parameter of `module` that `--tp` splits (by `id`), the dimension it is split
+    along and its number of fused parts (1 unless a fused projection's, whose parts
+    each process holds rows of: `fused_colwise`); a parameter not named stays whole on
+    every tensor rank."""
+    found = {}
+    for block, plan in split_blocks(module, plans):
+        for name, how in plan.items():
+            style, parts = ("row", 1) if how == "row" else ("col", 1 if how == "col" else int(how))
+            for key, param in block.get_submodule(name).named_parameters(recurse=False):
+                if key in SPLIT_DIMS[style]:
+                    found[id(param)] = (SPLIT_DIMS[style][key], parts)
+    return found
+
+
+def localize(
+    module: nn.Module, plans: dict[type[nn.Module], dict[str, str | int]], tp: int
+) -> None:
+    """Cut each parameter of `module` that `--tp` splits (`split_dims`) to what tensor
+    rank 0 of `tp` holds, in place, in one process: a stand-in for a tensor-parallel
+    stage whose forward has one tensor rank's shapes (1/T of the heads and MLP features),
+    whose saved activations `simulate --model --tp` measures (backends/measure.py)."""
+    dims = split_dims(module, plans)
+    for sub in list(module.modules()):
+        for key, param in list(sub.named_parameters(recurse=False)):
+            if id(param) not in dims:
+                continue
+            dim, parts = dims[id(param)]
+            pieces = param.detach().chunk(parts, dim)
+            local = torch.cat([p.narrow(dim, 0, -(-p.shape[dim] // tp)) for p in pieces], dim)
+            sub.register_parameter(key, nn.Parameter(local.clone(), param.requires_grad))
+
+
 def parallel_styles(plan: dict[str, str | int]) -> dict[str, Any]:
     """The `parallelize_module` plan of one block: its projections' styles."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -142,19 +204,13 @@ def parallelize_copies(runtime: RankRuntime, mesh: DeviceMesh) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    family = runtime.config.model.partition(":")[0]
-    plans = PLANS
-    if family == "hf":
-        from pipelang.backends.hf_models import HFBlock
-
-        plans = {HFBlock: HF_PLAN}
-    hook = None if family in (*MODEL_FAMILIES, "hf") else user_hook(runtime.config.model)
+    plans = block_plans(runtime.config.model)
+    hook = None if plans is not None else user_hook(runtime.config.model)
     for copy in runtime.copies.values():
         if hook is not None:
             _split_layers(runtime.config.model, hook, copy.module, copy.layers.start, mesh)
-        for block in copy.module.modules() if hook is None else ():
-            if type(block) in plans:
-                parallelize_module(block, mesh, parallel_styles(plans[type(block)]))
+        for block, plan in split_blocks(copy.module, plans) if plans is not None else ():
+            parallelize_module(block, mesh, parallel_styles(plan))
         if runtime.config.shard:
             continue
         trained = [p for p in copy.module.parameters() if p.requires_grad]

@@ -1,6 +1,7 @@
 """`simulate --model`'s memory per process: each one's predicted bytes of parameters,
 gradients, optimizer state (pipelang/sim/state.py) and saved activations, under
-`--dp K [--shard]`, `--optimizer` and `--mixed-precision` as `pipelang run` takes them."""
+`--dp K [--shard]`, `--tp T`, `--optimizer` and `--mixed-precision` as `pipelang run`
+takes them."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ import argparse
 from rich.table import Table
 
 from pipelang.backends import OPTIMIZERS
-from pipelang.cli.args import UsageError, _model_spec, _partitioned, model_named
-from pipelang.ir import Program
+from pipelang.cli.args import (
+    UsageError,
+    _model_spec,
+    _partitioned,
+    model_named,
+    positive,
+)
+from pipelang.cli.args import activation_bytes as args_activation_bytes
+from pipelang.diagnostics import clip
+from pipelang.ir import CostModel, Program
 
 COLUMNS = {
     "param_bytes": "parameters",
@@ -23,7 +32,20 @@ COLUMNS = {
 
 
 def add_state_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--optimizer` and `--mixed-precision`, as `pipelang run` takes them."""
+    """`--tp`, `--optimizer` and `--mixed-precision`, as `pipelang run` takes them."""
+    parser.add_argument(
+        "--tp",
+        type=positive,
+        default=1,
+        metavar="T",
+        help="with --model: as `pipelang run --tp T`, K x ranks x T processes (process "
+        "k*R*T + r*T + t), each holding its tensor rank's part of its stages: the blocks' "
+        "column- and row-parallel projections 1/T each (as backends/tensor_parallel.py "
+        "splits them), the embedding, norms and head whole; with --dp K --shard that part "
+        "sharded over the K copies; the saved activations one tensor rank's (measured with "
+        "its parts of the split projections). A model of your own is split by its "
+        "tp(module, mesh) hook, which simulate does not run: refused (default 1)",
+    )
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
@@ -43,6 +65,11 @@ def check_state_arguments(args: argparse.Namespace) -> None:
     """UsageError where `--optimizer` or `--mixed-precision` come without `--model`, or
     `--mixed-precision` with another `--dtype`; then the compute dtype in `args.dtype`
     (bf16 under `--mixed-precision`), which the activations are measured in too."""
+    if args.tp > 1 and args.model is None:
+        raise UsageError(
+            f"--tp {args.tp} says what each process holds of the model's parameters: give "
+            "--model too"
+        )
     named = ("optimizer", "mixed_precision")
     given = [f"--{key.replace('_', '-')}" for key in named if getattr(args, key)]
     if given and args.model is None:
@@ -54,6 +81,28 @@ def check_state_arguments(args: argparse.Namespace) -> None:
         from pipelang.cli.run_options import _mixed_precision
 
         args.dtype = _mixed_precision(args)
+
+
+def activation_bytes(
+    args: argparse.Namespace, program: Program, costs: CostModel
+) -> list[float] | None:
+    """Per rank, the most bytes of saved activations it holds at once (`args.
+    activation_bytes`); under `--tp` one tensor rank's (the run's refusals first):
+    measured on the model with each split parameter cut to its part, one tensor rank's
+    shapes (`tensor_parallel.localize`)."""
+    if args.tp == 1:
+        return args_activation_bytes(args, program, costs)
+    from pipelang.backends.measure import activation_peaks, stage_activation_bytes
+    from pipelang.backends.models import ModelError
+
+    program = _partitioned(args, program)
+    _refuse_as_run(args, program)
+    spec = _model_spec(args, program)
+    try:
+        stages = stage_activation_bytes(spec, program.num_stages, program.partition, args.tp)
+        return activation_peaks(spec, program, costs, stages)
+    except ModelError as err:
+        raise UsageError(str(err)) from None
 
 
 def memory_rows(
@@ -73,19 +122,20 @@ def memory_rows(
         model = model_params(spec, program.num_stages, program.partition)
     except ModelError as err:
         raise UsageError(str(err)) from None
-    dp, shard = getattr(args, "dp", 1), getattr(args, "shard", False)
+    dp, shard, tp = getattr(args, "dp", 1), getattr(args, "shard", False), args.tp
     _refuse_as_run(args, program)
     held = rank_bytes(
-        program, model, args.optimizer or "adam", bool(args.mixed_precision), dp, shard
+        program, model, args.optimizer or "adam", bool(args.mixed_precision), dp, shard, tp
     )
     rows = []
     for process, each in enumerate(held):
-        rank = process % program.num_ranks
+        rank = process // tp % program.num_ranks
         active = round(activations[rank]) if activations is not None else 0
         row = {
             "process": process,
             "rank": rank,
-            "replica": process // program.num_ranks,
+            "replica": process // (program.num_ranks * tp),
+            "tensor": process % tp,
             "param_bytes": each.params,
             "grad_bytes": each.grads,
             "optimizer_bytes": each.optimizer,
@@ -97,11 +147,29 @@ def memory_rows(
 
 
 def _refuse_as_run(args: argparse.Namespace, program: Program) -> None:
-    """UsageError where `pipelang run` refuses `--mixed-precision` with what the schedule
-    uses (asynchronous weights: `features.REFUSED`), in the run's words."""
+    """UsageError where `pipelang run` refuses `--mixed-precision` or `--tp` with what the
+    schedule uses (asynchronous weights, ...: `features.REFUSED`), or `--tp` with the
+    model or the options (`preflight.tp_refusal`), in the run's words; and `--tp` with a
+    model of your own, whose `tp(module, mesh)` hook splits it as only running it tells."""
     from pipelang.features import refusal
 
     why = refusal(program, "--mixed-precision") if args.mixed_precision else None
+    if args.tp > 1 and why is None:
+        from pipelang.backends.config import RunConfig
+        from pipelang.backends.preflight import tp_refusal
+        from pipelang.backends.tensor_parallel import block_plans
+
+        config = RunConfig(
+            model=args.model, backend="gloo", tp=args.tp, mixed_precision=args.mixed_precision
+        )
+        why = refusal(program, "--tp") or tp_refusal(config)
+        if why is None and block_plans(args.model) is None:
+            why = clip(
+                f"--tp {args.tp} with --model `{args.model}`: a model of your own is split by "
+                "its tp(module, mesh) hook, which simulate does not run, so what each tensor "
+                "rank holds is not predicted; simulate it without --tp, or measure it with "
+                "`pipelang run --tp --log`"
+            )
     if why is not None:
         raise UsageError(why)
 
@@ -113,13 +181,17 @@ def memory_table(args: argparse.Namespace, rows: list[dict[str, int]], most: int
     if args.mixed_precision:
         what += f", {args.mixed_precision} with fp32 masters"
     shard = f", sharded over --dp {args.dp}" if getattr(args, "shard", False) else ""
-    table = Table(title=f"predicted bytes per process ({args.model}, {what}{shard})")
-    dp = getattr(args, "dp", 1) > 1
-    for key in ("process", "rank", "replica") if dp else ("rank",):
-        table.add_column("data-parallel copy" if key == "replica" else key, justify="right")
+    split = f", split over --tp {args.tp}" if args.tp > 1 else ""
+    table = Table(title=f"predicted bytes per process ({args.model}, {what}{shard}{split})")
+    dp = getattr(args, "dp", 1)
+    ids = ["rank"]
+    if dp > 1 or args.tp > 1:
+        ids = ["process", "rank"] + ["replica"] * (dp > 1) + ["tensor"] * (args.tp > 1)
+    titles = {"replica": "data-parallel copy", "tensor": "tensor rank"}
+    for key in ids:
+        table.add_column(titles.get(key, key), justify="right")
     for title in COLUMNS.values():
         table.add_column(title, justify="right")
     for row in rows[:most]:
-        ids = [row["process"], row["rank"], row["replica"]] if dp else [row["rank"]]
-        table.add_row(*map(str, ids), *(f"{row[k]:,}" for k in COLUMNS))
+        table.add_row(*(str(row[k]) for k in ids), *(f"{row[k]:,}" for k in COLUMNS))
     return table

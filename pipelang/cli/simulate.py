@@ -10,7 +10,6 @@ from rich.table import Table
 
 from pipelang.cli import memory_table
 from pipelang.cli.args import (
-    activation_bytes,
     add_cost_argument,
     add_schedule_arguments,
     add_shard_arguments,
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             row["slots"] = {cls: len(names) for cls, names in compiled.streams.slots(rank).items()}
             if nbytes is not None:
                 row["data_slot_bytes"] = nbytes[rank]
-    held = activation_bytes(args, program, timeline.costs)
+    held = memory_table.activation_bytes(args, program, timeline.costs)
     for row, peak in zip(rows, held or (), strict=False):
         row["peak_activation_bytes"] = round(peak)
     memory = memory_table.memory_rows(args, program, held)

@@ -26,6 +26,15 @@ parameters, gradients and states, and no master beside them.
 
     shard_rows(5, 2) -> 3, 2      padded_rows(5, 2) -> 3
     shard_rows(5, 4) -> 2, 2, 1, 0
+
+Under `--tp T` each process holds its tensor rank's part of each parameter
+(`tensor_part`): a parameter `--tp` splits (backends/tensor_parallel.py's plan, read
+off the model by `split_dims`: column-parallel weights and biases along dim 0, a fused
+projection's each part on its own, row-parallel weights along dim 1) keeps 1/T along
+that dimension, unpadded (DTensor's local tensor); the rest (embedding, norms, head, a
+row-parallel bias) stays whole on every tensor rank. Its gradient and optimizer state
+are the local tensor's size. With `--dp K --shard` too, FSDP2 shards that part's dim 0
+over the K copies as above.
 """
 
 from __future__ import annotations
@@ -57,6 +66,13 @@ class Param:
     itemsize: int
     """Bytes per element in its dtype (the run's --dtype, or bf16 under --mixed-precision)."""
     trained: bool
+    split: int | None = None
+    """The dimension `--tp` splits it along (backends/tensor_parallel.py, `split_dims`);
+    None: every tensor rank holds it whole."""
+    size: int = 0
+    """Its size along `split`."""
+    parts: int = 1
+    """A fused projection's parts, each split over the tensor ranks on its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +113,18 @@ def shard_rows(rows: int, shards: int, index: int) -> int:
     return min(max(rows - index * size, 0), size)
 
 
+def tensor_part(param: Param, tp: int, index: int) -> Param:
+    """What tensor rank `index` of `tp` holds of `param`: its DTensor's local tensor,
+    each of its `parts` cut along `split` as torch.chunk cuts (no padding); whole where
+    `--tp` does not split it."""
+    if param.split is None or tp == 1:
+        return param
+    local = param.parts * shard_rows(param.size // param.parts, tp, index)
+    numel = param.numel // param.size * local if param.size else 0
+    rows = local if param.split == 0 else param.rows
+    return Param(param.key, rows, numel, param.itemsize, param.trained)
+
+
 def param_bytes(
     param: Param, optimizer: str, mixed: bool, shards: int = 1, index: int = 0
 ) -> HeldBytes:
@@ -122,12 +150,15 @@ def rank_bytes(
     mixed: bool = False,
     dp: int = 1,
     shard: bool = False,
+    tp: int = 1,
 ) -> list[HeldBytes]:
-    """Per process of a run of `program` with `dp` data-parallel copies (process
-    `replica * R + rank`, the run's order), its parameter, gradient and optimizer bytes:
-    its stage copies' (sharded over the `dp` copies with `shard`) and its frozen part's.
-    A parameter held by two copies on one rank counts once, its optimizer state once
-    per copy (each copy has its own optimizer)."""
+    """Per process of a run of `program` with `dp` data-parallel copies and `tp` tensor
+    ranks (process `replica * R * tp + rank * tp + tensor`, the run's order,
+    backends/mesh.py), its parameter, gradient and optimizer bytes: its stage copies'
+    (its tensor rank's part of each, `tensor_part`, then sharded over the `dp` copies
+    with `shard`, FSDP2 cutting that part) and its frozen part's. A parameter held by
+    two copies on one rank counts once, its optimizer state once per copy (each copy
+    has its own optimizer)."""
     if optimizer not in OPTIMIZER_STATES:
         raise InternalError(f"unknown optimizer {optimizer!r}")  # the CLI's choices rule it out
     shards = dp if shard else 1
@@ -135,18 +166,20 @@ def rank_bytes(
     for replica in range(dp):
         index = replica if shard else 0
         for rank in range(program.num_ranks):
-            total, seen = HeldBytes(), set()
-            for n, (stage, _) in enumerate(program.stage_copies(rank)):
-                for param in model.stages[stage]:
-                    key = (n if model.tied else -1, param.key)
-                    held = param_bytes(param, optimizer, mixed, shards, index)
-                    if key in seen:  # the same tensor: only this copy's optimizer adds
-                        held = HeldBytes(0, 0, held.optimizer)
-                    seen.add(key)
-                    total += held
-            if rank in (program.frozen or ()):
-                total += HeldBytes(sum(p.numel * p.itemsize for p in model.frozen))
-            found.append(total)
+            for tensor in range(tp):
+                total, seen = HeldBytes(), set()
+                for n, (stage, _) in enumerate(program.stage_copies(rank)):
+                    for param in model.stages[stage]:
+                        key = (n if model.tied else -1, param.key)
+                        part = tensor_part(param, tp, tensor)
+                        held = param_bytes(part, optimizer, mixed, shards, index)
+                        if key in seen:  # the same tensor: only this copy's optimizer adds
+                            held = HeldBytes(0, 0, held.optimizer)
+                        seen.add(key)
+                        total += held
+                if rank in (program.frozen or ()):
+                    total += HeldBytes(sum(p.numel * p.itemsize for p in model.frozen))
+                found.append(total)
     return found
 
 
