@@ -53,7 +53,6 @@ it keeps its whole graph until W. A graph that reaches no parameter keeps nothin
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -214,24 +213,23 @@ def _product(op: Node, params: list[torch.Tensor]) -> Product | None:
     an `addmm` (bias, input, weight's transpose; alpha and beta 1) or `mm` (input,
     weight's transpose) whose parameters are `params` exactly, in a real floating type,
     plain tensors; else None (the engine runs it in W)."""
-    kinds = _product_types()
-    addmm = type(op) is kinds[0]
-    if not addmm and type(op) is not kinds[1]:
+    addmm = type(op) is _ADDMM
+    if not addmm and type(op) is not _MM:
         return None
     if addmm and (op._saved_alpha != 1 or op._saved_beta != 1):  # type: ignore[attr-defined]
         return None
     below = op.next_functions
     transpose = below[-1][0]
-    if transpose is None or type(transpose) is not kinds[2]:
+    if transpose is None or type(transpose) is not _TRANSPOSE:
         return None
     leaf = transpose.next_functions[0][0]
-    if leaf is None or type(leaf) is not _accumulator_type():
+    if leaf is None or type(leaf) is not _ACCUMULATOR:
         return None
     weight: torch.Tensor = leaf.variable  # type: ignore[attr-defined]
     bias_node = below[0][0] if addmm else None
     bias = None
     if bias_node is not None:
-        if type(bias_node) is not _accumulator_type():
+        if type(bias_node) is not _ACCUMULATOR:
             return None
         bias = bias_node.variable  # type: ignore[attr-defined]
     mine = [weight] if bias is None else [weight, bias]
@@ -313,11 +311,10 @@ def _plan(
         below = [[None if n is None else place[n] for n, _ in out] for out in edges]
         roots = [place[t.grad_fn] for t in outputs if t.grad_fn is not None]
         which = {id(p): i for i, p in enumerate(params) if p.requires_grad}
-        accumulator = _accumulator_type()
         owned = {
             at: which[_leaf(node)]
             for at, node in enumerate(nodes)
-            if type(node) is accumulator and _leaf(node) in which
+            if type(node) is _ACCUMULATOR and _leaf(node) in which
         }
         plan = _analyse(below, roots, owned, [p.dim() <= 1 for p in params])
         if len(_PLANS) >= _PLANS_HELD:
@@ -351,7 +348,6 @@ def _walk(
             if n is not None:
                 stack.append(n)
     which = {id(p): (i, p.dim() <= 1) for i, p in enumerate(params) if p.requires_grad}
-    accumulator = _accumulator_type()
     shape: list[object] = [len(roots)]
     shape.extend(place[r] for r in roots)
     for node, out in zip(nodes, edges, strict=True):
@@ -360,7 +356,7 @@ def _walk(
         shape.append(len(out))
         for n, _ in out:
             shape.append(None if n is None else place[n])
-        if kind is accumulator:
+        if kind is _ACCUMULATOR:
             shape.append(which.get(_leaf(node)))
     return nodes, edges, tuple(shape)
 
@@ -434,23 +430,21 @@ def _leaf(accumulator: Node) -> int:
     return id(leaf)
 
 
-@functools.cache
-def _product_types() -> tuple[type, type, type]:
+def _node_types() -> tuple[type, type, type, type]:
     """The node types of a linear layer's product, folded to two dimensions: `addmm`
-    (with a bias), `mm` (without), and the weight's transpose below either."""
+    (with a bias), `mm` (without), the weight's transpose below either; and a leaf's
+    gradient accumulator (the node that adds into `.grad`), read off a sample graph."""
     weight = torch.zeros(2, 2, requires_grad=True)
     x = torch.zeros(1, 2)
     addmm = torch.addmm(torch.zeros(2), x, weight.t()).grad_fn
     mm = torch.mm(x, weight.t()).grad_fn
     assert addmm is not None and mm is not None
     transpose = mm.next_functions[1][0]
-    return type(addmm), type(mm), type(transpose)
+    assert transpose is not None and transpose.next_functions[0][0] is not None
+    return type(addmm), type(mm), type(transpose), type(transpose.next_functions[0][0])
 
 
-@functools.cache
-def _accumulator_type() -> type:
-    """The type of a leaf's gradient accumulator (the node that adds into `.grad`)."""
-    leaf = torch.zeros(1, requires_grad=True)
-    node = leaf.view_as(leaf).grad_fn
-    assert node is not None and node.next_functions[0][0] is not None
-    return type(node.next_functions[0][0])
+_ADDMM, _MM, _TRANSPOSE, _ACCUMULATOR = _node_types()
+"""Read as this module loads, before any dispatch mode is on: read on first use, the
+sample's products ran inside whatever mode was on then (a FLOP counter counted 16
+FLOPs more for the first B of a process: tests/test_planner_split_w.py)."""
