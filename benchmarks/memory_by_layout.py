@@ -2,10 +2,11 @@
 a gloo run measures, side by side, in one run on this machine.
 
     python benchmarks/memory_by_layout.py [--layout "--dp 2"] [--layout "--dp 2 --shard"]
-        [--model gpt:small] [--seq-len 64] [--micro-batch-size 1] [--steps 2] [-n 4]
+        [--layout "--tp 2"] [--model gpt:small] [--seq-len 64] [--micro-batch-size 1]
+        [--steps 2] [-n 4]
 
 For each layout (flags of both `pipelang run` and `pipelang simulate`, so a layout that
-either gains, `--tp 2` say, is one more `--layout`), 1F1B at D = 2 with N micro-batches:
+both gain is one more `--layout`), 1F1B at D = 2 with N micro-batches:
 
 - predicted: `pipelang simulate 1f1b ... --model M LAYOUT --json`, each process's
   `memory` row (parameters, gradients, optimizer state, peak saved activations);
@@ -24,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -100,13 +102,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("-n", default="4", help="micro-batches per step (N)")
     args = parser.parse_args()
-    layouts = args.layout or ["--dp 2", "--dp 2 --shard"]
+    layouts = args.layout or ["--dp 2", "--dp 2 --shard", "--tp 2"]
     schedule = ["1f1b", "-p", "D=2", "-p", f"N={args.n}"]
     model = [
         "--model", args.model, "--seq-len", args.seq_len,
         "--micro-batch-size", args.micro_batch_size,
     ]  # fmt: skip
-    lines = []
+    lines, before = [], os.getloadavg()[0]
     for layout in layouts:
         flags = shlex.split(layout)
         guess = predicted(schedule, model, flags)
@@ -117,20 +119,22 @@ def main() -> None:
         f"--layout {shlex.quote(layout)}" for layout in layouts
     )
     today = datetime.date.today().isoformat()
+    load = f"load average {before:.1f} before, {os.getloadavg()[0]:.1f} after"
     header = (
         "| layout | process | parameters | gradients | optimizer | saved activations "
         "| predicted total | measured peak RSS |\n|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     text = f"""{SECTION}
 
-`{command}` ({today}; CPU, {platform.processor() or platform.machine()}, 2 cores, torch
-{torch.__version__}; gloo). {args.model}, 1F1B at D = 2, N = {args.n}, micro-batch
-{args.micro_batch_size}, sequence length {args.seq_len}, Adam (the default), fp32,
-{args.steps} steps. MiB per process (`replica * 2 + rank`), predicted by `pipelang
-simulate ... --model {args.model} LAYOUT --json` / measured by the run (after its last
-step; the activations as backends/stash.py counts the saved tensors), measured over
-predicted in brackets (`=`: equal to the byte). The predicted total is parameters +
-gradients + optimizer + saved activations, each as the run holds it after a step.
+`{command}` ({today}; CPU, {platform.processor() or platform.machine()}, {os.cpu_count()} cores
+shared with other work, {load}; torch {torch.__version__}; gloo). {args.model}, 1F1B at
+D = 2, N = {args.n}, micro-batch {args.micro_batch_size}, sequence length {args.seq_len},
+Adam (the default), fp32, {args.steps} steps. MiB per process (`replica * 2 * T + rank
+* T + tensor rank`), predicted by `pipelang simulate ... --model {args.model} LAYOUT
+--json` / measured by the run (after its last step; the activations as
+backends/stash.py counts the saved tensors), measured over predicted in brackets (`=`:
+equal to the byte). The predicted total is parameters + gradients + optimizer + saved
+activations, each as the run holds it after a step.
 
 The measured peak RSS is the whole process, which `simulate` does not predict: besides
 those tensors it holds Python, torch and gloo (about 280 MiB in a gpt:tiny run of the
@@ -141,6 +145,13 @@ embedding's the largest). Under `--shard` the step also holds the stage gathered
 its whole parameters from `gather` and its whole unreduced gradients until
 `reduce_scatter` (about 310 MiB each here), so sharding lowers the state held between
 steps by half but the peak much less.
+
+Under `--tp 2` each process holds its tensor rank's half of the blocks' projections
+(backends/tensor_parallel.py's plan, which `simulate` reads too) and the embedding,
+norms and head whole: the 147 MiB token embedding (and the head it feeds) dominate
+gpt:small's stages, so a process holds about three quarters of its stage, not half.
+The predicted activations are one tensor rank's, measured on the stage with each split
+parameter cut to its part.
 
 {header}
 {chr(10).join(lines)}
