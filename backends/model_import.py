@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +56,9 @@ def trust(name: str) -> None:
     _trusted.add(name)
 
 
-def vet(spec: ModelSpec) -> None:
-    """Load `spec`'s model in a child process under the deadline, once per process;
+def vet(spec: ModelSpec, load: Callable[[ModelSpec, str], str]) -> None:
+    """Load `spec`'s model in a child process under the deadline, once per process, by
+    `load(spec, result)` there (user_models.load_in_child: its error, "" when none);
     raises ModelError when the child fails, hangs or ends without a word."""
     key = (spec.name, spec.seq_len, spec.micro_batch_size, spec.dtype)
     if spec.name in _trusted or key in _passed:
@@ -64,7 +66,9 @@ def vet(spec: ModelSpec) -> None:
     seconds, deadline = _deadline[""]
     with tempfile.TemporaryDirectory(prefix="pipelang-model-") as tmp:
         result, log = Path(tmp) / "result.json", Path(tmp) / "stderr.txt"
-        child = start(_child, (list(key), str(result), str(log), dict(os.environ)), "model")
+        loaded = type(spec)(*key)  # the model's name and shapes alone
+        job = (load, loaded, str(result), str(log), dict(os.environ))
+        child = start(_child, job, "model")
         try:
             status = _wait(child, Path(f"{result}.started"), seconds)
         finally:  # the deadline, or a signal to this process: the child goes too
@@ -134,16 +138,20 @@ def _died(name: str, status: int, log: Path) -> str:
     )
 
 
-def _child(spec: list[object], result: str, log: str, env: dict[str, str]) -> None:
-    """The child: load the model on the meta device and write what went wrong ("" if
-    not), in the caller's environment, its stderr to `log` and its stdout nowhere."""
+def _child(
+    load: Callable[[ModelSpec, str], str],
+    spec: ModelSpec,
+    result: str,
+    log: str,
+    env: dict[str, str],
+) -> None:
+    """The child: `load` the model and write what went wrong ("" if nothing), in the
+    caller's environment, its stderr to `log` and its stdout nowhere."""
     os.environ.clear()
     os.environ.update(env)
     os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    from pipelang.backends.models import load_here
-
-    error = load_here(spec, result)
+    error = load(spec, result)
     with open(result, "w", encoding="utf-8") as file:
         json.dump({"error": error}, file)
     sys.stdout.flush()

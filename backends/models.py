@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,10 +38,8 @@ from pipelang.backends.builtin_models import (
 from pipelang.backends.data import DataError, check_tokens, sample_batch, synthetic_batch
 from pipelang.backends.layer_init import Materializer, SeededLayers, on_meta
 from pipelang.backends.model_error import ModelError
-from pipelang.backends.model_import import trust
 from pipelang.backends.user_init import user_layers
-from pipelang.backends.user_models import Tie, said, user_model
-from pipelang.diagnostics import clip
+from pipelang.backends.user_models import Tie, user_model
 from pipelang.ir.program import even_split
 
 DTYPES: dict[str, torch.dtype] = {
@@ -351,25 +348,3 @@ def _check_data(spec: ModelSpec, vocab: int, seq_len: int) -> None:
             check_tokens(spec.data, vocab, seq_len)
         except DataError as err:
             raise ModelError(str(err)) from None
-
-
-def load_here(spec: list[object], result: str) -> str:
-    """The work of `model_import.vet`'s child: `user_model` of the spec on the meta
-    device; its error in one line ("" when it loaded). Here, beside `ModelSpec`, so that
-    model_import imports neither this module nor user_models."""
-    name = str(spec[0])
-    try:
-        import torch
-
-        with torch.device("meta"):  # torch's own lazy imports (its meta kernels) first
-            torch.nn.Linear(2, 2)(torch.nn.Embedding(2, 2)(torch.zeros(1, dtype=torch.long)))
-        Path(f"{result}.started").touch()  # the model's own code runs from here
-        trust(name)
-        model = ModelSpec(name, spec[1], spec[2], spec[3])  # type: ignore[arg-type]
-        with on_meta():
-            user_model(model)
-    except ModelError as err:
-        return str(err) or "ModelError"
-    except BaseException as err:  # whatever the user's code raises, sys.exit() too
-        return clip(f"`--model {name}`: loading it failed: {said(err)}")
-    return ""

@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from pipelang.backends.layer_init import on_meta
 from pipelang.backends.model_error import ModelError
-from pipelang.backends.model_import import vet
+from pipelang.backends.model_import import trust, vet
 from pipelang.diagnostics import clip
 
 if TYPE_CHECKING:
@@ -231,12 +231,30 @@ class _Built:
     loss: Loss | None
 
 
+def load_in_child(spec: ModelSpec, result: str) -> str:
+    """The work of `model_import.vet`'s child: `user_model` of the spec on the meta
+    device, after touching RESULT.started (the deadline counts from there); its error in
+    one line ("" when it loaded)."""
+    try:
+        with torch.device("meta"):  # torch's own lazy imports (its meta kernels) first
+            torch.nn.Linear(2, 2)(torch.nn.Embedding(2, 2)(torch.zeros(1, dtype=torch.long)))
+        Path(f"{result}.started").touch()  # the model's own code runs from here
+        trust(spec.name)
+        with on_meta():
+            user_model(spec)
+    except ModelError as err:
+        return str(err) or "ModelError"
+    except BaseException as err:  # whatever the user's code raises, sys.exit() too
+        return clip(f"`--model {spec.name}`: loading it failed: {said(err)}")
+    return ""
+
+
 def user_model(spec: ModelSpec) -> UserModel:
     """The model `spec.name` names, built on the current default device (see the module
     docstring). Raises ModelError with what is wrong. The model is loaded in a child
     process first (`model_import.vet`: a deadline, and a model that ends the process
     is told)."""
-    vet(spec)
+    vet(spec, load_in_child)
     factory = load_factory(spec.name)
     built = _build(spec, factory)
     if torch.get_default_device().type == "meta":
