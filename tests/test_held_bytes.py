@@ -23,7 +23,7 @@ from pipelang.sim.state import (
     shard_rows,
     tensor_part,
 )
-from tests.helpers import pipelang_cmd, pipelang_here
+from tests.helpers import pipelang_here
 
 ONE_F_ONE_B = ("1f1b", "-p", "D=2", "-p", "N=4")
 
@@ -259,15 +259,15 @@ def tied():  # the embedding and the head share their weight across the two stag
 """
 
 LAYOUTS = [
-    "--model llama:tiny --dp 2 --shard --tp 2",  # its fused parts, FSDP2-sharded (8 processes)
     "--mixed-precision bfloat16 --optimizer adamw",
     "--model odd.py:model --dp 2 --shard --mixed-precision bfloat16",  # fp32, padded shards
     "--model odd.py:tied --dp 2",  # the tied weight's summed gradient replaces none
 ]
 """Each a rule of its own (the suite's time is short: `--dp 2` alone and SGD's one state
 are the fast tests' arithmetic, measured in benchmarks/memory_by_layout.py, as are
-gpt:tiny's `--dp 2 --shard` and `--dp 2 --shard --tp 2`, whose rules the sharded runs
-here take; gpt:tiny's `--tp 2` is the test after, with its activations)."""
+gpt:tiny's `--dp 2 --shard`, whose rules the sharded runs here take; gpt:tiny's `--tp 2`
+is the test after, with its activations; llama:tiny's `--tp 2` and gpt:tiny's `--dp 2
+--shard --tp 2` are asserted on tests/test_tp.py's runs of them)."""
 
 
 @pytest.mark.slow
@@ -276,7 +276,7 @@ def test_predicted_bytes_equal_the_run_measured(tmp_path: Path, layout: str) -> 
     (tmp_path / "odd.py").write_text(ODD_MODEL)
     options = layout.split() if "--model" in layout else ["--model", "gpt:tiny", *layout.split()]
     log = tmp_path / "log.jsonl"
-    run = pipelang_cmd(
+    run = pipelang_here(
         "run", *ONE_F_ONE_B, "--backend", "gloo", "--steps", "2", "--log", str(log), *options,
         cwd=tmp_path, timeout=300,
     )  # fmt: skip

@@ -16,6 +16,7 @@ from pipelang.backends.config import RunConfig
 from pipelang.backends.mesh import Grid
 from pipelang.backends.preflight import tp_refusal
 from tests.helpers import free_port, pipelang_here, read_checkpoint
+from tests.test_held_bytes import assert_predicted
 
 ONE_F_ONE_B = ("1f1b", "-p", "D=2", "-p", "N=4")
 
@@ -210,7 +211,8 @@ def tp_run(tmp_path: Path, model: str, *more: str) -> tuple[str, dict[str, list[
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr + proc.stdout
     last = json.loads(log.read_text().splitlines()[-1])
-    return proc.stdout, {key: last[key] for key in ("param_bytes", "grad_bytes", "grad_norm")}
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "grad_norm")
+    return proc.stdout, {key: last[key] for key in keys}
 
 
 @pytest.mark.slow
@@ -219,6 +221,7 @@ def test_tp2_trains_within_the_tolerance_holding_about_half(tmp_path: Path, mode
     _, whole = tp_run(tmp_path, model)
     out, split = tp_run(tmp_path, model, "--tp", "2")
     assert "check OK" in out and "(bitwise equal)" not in out, out
+    assert_predicted(tmp_path, ["--model", model, "--tp", "2"], split)  # simulate's bytes
     assert "4 processes (2 ranks x --tp 2)" in out, out
     # ranks 0, 1 split stage 0; 2, 3 stage 1: the blocks' bytes halve, the embedding,
     # norms and head stay whole on each (about 55% of gpt:tiny's and llama:tiny's stages)
@@ -332,7 +335,9 @@ def test_sharded_tp_holds_a_quarter_checks_and_resumes_across_layouts(tmp_path: 
     run = ("--steps", "3", "--save-every", "2", "--check", "--log", str(log))
     out = gloo(*ONE_F_ONE_B, *layout, *run, "--save", str(sharded), cwd=tmp_path)
     assert "check OK" in out and "8 processes (--dp 2 x 2 ranks x --tp 2)" in out, out
-    held = json.loads(log.read_text().splitlines()[-1])["param_bytes"]
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert_predicted(tmp_path, ["--model", "gpt:tiny", *layout], last)  # simulate's bytes
+    held = last["param_bytes"]
     assert [held[p] for p in (0, 1, 4, 5)] == [held[0]] * 4  # stage 0's processes
     for process, part in enumerate(held):  # gpt:tiny: 28%
         stage = whole["param_bytes"][process // 2 % 2]  # process = k * 4 + r * 2 + t
