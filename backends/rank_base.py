@@ -9,7 +9,7 @@ import functools
 import hashlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -66,13 +66,15 @@ def value_of(key: deps.Key) -> Value:
     return cast(Value, (kind.value, mb, stage, pipeline, chunk))
 
 
-def fingerprint(params: Sequence[torch.Tensor]) -> int:
+def fingerprint(params: Iterable[torch.Tensor]) -> int:
     """A 64-bit hash of the parameters' bytes: equal fingerprints, equal bits (but for
-    a collision)."""
+    a collision). Each tensor is hashed where it lies, no copy of its bytes (a sharded
+    copy's whole tensors come one at a time: `shard.full_params`)."""
     digest = hashlib.blake2b(digest_size=8)
     for param in params:
         data = param.detach().contiguous().view(-1).view(torch.uint8).cpu()
-        digest.update(data.numpy().tobytes())
+        digest.update(data.numpy().data)  # its memory, not a copy
+        del param, data  # not held while the next tensor is gathered
     return int.from_bytes(digest.digest(), "little")
 
 

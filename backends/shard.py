@@ -24,7 +24,9 @@ The program says when the collectives run (`insert-shard`), and the executor cal
   the three back on and FSDP2's post-backward (pipelining's REDUCE_GRAD): one
   reduce-scatter of the gradients the micro-batches accumulated, a plain sum (the loss
   is scaled by 1/(N K) already), then the gathered parameters are dropped. Each shard's
-  summed gradient becomes its local tensor's `.grad`, which `step` applies.
+  summed gradient becomes its local tensor's `.grad`, which `step` applies. On gloo the
+  reduce-scatter is an all-reduce of FSDP2's flat input in place, each process keeping
+  its rows (`_in_place_reduce_scatter`): gloo's own copies the input first.
 
 With `--mixed-precision` the sharded parameters are the copy's fp32 masters, and FSDP2's
 `MixedPrecisionPolicy` does what backends/precision.py does for a whole copy: the
@@ -42,7 +44,7 @@ backends/summation.py); above 2 the order of gloo's reduce-scatter is not replay
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,6 +80,8 @@ def shard_copies(runtime: RankRuntime) -> None:
         )
         module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled already
         module.set_force_sum_reduction_for_comms(True)  # SUM, which gloo has
+        if _is_gloo(mesh.get_group()):
+            module.set_custom_reduce_scatter(_in_place_reduce_scatter())
         sharded = _sharded(copy)
         copy.params = [_local(p) for p in sharded]
         if runtime.config.tp > 1:
@@ -98,6 +102,39 @@ def _dp_mesh(runtime: RankRuntime, ranks: list[int]) -> DeviceMesh | None:
     if sorted(mesh.mesh.flatten().tolist()) != sorted(ranks):
         raise InternalError(f"the reduce group {ranks} is not the mesh's dp slice")
     return mesh
+
+
+def _is_gloo(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "gloo"
+
+
+def _in_place_reduce_scatter() -> Any:
+    """FSDP2's reduce-scatter for gloo: an all-reduce of FSDP2's flat input in place, of
+    which each process keeps its own rows (FSDP2's layout: row block i for group rank i).
+    gloo's own reduce-scatter copies the whole input first (the stage's gradients once
+    more, at the step's peak) and takes about 3x as long on a CPU; a sum of two is the
+    same either way, bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class InPlace(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: Any,
+            op: Any,
+            async_op: bool = False,
+        ) -> None:
+            dist.all_reduce(input_tensor, op=op, group=group)
+            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+
+    return InPlace()
 
 
 def _masters_sharded(copy: Stage) -> Any:
@@ -196,16 +233,20 @@ class ShardActions:
             local.grad = None if grad is None else _local(grad)
 
 
-def full_params(copy: Stage) -> list[torch.Tensor]:
+def full_params(copy: Stage) -> Iterator[torch.Tensor]:
     """A copy's whole parameters: gathered from the shards where it is sharded (a
-    collective: every process of its group calls it, in the same order), else its own."""
+    collective: every process of its group takes them all, in the same order), one at a
+    time as they are taken, so that a process holds one whole tensor beside its shards
+    (`--check`'s fingerprint of every step), not its whole stage; else its own."""
     from torch.distributed.tensor import DTensor
 
     params: Iterable[torch.Tensor] = copy.module.parameters()
     if not any(isinstance(p, DTensor) for p in params):
-        return list(copy.params)
+        yield from copy.params
+        return
     dtype = compute_dtype(copy)
-    return [_full(p, dtype) for p in _sharded(copy)]
+    for param in _sharded(copy):
+        yield _full(param, dtype)
 
 
 def _full(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -271,11 +271,21 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 @pytest.mark.slow
-def test_each_rank_holds_a_quarter_of_a_model_no_rank_could_build_whole(tmp_path: Path) -> None:
-    """8 layers of 128 MiB over D = 4 stages under --init layers: each rank's measured
-    parameter bytes are a quarter of the model's (within 10%), and each rank's peak
-    resident memory, with gradients and SGD's momentum besides, stays below that of one
-    process that merely builds the whole model."""
+def test_sharded_ranks_each_hold_an_eighth_of_a_model_no_rank_could_build_whole(
+    tmp_path: Path,
+) -> None:
+    """Issue 41's test: 8 layers of 128 MiB (1 GiB in fp32) under --init layers over
+    D = 4 stages, `--dp 2 --shard` (8 processes, each stage copy FSDP2-sharded over its
+    2 data-parallel copies), gloo, 2 steps, `--check`: it checks bit for bit against
+    one process (K = 2), each process's measured parameter bytes are an eighth of the
+    model's (within 10%), SGD's gradients and momentum as many, and each process's peak
+    resident memory (`peak_memory`, read at each step's end: the training, not --check's
+    gathering of the whole weights after it) stays below that of one process that merely
+    builds the whole model, measured beside it, by more than an eighth of the model.
+    The order keeps each stage gathered through its step (no `reshard()`): with one
+    micro-batch a stage's backward needs its whole parameters anyway, and its unreduced
+    gradients are the peak. Measured on the 2-core VM: 1,047-1,052 MiB per process
+    against 1,245 MiB whole."""
     (tmp_path / "big.py").write_text(BIG)
     child = subprocess.run(
         [sys.executable, "-c", BUILD_WHOLE],
@@ -288,19 +298,27 @@ def test_each_rank_holds_a_quarter_of_a_model_no_rank_could_build_whole(tmp_path
     whole_peak = int(child.stdout)
     total = 8 * 4096 * 8192 * 4
     log = tmp_path / "m.jsonl"
-    # one micro-batch: with more, the second's weight gradient is a new tensor before it
-    # is added into .grad, one layer (128 MiB) more at the peak; --log's gradient norm
-    # squares one into a new tensor too: 1,172 MiB measured against 1,245 MiB whole
+    # one micro-batch per copy: with more, the second's weight gradient is a new tensor
+    # before it is added into the unreduced gradient, a layer (128 MiB) more at the peak
     argv = ["run", "1f1b", "-p", "D=4", "-p", "N=1", "--model", "big.py:big", "--init", "layers"]
     small = ["--micro-batch-size", "1", "--seq-len", "4", "--optimizer", "sgd", "--steps", "2"]
-    proc = pipelang_cmd(*argv, *small, "--backend", "gloo", "--log", str(log), cwd=tmp_path)
+    shard = ["--dp", "2", "--shard", "--check", "--backend", "gloo", "--log", str(log)]
+    proc = pipelang_cmd(*argv, *small, *shard, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert "check OK: 30 parameter tensors" in proc.stdout
+    assert "(bitwise equal)" in proc.stdout
     last = json.loads(log.read_text().splitlines()[-1])
     print(f"whole model built in one process: peak RSS {whole_peak / 2**20:,.0f} MiB")
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_memory"):
         print(key, [f"{n / 2**20:,.0f} MiB" for n in last[key]])
-    for rank in range(4):
-        assert abs(last["param_bytes"][rank] - total / 4) <= 0.1 * total / 4
-        assert last["grad_bytes"][rank] == last["param_bytes"][rank]
-        assert last["optimizer_bytes"][rank] == last["param_bytes"][rank]
-        assert last["peak_memory"][rank] < whole_peak
+    assert len(last["param_bytes"]) == 8
+    for process in range(8):
+        assert abs(last["param_bytes"][process] - total / 8) <= 0.1 * total / 8
+        assert last["grad_bytes"][process] == last["param_bytes"][process]
+        assert last["optimizer_bytes"][process] == last["param_bytes"][process]
+        assert last["peak_memory"][process] < whole_peak
+        # at its peak a process holds its shard, its momentum, its stage gathered and
+        # the stage's unreduced gradients: 6/8 of the model against the whole build's
+        # 8/8, room for more than an eighth more; gloo's own reduce-scatter, which copied
+        # the gradients once more, left less (1,180 MiB against 1,245 MiB)
+        assert last["peak_memory"][process] + total / 8 < whole_peak
