@@ -84,6 +84,37 @@ __all__ = [
 Entry = tuple[tuple[int, ...], torch.dtype]
 
 
+def _world_not_held() -> None:
+    """Let `dist.destroy_process_group()` free the default process group after DCP is used.
+
+    DCP (torch.distributed.checkpoint, through torch.distributed._shard) imports
+    torch/distributed/nn/functional.py, whose collectives take `group=group.WORLD` as a
+    default argument, evaluated at import (functional.py:32 `broadcast` and each one
+    after it, torch 2.13): imported after `init_process_group`, as DCP is here, lazily,
+    they hold the default group for the life of the process. Its gloo threads then
+    outlive `destroy_process_group()` into the interpreter's finalization, where a worker
+    thread still letting go of a finished collective's tensor needs the GIL and is ended
+    inside a destructor: std::terminate, "terminate called without an active exception"
+    (a user's loop aborted at exit so). So the module is imported now, with pipelang's
+    (before the process group, as a script imports), and a group already bound is
+    replaced by None, the value it binds then (None: the default group)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    import torch.distributed.nn.functional as collectives
+
+    for function in vars(collectives).values():
+        defaults = getattr(function, "__defaults__", None)
+        if getattr(function, "__module__", None) == collectives.__name__ and defaults:
+            function.__defaults__ = tuple(
+                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
+            )
+
+
+_world_not_held()
+
+
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Protocol
 
@@ -66,6 +67,45 @@ def peer_failures(peer: int | None = None) -> Iterator[None]:
         yield
     except RuntimeError as err:
         raise PeerFailure(str(err), peer) from err
+
+
+RELEASE_LIMIT = 1.0
+"""Seconds `let_go` waits at most for a worker thread to let go of a tensor."""
+
+
+def uses(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """How many references each tensor's C++ TensorImpl has now (`let_go`)."""
+    return [_references(t) for t in tensors]
+
+
+def _references(tensor: torch.Tensor) -> int:
+    return int(tensor._use_count())  # type: ignore[attr-defined]
+
+
+def let_go(tensors: Sequence[torch.Tensor], counts: Sequence[int]) -> None:
+    """Wait (at most RELEASE_LIMIT) until no thread but this one holds `tensors`: each
+    back to the references `uses` counted before a collective on it started.
+
+    A gloo collective's wait returns when the work is done, but the process group's
+    worker thread lets go of the work, and of its tensors, a moment later. Had the
+    Python tensor died first, that thread must take the GIL to free it; once the
+    interpreter is finalizing (the script ended), Python ends the thread inside the
+    work's destructor and the process aborts ("terminate called without an active
+    exception"). Waiting here keeps every tensor pipelang hands to a collective alive
+    in Python until torch's threads are done with it. (CPU tensors; nccl's are
+    released by its watchdog thread, not waited for.)"""
+    deadline = time.monotonic() + RELEASE_LIMIT
+    pairs = [(t, n) for t, n in zip(tensors, counts, strict=True) if t.device.type == "cpu"]
+    while any(_references(t) > n for t, n in pairs) and time.monotonic() < deadline:
+        time.sleep(0.0001)
+
+
+@contextlib.contextmanager
+def settled(*tensors: torch.Tensor) -> Iterator[None]:
+    """Around a blocking collective on `tensors`: on leaving, `let_go` of them."""
+    counts = uses(tensors)
+    yield
+    let_go(tensors, counts)
 
 
 class Handle(Protocol):
@@ -201,7 +241,8 @@ class DistTransport:
         if self.world > 2:
             exchange_sum(value, range(self.world), self.me, None)
         else:
-            dist.all_reduce(value)
+            with settled(value):
+                dist.all_reduce(value)
         return value
 
     def end_step(self) -> None:

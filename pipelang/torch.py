@@ -54,7 +54,7 @@ from pipelang.backends.precision import master_weights
 from pipelang.backends.rank_sync import clip_coefficient
 from pipelang.backends.stage import Settings, Stage
 from pipelang.backends.stash import Stash
-from pipelang.backends.transport import DistTransport, Handle
+from pipelang.backends.transport import DistTransport, Handle, settled
 from pipelang.backends.user_models import Boundary
 from pipelang.diagnostics import clip, fail, quote
 from pipelang.features import refusal
@@ -215,7 +215,8 @@ class PipelineSchedule:
                 for param in copy.trained:
                     if param.grad is not None:
                         total += param.grad.detach().float().square().sum()
-        dist.all_reduce(total)
+        with settled(total):
+            dist.all_reduce(total)
         coefficient = clip_coefficient(total, max_norm)
         with torch.no_grad():
             for copy in self.copies.values():
@@ -236,7 +237,9 @@ class PipelineSchedule:
             copies = [m for (s, _), m in self.stages.items() if s == stage]
             if me in ranks and group is not None and copies:
                 for param in copies[0].parameters():
-                    dist.broadcast(param.data, src=ranks[0], group=group)
+                    data = param.data
+                    with settled(data):
+                        dist.broadcast(data, src=ranks[0], group=group)
                 for other in copies[1:]:
                     for a, b in zip(other.parameters(), copies[0].parameters(), strict=True):
                         a.data.copy_(b.data)
@@ -374,6 +377,9 @@ class PipelineSchedule:
             return
         copy = next(c for (s, _), c in self.copies.items() if s == stage)
         flat, grads = copy.flat_gradients()  # a frozen parameter's gradient is not summed
+        # the work stays in `reducing` until the next step; torch's worker thread lets go
+        # of it a moment after `wait`, so that thread is not the one to free the sum
+        # (transport.let_go says why that matters at exit)
         self.reducing.append((copy, flat, grads, self.transport.allreduce(stage, flat)))
 
     def _finish(self) -> None:

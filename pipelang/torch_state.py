@@ -34,6 +34,7 @@ from pipelang.backends.checkpoint_dirs import find, mark, may_overwrite
 from pipelang.backends.checkpoint_read import INFO, CheckpointError, read_info
 from pipelang.backends.config import DEFAULT_WEIGHT_DECAY
 from pipelang.backends.optim import SGD, Adam, LrSchedule, decays
+from pipelang.backends.transport import settled
 from pipelang.diagnostics import fail, quote
 
 if TYPE_CHECKING:
@@ -283,17 +284,20 @@ def _agree(problem: str | None, device: torch.device) -> None:
         return
     me, world = dist.get_rank(), dist.get_world_size()
     who = torch.tensor([world if problem is None else me], dtype=torch.int64, device=device)
-    dist.all_reduce(who, op=dist.ReduceOp.MIN)
+    with settled(who):  # torch's threads done with each tensor (transport.let_go)
+        dist.all_reduce(who, op=dist.ReduceOp.MIN)
     teller = int(who.item())
     if teller == world:
         return
     data = problem.encode()[:4096] if problem is not None and me == teller else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=teller)
+    with settled(size):
+        dist.broadcast(size, src=teller)
     text = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     if me == teller:
         text = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    dist.broadcast(text, src=teller)
+    with settled(text):
+        dist.broadcast(text, src=teller)
     raise fail("usage", bytes(text.cpu().tolist()).decode("utf-8", errors="replace"))
 
 

@@ -9,10 +9,12 @@ checkpoint of the last step and the resumed ones are compared entry by entry
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -282,3 +284,103 @@ def test_bad_optimizer_and_save_arguments_are_one_error(tmp_path: Path, one_proc
     assert _error(lambda: sched.save(tmp_path, step=1)) == (
         f"`{tmp_path / 'step-1'}` is there and is not a directory: not written over"
     )
+
+
+# ---- at exit: no thread of torch's is left holding what pipelang handed it -----------------
+
+EXIT = """\
+import os, sys, weakref
+import torch
+import torch.distributed as dist
+
+def init():
+    dist.init_process_group("gloo", store=dist.FileStore("store", 1), rank=0, world_size=1)
+
+if sys.argv[1] == "init-first":
+    init()
+import pipelang
+from pipelang.torch import PipelineSchedule
+if sys.argv[1] == "import-first":
+    init()
+world = weakref.ref(dist.group.WORLD)
+prog = pipelang.load("interleaved-1f1b", D=1, N=2, v=2)
+sched = PipelineSchedule(prog, lambda s: torch.nn.Linear(4, 4), torch.nn.functional.mse_loss)
+opt = sched.optimizer("adamw")
+sched.step(torch.randn(4, 4), torch.randn(4, 4))
+opt.step()
+sched.save("ck", optimizer=opt)
+try:
+    PipelineSchedule(prog, lambda s: torch.nn.Linear(2, 2), torch.nn.functional.mse_loss).load("ck")
+except pipelang.PipelangError:
+    pass
+dist.destroy_process_group()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(world() is None, sorted(n for n in names if "gloo" in n))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["import-first", "init-first"])
+def test_destroy_process_group_ends_every_gloo_thread_after_save_and_load(
+    tmp_path: Path, order: str
+) -> None:
+    """After `save` and `load` (DCP, imported once the process group is up), the user's
+    `dist.destroy_process_group()` frees the default group: no gloo thread lives on into
+    the interpreter's exit, where one letting go of a collective's tensor aborted the
+    script ("terminate called without an active exception"): torch's
+    distributed/nn/functional.py, which DCP imports, held the group in its defaults."""
+    (tmp_path / "exit.py").write_text(EXIT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "exit.py", order],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "True []"
+
+
+def test_pipelangs_collectives_leave_no_tensor_to_torchs_threads(
+    one_process: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When `clip_grad_norm_` and a checkpoint's agreement (`_agree`, every process's
+    one error) return, gloo's worker thread holds none of the tensors they handed to a
+    collective (each at one reference, the recorder's): a tensor it let go of last,
+    after the script's end, aborted the process. (Before, about half of the calls
+    returned while the worker still held the tensor: 40 rounds catch it.)"""
+    import torch.distributed as dist
+
+    from pipelang.backends.transport import uses
+    from pipelang.torch_state import _agree
+
+    handed: list[torch.Tensor] = []
+
+    def recorded(name: str) -> object:
+        real = getattr(dist, name)
+
+        def call(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+            handed.append(tensor)
+            return real(tensor, *args, **kwargs)
+
+        return call
+
+    for name in ("all_reduce", "broadcast"):
+        monkeypatch.setattr(dist, name, recorded(name))
+
+    def held_after(call: Callable[[], object]) -> list[int]:
+        """The references to each tensor `call` handed to a collective, as it returns."""
+        del handed[:]
+        with contextlib.suppress(pipelang.PipelangError):
+            call()
+        return uses(handed)
+
+    sched = _sched()
+    sched.step(torch.randn(4, 8), torch.randn(4, 8))
+    for _ in range(40):
+        assert held_after(lambda: sched.clip_grad_norm_(0.5)) == [1]
+        assert held_after(lambda: _agree(None, sched.device)) == [1]
+        assert held_after(lambda: _agree("a problem", sched.device)) == [1, 1, 1]
