@@ -386,8 +386,10 @@ def compare(
         for (stage, pipeline, _), weights in zip(result.copies, result.copy_weights, strict=True):
             for name, tensor in weights.items():
                 count += 1
-                largest = 0.0  # equal bits (the common case): no difference to measure
-                if not torch.equal(tensor, reference.weights[name]):
+                if torch.equal(tensor, reference.weights[name]):  # the common case, cheaply
+                    # within any tolerance; inf - inf, NaN, counts as an infinite difference
+                    largest = 0.0 if bool(tensor.isfinite().all()) else math.inf
+                else:
                     bitwise = False
                     expected = reference.weights[name].double()
                     diff = (tensor.double() - expected).abs().nan_to_num(math.inf)

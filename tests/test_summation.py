@@ -374,5 +374,33 @@ def test_a_bitwise_check_reports_no_first_difference() -> None:
     assert isinstance(comparison, Comparison) and "\n" not in comparison.render()
 
 
+@pytest.mark.parametrize(
+    ("run_weight", "reference_weight", "ok", "bitwise", "largest"),
+    [
+        (torch.empty(0), torch.empty(0), True, True, 0.0),  # no elements: nothing differs
+        (torch.tensor([1.5, -0.0]), torch.tensor([1.5, 0.0]), True, True, 0.0),
+        (torch.tensor([math.inf]), torch.tensor([math.inf]), True, True, math.inf),
+        (torch.tensor([math.nan]), torch.tensor([math.nan]), False, False, math.inf),
+        (torch.tensor([1.0 + 2**-20]), torch.tensor([1.0]), True, False, 2**-20),
+    ],
+)
+def test_equal_bits_compare_cheaply_as_a_difference_of_zero(
+    run_weight: torch.Tensor,
+    reference_weight: torch.Tensor,
+    ok: bool,
+    bitwise: bool,
+    largest: float,
+) -> None:
+    """Bit-equal tensors (the common case) skip the float64 difference, a pass over
+    every whole parameter: still a difference of 0 (an infinity's, inf - inf, reported
+    as infinite and within inf's tolerance, as before); an empty parameter now compares
+    (its float64 difference had no maximum: a RuntimeError)."""
+    reference = Reference([2.0], {"0.w": reference_weight})
+    result = RankResult(0, [(0, "main", 0)], copy_weights=[{"0.w": run_weight}])
+    comparison = compare(reference, [result], [2.0], _config())
+    assert (comparison.ok, comparison.bitwise) == (ok, bitwise)
+    assert comparison.max_weight_diff == largest
+
+
 def _config(first_step: int = 0) -> RunConfig:
     return RunConfig(optimizer="sgd", first_step=first_step)
