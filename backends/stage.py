@@ -131,7 +131,8 @@ class Stage:
     saved: dict[Key, Saved] = field(default_factory=dict)
     graph_free: bool = False
     """Whether this copy's last split B kept no graph for W (every weight op W runs is
-    a linear layer's product, `weight_split.Product`): then its forwards need not file
+    a linear layer's product or embedding lookups, `weight_split.Product`, `Lookup`):
+    then its forwards need not file
     their saved tensors in the stash, unless someone counts their bytes."""
 
     @property

@@ -26,10 +26,12 @@ gradient. So:
   transpose: `Product`) is most weight ops of a transformer. B takes its input from
   the graph before it runs, and W computes the weight's and bias's gradients with the
   formulas autograd's backward of that product uses (`product_grads`), as Megatron's
-  deferred weight gradients do, and adds them all with one call into the engine. Where
-  every weight op is such a product, W needs no graph: B lets it go as it runs (no
-  `retain_graph`), and the stage's later forwards need not file their saved tensors
-  (`Stage.graph_free`).
+  deferred weight gradients do, and adds them all with one call into the engine. An
+  op over embedding lookups (a token and a position embedding summed: `Lookup`) is
+  done alike: B takes the gradient into each lookup, W runs autograd's embedding
+  backward on it and the indices. Where every weight op is a product or such lookups,
+  W needs no graph: B lets it go as it runs (no `retain_graph`), and the stage's later
+  forwards need not file their saved tensors (`Stage.graph_free`).
 - Any other weight op W runs on the graph B kept. What it reads is known before it
   runs: the saved tensors of the weight ops and of their chains, found by reading each
   node's saved values while the stash records which it hands out (`Stash.probe`).
@@ -84,13 +86,30 @@ class Product:
 
 
 @dataclass(slots=True)
+class Lookup:
+    """An embedding's lookup (`_lookups`), kept for W without its graph: the indices it
+    read, the gradient of its output, and its weight."""
+
+    indices: torch.Tensor
+    grad: torch.Tensor | None
+    weight: torch.Tensor
+    padding_idx: int
+    scale_grad_by_freq: bool
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+
+@dataclass(slots=True)
 class WeightWork:
     """What W does once B has run: the linear layers' products (`Product`), computed
     without the graph, and for any other weight op its gradient edges, the gradients B
     left there, and the parameters its chains reach (`Group`: the engine runs it, on the
     graph B kept)."""
 
-    products: list[Product]
+    products: list[Product | Lookup]
+    """The products and lookups W computes itself (`own_grads`)."""
     groups: list[Group]
 
     def gradients(self) -> list[torch.Tensor]:
@@ -121,11 +140,13 @@ def split_backward(
     recomputed forward is never split (all its weight gradients come at W, which the
     one-process reference replays)."""
     found_plan = _plan(outputs, params)
-    products: list[Product | None] = []
+    owns: list[Product | list[tuple[Node, Lookup]] | None] = []
     if found_plan is not None:
         nodes, plan = found_plan
-        products = [_product(nodes[i], [params[p] for p in mine]) for i, mine in plan.later]
-        graph_kept = None in products
+        for i, at_params in plan.later:
+            op, theirs = nodes[i], [params[p] for p in at_params]
+            owns.append(_product(op, theirs) or _lookups(op, theirs))
+        graph_kept = None in owns
         if not (probe([nodes[i] for i in plan.read]) if probe else unfiled and not graph_kept):
             found_plan = None
     if found_plan is None:  # not split: the input gradients alone, the whole graph kept for W
@@ -133,12 +154,17 @@ def split_backward(
             return [], None
         alone = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
         return list(alone), None
-    # One pass: the input gradients, the gradients into the weight ops W runs later,
-    # and the cheap weight ops' own parameter gradients (they are on B's way anyway).
+    # One pass: the input gradients, the gradients into the weight ops W runs later (into
+    # each lookup, for an op of embedding lookups), and the cheap weight ops' own
+    # parameter gradients (they are on B's way anyway).
     later = [nodes[i] for i, _ in plan.later]
-    counts = [len(op._input_metadata) for op in later]
-    pairs = zip(later, counts, strict=True)
-    edges = [GradientEdge(op, i) for op, count in pairs for i in range(count)]
+    edges_of = [
+        [GradientEdge(node, 0) for node, _ in own]
+        if isinstance(own, list)
+        else [GradientEdge(op, i) for i in range(len(op._input_metadata))]
+        for op, own in zip(later, owns, strict=True)
+    ]
+    edges = [edge for op_edges in edges_of for edge in op_edges]
     cheap = [params[p] for p in plan.cheap]
     wrt: list[Any] = [*inputs, *edges, *cheap]
     found: Sequence[torch.Tensor | None] = ()
@@ -147,14 +173,19 @@ def split_backward(
     _accumulate(cheap, found[len(inputs) + len(edges) :])
     work = WeightWork([], [])
     at = len(inputs)
-    for op, count, product, (_, owned) in zip(later, counts, products, plan.later, strict=True):
-        given = found[at : at + count]
-        at += count
-        if product is not None:
-            product.grad = given[0]
-            work.products.append(product)
+    for op_edges, own, (_, owned) in zip(edges_of, owns, plan.later, strict=True):
+        given = found[at : at + len(op_edges)]
+        at += len(op_edges)
+        if isinstance(own, Product):
+            own.grad = given[0]
+            work.products.append(own)
             continue
-        kept = [(GradientEdge(op, i), g) for i, g in enumerate(given) if g is not None]
+        if isinstance(own, list):
+            for (_, lookup), grad in zip(own, given, strict=True):
+                lookup.grad = grad
+                work.products.append(lookup)
+            continue
+        kept = [(edge, g) for edge, g in zip(op_edges, given, strict=True) if g is not None]
         if kept:
             mine = tuple(params[p] for p in owned)
             work.groups.append((tuple(e for e, _ in kept), tuple(g for _, g in kept), mine))
@@ -202,7 +233,7 @@ def weight_backward(work: WeightWork) -> None:
     grads: list[torch.Tensor | None] = []
     for product in work.products:
         params += product.params
-        grads += product_grads(product)
+        grads += own_grads(product)
     _accumulate(params, grads)
     for group in work.groups:
         _backward(*group)
@@ -257,6 +288,51 @@ def product_grads(product: Product) -> list[torch.Tensor | None]:
     if product.bias is not None:
         found[id(product.bias)] = grad.sum([0], keepdim=True).view(product.bias.shape)
     return [found[id(p)] for p in product.params]
+
+
+def _lookups(op: Node, params: list[torch.Tensor]) -> list[tuple[Node, Lookup]] | None:
+    """`op`'s parameters as embedding lookups, each straight over its weight's
+    accumulator (a token and a position embedding summed, say), each with its node (B
+    takes its output gradient there) and what W reads; None unless every parameter of
+    `op` is the weight of one such dense lookup, in a real floating type, a plain
+    tensor."""
+    found = []
+    for node, _ in op.next_functions:
+        if node is None or type(node) is not _EMBEDDING:
+            continue
+        leaf = node.next_functions[0][0]
+        if leaf is None or type(leaf) is not _ACCUMULATOR or node._saved_sparse:  # type: ignore[attr-defined]
+            return None
+        padding: int = node._saved_padding_idx  # type: ignore[attr-defined]
+        if padding >= 1 << 63:  # a negative index (none: -1) reads back as unsigned
+            padding -= 1 << 64
+        lookup = Lookup(
+            node._saved_indices,  # type: ignore[attr-defined]
+            None,
+            leaf.variable,  # type: ignore[attr-defined]
+            padding,
+            node._saved_scale_grad_by_freq,  # type: ignore[attr-defined]
+        )
+        found.append((node, lookup))
+    weights = [lookup.weight for _, lookup in found]
+    if sorted(map(id, weights)) != sorted(map(id, params)) or has_torch_function(weights):
+        return None
+    return found if all(w.dtype.is_floating_point for w in weights) else None
+
+
+def own_grads(own: Product | Lookup) -> list[torch.Tensor | None]:
+    """The gradients of a product's or a lookup's parameters, in `own.params`' order:
+    `product_grads`, or autograd's backward of an embedding (`embedding_backward`, the
+    same kernel, so bitwise the same)."""
+    if isinstance(own, Product):
+        return product_grads(own)
+    if own.grad is None:
+        return [None]
+    rows = own.weight.shape[0]
+    grad = torch.ops.aten.embedding_backward(
+        own.grad, own.indices, rows, own.padding_idx, own.scale_grad_by_freq, False
+    )
+    return [grad]
 
 
 _run_backward: Callable[..., object] | None = getattr(
@@ -430,10 +506,11 @@ def _leaf(accumulator: Node) -> int:
     return id(leaf)
 
 
-def _node_types() -> tuple[type, type, type, type]:
+def _node_types() -> tuple[type, type, type, type, type]:
     """The node types of a linear layer's product, folded to two dimensions: `addmm`
-    (with a bias), `mm` (without), the weight's transpose below either; and a leaf's
-    gradient accumulator (the node that adds into `.grad`), read off a sample graph."""
+    (with a bias), `mm` (without), the weight's transpose below either; a leaf's
+    gradient accumulator (the node that adds into `.grad`); and an embedding's lookup,
+    read off a sample graph."""
     weight = torch.zeros(2, 2, requires_grad=True)
     x = torch.zeros(1, 2)
     addmm = torch.addmm(torch.zeros(2), x, weight.t()).grad_fn
@@ -441,10 +518,12 @@ def _node_types() -> tuple[type, type, type, type]:
     assert addmm is not None and mm is not None
     transpose = mm.next_functions[1][0]
     assert transpose is not None and transpose.next_functions[0][0] is not None
-    return type(addmm), type(mm), type(transpose), type(transpose.next_functions[0][0])
+    lookup = torch.nn.functional.embedding(torch.zeros(1, dtype=torch.long), weight).grad_fn
+    accumulator = type(transpose.next_functions[0][0])
+    return type(addmm), type(mm), type(transpose), accumulator, type(lookup)
 
 
-_ADDMM, _MM, _TRANSPOSE, _ACCUMULATOR = _node_types()
+_ADDMM, _MM, _TRANSPOSE, _ACCUMULATOR, _EMBEDDING = _node_types()
 """Read as this module loads, before any dispatch mode is on: read on first use, the
 sample's products ran inside whatever mode was on then (a FLOP counter counted 16
 FLOPs more for the first B of a process: tests/test_planner_split_w.py)."""

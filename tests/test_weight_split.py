@@ -23,7 +23,12 @@ from pipelang.backends.local import run_local
 from pipelang.backends.measure import activation_peaks, stage_activation_bytes
 from pipelang.backends.models import ModelSpec, plan_stages
 from pipelang.backends.stash import ReleasedError, Stash
-from pipelang.backends.weight_split import split_backward, weight_backward, weight_pass
+from pipelang.backends.weight_split import (
+    Product,
+    split_backward,
+    weight_backward,
+    weight_pass,
+)
 from pipelang.ir import Action, CostModel, Kind
 from pipelang.ir.program import whole_backwards
 from tests.helpers import replay, run, stdlib
@@ -98,10 +103,11 @@ def test_w_reads_every_tensor_b_kept_and_gets_the_whole_backwards_gradients(mode
         assert 0 < len(kept) < len(entry.tensors)
         entry.reads = set()
         weight_backward(work)  # type: ignore[arg-type]
-        # W reads a linear layer's input from what B kept (`Product.x`), any other
-        # op's saved values through the stash
+        # W reads a linear layer's input and an embedding's indices from what B kept
+        # (`Product.x`, `Lookup.indices`), any other op's saved values through the stash
         read = {_where(t) for t in [entry.tensors[i] for i in entry.reads]}
-        read |= {_where(p.x) for p in work.products}  # type: ignore[attr-defined]
+        own = work.products  # type: ignore[attr-defined]
+        read |= {_where(p.x if isinstance(p, Product) else p.indices) for p in own}
         assert {_where(entry.tensors[i]) for i in kept} == read, (
             f"stage {index} keeps tensors its W does not read"
         )
@@ -454,3 +460,42 @@ def test_a_linear_layers_w_is_computed_as_autograd_computes_it(
         assert ours.grad is not None and ours.grad.dtype == dtype
         assert torch.equal(ours.grad, theirs.grad)  # type: ignore[arg-type]
         assert torch.equal(ours.grad, one.grad)  # type: ignore[arg-type]
+
+
+class Lookups(nn.Module):
+    """A token embedding (with a padding row) and a position embedding (scaled by
+    frequency) summed, as a transformer's first stage begins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(11, 6, padding_idx=3)
+        self.places = nn.Embedding(5, 6, scale_grad_by_freq=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.places(torch.arange(ids.shape[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_embeddings_w_is_computed_as_autograd_computes_it(dtype: torch.dtype) -> None:
+    """W computes the lookups' weight gradients itself (`Lookup`: autograd's own
+    embedding backward, from the indices and the output gradient B took at each lookup),
+    so a first stage's B lets its graph go too; bit for bit one backward's, the padding
+    row untouched and repeated ids counted, over two micro-batches adding up."""
+    torch.manual_seed(0)
+    stage = Lookups().to(dtype)
+    twin = copy.deepcopy(stage)
+    params = list(stage.parameters())
+    for _ in range(2):
+        ids = torch.randint(0, 11, (3, 5))
+        ids[0, :2] = 3  # the padding row, twice
+        y = stage(ids)
+        grad = torch.randn_like(y)
+        _, work = split_backward([y], [grad], [], params, None, unfiled=True)
+        assert work is not None and not work.groups
+        assert [type(own).__name__ for own in work.products] == ["Lookup", "Lookup"]
+        weight_backward(work)
+        twin(ids).backward(grad)
+    for ours, theirs in zip(stage.parameters(), twin.parameters(), strict=True):
+        assert ours.grad is not None and torch.equal(ours.grad, theirs.grad)  # type: ignore[arg-type]
+    assert stage.tokens.weight.grad is not None
+    assert not stage.tokens.weight.grad[3].any()
