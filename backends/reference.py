@@ -202,6 +202,14 @@ class _Grouping:
                 for order, adds in ((m.units, b_adds), (m.late, w_adds)):
                     if adds:
                         self.lanes.append((stage, index, order, adds))
+        self.uses: dict[tuple[Unit, int], int] = {}
+        """How many lanes add each (backward, parameter's id) gradient: one alone may
+        keep the backward's tensor as its sum, no copy (`_add`)."""
+        for _, _, todo, adds in self.lanes:
+            for unit in todo:
+                for param in adds:
+                    key = (unit, id(param))
+                    self.uses[key] = self.uses.get(key, 0) + 1
         head = sums.stages[min(sums.stages)][0]
         lead = dict.fromkeys(mb for mb, _ in head.late or head.units)
         place = {mb: i for i, mb in enumerate(lead)}
@@ -254,8 +262,10 @@ class _Grouping:
                 while done[lane] < len(todo) and todo[done[lane]] in pending:
                     grads = pending[todo[done[lane]]]
                     part = parts.setdefault((stage, index), {})
+                    unit_done = todo[done[lane]]
                     for param in adds:
-                        _add(part, id(param), grads[id(param)])
+                        alone = self.uses[(unit_done, id(param))] == 1
+                        _add(part, id(param), grads[id(param)], alone)
                     done[lane] += 1
             pending = self._still_needed(pending, done)
         return parts
@@ -294,10 +304,17 @@ class _Grouping:
         return total
 
 
-def _add(part: dict[int, torch.Tensor], k: int, grad: torch.Tensor | None) -> None:
-    """Add `grad` to `part[k]` as autograd accumulates a gradient."""
+def _add(
+    part: dict[int, torch.Tensor], k: int, grad: torch.Tensor | None, alone: bool = False
+) -> None:
+    """Add `grad` to `part[k]` as autograd accumulates a gradient; the first is kept as
+    the sum itself where no other lane reads it (`alone`: a backward's new tensor, the
+    rest added into it in place), else copied."""
     if grad is not None:
-        part[k] = grad.clone() if k not in part else part[k].add_(grad)
+        if k in part:
+            part[k].add_(grad)
+        else:
+            part[k] = grad if alone else grad.clone()
 
 
 @dataclass(frozen=True, slots=True)

@@ -303,7 +303,7 @@ def test_sharded_ranks_each_hold_an_eighth_of_a_model_no_rank_could_build_whole(
     argv = ["run", "1f1b", "-p", "D=4", "-p", "N=1", "--model", "big.py:big", "--init", "layers"]
     small = ["--micro-batch-size", "1", "--seq-len", "4", "--optimizer", "sgd", "--steps", "2"]
     shard = ["--dp", "2", "--shard", "--check", "--backend", "gloo", "--log", str(log)]
-    proc = pipelang_cmd(*argv, *small, *shard, cwd=tmp_path)
+    proc = pipelang_cmd(*argv, *small, *shard, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "check OK: 30 parameter tensors" in proc.stdout
     assert "(bitwise equal)" in proc.stdout
