@@ -405,7 +405,7 @@ def compare(
                 count += 1
                 if torch.equal(tensor, reference.weights[name]):  # the common case, cheaply
                     # within any tolerance; inf - inf, NaN, counts as an infinite difference
-                    largest = 0.0 if bool(tensor.isfinite().all()) else math.inf
+                    largest = 0.0 if _finite(tensor) else math.inf
                 else:
                     bitwise = False
                     expected = reference.weights[name].double()
@@ -435,6 +435,12 @@ def compare(
         config.first_step,
         pairs,
     )
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of `tensor` is finite: its sum is, unless it overflowed
+    (one pass, no tensor of flags), else each is checked."""
+    return math.isfinite(float(tensor.sum())) or bool(tensor.isfinite().all())
 
 
 def first_difference(

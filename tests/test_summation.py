@@ -380,6 +380,7 @@ def test_a_bitwise_check_reports_no_first_difference() -> None:
         (torch.empty(0), torch.empty(0), True, True, 0.0),  # no elements: nothing differs
         (torch.tensor([1.5, -0.0]), torch.tensor([1.5, 0.0]), True, True, 0.0),
         (torch.tensor([math.inf]), torch.tensor([math.inf]), True, True, math.inf),
+        (torch.tensor([3e38, 3e38]), torch.tensor([3e38, 3e38]), True, True, 0.0),  # sum: inf
         (torch.tensor([math.nan]), torch.tensor([math.nan]), False, False, math.inf),
         (torch.tensor([1.0 + 2**-20]), torch.tensor([1.0]), True, False, 2**-20),
     ],
