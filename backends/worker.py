@@ -262,7 +262,9 @@ def worker_main(job: Job, status: MutableSequence[int], queue: Any) -> None:
         result = runtime.result(job.config.check)
         result.stopped_after = stopped
         status[slot] = PHASE_DONE
-        queue.put(("done", job.rank, _to_bytes(result)))
+        data = _to_bytes(result)
+        del result  # --check's whole weights, in `data` now: not held beside its pickle
+        queue.put(("done", job.rank, data))
         runtime.close()  # a captured graph goes before the process groups it uses
         dist.destroy_process_group()
     except BaseException as err:
