@@ -80,7 +80,7 @@ def shard_copies(runtime: RankRuntime) -> None:
         )
         module.set_gradient_divide_factor(1.0)  # a sum: the loss is scaled already
         module.set_force_sum_reduction_for_comms(True)  # SUM, which gloo has
-        if _is_gloo(mesh.get_group()):
+        if mesh.device_type == "cpu":  # gloo's processes (nccl's are on GPUs)
             module.set_custom_reduce_scatter(_in_place_reduce_scatter())
         sharded = _sharded(copy)
         copy.params = [_local(p) for p in sharded]
@@ -102,12 +102,6 @@ def _dp_mesh(runtime: RankRuntime, ranks: list[int]) -> DeviceMesh | None:
     if sorted(mesh.mesh.flatten().tolist()) != sorted(ranks):
         raise InternalError(f"the reduce group {ranks} is not the mesh's dp slice")
     return mesh
-
-
-def _is_gloo(group: Any) -> bool:
-    import torch.distributed as dist
-
-    return dist.get_backend(group) == "gloo"
 
 
 def _in_place_reduce_scatter() -> Any:

@@ -104,7 +104,10 @@ other = PipelineSchedule(prog, lambda s: build(s, model.wider), loss_fn)
 try:  # another model: rank 0's stage has its entries under other shapes, rank 1's too
     other.load(save)
 except pipelang.PipelangError as err:
-    print(f"rank {dist.get_rank()}: {err.diagnostics[0].message}", flush=True)
+    # one write per line: unbuffered (PYTHONUNBUFFERED), print writes the text and its
+    # newline apart, and the other rank's line can land between them
+    sys.stdout.write(f"rank {dist.get_rank()}: {err.diagnostics[0].message}\n")
+    sys.stdout.flush()
 dist.destroy_process_group()
 """
 
