@@ -106,7 +106,7 @@ try:  # another model: rank 0's stage has its entries under other shapes, rank 1
 except pipelang.PipelangError as err:
     # one write per line: unbuffered (PYTHONUNBUFFERED), print writes the text and its
     # newline apart, and the other rank's line can land between them
-    sys.stdout.write(f"rank {dist.get_rank()}: {err.diagnostics[0].message}\n")
+    sys.stdout.write(f"rank {dist.get_rank()}: {err.diagnostics[0].message}\\n")
     sys.stdout.flush()
 dist.destroy_process_group()
 """
