@@ -20,13 +20,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests marked slow first (each file's in its order): under `-n 2` both workers
-    take the long multi-process runs early and the quick tests fill the end, instead of
-    one worker finishing a long run alone while the other waits."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture
 def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))
