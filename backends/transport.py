@@ -240,9 +240,9 @@ class DistTransport:
         weights), in `summation.tree_sum`'s order."""
         if self.world > 2:
             exchange_sum(value, range(self.world), self.me, None)
-        else:
-            with settled(value):
-                dist.all_reduce(value)
+        else:  # no `settled`: a rank ends by os._exit (multiprocessing, or the CLI's
+            # `leave` under torchrun), never in the finalization where that race lives
+            dist.all_reduce(value)
         return value
 
     def end_step(self) -> None:
